@@ -1,0 +1,1 @@
+"""Composable sharded modules for recommender models."""

@@ -1,0 +1,349 @@
+"""The plan: where every table of every EmbeddingBagCollection lives.
+
+A plan is plain data. `planners` computes one, `modular.shard` applies one, and the two meet only
+here. Everything in this file is pure Python: it imports neither torch nor torch.distributed.
+
+    plan = ShardingPlan(world_size=2, modules={
+        "sparse.ebc": {
+            "t_user": TablePlacement(ShardingType.ROW_WISE, ranks=(0, 1)),
+            "t_item": TablePlacement(ShardingType.TABLE_WISE, ranks=(1,)),
+            "t_cat": TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 1)),
+            "t_ctx": TablePlacement(ShardingType.DATA_PARALLEL),
+        }})
+
+Shard boundaries are derived from the table's shape when a placement does not give them
+(`TablePlacement.shards`), so a plan can be written before the tables exist.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import types
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "PlanError",
+    "ShardSpec",
+    "ShardingPlan",
+    "ShardingType",
+    "TablePlacement",
+    "even_split",
+]
+
+_FORMAT_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied: the message names the module, table or rank and the fix."""
+
+
+class ShardingType(enum.Enum):
+    """How one table is laid out over ranks."""
+
+    DATA_PARALLEL = "data_parallel"  # a full replica on every rank; gradients all-reduced
+    TABLE_WISE = "table_wise"  # the whole table on one rank
+    ROW_WISE = "row_wise"  # rows split over ranks; partial sums reduced
+    COLUMN_WISE = "column_wise"  # columns split over ranks; outputs concatenated
+    TABLE_ROW_WISE = "table_row_wise"  # rows split over the ranks of one host
+
+    @classmethod
+    def parse(cls, value: str | ShardingType) -> ShardingType:
+        """Accepts a member, its value ("row_wise") or its name ("ROW_WISE")."""
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip()
+        for member in cls:
+            if text.lower() in (member.value, member.name.lower()):
+                return member
+        choices = ", ".join(m.value for m in cls)
+        raise PlanError(f"unknown sharding type {value!r}; expected one of: {choices}")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard of a table: a block of rows x columns that lives on one rank."""
+
+    rank: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+
+    @property
+    def offsets(self) -> tuple[int, int]:
+        return (self.row_offset, self.col_offset)
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return (self.num_rows, self.num_cols)
+
+
+def even_split(total: int, parts: int) -> tuple[int, ...]:
+    """Splits `total` into `parts` sizes as evenly as possible, larger ones first: 10/3 -> 4, 3, 3."""
+    if parts <= 0:
+        raise PlanError(f"cannot split {total} into {parts} parts")
+    base, extra = divmod(total, parts)
+    return tuple(base + 1 if i < extra else base for i in range(parts))
+
+
+def _as_int_tuple(values: Any, what: str) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise PlanError(f"{what} must be a sequence of integers, got {values!r}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise PlanError(f"{what} must be a sequence of integers, got {values!r}")
+        out.append(v)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """Where one table goes.
+
+    `ranks` lists the rank of each shard, in shard order. DATA_PARALLEL takes no ranks (it lives
+    everywhere); TABLE_WISE takes exactly one; ROW_WISE and COLUMN_WISE default to all ranks when
+    `ranks` is empty; TABLE_ROW_WISE needs ranks of one host. `sizes` optionally fixes the shard
+    boundaries: rows per shard for ROW_WISE / TABLE_ROW_WISE, columns per shard for COLUMN_WISE.
+    """
+
+    sharding_type: ShardingType
+    ranks: tuple[int, ...] = ()
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sharding_type", ShardingType.parse(self.sharding_type))
+        object.__setattr__(self, "ranks", _as_int_tuple(self.ranks, "ranks"))
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", _as_int_tuple(self.sizes, "sizes"))
+        kind = self.sharding_type
+        if any(r < 0 for r in self.ranks):
+            raise PlanError(f"{kind.value} placement has a negative rank in {self.ranks}")
+        if kind is ShardingType.DATA_PARALLEL and self.ranks:
+            raise PlanError(
+                f"data_parallel tables are replicated on every rank; drop ranks={self.ranks}"
+            )
+        if kind is ShardingType.TABLE_WISE and len(self.ranks) != 1:
+            raise PlanError(
+                f"table_wise placement needs exactly one rank, got ranks={self.ranks}"
+            )
+        if kind is ShardingType.TABLE_ROW_WISE and not self.ranks:
+            raise PlanError("table_row_wise placement needs the ranks of one host, got none")
+        if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) and len(
+            set(self.ranks)
+        ) != len(self.ranks):
+            raise PlanError(f"{kind.value} placement lists a rank twice: ranks={self.ranks}")
+        if self.sizes is not None:
+            if kind in (ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE):
+                raise PlanError(f"{kind.value} placement takes no shard sizes, got {self.sizes}")
+            if len(self.sizes) != len(self.ranks):
+                raise PlanError(
+                    f"{kind.value} placement has {len(self.sizes)} shard sizes {self.sizes} "
+                    f"for {len(self.ranks)} ranks {self.ranks}; give one size per rank"
+                )
+            if any(s <= 0 for s in self.sizes):
+                raise PlanError(f"{kind.value} shard sizes must be positive, got {self.sizes}")
+
+    def shard_ranks(self, world_size: int) -> tuple[int, ...]:
+        """The rank of each shard (all ranks for data-parallel and for empty RW/CW `ranks`)."""
+        if self.ranks:
+            return self.ranks
+        return tuple(range(world_size))
+
+    def shards(
+        self, *, num_embeddings: int, embedding_dim: int, world_size: int, table: str = "table"
+    ) -> tuple[ShardSpec, ...]:
+        """The concrete shards of a `num_embeddings` x `embedding_dim` table under this placement.
+
+        Data-parallel placements return one full replica per rank.
+        """
+        kind = self.sharding_type
+        ranks = self.shard_ranks(world_size)
+        bad = [r for r in ranks if r >= world_size]
+        if bad:
+            raise PlanError(
+                f"table {table!r} is placed on rank {bad[0]} but the world size is {world_size}; "
+                f"use ranks in [0, {world_size - 1}]"
+            )
+        if kind in (ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE):
+            return tuple(ShardSpec(r, 0, num_embeddings, 0, embedding_dim) for r in ranks)
+        along_rows = kind is not ShardingType.COLUMN_WISE
+        total = num_embeddings if along_rows else embedding_dim
+        axis = "rows" if along_rows else "columns"
+        if self.sizes is None:
+            if total < len(ranks):
+                raise PlanError(
+                    f"table {table!r} has {total} {axis} but is {kind.value} over "
+                    f"{len(ranks)} ranks {ranks}; use at most {total} ranks"
+                )
+            sizes = even_split(total, len(ranks))
+        else:
+            sizes = self.sizes
+            if sum(sizes) != total:
+                raise PlanError(
+                    f"{kind.value} shards of {table!r} ({total:_} {axis}) over ranks {ranks} "
+                    f"must sum to {total:_}, got {' + '.join(map(str, sizes))} = {sum(sizes):_}"
+                )
+        out, offset = [], 0
+        for rank, size in zip(ranks, sizes):
+            if along_rows:
+                out.append(ShardSpec(rank, offset, size, 0, embedding_dim))
+            else:
+                out.append(ShardSpec(rank, 0, num_embeddings, offset, size))
+            offset += size
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sharding_type": self.sharding_type.value, "ranks": list(self.ranks)}
+        if self.sizes is not None:
+            out["sizes"] = list(self.sizes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TablePlacement:
+        if not isinstance(data, Mapping) or "sharding_type" not in data:
+            raise PlanError(f"a table placement needs a 'sharding_type', got {data!r}")
+        unknown = set(data) - {"sharding_type", "ranks", "sizes"}
+        if unknown:
+            raise PlanError(f"unknown fields {sorted(unknown)} in table placement {dict(data)!r}")
+        sizes = data.get("sizes")
+        return cls(
+            ShardingType.parse(data["sharding_type"]),
+            ranks=tuple(data.get("ranks", ())),
+            sizes=None if sizes is None else tuple(sizes),
+        )
+
+
+def _freeze_modules(
+    modules: Mapping[str, Mapping[str, TablePlacement]],
+) -> Mapping[str, Mapping[str, TablePlacement]]:
+    if not isinstance(modules, Mapping):
+        raise PlanError(f"plan modules must map module FQN -> {{table: placement}}, got {modules!r}")
+    frozen = {}
+    for fqn, tables in modules.items():
+        if not isinstance(fqn, str):
+            raise PlanError(f"module FQNs must be strings, got {fqn!r}")
+        if not isinstance(tables, Mapping):
+            raise PlanError(f"module {fqn!r} must map table name -> TablePlacement, got {tables!r}")
+        for name, placement in tables.items():
+            if not isinstance(placement, TablePlacement):
+                raise PlanError(
+                    f"table {name!r} of module {fqn!r} must be a TablePlacement, "
+                    f"got {type(placement).__name__}"
+                )
+        frozen[fqn] = types.MappingProxyType(dict(tables))
+    return types.MappingProxyType(frozen)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Placements for the tables of each EmbeddingBagCollection, keyed by the EBC's FQN.
+
+    `modules` maps an EBC's fully-qualified name in the model ("" for the model itself) to a
+    mapping of table name -> `TablePlacement`. `ranks_per_host` is the host size used by
+    TABLE_ROW_WISE placements; when None, `modular.shard` uses the local world size.
+    """
+
+    world_size: int
+    modules: Mapping[str, Mapping[str, TablePlacement]] = field(default_factory=dict)
+    ranks_per_host: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or (
+            self.world_size < 1
+        ):
+            raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if self.ranks_per_host is not None and (
+            not isinstance(self.ranks_per_host, int) or self.ranks_per_host < 1
+        ):
+            raise PlanError(f"ranks_per_host must be a positive integer, got {self.ranks_per_host!r}")
+        object.__setattr__(self, "modules", _freeze_modules(self.modules))
+        for fqn, tables in self.modules.items():
+            for name, placement in tables.items():
+                self._check_ranks(fqn, name, placement)
+
+    def _check_ranks(self, fqn: str, table: str, placement: TablePlacement) -> None:
+        where = f"table {table!r} of module {fqn!r}"
+        for r in placement.ranks:
+            if r >= self.world_size:
+                raise PlanError(
+                    f"{where} is placed on rank {r} but the plan's world size is "
+                    f"{self.world_size}; use ranks in [0, {self.world_size - 1}]"
+                )
+        if placement.sharding_type is ShardingType.TABLE_ROW_WISE and self.ranks_per_host:
+            check_one_host(placement.ranks, self.ranks_per_host, where)
+
+    def placement(self, module_fqn: str, table: str) -> TablePlacement:
+        try:
+            return self.modules[module_fqn][table]
+        except KeyError:
+            raise PlanError(f"the plan has no placement for table {table!r} of {module_fqn!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT_VERSION,
+            "world_size": self.world_size,
+            "ranks_per_host": self.ranks_per_host,
+            "modules": {
+                fqn: {name: p.to_dict() for name, p in tables.items()}
+                for fqn, tables in self.modules.items()
+            },
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
+        if not isinstance(data, Mapping) or "world_size" not in data:
+            raise PlanError("a plan needs 'world_size' and 'modules'")
+        version = data.get("format", _FORMAT_VERSION)
+        if version != _FORMAT_VERSION:
+            raise PlanError(f"plan format {version!r} is not supported (expected {_FORMAT_VERSION})")
+        modules = data.get("modules", {})
+        if not isinstance(modules, Mapping):
+            raise PlanError(f"plan 'modules' must be an object, got {type(modules).__name__}")
+        parsed = {}
+        for fqn, tables in modules.items():
+            if not isinstance(tables, Mapping):
+                raise PlanError(f"module {fqn!r} must map table name -> placement")
+            parsed[fqn] = {name: TablePlacement.from_dict(p) for name, p in tables.items()}
+        return cls(
+            world_size=data["world_size"],
+            modules=parsed,
+            ranks_per_host=data.get("ranks_per_host"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def digest(self) -> str:
+        """A stable hash of the plan, equal on every rank that holds the same plan."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardingPlan):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+
+def check_one_host(ranks: tuple[int, ...], ranks_per_host: int, where: str) -> None:
+    """Raises unless every rank in `ranks` is on the same host."""
+    hosts = sorted({r // ranks_per_host for r in ranks})
+    if len(hosts) > 1:
+        raise PlanError(
+            f"{where} is table_row_wise over ranks {ranks}, which span hosts {hosts} "
+            f"({ranks_per_host} ranks per host); pick ranks of one host or use row_wise"
+        )

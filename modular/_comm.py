@@ -1,0 +1,97 @@
+"""Collectives as free functions over torch.distributed.
+
+Everything goes through `all_to_all_single` with explicit splits (gloo has no uneven
+`all_to_all`), on contiguous tensors, so the same code runs on gloo/CPU and NCCL/GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    *,
+    input_splits: list[int],
+    output_splits: list[int],
+    group: Optional[ProcessGroup],
+) -> torch.Tensor:
+    """all_to_all_single of a 1-D tensor with element splits (no autograd)."""
+    out = tensor.new_empty(sum(output_splits))
+    dist.all_to_all_single(
+        out, tensor.contiguous(), output_splits, input_splits, group=group
+    )
+    return out
+
+
+class _PooledAllToAll(torch.autograd.Function):
+    """Moves pooled embeddings; backward moves their gradients back, divided by the world size.
+
+    # Note [grad scaling across ranks]
+    Each rank's loss is computed on its own batch, and the global objective is their mean (the
+    convention of DDP and FSDP). A sharded table receives, through this function's backward, the
+    sum over ranks of d loss_r / d w, so the backward divides by the world size; data-parallel
+    tables get the same 1/W in their all-reduce hook (`modular.embedding_bag`).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        tensor: torch.Tensor,
+        input_splits: list[int],
+        output_splits: list[int],
+        group: Optional[ProcessGroup],
+        grad_scale: float,
+    ) -> torch.Tensor:
+        ctx.splits = (input_splits, output_splits)
+        ctx.group = group
+        ctx.grad_scale = grad_scale
+        ctx.shape = tensor.shape
+        return all_to_all(
+            tensor.reshape(-1), input_splits=input_splits, output_splits=output_splits, group=group
+        )
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        input_splits, output_splits = ctx.splits
+        out = all_to_all(
+            grad.contiguous(), input_splits=output_splits, output_splits=input_splits, group=ctx.group
+        )
+        if ctx.grad_scale != 1.0:
+            out.mul_(ctx.grad_scale)
+        return out.view(ctx.shape), None, None, None, None
+
+
+def pooled_all_to_all(
+    tensor: torch.Tensor,
+    *,
+    input_splits: list[int],
+    output_splits: list[int],
+    group: Optional[ProcessGroup],
+    grad_scale: float,
+) -> torch.Tensor:
+    """Differentiable all_to_all of a tensor flattened to 1-D; see Note [grad scaling across ranks]."""
+    return _PooledAllToAll.apply(tensor, input_splits, output_splits, group, grad_scale)
+
+
+def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup]) -> list[bytes]:
+    """Gathers a fixed-width byte string from every rank (one small collective)."""
+    if len(payload) != width:
+        raise ValueError(f"payload must be {width} bytes, got {len(payload)}")
+    world = dist.get_world_size(group)
+    device = _collective_device(group)
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    out = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(t.cpu().tolist()) for t in out]
+
+
+def _collective_device(group: Optional[ProcessGroup]) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

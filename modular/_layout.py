@@ -1,0 +1,236 @@
+"""Where every lookup of one sharded EmbeddingBagCollection happens: pure data, no collectives.
+
+# Note [routes]
+A *route* is one (output embedding, shard) pair: the ids of one feature that fall in one shard's
+rows, looked up on the shard's rank and pooled over the shard's columns. Every sharding type is a
+set of routes:
+
+    TABLE_WISE      1 route per output, the whole table on one rank
+    COLUMN_WISE     k routes per output, each over all rows and dim/k columns
+    ROW_WISE        k routes per output, each over rows/k rows (partial sums, added on arrival)
+    TABLE_ROW_WISE  ROW_WISE over the ranks of one host
+    DATA_PARALLEL   no route: every rank looks the table up locally (see `Layout.local`)
+
+One all-to-all moves the ids of all routes (ordered by destination rank), the kernels look them up
+for the whole global batch, and one all-to-all moves the pooled columns back. The columns a rank
+receives, in global route order, are added into the output at `Layout.output_columns` (adding is
+what makes row-wise partial sums whole; for the other types each column is written once).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from planners.types import ShardingType, ShardSpec, TablePlacement
+
+ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+
+class Pooling(enum.Enum):
+    SUM = "sum"
+    MEAN = "mean"
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """The facts about one table that sharding needs (read from a torchrec EmbeddingBagConfig)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    features: tuple[str, ...]
+    pooling: Pooling
+
+
+@dataclass(frozen=True)
+class Output:
+    """One pooled embedding of the EBC's output KeyedTensor."""
+
+    key: str
+    feature: str
+    table: str
+    dim: int
+    col: int  # first column in the output
+
+
+@dataclass(frozen=True)
+class Route:
+    """One (output, shard) lookup; see Note [routes]."""
+
+    output: int
+    feature: int  # index into Layout.features
+    table: str
+    shard: ShardSpec
+    shard_index: int  # index among the table's shards
+    pooling: Pooling  # the kernel's pooling (SUM for row-split MEAN tables, divided on arrival)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    tables: tuple[TableInfo, ...]
+    placements: tuple[TablePlacement, ...]  # aligned with tables
+    shards: tuple[tuple[ShardSpec, ...], ...]  # aligned with tables
+    features: tuple[str, ...]  # the KJT keys the EBC consumes, in first-use order
+    outputs: tuple[Output, ...]
+    routes: tuple[Route, ...]  # global, ordered by (destination rank, pooling, output, shard)
+    local: tuple[Route, ...]  # data-parallel lookups, done on every rank from its own batch
+
+    @property
+    def output_dim(self) -> int:
+        return sum(o.dim for o in self.outputs)
+
+    def table(self, name: str) -> TableInfo:
+        return self.tables[self.table_index(name)]
+
+    def table_index(self, name: str) -> int:
+        for i, t in enumerate(self.tables):
+            if t.name == name:
+                return i
+        raise KeyError(name)
+
+    def routes_to(self, rank: int) -> tuple[Route, ...]:
+        return tuple(r for r in self.routes if r.shard.rank == rank)
+
+    def routes_per_rank(self) -> list[int]:
+        counts = [0] * self.world_size
+        for r in self.routes:
+            counts[r.shard.rank] += 1
+        return counts
+
+    def dims_per_rank(self) -> list[int]:
+        dims = [0] * self.world_size
+        for r in self.routes:
+            dims[r.shard.rank] += r.shard.num_cols
+        return dims
+
+    def output_columns(self) -> list[int]:
+        """For each column that arrives (all ranks' routes in order, then local ones), its output column."""
+        cols: list[int] = []
+        for r in (*self.routes, *self.local):
+            start = self.outputs[r.output].col + r.shard.col_offset
+            cols.extend(range(start, start + r.shard.num_cols))
+        return cols
+
+    def mean_outputs(self) -> tuple[int, ...]:
+        """Outputs whose kernel sums partial rows and whose mean is taken after arrival."""
+        out = []
+        for i, o in enumerate(self.outputs):
+            t = self.table_index(o.table)
+            if self.tables[t].pooling is Pooling.MEAN and self.placements[t].sharding_type in ROW_SPLIT:
+                out.append(i)
+        return tuple(out)
+
+
+def output_keys(tables: tuple[TableInfo, ...]) -> list[tuple[str, str, str]]:
+    """(key, feature, table) of each output, in torchrec's order and naming (feature@table if shared)."""
+    uses: dict[str, int] = {}
+    for t in tables:
+        for f in t.features:
+            uses[f] = uses.get(f, 0) + 1
+    out = []
+    for t in tables:
+        for f in t.features:
+            out.append((f if uses[f] == 1 else f"{f}@{t.name}", f, t.name))
+    return out
+
+
+def build_layout(
+    tables: tuple[TableInfo, ...],
+    placements: tuple[TablePlacement, ...],
+    shards: tuple[tuple[ShardSpec, ...], ...],
+    *,
+    world_size: int,
+    rank: int,
+) -> Layout:
+    """Derives the routes of one EBC from its tables and their (already validated) shards."""
+    features: list[str] = []
+    for t in tables:
+        for f in t.features:
+            if f not in features:
+                features.append(f)
+    outputs, col = [], 0
+    by_name = {t.name: i for i, t in enumerate(tables)}
+    for key, feature, table in output_keys(tables):
+        dim = tables[by_name[table]].embedding_dim
+        outputs.append(Output(key=key, feature=feature, table=table, dim=dim, col=col))
+        col += dim
+    routes, local = [], []
+    for i, o in enumerate(outputs):
+        t = by_name[o.table]
+        kind = placements[t].sharding_type
+        pooling = tables[t].pooling
+        if kind in ROW_SPLIT:
+            pooling = Pooling.SUM
+        for j, spec in enumerate(shards[t]):
+            route = Route(
+                output=i,
+                feature=features.index(o.feature),
+                table=o.table,
+                shard=spec,
+                shard_index=j,
+                pooling=pooling,
+            )
+            if kind is ShardingType.DATA_PARALLEL:
+                if spec.rank == rank:
+                    local.append(route)
+            else:
+                routes.append(route)
+    pooling_order = {p: k for k, p in enumerate(Pooling)}
+    routes.sort(key=lambda r: (r.shard.rank, pooling_order[r.pooling], r.output, r.shard_index))
+    local.sort(key=lambda r: (pooling_order[r.pooling], r.output))
+    return Layout(
+        world_size=world_size,
+        rank=rank,
+        tables=tables,
+        placements=placements,
+        shards=shards,
+        features=tuple(features),
+        outputs=tuple(outputs),
+        routes=tuple(routes),
+        local=tuple(local),
+    )
+
+
+@dataclass(frozen=True)
+class KernelGroup:
+    """Consecutive routes of one rank that one table-batched kernel looks up together."""
+
+    pooling: Pooling
+    routes: tuple[Route, ...]
+    shards: tuple[tuple[str, int], ...]  # (table, shard_index) of each kernel table, first-use order
+    feature_table_map: tuple[int, ...]  # for each route, its kernel table
+
+    @property
+    def dim(self) -> int:
+        return sum(r.shard.num_cols for r in self.routes)
+
+
+def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
+    """Splits a rank's routes (already ordered by pooling) into one group per pooling mode."""
+    groups = []
+    start = 0
+    while start < len(routes):
+        end = start
+        while end < len(routes) and routes[end].pooling is routes[start].pooling:
+            end += 1
+        members = routes[start:end]
+        shards: list[tuple[str, int]] = []
+        ftm = []
+        for r in members:
+            key = (r.table, r.shard_index)
+            if key not in shards:
+                shards.append(key)
+            ftm.append(shards.index(key))
+        groups.append(
+            KernelGroup(
+                pooling=routes[start].pooling,
+                routes=members,
+                shards=tuple(shards),
+                feature_table_map=tuple(ftm),
+            )
+        )
+        start = end
+    return tuple(groups)

@@ -1,0 +1,443 @@
+"""The sharded EmbeddingBagCollection: input dist -> lookup -> output dist.
+
+A `ShardedEmbeddingBagCollection` replaces a torchrec `EmbeddingBagCollection` in place. It keeps
+the unsharded module's parameter names (`embedding_bags.<table>.weight`): sharded tables are
+`ShardedTensor`s whose local shards alias the lookup kernels' buffers, data-parallel tables are
+plain replicated parameters that all-reduce their own gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagCollectionInterface,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from modular._comm import all_to_all, pooled_all_to_all
+from modular._input import InputError, Problem, Rejection, Router, _permute
+from modular._kernels import DenseKernel, ShardView
+from modular._layout import KernelGroup, Layout, Pooling, TableInfo, build_layout, kernel_groups
+from planners.types import ShardingType, ShardSpec, TablePlacement
+
+__all__ = ["ShardedEmbeddingBagCollection", "ShardedTable", "table_infos"]
+
+
+class ShardingError(ValueError):
+    """A plan that does not fit the model or the process group; names the module, table or rank."""
+
+
+def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ...]:
+    """Reads the tables of a torchrec EBC, rejecting what sharding does not support."""
+    infos = []
+    for cfg in ebc.embedding_bag_configs():
+        if cfg.data_type != DataType.FP32:
+            raise ShardingError(
+                f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
+                "only FP32 tables can be sharded"
+            )
+        if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ShardingError(
+                f"table {cfg.name!r} of module {module!r} has pooling {cfg.pooling.name}; "
+                "only SUM and MEAN are supported"
+            )
+        infos.append(
+            TableInfo(
+                name=cfg.name,
+                num_embeddings=cfg.num_embeddings,
+                embedding_dim=cfg.embedding_dim,
+                features=tuple(cfg.feature_names),
+                pooling=Pooling.SUM if cfg.pooling == PoolingType.SUM else Pooling.MEAN,
+            )
+        )
+    return tuple(infos)
+
+
+class ShardedTable(nn.Module):
+    """Holds one table's `weight` under the unsharded name (a ShardedTensor, or a replica)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        # register_parameter rejects a ShardedTensor; the dict accepts it.
+        self._parameters["weight"] = weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._parameters["weight"]
+
+    def extra_repr(self) -> str:
+        w = self._parameters["weight"]
+        kind = "sharded" if isinstance(w, ShardedTensor) else "replicated"
+        return f"{kind}, size={tuple(w.size())}"
+
+
+class Received(NamedTuple):
+    """What input dist hands to lookup."""
+
+    batch_size: int
+    lengths: torch.Tensor  # (routes on this rank, world * batch_size), route-major
+    values: torch.Tensor
+    weights: Optional[torch.Tensor]
+    local: Optional[KeyedJaggedTensor]  # this rank's own batch for data-parallel tables
+    local_lengths: torch.Tensor  # (features, batch_size), for MEAN over row-split tables
+
+
+class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """A torchrec EmbeddingBagCollection whose tables are spread over a process group.
+
+    Built by `modular.shard`; `forward(kjt)` returns the same KeyedTensor as the unsharded EBC on
+    this rank's batch. Gradients follow Note [grad scaling across ranks].
+    """
+
+    def __init__(
+        self,
+        ebc: EmbeddingBagCollection,
+        placements: dict[str, TablePlacement],
+        shards: dict[str, tuple[ShardSpec, ...]],
+        *,
+        module: str,
+        process_group: Optional[ProcessGroup],
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        tables = table_infos(ebc, module)
+        self._module_fqn = module
+        self._pg = process_group
+        self._world = dist.get_world_size(process_group)
+        self._rank = dist.get_rank(process_group)
+        self._device = device
+        self._is_weighted = ebc.is_weighted()
+        self._configs = ebc.embedding_bag_configs()
+        self.layout: Layout = build_layout(
+            tables,
+            tuple(placements[t.name] for t in tables),
+            tuple(shards[t.name] for t in tables),
+            world_size=self._world,
+            rank=self._rank,
+        )
+        self._router = Router(
+            self.layout, module=module, is_weighted=self._is_weighted, device=device
+        )
+        my_routes = self.layout.routes_to(self._rank)
+        self._groups = kernel_groups(my_routes)
+        self._local_groups = kernel_groups(self.layout.local)
+        self._kernels = [self._make_kernel(g) for g in self._groups]
+        self._local_kernels = [self._make_kernel(g) for g in self._local_groups]
+        self._group_route_ranges = _ranges([len(g.routes) for g in self._groups])
+        self._local_features = torch.tensor(
+            [r.feature for r in self.layout.local], dtype=torch.int32, device=device
+        )
+        self._recv_dims = self.layout.dims_per_rank()
+        self._my_dim = self._recv_dims[self._rank]
+        self._output_columns = torch.tensor(
+            self.layout.output_columns(), dtype=torch.int64, device=device
+        )
+        self._mean_columns, self._mean_features = self._mean_column_maps()
+
+        self.embedding_bags = nn.ModuleDict()
+        self._init_weights(ebc)
+        for t in tables:  # collective, in table order on every rank
+            self.embedding_bags[t.name] = ShardedTable(self._table_weight(t))
+        self._register_data_parallel_hooks()
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _make_kernel(self, group: KernelGroup) -> DenseKernel:
+        sizes = []
+        for table, j in group.shards:
+            spec = self.layout.shards[self.layout.table_index(table)][j]
+            sizes.append((spec.num_rows, spec.num_cols))
+        return DenseKernel(group, sizes, self._device)
+
+    def _local_views(self) -> dict[tuple[str, int], ShardView]:
+        views = {}
+        for k in (*self._kernels, *self._local_kernels):
+            for key, view in zip(k.group.shards, k.views):
+                views[key] = view
+        return views
+
+    @torch.no_grad()
+    def _init_weights(self, ebc: EmbeddingBagCollection) -> None:
+        """Copies the unsharded weights into the local shards, or runs init_fn on meta tables."""
+        for (table, j), view in self._local_views().items():
+            t = self.layout.table_index(table)
+            spec = self.layout.shards[t][j]
+            source = ebc.embedding_bags[table].weight
+            if source.is_meta:
+                init_fn = self._configs[t].init_fn
+                if init_fn is None:
+                    raise ShardingError(f"table {table!r} of {self._module_fqn!r} has no init_fn")
+                init_fn(view)
+            else:
+                view.copy_(
+                    source[
+                        spec.row_offset : spec.row_offset + spec.num_rows,
+                        spec.col_offset : spec.col_offset + spec.num_cols,
+                    ]
+                )
+        source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
+        for k in self._local_kernels:  # replicas start equal everywhere
+            dist.broadcast(k.flat_weight.data, src=source, group=self._pg)
+
+    def _table_weight(self, table: TableInfo) -> torch.Tensor:
+        t = self.layout.table_index(table.name)
+        views = self._local_views()
+        if self.layout.placements[t].sharding_type is ShardingType.DATA_PARALLEL:
+            return views[(table.name, _index_of_rank(self.layout.shards[t], self._rank))]
+        local = []
+        for j, spec in enumerate(self.layout.shards[t]):
+            if spec.rank != self._rank:
+                continue
+            meta = ShardMetadata(
+                shard_offsets=[spec.row_offset, spec.col_offset],
+                shard_sizes=[spec.num_rows, spec.num_cols],
+                placement=f"rank:{self._rank}/{self._device}",
+            )
+            local.append(Shard(tensor=views[(table.name, j)], metadata=meta))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return init_from_local_shards(
+                local, table.num_embeddings, table.embedding_dim, process_group=self._pg
+            )
+
+    def _register_data_parallel_hooks(self) -> None:
+        world, group = self._world, self._pg
+
+        def all_reduce_mean(param: torch.Tensor) -> None:
+            # Note [grad scaling across ranks]: the mean over ranks, like DDP.
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(world)
+
+        for k in self._local_kernels:
+            if world > 1:
+                k.flat_weight.register_post_accumulate_grad_hook(all_reduce_mean)
+
+    def _mean_column_maps(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        cols, feats = [], []
+        for i in self.layout.mean_outputs():
+            o = self.layout.outputs[i]
+            f = self.layout.features.index(o.feature)
+            cols.extend(range(o.col, o.col + o.dim))
+            feats.extend([f] * o.dim)
+        if not cols:
+            return None, None
+        as_long = dict(dtype=torch.int64, device=self._device)
+        return torch.tensor(cols, **as_long), torch.tensor(feats, **as_long)
+
+    # -- the three steps --------------------------------------------------------------------
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        received = self.input_dist(features)
+        remote, local = self.lookup(received)
+        return self.output_dist(remote, local, received)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Received:
+        """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
+        rejection, kjt = self._router.normalise(features)
+        if rejection is None:
+            rejection = self._router.check(kjt)
+        batch = features.stride()
+        world = self._world
+        if rejection is None:
+            routed = self._router.route(kjt)
+            counts = routed.values_per_rank
+        else:
+            counts = [0] * world
+        # One small all-to-all tells every rank how much is coming and whether anyone failed, so
+        # a bad batch on one rank raises on every rank instead of hanging the others.
+        problem = rejection.problem if rejection else Problem.NONE
+        feature = rejection.feature if rejection else -1
+        meta = torch.tensor(
+            [[c, batch, int(problem), feature] for c in counts], dtype=torch.int64
+        ).to(self._device)
+        meta = all_to_all(meta.view(-1), input_splits=[4] * world, output_splits=[4] * world,
+                          group=self._pg).view(world, 4).cpu()
+        self._raise_if_rejected(meta, rejection)
+        if rejection is not None:  # unreachable: _raise_if_rejected raised
+            raise InputError(rejection.message)
+
+        routes = self._router.routes_per_rank
+        mine = routes[self._rank]
+        send_lengths = routed.lengths.split([n * batch for n in routes])
+        send_values = routed.values.split(counts)
+        send = torch.cat([t for pair in zip(send_lengths, send_values) for t in pair])
+        recv_counts = meta[:, 0].tolist()
+        recv = all_to_all(
+            send,
+            input_splits=[n * batch + c for n, c in zip(routes, counts)],
+            output_splits=[mine * batch + c for c in recv_counts],
+            group=self._pg,
+        )
+        weights = None
+        if self._is_weighted:
+            weights = all_to_all(
+                routed.weights, input_splits=counts, output_splits=recv_counts, group=self._pg
+            )
+        pieces = recv.split([p for c in recv_counts for p in (mine * batch, c)])
+        lengths = torch.cat(pieces[0::2]).view(world * mine, batch)
+        values = torch.cat(pieces[1::2])
+        # Arrivals are (source rank, route); the kernels want (route, source rank).
+        if world > 1 and mine > 0:
+            perm = torch.arange(world * mine, device=self._device, dtype=torch.int32)
+            perm = perm.view(world, mine).t().reshape(-1)
+            lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                perm, lengths, values, weights, values.numel()
+            )
+        local = None
+        if self.layout.local:
+            local = _permute(kjt, self._local_features.to(kjt.values().device))
+        return Received(
+            batch_size=batch,
+            lengths=lengths.reshape(mine, world * batch),
+            values=values,
+            weights=weights,
+            local=local,
+            local_lengths=kjt.lengths().view(len(self.layout.features), batch),
+        )
+
+    def _raise_if_rejected(self, meta: torch.Tensor, mine: Optional[Rejection]) -> None:
+        if mine is not None:
+            raise InputError(mine.message)
+        for src in range(self._world):
+            problem = Problem(int(meta[src, 2]))
+            if problem is not Problem.NONE:
+                f = int(meta[src, 3])
+                where = f" in feature {self.layout.features[f]!r}" if f >= 0 else ""
+                raise InputError(
+                    f"rank {src} rejected its batch for module {self._module_fqn!r} "
+                    f"({problem.summary()}{where}); this rank stops too so that no rank hangs. "
+                    f"See rank {src}'s error for the details"
+                )
+        sizes = meta[:, 1].tolist()
+        if len(set(sizes)) > 1:
+            raise InputError(
+                f"module {self._module_fqn!r} needs the same batch size on every rank, got "
+                + ", ".join(f"rank {r}: {b}" for r, b in enumerate(sizes))
+            )
+
+    def lookup(self, received: Received) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Pools the received ids (for every rank's batch) and this rank's data-parallel ids."""
+        rows = self._world * received.batch_size
+        outs = []
+        if self._kernels:
+            lengths = received.lengths.reshape(-1)
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+            for kernel, (start, end) in zip(self._kernels, self._group_route_ranges):
+                lo, hi = start * rows, end * rows
+                v0, v1 = int(offsets[lo]), int(offsets[hi])
+                outs.append(
+                    kernel(
+                        received.values[v0:v1],
+                        offsets[lo : hi + 1] - v0,
+                        None if received.weights is None else received.weights[v0:v1],
+                    )
+                )
+        if outs:
+            remote = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        else:
+            remote = torch.zeros(rows, 0, device=self._device)
+        local = None
+        if received.local is not None:
+            kjt = received.local
+            weights = kjt.weights() if self._is_weighted else None
+            offsets = kjt.offsets()
+            n = kjt.stride()
+            pieces, start = [], 0
+            for kernel in self._local_kernels:
+                end = start + len(kernel.group.routes)
+                lo, hi = start * n, end * n
+                v0, v1 = int(offsets[lo]), int(offsets[hi])
+                pieces.append(
+                    kernel(
+                        kjt.values()[v0:v1].long(),
+                        offsets[lo : hi + 1].long() - v0,
+                        None if weights is None else weights[v0:v1],
+                    )
+                )
+                start = end
+            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        return remote, local
+
+    def output_dist(
+        self, remote: torch.Tensor, local: Optional[torch.Tensor], received: Received
+    ) -> KeyedTensor:
+        """Sends each rank its samples' pooled columns and adds them into the output."""
+        batch = received.batch_size
+        arrived = pooled_all_to_all(
+            remote,
+            input_splits=[batch * self._my_dim] * self._world,
+            output_splits=[batch * d for d in self._recv_dims],
+            group=self._pg,
+            grad_scale=1.0 / self._world,
+        )
+        blocks = [
+            chunk.view(batch, d)
+            for chunk, d in zip(arrived.split([batch * d for d in self._recv_dims]), self._recv_dims)
+            if d
+        ]
+        if local is not None:
+            blocks.append(local)
+        columns = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        out = columns.new_zeros(batch, self.layout.output_dim).index_add(
+            1, self._output_columns, columns
+        )
+        if self._mean_columns is not None:
+            counts = received.local_lengths.index_select(0, self._mean_features).t()
+            means = out.index_select(1, self._mean_columns) / counts.clamp(min=1).to(out.dtype)
+            out = out.index_copy(1, self._mean_columns, means)
+        return KeyedTensor(
+            keys=[o.key for o in self.layout.outputs],
+            length_per_key=[o.dim for o in self.layout.outputs],
+            values=out,
+        )
+
+    # -- what torchrec's EBC also offers ----------------------------------------------------
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def embedding_bag_configs(self):
+        return self._configs
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def process_group(self) -> Optional[ProcessGroup]:
+        return self._pg
+
+    @property
+    def module_fqn(self) -> str:
+        return self._module_fqn
+
+    def data_parallel_parameters(self) -> list[torch.Tensor]:
+        """The replicated table weights (they all-reduce their own gradients)."""
+        return [
+            m.weight for m in self.embedding_bags.values() if not isinstance(m.weight, ShardedTensor)
+        ]
+
+
+def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _index_of_rank(shards: tuple[ShardSpec, ...], rank: int) -> int:
+    for j, s in enumerate(shards):
+        if s.rank == rank:
+            return j
+    raise KeyError(rank)

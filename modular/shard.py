@@ -1,0 +1,208 @@
+"""`modular.shard`: shard the EmbeddingBagCollections of a model in place, by a plan."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from modular._comm import all_gather_bytes
+from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError, table_infos
+from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
+
+__all__ = ["ShardingError", "ignored_params", "local_parameters", "shard", "sharded_modules"]
+
+
+def shard(
+    model: nn.Module,
+    plan: ShardingPlan,
+    *,
+    process_group: Optional[ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+) -> nn.Module:
+    """Shards the EmbeddingBagCollections named in `plan`, in place, and returns `model`.
+
+    Call it on every rank with the same plan (SPMD), after `torch.distributed.init_process_group`:
+
+        model = modular.shard(model, plan)
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=0.1)
+
+    Each EBC named in the plan (by its FQN in `model`; "" for the model itself) is replaced by a
+    `ShardedEmbeddingBagCollection` holding only this rank's shards; every other module is left
+    alone and parameter names do not change. EBCs may live on the `meta` device: each rank then
+    allocates just its shards and fills them with the table's `init_fn`; a materialised EBC's
+    weights are copied, so the sharded model computes exactly what the original did.
+
+    Every problem with the plan is raised on every rank, before any collective that could hang.
+    `device` defaults to the current CUDA device under NCCL and to the CPU otherwise.
+    """
+    if not dist.is_initialized():
+        raise ShardingError(
+            "modular.shard needs a process group: call torch.distributed.init_process_group first"
+        )
+    if not isinstance(plan, ShardingPlan):
+        raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
+    world = dist.get_world_size(process_group)
+    if plan.world_size != world:
+        raise ShardingError(
+            f"the plan is for {plan.world_size} ranks but the process group has {world}; "
+            f"make a plan for world_size={world}"
+        )
+    device = torch.device(device) if device is not None else _default_device(process_group)
+    targets = _find_targets(model, plan)
+    resolved = {fqn: _resolve(fqn, ebc, plan, world) for fqn, ebc in targets}
+    _check_same_on_every_rank(plan, targets, process_group)
+
+    for fqn, ebc in targets:  # same order on every rank: building a table is collective
+        placements, shards = resolved[fqn]
+        sharded = ShardedEmbeddingBagCollection(
+            ebc, placements, shards, module=fqn, process_group=process_group, device=device
+        )
+        if fqn == "":
+            # The model is the EBC: become the sharded module so the caller's object is it.
+            model.__class__ = ShardedEmbeddingBagCollection
+            model.__dict__.clear()
+            model.__dict__.update(sharded.__dict__)
+        else:
+            parent_fqn, _, name = fqn.rpartition(".")
+            setattr(model.get_submodule(parent_fqn), name, sharded)
+    return model
+
+
+def _default_device(group: Optional[ProcessGroup]) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, EmbeddingBagCollection]]:
+    found = {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, (EmbeddingBagCollection, ShardedEmbeddingBagCollection))
+    }
+    targets = []
+    for fqn in sorted(plan.modules):
+        module = found.get(fqn)
+        if module is None:
+            try:
+                other = type(model.get_submodule(fqn)).__name__
+                why = f"is a {other}, not an EmbeddingBagCollection"
+            except AttributeError:
+                why = "does not exist in the model"
+            ebcs = sorted(k for k, v in found.items() if isinstance(v, EmbeddingBagCollection))
+            raise ShardingError(
+                f"the plan names module {fqn!r}, which {why}; the model's "
+                f"EmbeddingBagCollections are {ebcs} (use '' for the model itself)"
+            )
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            raise ShardingError(f"module {fqn!r} is already sharded; shard a model only once")
+        targets.append((fqn, module))
+    return targets
+
+
+def _resolve(
+    fqn: str, ebc: EmbeddingBagCollection, plan: ShardingPlan, world: int
+) -> tuple[dict, dict[str, tuple[ShardSpec, ...]]]:
+    tables = table_infos(ebc, fqn)
+    placements = dict(plan.modules[fqn])
+    names = [t.name for t in tables]
+    missing = [n for n in names if n not in placements]
+    if missing:
+        raise ShardingError(
+            f"the plan for module {fqn!r} has no placement for tables {missing}; every table of "
+            f"a planned module needs one (e.g. TablePlacement(ShardingType.DATA_PARALLEL))"
+        )
+    unknown = [n for n in placements if n not in names]
+    if unknown:
+        raise ShardingError(
+            f"the plan for module {fqn!r} places tables {unknown}, which the module does not "
+            f"have; its tables are {names}"
+        )
+    host = plan.ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    shards = {}
+    for t in tables:
+        p = placements[t.name]
+        try:
+            shards[t.name] = p.shards(
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                world_size=world,
+                table=t.name,
+            )
+            if p.sharding_type is ShardingType.TABLE_ROW_WISE:
+                check_one_host(p.ranks, host, f"table {t.name!r}")
+        except PlanError as e:
+            raise ShardingError(f"module {fqn!r}: {e}") from None
+    return placements, shards
+
+
+def _check_same_on_every_rank(
+    plan: ShardingPlan, targets: list[tuple[str, EmbeddingBagCollection]], group
+) -> None:
+    """One small collective: every rank must hold the same plan and the same tables."""
+    described = {
+        "plan": plan.to_dict(),
+        "tables": {
+            fqn: [
+                [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
+                for c in ebc.embedding_bag_configs()
+            ]
+            + [ebc.is_weighted()]
+            for fqn, ebc in targets
+        },
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
+    digests = all_gather_bytes(digest, width=len(digest), group=group)
+    if len(set(digests)) > 1:
+        groups: dict[bytes, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        listing = "; ".join(f"ranks {rs} hold {d.hex()[:12]}" for d, rs in groups.items())
+        raise ShardingError(
+            "ranks disagree on the plan or on the tables of the planned modules "
+            f"({listing}); every rank must call modular.shard with the same plan and the same "
+            "model configuration"
+        )
+
+
+def sharded_modules(model: nn.Module) -> Iterator[tuple[str, ShardedEmbeddingBagCollection]]:
+    """(FQN, module) of every sharded EBC in `model`, in `named_modules()` order."""
+    for name, m in model.named_modules():
+        if isinstance(m, ShardedEmbeddingBagCollection):
+            yield name, m
+
+
+def ignored_params(model: nn.Module) -> set[torch.Tensor]:
+    """The parameters DDP and FSDP must leave alone: every table of every sharded EBC.
+
+    Sharded tables are ShardedTensors that modular communicates itself, and data-parallel tables
+    all-reduce their own gradients; an outer wrapper that touched them would reduce twice.
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        fully_shard(model, ignored_params=modular.ignored_params(model))
+    """
+    return {p for _, m in sharded_modules(model) for p in m.parameters()}
+
+
+def local_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """Every trainable tensor this rank updates, in a stable order, for a plain torch optimizer.
+
+    ShardedTensors are replaced by their local shards (an optimizer given the ShardedTensor itself
+    would find no gradient and silently skip it); other parameters are returned as they are.
+    """
+    out = []
+    for _, p in model.named_parameters():
+        if isinstance(p, ShardedTensor):
+            out.extend(s.tensor for s in p.local_shards())
+        elif p.requires_grad:
+            out.append(p)
+    return out

@@ -11,7 +11,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # When a selected test uses the gloo ranks of tests/dist.py, start the fork server's ~3 s import
     # of torch now so that it overlaps the tests that run before the first distributed one.
     dist_harness = sys.modules.get("tests.dist")
-    if dist_harness is None:
+    if dist_harness is None or session.config.option.collectonly:
         return
     modules = {item.module for item in session.items if isinstance(item, pytest.Function)}
     if any(getattr(value, "__module__", None) == "tests.dist" for module in modules for value in vars(module).values()):

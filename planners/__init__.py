@@ -1,8 +1,30 @@
 """Planning: which sharding type and ranks each embedding table gets.
 
 Pure Python (plus numpy for the search): nothing here imports torch.distributed.
+
+    import planners
+    tables = [planners.Table("t_user", 10_000_000, 128, features=("user_id",), pooling_factor=1.0)]
+    topology = planners.Topology(64, ranks_per_host=8, device_memory=80 * 2**30)
+    plan = planners.plan(tables, topology, batch_size=512)
+    print(planners.plan_stats(plan, tables, topology, batch_size=512).format())
+
+The cost model, the search and the lower bound are described in docs/planner.md.
 """
 
+from planners.api import PlanResult, plan, plan_with_stats
+from planners.cost import CostModel
+from planners.explain import NoPlanError
+from planners.inputs import (
+    DataType,
+    Optimizer,
+    Table,
+    TableConstraint,
+    Topology,
+    format_bytes,
+    parse_bytes,
+)
+from planners.model_tables import tables_from_model
+from planners.stats import PlanStats, RankStats, plan_stats, validate_plan
 from planners.types import (
     PlanError,
     ShardingPlan,
@@ -13,10 +35,27 @@ from planners.types import (
 )
 
 __all__ = [
+    "CostModel",
+    "DataType",
+    "NoPlanError",
+    "Optimizer",
     "PlanError",
+    "PlanResult",
+    "PlanStats",
+    "RankStats",
     "ShardSpec",
     "ShardingPlan",
     "ShardingType",
+    "Table",
+    "TableConstraint",
     "TablePlacement",
+    "Topology",
     "even_split",
+    "format_bytes",
+    "parse_bytes",
+    "plan",
+    "plan_stats",
+    "plan_with_stats",
+    "tables_from_model",
+    "validate_plan",
 ]

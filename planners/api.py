@@ -1,0 +1,100 @@
+"""`plan`: tables and a cluster in, a `ShardingPlan` out -- and `plan_with_stats` to see why."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from planners.cost import CostModel, TableArrays
+from planners.explain import explain_no_plan
+from planners.inputs import Optimizer, TableConstraint, Topology
+from planners.model_tables import TablesLike, as_table_set, match_constraints
+from planners.options import enumerate_candidates, lower_bound
+from planners.search import search
+from planners.stats import PlanStats, stats_for
+from planners.types import ShardingPlan, ShardingType, TablePlacement, even_split
+
+__all__ = ["PlanResult", "plan", "plan_with_stats"]
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """A plan, its statistics (per-rank cost and memory, bound, imbalance) and the search time."""
+
+    plan: ShardingPlan
+    stats: PlanStats
+    seconds: float
+
+
+def plan(
+    tables: TablesLike,
+    topology: Topology,
+    *,
+    batch_size: int,
+    constraints: Mapping[str, TableConstraint] | None = None,
+    optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
+    module_fqn: str = "",
+) -> ShardingPlan:
+    """Places every table so that the slowest rank is as fast as possible and every rank fits.
+
+        tables = [planners.Table("t_user", 10_000_000, 128, features=("user_id",)),
+                  planners.Table("t_item", 1_000_000, 64, pooling_factor=20.0)]
+        plan = planners.plan(tables, planners.Topology(16, ranks_per_host=8),
+                             batch_size=512)
+
+    `tables` is a list of `Table` (planned as the tables of the EBC at `module_fqn`, default the
+    model itself), a {EBC FQN: [Table, ...]} mapping, or a model whose EBCs may live on `meta`.
+    `batch_size` is per rank. `constraints` maps a table name (or 'fqn.table') to its
+    `TableConstraint`. The same input always gives the same plan.
+
+    Raises `NoPlanError` (a PlanError) naming the tables that do not fit, with the numbers and
+    the ways out; PlanError for invalid input.
+    """
+    return plan_with_stats(
+        tables, topology, batch_size=batch_size, constraints=constraints,
+        optimizer=optimizer, module_fqn=module_fqn,
+    ).plan  # fmt: skip
+
+
+def plan_with_stats(
+    tables: TablesLike,
+    topology: Topology,
+    *,
+    batch_size: int,
+    constraints: Mapping[str, TableConstraint] | None = None,
+    optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
+    module_fqn: str = "",
+) -> PlanResult:
+    """Like `plan`, and also returns the plan's statistics and how long the search took.
+
+        result = planners.plan_with_stats(tables, topology, batch_size=512)
+        print(result.stats.format())
+    """
+    start = time.perf_counter()
+    table_set = as_table_set(tables, module_fqn)
+    model = CostModel(topology, batch_size, Optimizer.parse(optimizer))
+    cons = match_constraints(table_set, constraints, topology.world_size)
+    plain = [t for _, t in table_set]
+    base = model.batch_buffer_bytes(TableArrays.of(plain))
+    room = topology.capacity - base
+    candidates = enumerate_candidates(plain, model, cons, room)
+    if room <= 0 or not candidates.valid.any(axis=1).all():
+        raise explain_no_plan(table_set, candidates, cons, model, base, ())
+    bound = lower_bound(candidates, topology.world_size)
+    outcome = search(plain, model, candidates, cons, float(topology.capacity), bound)
+    if outcome.placements is None:
+        raise explain_no_plan(table_set, candidates, cons, model, base, outcome.unplaced)
+    modules: dict[str, dict[str, TablePlacement]] = {}
+    for (fqn, table), p in zip(table_set, outcome.placements):
+        sizes = None
+        if p.kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.COLUMN_WISE):
+            total = table.embedding_dim if p.kind is ShardingType.COLUMN_WISE else table.num_embeddings
+            # explicit sizes only where they differ from the default even split, so that a plan
+            # reads short and survives a round trip through TorchRec unchanged
+            sizes = None if p.sizes == even_split(total, len(p.sizes)) else p.sizes
+        modules.setdefault(fqn, {})[table.name] = TablePlacement(p.kind, p.ranks, sizes)
+    result = ShardingPlan(topology.world_size, modules, ranks_per_host=topology.ranks_per_host)
+    seconds = time.perf_counter() - start
+    stats = stats_for(result, table_set, model, bound, plan_seconds=seconds)
+    return PlanResult(result, stats, seconds)

@@ -1,0 +1,171 @@
+"""The cost model: seconds and bytes that one shard of one table adds to the rank holding it.
+
+Every formula here is written out, with its symbols, in docs/planner.md ("The cost model"); the
+names below follow it. The functions take numpy arrays (one entry per table or per shard) so
+that the search can price every candidate placement of thousands of tables at once.
+
+Note [what a rank's cost is]
+A training step moves data one way: input dist (ids to the shard that owns their rows) ->
+lookup (pooling rows into bags) -> output dist (pooled bags back to the rank that owns the
+sample), and the reverse in backward. The cost of a rank is the sum, over the shards it holds,
+of the time its memory and links spend on that shard's part of the three steps, forward and
+backward, plus the gradient all-reduce of data-parallel tables. The sending half of each
+all-to-all (every rank sends its own batch's ids and receives its own batch's bags) is the same
+on every rank to first order, so it is left out: it would add one constant to every rank.
+Links are charged one after the other (intra-host bytes / intra-host bandwidth + cross-host
+bytes / cross-host bandwidth), which keeps a rank's cost a plain sum over its shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from planners.inputs import Optimizer, Table, Topology
+from planners.types import PlanError, ShardingType
+
+__all__ = ["CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WEIGHT_BYTES"]
+
+OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32
+ID_BYTES = 8  # ids are int64
+WEIGHT_BYTES = 4  # per-id weights of weighted features are fp32
+
+
+class TableArrays(NamedTuple):
+    """The numbers of each table that the cost model needs, as parallel numpy arrays."""
+
+    rows: np.ndarray  # N, rows
+    dim: np.ndarray  # d, columns
+    elem: np.ndarray  # e, bytes per weight element
+    ids: np.ndarray  # P, ids per sample (sum of the features' pooling factors)
+    bags: np.ndarray  # F, bags per sample (number of features)
+    id_bytes: np.ndarray  # bytes moved per id (8, plus 4 for a weight)
+
+    @classmethod
+    def of(cls, tables: Sequence[Table]) -> TableArrays:
+        return cls(
+            rows=np.array([t.num_embeddings for t in tables], dtype=np.float64),
+            dim=np.array([t.embedding_dim for t in tables], dtype=np.float64),
+            elem=np.array([t.dtype.num_bytes for t in tables], dtype=np.float64),
+            ids=np.array([sum(t.pooling_factors) for t in tables], dtype=np.float64),
+            bags=np.array([len(t.features) for t in tables], dtype=np.float64),
+            id_bytes=np.array(
+                [ID_BYTES + (WEIGHT_BYTES if t.weighted else 0) for t in tables], dtype=np.float64
+            ),
+        )
+
+    def take(self, index: np.ndarray) -> TableArrays:
+        return TableArrays(*(a[index] for a in self))
+
+
+class ShardCost(NamedTuple):
+    """Seconds per training step (forward + backward) and bytes, per shard."""
+
+    lookup: np.ndarray
+    input_dist: np.ndarray
+    output_dist: np.ndarray
+    grad_sync: np.ndarray
+    memory: np.ndarray
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.lookup + self.input_dist + self.output_dist + self.grad_sync
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prices shards for one cluster, per-rank batch size and embedding optimizer.
+
+        model = CostModel(topology, batch_size=512)
+        cost = model.shard(ShardingType.TABLE_WISE, TableArrays.of(tables), rows, cols, shards)
+    """
+
+    topology: Topology
+    batch_size: int
+    optimizer: Optimizer = Optimizer.ROWWISE_ADAGRAD
+
+    def __post_init__(self) -> None:
+        b = self.batch_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise PlanError(f"batch_size must be a positive integer (per rank), got {b!r}")
+        object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer))
+
+    @property
+    def alpha(self) -> float:
+        """Seconds to move one byte from each of the other ranks to one rank, over both links.
+
+        alpha = (H - 1) / intra_bw + (W - H) / cross_bw
+        """
+        topo = self.topology
+        world, host = topo.world_size, int(topo.ranks_per_host or 1)
+        return (host - 1) / topo.intra_host_bandwidth + (world - host) / topo.cross_host_bandwidth
+
+    def batch_buffer_bytes(self, t: TableArrays) -> float:
+        """Bytes every rank holds for its own batch, whatever the plan: its ids and pooled bags.
+
+        sum over tables of B*P*id_bytes + 2*B*F*d*4 (bags and their gradients)
+        """
+        b = self.batch_size
+        return float(np.sum(b * t.ids * t.id_bytes + 2 * b * t.bags * t.dim * OUTPUT_BYTES))
+
+    def shard(
+        self,
+        kind: ShardingType,
+        t: TableArrays,
+        rows: np.ndarray | float,
+        cols: np.ndarray | float,
+        num_shards: np.ndarray | float,
+    ) -> ShardCost:
+        """The cost of one shard of `rows` x `cols` of each table in `t` placed as `kind`.
+
+        `num_shards` matters only for TABLE_ROW_WISE (the size of its intra-host reduce-scatter).
+        Arguments broadcast like numpy arrays.
+        """
+        topo = self.topology
+        world, host = float(topo.world_size), float(topo.ranks_per_host or 1)
+        b, alpha = float(self.batch_size), self.alpha
+        rows = np.asarray(rows, dtype=np.float64)
+        cols = np.asarray(cols, dtype=np.float64)
+        k = np.asarray(num_shards, dtype=np.float64)
+        zero = np.zeros(np.broadcast(rows, cols, t.rows).shape)
+        state = self.optimizer.state_bytes_per_row(cols)  # s(c), bytes per row
+        frac = rows / t.rows  # phi, the share of the table's ids that this shard looks up
+        if kind is ShardingType.DATA_PARALLEL:
+            ids_in, bags_out = b * t.ids, b * t.bags
+        elif kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+            ids_in, bags_out = world * b * t.ids, world * b * t.bags
+        else:
+            ids_in, bags_out = world * b * t.ids * frac, world * b * t.bags
+        # Lookup, forward: read each id's row, write each bag. Backward (fused optimizer): read
+        # each bag's gradient, then read and write each id's row and its optimizer state.
+        out_cols = cols if kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE,
+                                    ShardingType.DATA_PARALLEL) else t.dim  # fmt: skip
+        fwd = ids_in * cols * t.elem + bags_out * out_cols * OUTPUT_BYTES
+        bwd = bags_out * out_cols * OUTPUT_BYTES + ids_in * (2 * cols * t.elem + 2 * state)
+        memory = rows * cols * t.elem + rows * state
+        memory = memory + ids_in * t.id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
+        input_dist, output_dist, grad_sync = zero, zero, zero
+        if kind is ShardingType.DATA_PARALLEL:
+            # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
+            # steps over the whole table (read gradient, read and write weights and state).
+            bwd = bwd - ids_in * 2 * state + rows * cols * 3 * t.elem + rows * 2 * state
+            memory = memory + rows * cols * t.elem  # the dense gradient
+            if world > 1:
+                ring_bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
+                grad_sync = 2 * (world - 1) / world * rows * cols * t.elem / ring_bw + zero
+        else:
+            # Input dist: ids from the other ranks arrive (no backward: ids have no gradient).
+            ids_from_each = b * t.ids if kind in (
+                ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE) else b * t.ids * frac
+            input_dist = ids_from_each * t.id_bytes * alpha + zero
+            # Output dist: bags (or partial sums) leave in forward, their gradients come back.
+            bag_bytes = b * t.bags * out_cols * OUTPUT_BYTES  # to each rank
+            if kind is ShardingType.TABLE_ROW_WISE:
+                intra = world * bag_bytes * (k - 1) / k / topo.intra_host_bandwidth
+                output_dist = 2 * (intra + bag_bytes * alpha / k) + zero
+            else:
+                output_dist = 2 * bag_bytes * alpha + zero
+        lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
+        return ShardCost(lookup, input_dist, output_dist, grad_sync, memory + zero)

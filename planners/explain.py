@@ -1,0 +1,145 @@
+"""Why no plan fits: the tables that cannot be placed, the numbers, and the ways out."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from planners.cost import CostModel
+from planners.inputs import DataType, Optimizer, TableConstraint, format_bytes
+from planners.model_tables import TableSet, display_name
+from planners.options import Candidates
+from planners.types import PlanError, ShardingType
+
+__all__ = ["NoPlanError", "explain_no_plan"]
+
+_LISTED = 8  # tables named one per line; the rest are counted
+
+
+class NoPlanError(PlanError):
+    """No plan fits in memory. `tables` names the tables that do not fit; the message gives the
+    numbers and concrete ways out (more ranks, another sharding type, a smaller batch)."""
+
+    def __init__(self, message: str, tables: Sequence[str]) -> None:
+        super().__init__(message)
+        self.tables = tuple(tables)
+
+
+def _footprint(table, optimizer: Optimizer) -> float:
+    """Weights plus optimizer state of the whole table, the part no sharding can shrink."""
+    state = optimizer.state_bytes_per_row(table.embedding_dim)
+    return float(table.weight_bytes + table.num_embeddings * state)
+
+
+def explain_no_plan(
+    table_set: TableSet,
+    candidates: Candidates,
+    constraints: Sequence[TableConstraint | None],
+    model: CostModel,
+    base_memory: float,
+    unplaced: Sequence[int],
+) -> NoPlanError:
+    """Builds the error for the first reason that applies (see the checks below, in order)."""
+    topo = model.topology
+    world, cap, batch = topo.world_size, float(topo.capacity), model.batch_size
+    room = cap - base_memory  # what a rank has for shards
+    where = (f"each rank has {format_bytes(cap)} ({format_bytes(topo.device_memory)} device "
+             f"memory, {100 * topo.reserved_fraction:.0f}% reserved)")  # fmt: skip
+    names = [display_name(f, t.name) for f, t in table_set]
+
+    # 1. The batch buffers alone (every rank's own ids and pooled bags) do not fit.
+    if room <= 0:
+        most = max(1, int(batch * cap / base_memory) - 1)
+        return NoPlanError(
+            f"no plan fits: the batch buffers of {len(table_set)} tables at batch size {batch} "
+            f"need {format_bytes(base_memory)} per rank but {where}; use a batch size of at most "
+            f"{most}, or devices with more memory",
+            names,
+        )
+
+    # 2. Tables none of whose allowed candidates has a shard that fits on an empty rank.
+    stuck = np.flatnonzero(~candidates.valid.any(axis=1))
+    if len(stuck):
+        order = sorted(stuck, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
+        lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
+                 for i in order[:_LISTED]]  # fmt: skip
+        if len(order) > _LISTED:
+            lines.append(f"  ... and {len(order) - _LISTED} more tables")
+        return NoPlanError(
+            f"no plan fits: {len(order)} table(s) cannot fit on any rank; {where}, of which "
+            f"{format_bytes(base_memory)} holds the batch buffers:\n" + "\n".join(lines),
+            [names[i] for i in order],
+        )
+
+    # 3. All tables together need more memory than all ranks have.
+    foot = np.array([_footprint(t, model.optimizer) for _, t in table_set])
+    if foot.sum() > world * room:
+        need = math.ceil(foot.sum() / room)
+        big = np.argsort(-foot, kind="stable")[:5]
+        biggest = ", ".join(f"{names[i]} ({format_bytes(foot[i])})" for i in big)
+        ways = [f"use at least {need} ranks", "devices with more memory"]
+        if any(t.dtype is DataType.FP32 for _, t in table_set):
+            ways.append("fp16 weights (half the bytes)")
+        if model.optimizer in (Optimizer.ADAM, Optimizer.ADAGRAD):
+            ways.append("rowwise_adagrad (4 bytes of optimizer state per row)")
+        return NoPlanError(
+            f"no plan fits: the tables need {format_bytes(foot.sum())} of weights and optimizer "
+            f"state ({model.optimizer.value}) but {world} ranks have {format_bytes(world * room)} "
+            f"for them ({format_bytes(room)} each after {format_bytes(base_memory)} of batch "
+            f"buffers); largest: {biggest}; ways out: {'; '.join(ways)}",
+            [names[i] for i in big],
+        )
+
+    # 4. Each table fits alone and the total fits, but packing left some without room.
+    order = sorted(unplaced, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
+    fill = foot.sum() / (world * room)
+    lines = []
+    for i in order[:_LISTED]:
+        smallest = float(np.min(np.where(candidates.valid[i], candidates.max_memory[i], np.inf)))
+        pins = constraints[i].ranks if constraints[i] is not None else ()
+        pinned = f", pinned to ranks {list(pins)}" if pins else ""
+        lines.append(f"  {names[i]!r}: smallest shard {format_bytes(smallest)}{pinned}")
+    if len(order) > _LISTED:
+        lines.append(f"  ... and {len(order) - _LISTED} more tables")
+    need = math.ceil(foot.sum() / (0.85 * room))
+    return NoPlanError(
+        f"no plan fits: the tables fill {100 * fill:.0f}% of the memory of {world} ranks and "
+        f"{len(order)} table(s) found no rank with room left ({where}); ways out: about {need} "
+        f"ranks, unpin or allow row_wise/column_wise for the tables below, a smaller batch:\n"
+        + "\n".join(lines),
+        [names[i] for i in order],
+    )
+
+
+def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, room: float,
+                base_memory: float) -> str:  # fmt: skip
+    fqn, table = entry
+    name = display_name(fqn, table.name)
+    topo = model.topology
+    allowed = candidates.allowed[i]
+    smallest = float(np.min(np.where(allowed, candidates.max_memory[i], np.inf)))
+    foot = _footprint(table, model.optimizer)
+    ways = []
+    splittable = (ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)
+    if con is not None and con.sharding_types and not any(con.allows(k) for k in splittable):
+        ways.append(f"allow row_wise for {name!r}")
+    if con is not None and con.max_shards is not None:
+        ways.append(f"raise max_shards above {con.max_shards}")
+    if con is not None and con.ranks:
+        ways.append(f"pin it to more than {len(con.ranks)} ranks")
+    ranks_needed = math.ceil(foot / room)
+    if ranks_needed > topo.world_size:
+        ways.append(f"at least {ranks_needed} ranks (row_wise over all of them)")
+    elif con is None or con.allows(ShardingType.ROW_WISE):
+        ways.append(f"row_wise over {ranks_needed}+ ranks")
+    if np.isfinite(smallest) and smallest > 2 * foot / max(ranks_needed, 1):
+        ways.append("a smaller batch (the shard's id and output buffers are most of it)")
+    if table.dtype is DataType.FP32:
+        ways.append("fp16 weights")
+    need = format_bytes(smallest) if np.isfinite(smallest) else "n/a (no allowed sharding type)"
+    return (f"  {name!r} ({table.num_embeddings:_} rows x {table.embedding_dim}, "
+            f"{table.dtype.value}, {format_bytes(foot)} with optimizer state): smallest allowed "
+            f"shard needs {need} but a rank has {format_bytes(room)}; ways out: "
+            f"{'; '.join(ways) or 'more memory per rank'}")  # fmt: skip

@@ -1,0 +1,297 @@
+"""What the planner is told: tables, the cluster, the optimizer and per-table constraints.
+
+All inputs are frozen dataclasses validated in `__post_init__`, so a bad value fails where it is
+made, with the table or field named. Sizes are bytes; bandwidths are bytes per second; the
+defaults of `Topology` describe one node of a current GPU cluster (8 x H100 SXM 80 GB, NVLink,
+one 400 Gb/s NIC per GPU); docs/planner.md says where each number comes from.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from planners.types import PlanError, ShardingType
+
+__all__ = [
+    "DataType",
+    "Optimizer",
+    "Table",
+    "TableConstraint",
+    "Topology",
+    "format_bytes",
+    "parse_bytes",
+]
+
+GiB = 1024**3
+
+
+class DataType(enum.Enum):
+    """The element type of a table's weights."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @property
+    def num_bytes(self) -> int:
+        return 4 if self is DataType.FP32 else 2
+
+    @classmethod
+    def parse(cls, value: str | DataType) -> DataType:
+        """Accepts a member, "fp32"/"FP32", or torchrec's DataType (by its name)."""
+        if isinstance(value, cls):
+            return value
+        text = str(getattr(value, "name", value)).strip().lower()
+        for member in cls:
+            if text == member.value:
+                return member
+        raise PlanError(
+            f"unknown dtype {value!r}; expected one of: {', '.join(m.value for m in cls)}"
+        )
+
+
+class Optimizer(enum.Enum):
+    """The fused embedding optimizer; it decides the optimizer state kept per row.
+
+    State bytes per row of a shard with `c` columns: sgd 0, rowwise_adagrad 4 (one fp32 per row),
+    adagrad 4*c, adam 8*c (two fp32 moments per element).
+    """
+
+    SGD = "sgd"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    ADAGRAD = "adagrad"
+    ADAM = "adam"
+
+    def state_bytes_per_row(self, cols: Any) -> Any:
+        """Optimizer state bytes for one row of `cols` columns (works on numpy arrays)."""
+        if self is Optimizer.SGD:
+            return 0 * cols
+        if self is Optimizer.ROWWISE_ADAGRAD:
+            return 4 + 0 * cols
+        if self is Optimizer.ADAGRAD:
+            return 4 * cols
+        return 8 * cols
+
+    @classmethod
+    def parse(cls, value: str | Optimizer) -> Optimizer:
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower()
+        for member in cls:
+            if text == member.value:
+                return member
+        raise PlanError(
+            f"unknown optimizer {value!r}; expected one of: {', '.join(m.value for m in cls)}"
+        )
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}  # fmt: skip
+
+
+def parse_bytes(value: str | int | float, what: str = "size") -> int:
+    """Parses "80GiB", "80 GB", "1.5e9" or 1024 into bytes (GiB = 2**30, GB = 10**9)."""
+    if isinstance(value, bool):
+        raise PlanError(f"{what} must be a byte count like '80GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise PlanError(
+                f"{what} must be a byte count like '80GiB', '80GB' or '85899345920', got {value!r}"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    result = number * _UNITS[unit]
+    if not math.isfinite(result) or result <= 0:
+        raise PlanError(f"{what} must be positive, got {value!r}")
+    return int(result)
+
+
+def format_bytes(num: float) -> str:
+    """1536 -> '1.5 KiB'; used in reports and error messages."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(num) >= size:
+            return f"{num / size:.1f} {unit}"
+    return f"{num:.0f} B"
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PlanError(f"{what} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise PlanError(f"{what} must be finite, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Table:
+    """One embedding table as the planner sees it.
+
+        Table("t_user", 10_000_000, 128, features=("user_id",), pooling_factor=1.0)
+
+    `features` are the features looked up in this table (default: one feature named after the
+    table); `pooling_factor` is the average number of ids per sample, one number for all features
+    or one per feature. `weighted` tables carry a float weight per id.
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    features: tuple[str, ...] = ()
+    pooling_factor: float | tuple[float, ...] = 1.0
+    dtype: DataType = DataType.FP32
+    weighted: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"a table needs a non-empty string name, got {self.name!r}")
+        where = f"table {self.name!r}"
+        _positive_int(self.num_embeddings, f"{where}: num_embeddings")
+        _positive_int(self.embedding_dim, f"{where}: embedding_dim")
+        features = (self.features,) if isinstance(self.features, str) else self.features
+        features = tuple(features) or (self.name,)
+        if not all(isinstance(f, str) and f for f in features):
+            raise PlanError(f"{where}: features must be non-empty strings, got {features!r}")
+        if len(set(features)) != len(features):
+            raise PlanError(f"{where} lists a feature twice: {features}")
+        object.__setattr__(self, "features", features)
+        pf = self.pooling_factor
+        if isinstance(pf, (int, float)) and not isinstance(pf, bool):
+            pf = (pf,) * len(features)
+        elif isinstance(pf, Iterable) and not isinstance(pf, str):
+            pf = tuple(pf)
+        else:
+            raise PlanError(f"{where}: pooling_factor must be a number or a list, got {pf!r}")
+        if len(pf) != len(features):
+            raise PlanError(
+                f"{where} has {len(features)} features {features} but {len(pf)} pooling "
+                f"factors {pf}; give one number, or one per feature"
+            )
+        pf = tuple(_positive_float(p, f"{where}: pooling_factor") for p in pf)
+        object.__setattr__(self, "pooling_factor", pf)
+        object.__setattr__(self, "dtype", DataType.parse(self.dtype))
+        if not isinstance(self.weighted, bool):
+            raise PlanError(f"{where}: weighted must be true or false, got {self.weighted!r}")
+
+    @property
+    def pooling_factors(self) -> tuple[float, ...]:
+        """One average pooling factor per feature (normalised in `__post_init__`)."""
+        return self.pooling_factor  # type: ignore[return-value]
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_embeddings * self.embedding_dim * self.dtype.num_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        pf = self.pooling_factors
+        return {
+            "name": self.name,
+            "num_embeddings": self.num_embeddings,
+            "embedding_dim": self.embedding_dim,
+            "features": list(self.features),
+            "pooling_factor": pf[0] if len(set(pf)) == 1 else list(pf),
+            "dtype": self.dtype.value,
+            "weighted": self.weighted,
+        }
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The cluster: how many ranks, how they are grouped into hosts, memory and bandwidths.
+
+        Topology(64, ranks_per_host=8, device_memory=80 * 2**30)
+
+    Bytes and bytes/second. `reserved_fraction` of each device's memory is kept free for the
+    dense model, activations and the CUDA context; the planner fills the rest. `host_memory`
+    is recorded for reports only: every kernel the planner chooses keeps its rows in device memory.
+    """
+
+    world_size: int
+    ranks_per_host: int | None = None  # default: min(8, world_size)
+    device_memory: int = 80 * GiB
+    host_memory: int = 2048 * GiB
+    device_memory_bandwidth: float = 3.35e12  # H100 SXM HBM3
+    intra_host_bandwidth: float = 450e9  # NVLink 4, per direction per GPU
+    cross_host_bandwidth: float = 50e9  # one 400 Gb/s NIC per GPU
+    reserved_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        _positive_int(self.world_size, "world_size")
+        if self.ranks_per_host is None:
+            object.__setattr__(self, "ranks_per_host", min(8, self.world_size))
+        _positive_int(self.ranks_per_host, "ranks_per_host")
+        if self.world_size % self.ranks_per_host:  # type: ignore[operator]
+            raise PlanError(
+                f"world_size {self.world_size} is not a multiple of ranks_per_host "
+                f"{self.ranks_per_host}; every host must have the same number of ranks"
+            )
+        object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, "device_memory"))
+        object.__setattr__(self, "host_memory", parse_bytes(self.host_memory, "host_memory"))
+        for name in ("device_memory_bandwidth", "intra_host_bandwidth", "cross_host_bandwidth"):
+            _positive_float(getattr(self, name), name)
+        r = self.reserved_fraction
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            raise PlanError(f"reserved_fraction must be in [0, 1), got {r!r}")
+
+    @property
+    def hosts(self) -> int:
+        return self.world_size // self.ranks_per_host  # type: ignore[operator]
+
+    @property
+    def capacity(self) -> int:
+        """Bytes per rank the planner may fill: device_memory * (1 - reserved_fraction)."""
+        return int(self.device_memory * (1 - self.reserved_fraction))
+
+
+@dataclass(frozen=True)
+class TableConstraint:
+    """What the user allows for one table.
+
+        TableConstraint(sharding_types=(ShardingType.ROW_WISE,), ranks=(0, 1, 2, 3))
+
+    `sharding_types` lists the allowed types (empty: all). `ranks` pins the table: its shards go
+    only to these ranks (data-parallel is then not allowed unless `ranks` is every rank).
+    `min_shards`/`max_shards` bound the shard count of table-, row- and column-wise placements.
+    """
+
+    sharding_types: tuple[ShardingType, ...] = ()
+    ranks: tuple[int, ...] = ()
+    min_shards: int = 1
+    max_shards: int | None = None
+
+    def __post_init__(self) -> None:
+        types_ = self.sharding_types
+        if isinstance(types_, (str, ShardingType)):
+            types_ = (types_,)
+        object.__setattr__(self, "sharding_types", tuple(ShardingType.parse(t) for t in types_))
+        ranks = tuple(self.ranks)
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+            raise PlanError(f"pinned ranks must be non-negative integers, got {ranks!r}")
+        if len(set(ranks)) != len(ranks):
+            raise PlanError(f"pinned ranks list a rank twice: {ranks}")
+        object.__setattr__(self, "ranks", tuple(sorted(ranks)))
+        _positive_int(self.min_shards, "min_shards")
+        if self.max_shards is not None:
+            _positive_int(self.max_shards, "max_shards")
+            if self.max_shards < self.min_shards:
+                raise PlanError(
+                    f"max_shards {self.max_shards} is below min_shards {self.min_shards}"
+                )
+
+    def allows(self, kind: ShardingType) -> bool:
+        return not self.sharding_types or kind in self.sharding_types

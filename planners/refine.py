@@ -1,0 +1,213 @@
+"""Local search on a packed plan: lower the slowest rank by moving, swapping, resizing and
+peeling shards (step 4 of Note [how the search works] in planners/search.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from planners.cost import CostModel, TableArrays
+from planners.inputs import Table, TableConstraint
+from planners.types import ShardingType
+
+__all__ = ["Affine", "Problem", "State", "refine"]
+
+_T = ShardingType
+
+
+class Affine(NamedTuple):
+    """A shard of `size` rows (or columns) costs a + b * size seconds and am + bm * size bytes;
+    sizes move in multiples of `step` (4 columns, or 1 row)."""
+
+    a: float
+    b: float
+    am: float
+    bm: float
+    step: int
+
+
+class Problem(NamedTuple):
+    """What stays fixed while the search runs."""
+
+    tables: Sequence[Table]
+    arrays: TableArrays
+    model: CostModel
+    candidates: Any  # options.Candidates
+    constraints: tuple[TableConstraint | None, ...]
+    pins: tuple[np.ndarray | None, ...]  # per table, a bool mask of the ranks it may use
+    capacity: float  # bytes per rank for shards and batch buffers
+    base_memory: float  # batch buffers, the same on every rank
+    prices: dict  # cache for `affine`
+    affine: Callable[..., Affine]  # search.affine(problem, table, kind, shards)
+
+
+@dataclasses.dataclass
+class State:
+    """A packing in progress: per-rank load and memory, and each table's shards. Mutable
+    scratch that never leaves the search."""
+
+    load: np.ndarray
+    mem: np.ndarray
+    kinds: list[ShardingType | None]
+    ranks: list[list[int]]  # per table, the rank of each shard
+    sizes: list[list[int]]  # per table, the columns (TW, CW) or rows (RW, TWRW) of each shard
+    fits: list[Affine | None]  # per table, its shard price
+
+    @classmethod
+    def empty(cls, tables: int, world: int, base_memory: float) -> State:
+        return cls(np.zeros(world), np.full(world, base_memory), [None] * tables,
+                   [[] for _ in range(tables)], [[] for _ in range(tables)], [None] * tables)  # fmt: skip
+
+
+def _floor(x: float, step: int) -> int:
+    return int(np.floor(x / step)) * step if np.isfinite(x) else 0
+
+
+def refine(p: Problem, s: State, max_steps: int | None = None) -> None:
+    """While the slowest rank can be lowered by one move, make the move that lowers it most."""
+    world = len(s.load)
+    host = int(p.model.topology.ranks_per_host or 1)
+    on_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for i, ranks in enumerate(s.ranks):
+        for j, r in enumerate(ranks):
+            on_rank[r].append((i, j))
+    everywhere = np.ones(world, dtype=bool)
+
+    def allowed(i: int, j: int | None) -> np.ndarray:
+        """Ranks that may take shard j of table i (or a new shard when j is None)."""
+        ok = (p.pins[i] if p.pins[i] is not None else everywhere).copy()
+        ok[s.ranks[i]] = False  # a table keeps its shards on distinct ranks
+        if s.kinds[i] is _T.TABLE_ROW_WISE and j is not None:
+            h = s.ranks[i][j] // host
+            ok[: h * host] = False
+            ok[(h + 1) * host:] = False
+        return ok
+
+    def add(i: int, j: int, r: int, sign: float) -> None:
+        f, x = s.fits[i], s.sizes[i][j]
+        s.load[r] += sign * (f.a + f.b * x)
+        s.mem[r] += sign * (f.am + f.bm * x)
+
+    def relocate(i: int, j: int, r2: int) -> None:
+        r = s.ranks[i][j]
+        add(i, j, r, -1.0)
+        s.ranks[i][j] = r2
+        add(i, j, r2, +1.0)
+        on_rank[r].remove((i, j))
+        on_rank[r2].append((i, j))
+
+    def resize(i: int, j: int, j2: int, dx: int) -> None:
+        r, r2 = s.ranks[i][j], s.ranks[i][j2]
+        add(i, j, r, -1.0)
+        add(i, j2, r2, -1.0)
+        s.sizes[i][j] -= dx
+        s.sizes[i][j2] += dx
+        add(i, j, r, +1.0)
+        add(i, j2, r2, +1.0)
+
+    def peel(i: int, j: int, r2: int, dx: int) -> None:
+        r = s.ranks[i][j]
+        if s.kinds[i] is _T.TABLE_WISE:
+            s.kinds[i] = _T.COLUMN_WISE
+        add(i, j, r, -1.0)
+        s.sizes[i][j] -= dx
+        add(i, j, r, +1.0)
+        s.ranks[i].append(r2)
+        s.sizes[i].append(dx)
+        add(i, len(s.ranks[i]) - 1, r2, +1.0)
+        on_rank[r2].append((i, len(s.ranks[i]) - 1))
+
+    steps = max_steps if max_steps is not None else 20 * sum(len(r) for r in s.ranks) + 200
+    for _ in range(steps):
+        r = int(np.argmax(s.load))
+        top = float(s.load[r])
+        best: list[Any] = [top * (1 - 1e-7), None]  # the new max of the pair must beat this
+        free = p.capacity - s.mem
+
+        def offer(new: float, action: tuple) -> None:
+            if new < best[0]:
+                best[0], best[1] = new, action
+
+        for i, j in sorted(on_rank[r]):
+            f, x = s.fits[i], s.sizes[i][j]
+            c, m = f.a + f.b * x, f.am + f.bm * x
+            ok = allowed(i, j)
+            # move the shard to the least loaded rank with room
+            okm = ok & (free >= m)
+            if okm.any():
+                r2 = int(np.argmin(np.where(okm, s.load, np.inf)))
+                offer(max(s.load[r2] + c, top - c), ("move", i, j, r2))
+            # swap it for a cheaper shard of one of the least loaded ranks
+            cands = np.flatnonzero(ok)
+            for r2 in cands[np.argsort(s.load[cands], kind="stable")][:8].tolist():
+                for i2, j2 in on_rank[r2]:
+                    f2 = s.fits[i2]
+                    c2 = f2.a + f2.b * s.sizes[i2][j2]
+                    if c2 >= c or i2 == i:
+                        continue
+                    new = max(top - c + c2, s.load[r2] - c2 + c)
+                    if new >= best[0]:
+                        continue
+                    m2 = f2.am + f2.bm * s.sizes[i2][j2]
+                    if free[r2] + m2 < m or free[r] + m < m2 or not _may_take(p, s, i2, j2, r, host):
+                        continue
+                    offer(new, ("swap", i, j, r2, i2, j2))
+            # shift rows/columns to another shard of the same table
+            if len(s.ranks[i]) > 1 and f.b > 0:
+                others = [(j2, r2) for j2, r2 in enumerate(s.ranks[i]) if j2 != j]
+                for j2, r2 in others:
+                    dx = min(_floor((top - s.load[r2]) / (2 * f.b), f.step), x - f.step)
+                    if f.bm > 0:
+                        dx = min(dx, _floor(free[r2] / f.bm, f.step))
+                    if dx >= f.step:
+                        offer(max(top - f.b * dx, s.load[r2] + f.b * dx), ("resize", i, j, j2, dx))
+            # peel part of the shard off onto a new rank
+            if f.b > 0 and x >= 2 * f.step and _may_split(p, s, i):
+                okp = allowed(i, None)
+                if okp.any():
+                    r2 = int(np.argmin(np.where(okp, s.load, np.inf)))
+                    dx = _floor((top - s.load[r2] - f.a) / (2 * f.b), f.step)
+                    dx = max(f.step, min(dx, x - f.step))
+                    if free[r2] >= f.am + f.bm * dx:
+                        new = max(top - f.b * dx, s.load[r2] + f.a + f.b * dx)
+                        offer(new, ("peel", i, j, r2, dx))
+        action = best[1]
+        if action is None:
+            return
+        if action[0] == "move":
+            relocate(*action[1:])
+        elif action[0] == "swap":
+            _, i, j, r2, i2, j2 = action
+            relocate(i, j, r2)
+            relocate(i2, j2, r)
+        elif action[0] == "resize":
+            resize(*action[1:])
+        else:
+            peel(*action[1:])
+
+
+def _may_take(p: Problem, s: State, i2: int, j2: int, r: int, host: int) -> bool:
+    """Whether shard j2 of table i2 may live on rank r (memory is checked by the caller)."""
+    if p.pins[i2] is not None and not p.pins[i2][r]:
+        return False
+    if r in s.ranks[i2]:
+        return False
+    return not (s.kinds[i2] is _T.TABLE_ROW_WISE and r // host != s.ranks[i2][j2] // host)
+
+
+def _may_split(p: Problem, s: State, i: int) -> bool:
+    """Whether table i may get one more shard: column-wise (from table- or column-wise) or
+    row-wise, within its constraint; table-row-wise keeps its shard count (its price depends
+    on it)."""
+    kind = s.kinds[i]
+    if kind not in (_T.TABLE_WISE, _T.COLUMN_WISE, _T.ROW_WISE):
+        return False
+    grown = _T.ROW_WISE if kind is _T.ROW_WISE else _T.COLUMN_WISE
+    con = p.constraints[i]
+    if con is None:
+        return True
+    if not con.allows(grown):
+        return False
+    return con.max_shards is None or len(s.ranks[i]) + 1 <= con.max_shards

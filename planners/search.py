@@ -1,0 +1,232 @@
+"""The search: pick a candidate per table, pack the shards onto ranks, then improve by local moves.
+
+Note [how the search works]
+1. `options.enumerate_candidates` prices every (type, shard count) of every table, and
+   `options.lower_bound` gives T_lb, a lower bound on the slowest rank (Note [the lower bound]).
+2. For each target T in T_lb * (1, 1.01, 1.03, ...), every table takes its cheapest-in-total
+   candidate whose largest shard is <= T (`options.select`): a low target splits big tables
+   finely (more total work, easier to balance), a high one keeps them whole.
+3. The shards are packed largest first (by max(cost / T, memory / capacity)) onto the least
+   loaded ranks that have memory for them and that the table's pins allow; a table that does
+   not fit this way tries its other candidates, cheapest first. Data-parallel tables add the
+   same cost and memory to every rank. If no target packs, the same runs again choosing the
+   ranks with the most free memory instead of the least loaded ones.
+4. Local search on the slowest rank (planners/refine.py): move a shard away, swap it for a
+   smaller one, shift rows or columns to another shard of the same table, or peel part of a
+   shard off onto a new rank -- whichever leaves both ranks lowest, while that is below the
+   current maximum. Shard prices are affine in the shard's rows (columns), so every move is
+   priced exactly.
+5. The best plan over all targets wins. Everything is ordered by (value, index), so the same
+   input gives the same plan.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from planners.cost import CostModel, TableArrays
+from planners.inputs import Table, TableConstraint
+from planners.options import Candidates, column_unit, select
+from planners.refine import Affine, Problem, State, refine
+from planners.types import ShardingType, even_split
+
+__all__ = ["Placement", "SearchOutcome", "search", "shard_sizes"]
+
+_T = ShardingType
+_TARGETS = (1.0, 1.01, 1.03, 1.06, 1.1, 1.15, 1.25, 1.4, 1.7, 2.0, 3.0, float("inf"))
+
+
+class Placement(NamedTuple):
+    """Where one table went: its type, the rank of each shard, and each shard's rows/columns."""
+
+    kind: ShardingType
+    ranks: tuple[int, ...]
+    sizes: tuple[int, ...]  # rows (RW, TWRW) or columns (CW) per shard; () for TW and DP
+
+
+class SearchOutcome(NamedTuple):
+    """The best packing found, or the tables that could not be placed."""
+
+    placements: tuple[Placement, ...] | None
+    max_load: float
+    unplaced: tuple[int, ...]  # indices of tables that found no room, when placements is None
+
+
+def shard_sizes(table: Table, kind: ShardingType, k: int) -> tuple[int, ...]:
+    """Columns (TW, CW) or rows (RW, TWRW) of each of the `k` even shards; () for DP."""
+    if kind is _T.TABLE_WISE:
+        return (table.embedding_dim,)
+    if kind is _T.COLUMN_WISE:
+        unit = column_unit(table.embedding_dim)
+        return tuple(unit * s for s in even_split(table.embedding_dim // unit, k))
+    if kind in (_T.ROW_WISE, _T.TABLE_ROW_WISE):
+        return even_split(table.num_embeddings, k)
+    return ()
+
+
+def affine(p: Problem, index: int, kind: ShardingType, k: int) -> Affine:
+    """Seconds and bytes of one shard of table `index` as a + b * size (size: its rows or
+    columns); exact, because every formula of the cost model is affine in a shard's size."""
+    key = (index, kind, k if kind is _T.TABLE_ROW_WISE else 0)
+    if key in p.prices:
+        return p.prices[key]
+    table = p.tables[index]
+    t = p.arrays.take(np.array([index]))
+    n, d = table.num_embeddings, table.embedding_dim
+    if kind is _T.DATA_PARALLEL:
+        c = p.model.shard(kind, t, n, d, 1)
+        out = Affine(float(c.total[0]), 0.0, float(c.memory[0]), 0.0, 1)
+    else:
+        if kind in (_T.TABLE_WISE, _T.COLUMN_WISE):
+            # a table-wise table is a column-wise table with one shard: same formulas
+            step, full = column_unit(d), d
+            lo = p.model.shard(_T.COLUMN_WISE, t, n, float(step), 1)
+            hi = p.model.shard(_T.COLUMN_WISE, t, n, float(full), 1)
+        else:
+            step, full = 1, n
+            lo = p.model.shard(kind, t, 1.0, d, k)
+            hi = p.model.shard(kind, t, float(n), d, k)
+        span = float(full - step) or 1.0
+        b = float(hi.total[0] - lo.total[0]) / span
+        bm = float(hi.memory[0] - lo.memory[0]) / span
+        out = Affine(float(lo.total[0]) - b * step, b, float(lo.memory[0]) - bm * step, bm, step)
+    p.prices[key] = out
+    return out
+
+
+def _choose_ranks(p: Problem, s: State, index: int, kind: ShardingType, mems: list[float],
+                  by_memory: bool) -> list[int] | None:  # fmt: skip
+    """The ranks for the shards of one table, least loaded first, or None if they do not fit."""
+    world = len(s.load)
+    fits = s.mem + max(mems) <= p.capacity
+    if p.pins[index] is not None:
+        fits &= p.pins[index]
+    key = s.mem if by_memory else s.load
+    k = len(mems)
+    if kind is _T.TABLE_ROW_WISE:
+        host = world // p.model.topology.hosts
+        masked = np.where(fits, key, np.inf).reshape(-1, host)
+        order = np.argsort(masked, axis=1, kind="stable")[:, :k]
+        kth = np.take_along_axis(masked, order, axis=1)[:, -1]
+        if not np.isfinite(kth.min()):
+            return None
+        h = int(np.argmin(kth))
+        return [int(h * host + r) for r in order[h]]
+    idx = np.flatnonzero(fits)
+    if len(idx) < k:
+        return None
+    if k == 1:
+        return [int(idx[np.argmin(key[idx])])]
+    return [int(r) for r in idx[np.lexsort((idx, key[idx]))[:k]]]
+
+
+def _tries(c: Candidates, i: int, first: tuple[ShardingType, int]) -> Iterator[tuple]:
+    """The chosen candidate, then the table's other sharded candidates, cheapest first."""
+    yield first
+    for j in np.argsort(np.where(c.valid[i], c.total[i], np.inf), kind="stable"):
+        if not c.valid[i, j]:
+            return
+        if c.columns[j] != first and c.columns[j][0] is not _T.DATA_PARALLEL:
+            yield c.columns[j]
+
+
+def _pack(p: Problem, choice: np.ndarray, target: float, by_memory: bool) -> tuple[State, list]:
+    c = p.candidates
+    world = p.model.topology.world_size
+    n = len(p.tables)
+    s = State.empty(n, world, p.base_memory)
+    picked = [c.columns[j] for j in choice]
+    for i, (kind, _) in enumerate(picked):
+        if kind is _T.DATA_PARALLEL:
+            f = affine(p, i, kind, 1)
+            s.load += f.a
+            s.mem += f.am
+            s.kinds[i] = kind
+    rows = np.arange(n)
+    weight = np.maximum(c.max_cost[rows, choice] / max(target, 1e-30),
+                        c.max_memory[rows, choice] / p.capacity)  # fmt: skip
+    unplaced = []
+    for i in (int(i) for i in np.lexsort((rows, -weight))):
+        if picked[i][0] is _T.DATA_PARALLEL:
+            continue
+        ranks = None
+        for kind, k in _tries(c, i, picked[i]):
+            f = affine(p, i, kind, k)
+            sizes = list(shard_sizes(p.tables[i], kind, k))
+            mems = [f.am + f.bm * x for x in sizes]
+            ranks = _choose_ranks(p, s, i, kind, mems, by_memory)
+            if ranks is not None:
+                break
+        if ranks is None:
+            unplaced.append(i)
+            continue
+        s.kinds[i], s.ranks[i], s.sizes[i], s.fits[i] = kind, ranks, sizes, f
+        for r, x in zip(ranks, sizes):  # the biggest shard goes to the least loaded rank
+            s.load[r] += f.a + f.b * x
+            s.mem[r] += f.am + f.bm * x
+    return s, unplaced
+
+
+def _placements(s: State) -> tuple[Placement, ...]:
+    out = []
+    for kind, ranks, sizes in zip(s.kinds, s.ranks, s.sizes):
+        if kind is _T.DATA_PARALLEL:
+            out.append(Placement(kind, (), ()))
+        elif kind is _T.TABLE_WISE:
+            out.append(Placement(kind, tuple(ranks), ()))
+        elif kind is _T.COLUMN_WISE:
+            out.append(Placement(kind, tuple(ranks), tuple(sizes)))
+        else:
+            # row blocks follow rank order (TorchRec lays them out so); sizes travel with ranks
+            pairs = sorted(zip(ranks, sizes))
+            out.append(Placement(kind, tuple(r for r, _ in pairs), tuple(x for _, x in pairs)))
+    return tuple(out)
+
+
+def search(
+    tables: Sequence[Table],
+    model: CostModel,
+    candidates: Candidates,
+    constraints: Sequence[TableConstraint | None],
+    capacity: float,
+    bound: float,
+) -> SearchOutcome:
+    """Runs Note [how the search works] and returns the best packing (or what did not fit)."""
+    world = model.topology.world_size
+    pins = []
+    for con in constraints:
+        if con is None or not con.ranks:
+            pins.append(None)
+        else:
+            mask = np.zeros(world, dtype=bool)
+            mask[list(con.ranks)] = True
+            pins.append(mask)
+    arrays = TableArrays.of(tables)
+    p = Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
+                model.batch_buffer_bytes(arrays), {}, affine)  # fmt: skip
+    best: tuple[float, tuple[Placement, ...]] | None = None
+    first_unplaced: tuple[int, ...] = ()
+    seen: set[bytes] = set()
+    for by_memory in (False, True):
+        for factor in _TARGETS:
+            target = bound * factor
+            choice = select(candidates, target)
+            key = choice.tobytes() + bytes([by_memory])
+            if key in seen:
+                continue
+            seen.add(key)
+            s, unplaced = _pack(p, choice, target, by_memory)
+            if unplaced:
+                first_unplaced = first_unplaced or tuple(sorted(unplaced))
+                continue
+            refine(p, s)
+            top = float(s.load.max())
+            if best is None or top < best[0] * (1 - 1e-12):
+                best = (top, _placements(s))
+        if best is not None:
+            break
+    if best is None:
+        return SearchOutcome(None, float("inf"), first_unplaced)
+    return SearchOutcome(best[1], best[0], ())

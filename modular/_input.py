@@ -292,13 +292,19 @@ class Router:
 
 
 def _permute(kjt: KeyedJaggedTensor, perm: torch.Tensor) -> KeyedJaggedTensor:
-    """Reorders a KJT's features (fbgemm's segment permutation, weights included)."""
+    """Selects a KJT's features in the order of `perm` (fbgemm's segment permutation, weights
+    included). `perm` may repeat a feature: a feature read by two data-parallel tables is looked
+    up once per table."""
     batch = kjt.stride()
     lengths = kjt.lengths().view(len(kjt.keys()), batch)
+    order = perm.tolist()
+    # The output has as many ids as the input only for a true permutation; otherwise fbgemm must
+    # sum the selected lengths (telling it the input's count overruns its output buffer).
+    total = kjt.values().numel() if sorted(order) == list(range(len(kjt.keys()))) else None
     new_lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-        perm, lengths, kjt.values(), kjt.weights_or_none(), kjt.values().numel()
+        perm, lengths, kjt.values(), kjt.weights_or_none(), total
     )
-    keys = [kjt.keys()[int(i)] for i in perm.tolist()]
+    keys = [kjt.keys()[i] for i in order]
     return KeyedJaggedTensor(
         keys=keys, values=values, weights=weights, lengths=new_lengths.reshape(-1), stride=batch
     )

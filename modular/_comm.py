@@ -75,6 +75,12 @@ def pooled_all_to_all(
     grad_scale: float,
 ) -> torch.Tensor:
     """Differentiable all_to_all of a tensor flattened to 1-D; see Note [grad scaling across ranks]."""
+    if torch.is_grad_enabled() and not tensor.requires_grad:
+        # The backward is a collective too, so every rank must run it once its peers do. A rank
+        # that looks up nothing trainable (it holds no shard of the module) sends an input without
+        # a grad_fn; its output would then have none either, its backward would never reach this
+        # all-to-all, and the ranks that do would wait for it forever.
+        tensor = tensor.detach().requires_grad_()
     return _PooledAllToAll.apply(tensor, input_splits, output_splits, group, grad_scale)
 
 

@@ -34,9 +34,11 @@ class ShardView(torch.nn.Parameter):
     _start: int
     _end: int
 
-    def __new__(cls, flat: torch.Tensor, start: int, rows: int, cols: int) -> ShardView:
+    def __new__(
+        cls, flat: torch.Tensor, start: int, rows: int, cols: int, requires_grad: bool = True
+    ) -> ShardView:
         data = flat.detach()[start : start + rows * cols].view(rows, cols)
-        view = torch.Tensor._make_subclass(cls, data, flat.requires_grad)
+        view = torch.Tensor._make_subclass(cls, data, requires_grad and flat.requires_grad)
         view._flat = flat
         view._start = start
         view._end = start + rows * cols
@@ -83,7 +85,12 @@ class DenseKernel:
     """
 
     def __init__(
-        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device
+        self,
+        group: KernelGroup,
+        sizes: list[tuple[int, int]],
+        device: torch.device,
+        *,
+        trainable: bool = True,
     ) -> None:
         self.group = group
         self.sizes = sizes
@@ -98,8 +105,10 @@ class DenseKernel:
         for rows, cols in sizes:
             offsets.append(start)
             start += rows * cols
+        # Views of a fused (emulated) kernel take no gradient from the user's point of view.
         self.views = [
-            ShardView(self.tbe.weights, off, rows, cols) for off, (rows, cols) in zip(offsets, sizes)
+            ShardView(self.tbe.weights, off, rows, cols, trainable)
+            for off, (rows, cols) in zip(offsets, sizes)
         ]
 
     @property
@@ -110,3 +119,115 @@ class DenseKernel:
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
         return self.tbe(indices, offsets, per_sample_weights=weights)
+
+
+# -- fused kernels (Note [fused tables]) ------------------------------------------------------
+
+
+class FusedKernel:
+    """fbgemm's split TBE with the optimizer fused into backward: rows it touched are updated,
+    no gradient is materialised. Needs shard widths that are multiples of 4."""
+
+    def __init__(
+        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+    ) -> None:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        on_cpu = device.type == "cpu"
+        location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
+        compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
+        self.group = group
+        self.sizes = sizes
+        self.config = config
+        self._lr = config.lr
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(rows, cols, location, compute) for rows, cols in sizes],
+            feature_table_map=list(group.feature_table_map),
+            optimizer=config.optimizer.fbgemm_type(),
+            learning_rate=config.lr,
+            eps=config.eps,
+            pooling_mode=_POOLING[group.pooling],
+            device=device,
+        )
+        self.views = [
+            torch.nn.Parameter(w, requires_grad=False) for w in self.tbe.split_embedding_weights()
+        ]
+        self.states = self._state_views()
+
+    def _state_views(self) -> list[dict[str, torch.Tensor]]:
+        name = self.config.optimizer.state_name()
+        if name is None:
+            return [{} for _ in self.sizes]
+        out = []
+        for (rows, cols), states in zip(self.sizes, self.tbe.split_optimizer_states()):
+            shape = (rows,) if self.config.optimizer.rowwise() else (rows, cols)
+            out.append({name: states[0].view(shape)})
+        return out
+
+    def __call__(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        lr = self.config.lr
+        if lr != self._lr:  # an LR scheduler changed the optimizer's param group
+            self.tbe.set_learning_rate(lr)
+            self._lr = lr
+        return self.tbe(indices, offsets, per_sample_weights=weights)
+
+
+class EmulatedFusedKernel(DenseKernel):
+    """The same update as FusedKernel, done in torch at the end of backward on a dense gradient.
+
+    Used where fbgemm's fused kernel would be wrong or cannot run: data-parallel replicas (their
+    gradient must be all-reduced before the update, or replicas drift apart), column-wise shards
+    under row-wise Adagrad (the row statistic spans every column shard), and shard widths that are
+    not multiples of 4. Matches fbgemm's exact optimizers to float rounding.
+    """
+
+    def __init__(
+        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+    ) -> None:
+        super().__init__(group, sizes, device, trainable=False)
+        self.config = config
+        name = config.optimizer.state_name()
+        self.states = []
+        for rows, cols in sizes:
+            shape = (rows,) if config.optimizer.rowwise() else (rows, cols)
+            self.states.append({} if name is None else {name: torch.zeros(shape, device=device)})
+
+    def row_square_sums(self) -> list[torch.Tensor]:
+        """Per kernel table, the sum over its columns of grad**2 for each row (zeros if no grad)."""
+        grads = [v.grad for v in self.views]
+        return [
+            torch.zeros(v.shape[0], device=v.device) if g is None else (g * g).sum(1)
+            for v, g in zip(self.views, grads)
+        ]
+
+    @torch.no_grad()
+    def apply_update(self, row_mean_squares: Optional[list[Optional[torch.Tensor]]] = None) -> None:
+        """Applies one optimizer step to every table of the kernel, then drops the gradient.
+
+        `row_mean_squares[i]`, when given, replaces table i's own mean of grad**2 per row (for
+        row-wise Adagrad over column shards, where the mean spans all shards).
+        """
+        cfg = self.config
+        name = cfg.optimizer.state_name()
+        for i, view in enumerate(self.views):
+            grad = view.grad
+            if grad is None:
+                continue
+            if name is None:
+                view.sub_(cfg.lr * grad)
+                continue
+            state = self.states[i][name]
+            if cfg.optimizer.rowwise():
+                given = row_mean_squares[i] if row_mean_squares else None
+                state.add_(given if given is not None else (grad * grad).mean(1))
+                view.sub_(cfg.lr * grad / (state.sqrt() + cfg.eps)[:, None])
+            else:
+                state.add_(grad * grad)
+                view.sub_(cfg.lr * grad / (state.sqrt() + cfg.eps))
+        self.flat_weight.grad = None

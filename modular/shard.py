@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular._comm import all_gather_bytes
 from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError, table_infos
+from modular.params import ignored_params, local_parameters  # re-exported: they lived here
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
 __all__ = ["ShardingError", "ignored_params", "local_parameters", "shard", "sharded_modules"]
@@ -66,6 +66,9 @@ def shard(
         sharded = ShardedEmbeddingBagCollection(
             ebc, placements, shards, module=fqn, process_group=process_group, device=device
         )
+        if getattr(ebc, "fused", None) is not None:  # a fused, unsharded EBC stays fused
+            sharded.fuse(ebc.fused)
+            sharded.load_fused_state(ebc.fused_state())
         if fqn == "":
             # The model is the EBC: become the sharded module so the caller's object is it.
             model.__class__ = ShardedEmbeddingBagCollection
@@ -103,7 +106,7 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
                 f"the plan names module {fqn!r}, which {why}; the model's "
                 f"EmbeddingBagCollections are {ebcs} (use '' for the model itself)"
             )
-        if isinstance(module, ShardedEmbeddingBagCollection):
+        if isinstance(module, ShardedEmbeddingBagCollection) and not module.is_local:
             raise ShardingError(f"module {fqn!r} is already sharded; shard a model only once")
         targets.append((fqn, module))
     return targets
@@ -179,30 +182,3 @@ def sharded_modules(model: nn.Module) -> Iterator[tuple[str, ShardedEmbeddingBag
     for name, m in model.named_modules():
         if isinstance(m, ShardedEmbeddingBagCollection):
             yield name, m
-
-
-def ignored_params(model: nn.Module) -> set[torch.Tensor]:
-    """The parameters DDP and FSDP must leave alone: every table of every sharded EBC.
-
-    Sharded tables are ShardedTensors that modular communicates itself, and data-parallel tables
-    all-reduce their own gradients; an outer wrapper that touched them would reduce twice.
-
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-        fully_shard(model, ignored_params=modular.ignored_params(model))
-    """
-    return {p for _, m in sharded_modules(model) for p in m.parameters()}
-
-
-def local_parameters(model: nn.Module) -> list[torch.Tensor]:
-    """Every trainable tensor this rank updates, in a stable order, for a plain torch optimizer.
-
-    ShardedTensors are replaced by their local shards (an optimizer given the ShardedTensor itself
-    would find no gradient and silently skip it); other parameters are returned as they are.
-    """
-    out = []
-    for _, p in model.named_parameters():
-        if isinstance(p, ShardedTensor):
-            out.extend(s.tensor for s in p.local_shards())
-        elif p.requires_grad:
-            out.append(p)
-    return out

@@ -1,0 +1,241 @@
+"""Fused optimizers for embedding tables: the update happens in backward, no dense gradient.
+
+# Note [fused tables]
+Fusing is a compute choice, separate from where tables live: `fuse_optimizer` works on an
+unsharded EBC (it becomes a single-process module with fused kernels), on one sharded by
+`modular.shard`, and `modular.shard` keeps a fused EBC fused. Shards whose width is a multiple of
+4 use fbgemm's fused kernel. Three cases instead compute a dense gradient and apply the identical
+update in torch at the end of backward (`EmulatedFusedKernel`): data-parallel replicas (the
+gradient is all-reduced first, so replicas stay identical), column-wise shards under row-wise
+Adagrad (the per-row statistic is all-reduced over the column shards, so the result equals the
+unsharded table's), and shard widths that fbgemm cannot take.
+
+Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
+"row_sum" for row-wise Adagrad), never by the sharding type; each state tensor is a ShardedTensor
+laid out like its weight (row-wise state: one entry per row), or a plain tensor for data-parallel
+tables, so DCP saves and reshards it like the weights.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["CombinedOptimizer", "FusedOptimizer", "FusedOptimizerKind", "fuse_optimizer"]
+
+
+class FusedOptimizerKind(enum.Enum):
+    EXACT_SGD = "exact_sgd"
+    EXACT_ADAGRAD = "exact_adagrad"
+    EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"
+
+    @classmethod
+    def parse(cls, name: str | FusedOptimizerKind) -> FusedOptimizerKind:
+        if isinstance(name, cls):
+            return name
+        for kind in cls:
+            if str(name).lower() == kind.value:
+                return kind
+        supported = ", ".join(repr(k.value) for k in cls)
+        raise ValueError(
+            f"fused optimizer {name!r} is not supported; fbgemm's CPU kernels support {supported}"
+        )
+
+    def fbgemm_type(self):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        return {
+            FusedOptimizerKind.EXACT_SGD: EmbOptimType.EXACT_SGD,
+            FusedOptimizerKind.EXACT_ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
+            FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        }[self]
+
+    def state_name(self) -> Optional[str]:
+        return {
+            FusedOptimizerKind.EXACT_SGD: None,
+            FusedOptimizerKind.EXACT_ADAGRAD: "sum",
+            FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: "row_sum",
+        }[self]
+
+    def rowwise(self) -> bool:
+        return self is FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD
+
+
+class FusedConfig:
+    """What every fused kernel of a model reads: the kind, and the live param group (lr, eps)."""
+
+    def __init__(self, optimizer: FusedOptimizerKind, param_group: dict[str, Any]) -> None:
+        self.optimizer = optimizer
+        self.param_group = param_group
+
+    @property
+    def lr(self) -> float:
+        return float(self.param_group["lr"])
+
+    @property
+    def eps(self) -> float:
+        return float(self.param_group["eps"])
+
+
+def fuse_optimizer(
+    model: nn.Module,
+    optimizer: str,
+    *,
+    lr: float,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> FusedOptimizer:
+    """Fuses `optimizer` into every EmbeddingBagCollection of `model`, in place.
+
+        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1, eps=1e-8)
+        loss.backward()          # the tables are updated here
+        opt.step()               # a no-op for the tables; kept so loops look the same
+
+    Works before or after `modular.shard` (both orders train identically; see Note [fused
+    tables]). Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
+    `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op). Supported:
+    "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad".
+    """
+    from modular.embedding_bag import ShardedEmbeddingBagCollection
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    kind = FusedOptimizerKind.parse(optimizer)
+    if not lr > 0:
+        raise ValueError(f"fused {kind.value}: lr must be positive, got {lr}")
+    if not eps > 0:
+        raise ValueError(f"fused {kind.value}: eps must be positive, got {eps}")
+    if weight_decay != 0.0:
+        raise ValueError(
+            f"fused {kind.value}: weight_decay={weight_decay} is not supported yet (fbgemm's "
+            "decay touches only the rows a step looked up, and its data-parallel emulation is "
+            "not exact yet); use weight_decay=0.0"
+        )
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (EmbeddingBagCollection, ShardedEmbeddingBagCollection))
+    ]
+    if not targets:
+        raise ValueError("fuse_optimizer found no EmbeddingBagCollection in the model")
+    fused = [name for name, m in targets if getattr(m, "fused", None) is not None]
+    if fused:
+        raise ValueError(f"modules {fused} are already fused; fuse a model only once")
+    config = FusedConfig(kind, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
+    for name, m in targets:
+        if isinstance(m, EmbeddingBagCollection):
+            local = ShardedEmbeddingBagCollection.unsharded(m, module=name)
+            m = _replace(model, name, m, local)
+        m.fuse(config)
+    return FusedOptimizer(model, config)
+
+
+def _replace(model: nn.Module, fqn: str, old: nn.Module, new: nn.Module) -> nn.Module:
+    if fqn == "":
+        old.__class__ = type(new)
+        old.__dict__.clear()
+        old.__dict__.update(new.__dict__)
+        return old
+    parent, _, attr = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+    return new
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """The optimizer of a model's fused tables; it finds them in the model on every call, so it
+    keeps working after `modular.shard` rebuilds them."""
+
+    def __init__(self, model: nn.Module, config: FusedConfig) -> None:
+        defaults = {"lr": config.lr, "eps": config.eps, "weight_decay": 0.0}
+        super().__init__([{"params": []}], defaults)
+        self.param_groups = [config.param_group]
+        config.param_group.setdefault("params", [])
+        self._model = model
+        self._config = config
+
+    def _fused_modules(self):
+        from modular.shard import sharded_modules
+
+        return [(fqn, m) for fqn, m in sharded_modules(self._model) if m.fused is not None]
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """The tables were updated in backward; this only runs `closure` if given."""
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Fused tables have no gradients: nothing to clear."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for fqn, m in self._fused_modules():
+            prefix = f"{fqn}." if fqn else ""
+            for table, tensors in m.fused_state().items():
+                state[f"{prefix}embedding_bags.{table}.weight"] = tensors
+        group = {k: v for k, v in self._config.param_group.items() if k != "params"}
+        group["optimizer"] = self._config.optimizer.value
+        group["params"] = sorted(state)
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict.get("param_groups", [])
+        if groups:
+            saved = groups[0].get("optimizer", self._config.optimizer.value)
+            if saved != self._config.optimizer.value:
+                raise ValueError(
+                    f"the state is for fused {saved!r} but this optimizer is "
+                    f"{self._config.optimizer.value!r}"
+                )
+            for key in ("lr", "eps"):
+                if key in groups[0]:
+                    self._config.param_group[key] = groups[0][key]
+        state = state_dict.get("state", {})
+        for fqn, m in self._fused_modules():
+            prefix = f"{fqn}." if fqn else ""
+            per_table = {}
+            for table in m.embedding_bags:
+                key = f"{prefix}embedding_bags.{table}.weight"
+                if key in state:
+                    per_table[table] = state[key]
+                elif self._config.optimizer.state_name() is not None:
+                    raise KeyError(f"the optimizer state has no entry for table weight {key!r}")
+            m.load_fused_state(per_table)
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """One optimizer-shaped object over several: e.g. fused tables plus a dense torch optimizer.
+
+        opt = CombinedOptimizer({"tables": fused, "dense": torch.optim.Adam(dense_params)})
+        opt.zero_grad(); loss.backward(); opt.step()
+
+    `param_groups` concatenates the parts' groups (an LR scheduler scales them all);
+    `state_dict()` nests each part's under its name.
+    """
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+        if not optimizers:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        super().__init__([{"params": []}], {})
+        self.optimizers = dict(optimizers)
+        self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = closure() if closure is not None else None
+        for o in self.optimizers.values():
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers.values():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: o.state_dict() for name, o in self.optimizers.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = set(self.optimizers) - set(state_dict)
+        if missing:
+            raise KeyError(f"the state has no entry for optimizers {sorted(missing)}")
+        for name, o in self.optimizers.items():
+            o.load_state_dict(state_dict[name])

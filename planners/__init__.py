@@ -58,4 +58,15 @@ __all__ = [
     "plan_with_stats",
     "tables_from_model",
     "validate_plan",
+    "from_torchrec",
+    "to_torchrec",
 ]
+
+
+def __getattr__(name: str):
+    # TorchRec (and with it torch.distributed) is imported only when a conversion is asked for.
+    if name in ("to_torchrec", "from_torchrec"):
+        from planners import torchrec_interop
+
+        return getattr(torchrec_interop, name)
+    raise AttributeError(f"module 'planners' has no attribute {name!r}")

@@ -11,10 +11,13 @@ Whatever the plan, (1) the slowest rank is at least as slow as the largest shard
 chosen candidate then has its largest shard <= T*, so the total work is at least
 f(T*) = sum over tables of min{total(t, o) : maxshard(t, o) <= T*}, and f(T*) <= W * T*.
 f is a non-increasing step function, so the smallest T with f(T) <= W * T is a lower bound on
-T*; `lower_bound` finds it exactly by bisection over the breakpoints of f. It prices shards as
-exact k-way splits (rows/k, cols/k): a split into k uneven shards has the same total and a
-larger largest shard, so the bound holds for every plan, TorchRec's included, under this cost
-model. It ignores memory packing and pinned ranks, which can only raise the optimum.
+T*; `lower_bound` finds it exactly by bisection over the breakpoints of f. A shard's price is
+affine in its rows (columns), so the total of k shards does not depend on how the table is
+split, and the largest of k shards has at least ceil(N / k) rows, or ceil(d / 4k) * 4 columns
+when column shards are multiples of 4 columns (FBGEMM's kernels need dim % 4 == 0, and
+TorchRec's planner keeps to it too). So the bound holds for every plan under this cost model,
+TorchRec's included. It ignores memory packing and pinned ranks, which can only raise the
+optimum.
 """
 
 from __future__ import annotations
@@ -47,8 +50,6 @@ class Candidates(NamedTuple):
     max_cost: np.ndarray  # seconds of the largest shard (the even split the search emits)
     total: np.ndarray  # seconds summed over all shards (W replicas for data-parallel)
     max_memory: np.ndarray  # bytes of the largest shard
-    bound_max_cost: np.ndarray  # seconds of an exact 1/k shard (for the lower bound)
-    bound_valid: np.ndarray  # allowed and an exact 1/k shard fits
 
 
 def _pinned_per_host(pins: tuple[int, ...], world: int, host: int) -> int:
@@ -72,16 +73,15 @@ def enumerate_candidates(
     max_cw = int(min(world, max((t.embedding_dim // column_unit(t.embedding_dim)) for t in tables)))
     max_rw = int(min(world, max(t.num_embeddings for t in tables)))
     columns: list[tuple[ShardingType, int]] = []
-    blocks = []  # (max_cost, total, max_mem, bound_max, bound_mem, shape_ok)
+    blocks = []  # (max_cost, total, max_mem, shape_ok)
 
     def add(kind: ShardingType, ks: np.ndarray, big_rows, big_cols, rows, cols, ok) -> None:
-        big = model.shard(kind, t2, big_rows, big_cols, ks)
-        even = model.shard(kind, t2, rows, cols, ks)
+        big = model.shard(kind, t2, big_rows, big_cols, ks)  # the largest shard
+        mean = model.shard(kind, t2, rows, cols, ks)  # an exact 1/k split: k of them = total
         shape = np.broadcast(big.total, ks).shape
         blocks.append((
-            np.broadcast_to(big.total, shape), np.broadcast_to(even.total * ks, shape),
-            np.broadcast_to(big.memory, shape), np.broadcast_to(even.total, shape),
-            np.broadcast_to(even.memory, shape), np.broadcast_to(ok, shape),
+            np.broadcast_to(big.total, shape), np.broadcast_to(mean.total * ks, shape),
+            np.broadcast_to(big.memory, shape), np.broadcast_to(ok, shape),
         ))  # fmt: skip
         columns.extend((kind, int(k)) for k in ks.ravel())
 
@@ -101,12 +101,11 @@ def enumerate_candidates(
         add(_T.ROW_WISE, ks, np.ceil(t2.rows / ks), t2.dim, t2.rows / ks, t2.dim,
             ks <= t2.rows)  # fmt: skip
     dp = model.shard(_T.DATA_PARALLEL, t2, t2.rows, t2.dim, one)
-    blocks.append((dp.total, dp.total * world, dp.memory, dp.total, dp.memory,
-                   np.ones((n, 1), bool)))  # fmt: skip
+    blocks.append((dp.total, dp.total * world, dp.memory, np.ones((n, 1), bool)))
     columns.append((_T.DATA_PARALLEL, world))
 
-    max_cost, total, max_mem, bound_max, bound_mem, shape_ok = (
-        np.concatenate([b[i] for b in blocks], axis=1) for i in range(6)
+    max_cost, total, max_mem, shape_ok = (
+        np.concatenate([b[i] for b in blocks], axis=1) for i in range(4)
     )
     allowed = shape_ok & _constraint_mask(columns, constraints, world, host)
     return Candidates(
@@ -116,8 +115,6 @@ def enumerate_candidates(
         max_cost=max_cost,
         total=total,
         max_memory=max_mem,
-        bound_max_cost=bound_max,
-        bound_valid=allowed & (bound_mem <= shard_capacity),
     )
 
 
@@ -150,7 +147,7 @@ def _constraint_mask(
 
 def lower_bound(c: Candidates, world_size: int) -> float:
     """The smallest T with f(T) <= W * T (Note [the lower bound]); inf if a table has no candidate."""
-    cost = np.where(c.bound_valid, c.bound_max_cost, np.inf)
+    cost = np.where(c.valid, c.max_cost, np.inf)
     if not np.all(np.isfinite(cost.min(axis=1))):
         return float("inf")
     low = float(cost.min(axis=1).max())

@@ -119,6 +119,18 @@ def refine(p: Problem, s: State, max_steps: int | None = None) -> None:
         add(i, len(s.ranks[i]) - 1, r2, +1.0)
         on_rank[r2].append((i, len(s.ranks[i]) - 1))
 
+    def merge(i: int, j: int, j2: int) -> None:
+        for jj, rr in enumerate(s.ranks[i]):
+            add(i, jj, rr, -1.0)
+            on_rank[rr].remove((i, jj))
+        s.sizes[i][j2] += s.sizes[i][j]
+        del s.sizes[i][j], s.ranks[i][j]
+        if len(s.ranks[i]) == 1 and s.kinds[i] is _T.COLUMN_WISE and _allows(p, i, _T.TABLE_WISE):
+            s.kinds[i] = _T.TABLE_WISE
+        for jj, rr in enumerate(s.ranks[i]):
+            add(i, jj, rr, +1.0)
+            on_rank[rr].append((i, jj))
+
     steps = max_steps if max_steps is not None else 20 * sum(len(r) for r in s.ranks) + 200
     for _ in range(steps):
         r = int(np.argmax(s.load))
@@ -163,6 +175,11 @@ def refine(p: Problem, s: State, max_steps: int | None = None) -> None:
                         dx = min(dx, _floor(free[r2] / f.bm, f.step))
                     if dx >= f.step:
                         offer(max(top - f.b * dx, s.load[r2] + f.b * dx), ("resize", i, j, j2, dx))
+            # merge the shard into another shard of the same table (saves its fixed cost)
+            if len(s.ranks[i]) > 1 and _may_merge(p, s, i):
+                for j2, r2 in enumerate(s.ranks[i]):
+                    if j2 != j and free[r2] >= f.bm * x:
+                        offer(max(top - c, s.load[r2] + f.b * x), ("merge", i, j, j2))
             # peel part of the shard off onto a new rank
             if f.b > 0 and x >= 2 * f.step and _may_split(p, s, i):
                 okp = allowed(i, None)
@@ -184,6 +201,8 @@ def refine(p: Problem, s: State, max_steps: int | None = None) -> None:
             relocate(i2, j2, r)
         elif action[0] == "resize":
             resize(*action[1:])
+        elif action[0] == "merge":
+            merge(*action[1:])
         else:
             peel(*action[1:])
 
@@ -211,3 +230,20 @@ def _may_split(p: Problem, s: State, i: int) -> bool:
     if not con.allows(grown):
         return False
     return con.max_shards is None or len(s.ranks[i]) + 1 <= con.max_shards
+
+
+def _allows(p: Problem, i: int, kind: ShardingType) -> bool:
+    con = p.constraints[i]
+    return con is None or con.allows(kind)
+
+
+def _may_merge(p: Problem, s: State, i: int) -> bool:
+    """Whether table i may lose a shard: row- or column-wise above its min_shards (table-row-wise
+    keeps its shard count)."""
+    if s.kinds[i] not in (_T.COLUMN_WISE, _T.ROW_WISE):
+        return False
+    con = p.constraints[i]
+    remaining = len(s.ranks[i]) - 1
+    if s.kinds[i] is _T.ROW_WISE and remaining < 2:
+        return False  # one row-wise shard is a table-wise table: leave that to the packing
+    return con is None or remaining >= con.min_shards

@@ -132,7 +132,82 @@ def _tries(c: Candidates, i: int, first: tuple[ShardingType, int]) -> Iterator[t
             yield c.columns[j]
 
 
-def _pack(p: Problem, choice: np.ndarray, target: float, by_memory: bool) -> tuple[State, list]:
+def _splittable(p: Problem, i: int, kind: ShardingType) -> bool:
+    """Whether the fill packing may cut table i into column shards of any width it likes."""
+    con = p.constraints[i]
+    if kind not in (_T.TABLE_WISE, _T.COLUMN_WISE):
+        return False
+    return con is None or (con.allows(_T.COLUMN_WISE) and not con.ranks and con.min_shards == 1
+                           and con.max_shards is None and con.allows(_T.TABLE_WISE))  # fmt: skip
+
+
+def _wrap(p: Problem, s: State, items: list[int], cap: float) -> list | None:
+    """McNaughton's wrap-around with a price per piece: fill the ranks, emptiest first, up to
+    `cap` seconds each, cutting tables into column shards where a rank is full. Returns
+    [(table, [(rank, columns), ...]), ...], or None if `cap` is too low."""
+    order = [int(r) for r in np.lexsort((np.arange(len(s.load)), s.load))]
+    load, mem = s.load.copy(), s.mem.copy()
+    pos, out = 0, []
+    for i in items:
+        f = affine(p, i, _T.COLUMN_WISE, 1)
+        left, pieces = p.tables[i].embedding_dim, []
+        while left > 0:
+            if pos >= len(order):
+                return None
+            r = order[pos]
+            room = min((cap - load[r] - f.a) / f.b if f.b > 0 else np.inf,
+                       (p.capacity - mem[r] - f.am) / f.bm if f.bm > 0 else np.inf)  # fmt: skip
+            take = left if room >= left else max(0, int(room // f.step) * f.step)
+            if take > 0:
+                pieces.append((r, take))
+                load[r] += f.a + f.b * take
+                mem[r] += f.am + f.bm * take
+                left -= take
+                if left == 0 and cap - load[r] > f.a:
+                    break  # room is left on this rank for the next table
+            pos += 1
+        out.append((i, pieces))
+    return out
+
+
+def _fill(p: Problem, s: State, items: list[int], bound: float) -> bool:
+    """Places the splittable `items` by `_wrap` at the lowest cap that works (bisection)."""
+    if not items:
+        return True
+    base = max(bound, float(s.load.max()))
+    low, high, best, grow = base, None, None, 0.005
+    while grow < 8:  # find a cap that works, doubling the headroom
+        best = _wrap(p, s, items, base * (1 + grow))
+        if best is not None:
+            high = base * (1 + grow)
+            break
+        low = base * (1 + grow)
+        grow *= 2
+    if best is None or high is None:
+        return False
+    for _ in range(12):
+        mid = (low + high) / 2
+        trial = _wrap(p, s, items, mid)
+        if trial is None:
+            low = mid
+        else:
+            high, best = mid, trial
+    for i, pieces in best:
+        f = affine(p, i, _T.COLUMN_WISE, 1)
+        s.kinds[i] = _T.TABLE_WISE if len(pieces) == 1 else _T.COLUMN_WISE
+        s.ranks[i] = [r for r, _ in pieces]
+        s.sizes[i] = [x for _, x in pieces]
+        s.fits[i] = f
+        for r, x in pieces:
+            s.load[r] += f.a + f.b * x
+            s.mem[r] += f.am + f.bm * x
+    return True
+
+
+def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[State, list]:
+    """Packs the chosen candidates: mode "spread" (least loaded ranks first), "memory" (most
+    free memory first) or "fill" (fixed shards spread, then the rest by `_fill`)."""
+    by_memory = mode == "memory"
     c = p.candidates
     world = p.model.topology.world_size
     n = len(p.tables)
@@ -147,9 +222,12 @@ def _pack(p: Problem, choice: np.ndarray, target: float, by_memory: bool) -> tup
     rows = np.arange(n)
     weight = np.maximum(c.max_cost[rows, choice] / max(target, 1e-30),
                         c.max_memory[rows, choice] / p.capacity)  # fmt: skip
-    unplaced = []
-    for i in (int(i) for i in np.lexsort((rows, -weight))):
-        if picked[i][0] is _T.DATA_PARALLEL:
+    unplaced: list[int] = []
+    order = [int(i) for i in np.lexsort((rows, -weight))]
+    later = [i for i in order if mode == "fill" and _splittable(p, i, picked[i][0])]
+    deferred = set(later)
+    for i in order:
+        if picked[i][0] is _T.DATA_PARALLEL or i in deferred:
             continue
         ranks = None
         for kind, k in _tries(c, i, picked[i]):
@@ -166,6 +244,8 @@ def _pack(p: Problem, choice: np.ndarray, target: float, by_memory: bool) -> tup
         for r, x in zip(ranks, sizes):  # the biggest shard goes to the least loaded rank
             s.load[r] += f.a + f.b * x
             s.mem[r] += f.am + f.bm * x
+    if later and not unplaced and not _fill(p, s, later, target):
+        unplaced = later
     return s, unplaced
 
 
@@ -209,15 +289,15 @@ def search(
     best: tuple[float, tuple[Placement, ...]] | None = None
     first_unplaced: tuple[int, ...] = ()
     seen: set[bytes] = set()
-    for by_memory in (False, True):
-        for factor in _TARGETS:
+    for modes in (("spread", "fill"), ("memory",)):
+        for factor, mode in ((f, m) for f in _TARGETS for m in modes):
             target = bound * factor
             choice = select(candidates, target)
-            key = choice.tobytes() + bytes([by_memory])
+            key = choice.tobytes() + mode.encode()
             if key in seen:
                 continue
             seen.add(key)
-            s, unplaced = _pack(p, choice, target, by_memory)
+            s, unplaced = _pack(p, choice, target, mode)
             if unplaced:
                 first_unplaced = first_unplaced or tuple(sorted(unplaced))
                 continue

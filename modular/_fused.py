@@ -1,0 +1,234 @@
+"""The fused-optimizer half of a sharded EBC: swapping kernels, and their state in and out.
+
+See Note [fused tables] in modular/optim.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+from modular._kernels import DenseKernel, EmulatedFusedKernel, FusedKernel
+from planners.types import ShardingType, ShardSpec
+
+
+class FusedTables:
+    """Mixed into ShardedEmbeddingBagCollection; uses its layout, kernels and tables."""
+
+    __slots__ = ()  # keeps the object layout of nn.Module, so shard() can swap a root EBC's class
+
+    def fuse(self, config) -> None:
+        """Swaps every kernel for a fused one (weights copied); called by `fuse_optimizer`."""
+        if self.fused is not None:
+            raise ValueError(f"module {self._module_fqn!r} is already fused")
+        cw_rowwise = self._column_wise_rowwise_tables(config)
+        old = (*self._kernels, *self._local_kernels)
+        self._kernels = [self._fused_kernel(k, config, cw_rowwise, False) for k in self._kernels]
+        self._local_kernels = [
+            self._fused_kernel(k, config, cw_rowwise, True) for k in self._local_kernels
+        ]
+        with torch.no_grad():
+            for before, after in zip(old, (*self._kernels, *self._local_kernels)):
+                for a, b in zip(after.views, before.views):
+                    a.copy_(b)
+        self.fused = config
+        self._cw_rowwise = cw_rowwise
+        self._emulated = [
+            k for k in (*self._kernels, *self._local_kernels) if isinstance(k, EmulatedFusedKernel)
+        ]
+        views = self._local_views()
+        for t, table in enumerate(self.layout.tables):
+            holder = self.embedding_bags[table.name]
+            weight = holder._parameters["weight"]
+            if isinstance(weight, ShardedTensor):
+                local = [
+                    Shard(tensor=views[(table.name, j)], metadata=spec_meta)
+                    for j, spec_meta in self._local_shard_metadata(t, weight)
+                ]
+                holder._parameters["weight"] = _sharded(local, _frozen(weight.metadata()), self._pg)
+            else:
+                holder._parameters["weight"] = views[(table.name, self._rank_shard(t))]
+        self._register_data_parallel_hooks()
+
+    def _column_wise_rowwise_tables(self, config) -> tuple[str, ...]:
+        if not config.optimizer.rowwise():
+            return ()
+        return tuple(
+            t.name
+            for t, p, shards in zip(self.layout.tables, self.layout.placements, self.layout.shards)
+            if p.sharding_type is ShardingType.COLUMN_WISE and len(shards) > 1
+        )
+
+    def _fused_kernel(self, kernel: DenseKernel, config, cw_rowwise, is_local: bool):
+        emulate = (
+            (is_local and self._world > 1)
+            or any(cols % 4 for _, cols in kernel.sizes)
+            or any(table in cw_rowwise for table, _ in kernel.group.shards)
+        )
+        kind = EmulatedFusedKernel if emulate else FusedKernel
+        return kind(kernel.group, kernel.sizes, self._device, config)
+
+    def _local_shard_metadata(self, t: int, weight: ShardedTensor):
+        out = []
+        for j, spec in enumerate(self.layout.shards[t]):
+            if spec.rank == self._rank:
+                for shard in weight.local_shards():
+                    if list(shard.metadata.shard_offsets) == [spec.row_offset, spec.col_offset]:
+                        out.append((j, shard.metadata))
+        return out
+
+    def _rank_shard(self, t: int) -> int:
+        return _index_of_rank(self.layout.shards[t], self._rank)
+
+    def _kernel_states(self) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+        states = {}
+        for k in (*self._kernels, *self._local_kernels):
+            for key, st in zip(k.group.shards, k.states):
+                states[key] = st
+        return states
+
+    def fused_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per table, its optimizer state: ShardedTensors laid out like the weight (row-wise
+        state: one value per row), plain tensors for data-parallel tables."""
+        if self.fused is None:
+            return {}
+        name = self.fused.optimizer.state_name()
+        if name is None:
+            return {t.name: {} for t in self.layout.tables}
+        states = self._kernel_states()
+        out = {}
+        for t, table in enumerate(self.layout.tables):
+            weight = self.embedding_bags[table.name]._parameters["weight"]
+            if not isinstance(weight, ShardedTensor):
+                out[table.name] = {name: states[(table.name, self._rank_shard(t))][name]}
+                continue
+            local, meta = [], _frozen(weight.metadata())
+            if self.fused.optimizer.rowwise():
+                shard_metas = [
+                    ShardMetadata([m.shard_offsets[0]], [m.shard_sizes[0]], m.placement)
+                    for m in meta.shards_metadata
+                    if m.shard_offsets[1] == 0
+                ]
+                meta = ShardedTensorMetadata(
+                    shard_metas, torch.Size([table.num_embeddings]), meta.tensor_properties
+                )
+            for j, shard_meta in self._local_shard_metadata(t, weight):
+                if self.fused.optimizer.rowwise():
+                    if shard_meta.shard_offsets[1] != 0:
+                        continue  # column shards after the first hold copies of the same rows
+                    shard_meta = ShardMetadata(
+                        [shard_meta.shard_offsets[0]], [shard_meta.shard_sizes[0]],
+                        shard_meta.placement,
+                    )
+                local.append(Shard(tensor=states[(table.name, j)][name], metadata=shard_meta))
+            out[table.name] = {name: _sharded(local, meta, self._pg)}
+        return out
+
+    @torch.no_grad()
+    def load_fused_state(self, per_table: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Copies optimizer state into this rank's shards from full tensors or ShardedTensors
+        laid out like `fused_state()` (any plan's, once DCP has resharded them)."""
+        name = self.fused.optimizer.state_name() if self.fused is not None else None
+        if name is None:
+            return
+        states = self._kernel_states()
+        for t, table in enumerate(self.layout.tables):
+            source = per_table[table.name][name]
+            rowwise = self.fused.optimizer.rowwise()
+            synced = False
+            for j, spec in enumerate(self.layout.shards[t]):
+                if spec.rank != self._rank:
+                    continue
+                target = states[(table.name, j)][name]
+                if isinstance(source, ShardedTensor):
+                    piece = _local_piece(source, spec, rowwise)
+                    if piece is None:
+                        target.zero_()  # filled by the all-reduce below
+                        continue
+                else:
+                    rows = slice(spec.row_offset, spec.row_offset + spec.num_rows)
+                    cols = slice(spec.col_offset, spec.col_offset + spec.num_cols)
+                    piece = source[rows] if rowwise else source[rows, cols]
+                target.copy_(piece)
+            if rowwise and table.name in self._cw_rowwise and isinstance(source, ShardedTensor):
+                synced = True
+            if synced:  # every column shard needs the first one's row state
+                self._sync_column_shard_rows(t, name, states)
+
+    def _sync_column_shard_rows(self, t: int, name: str, states) -> None:
+        table = self.layout.tables[t]
+        acc = torch.zeros(table.num_embeddings, device=self._device)
+        for j, spec in enumerate(self.layout.shards[t]):
+            if spec.rank == self._rank and spec.col_offset == 0:
+                acc += states[(table.name, j)][name]
+        dist.all_reduce(acc, group=self._pg)
+        for j, spec in enumerate(self.layout.shards[t]):
+            if spec.rank == self._rank:
+                states[(table.name, j)][name].copy_(acc)
+
+    def _queue_emulated_updates(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._apply_emulated_updates)
+
+    def _apply_emulated_updates(self) -> None:
+        """End of backward: row statistics of column-wise row-wise-Adagrad tables are summed over
+        their column shards (one all-reduce per table, same order on every rank), then every
+        emulated kernel applies its update. Data-parallel gradients were all-reduced by their
+        hooks already."""
+        row_means: dict[str, torch.Tensor] = {}
+        for table_name in self._cw_rowwise:
+            t = self.layout.table_index(table_name)
+            table = self.layout.tables[t]
+            acc = torch.zeros(table.num_embeddings, device=self._device)
+            for k in self._emulated:
+                for (name, j), sums in zip(k.group.shards, k.row_square_sums()):
+                    if name == table_name:
+                        acc += sums
+            if not self._local_only:
+                dist.all_reduce(acc, group=self._pg)
+            row_means[table_name] = acc / table.embedding_dim
+        for k in self._emulated:
+            k.apply_update([row_means.get(name) for name, _ in k.group.shards])
+
+
+def _frozen(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """The same layout for tensors that take no gradient (fused weights, optimizer state)."""
+    props = dataclasses.replace(metadata.tensor_properties, requires_grad=False)
+    return dataclasses.replace(metadata, tensor_properties=props)
+
+
+def _sharded(local: list[Shard], metadata: ShardedTensorMetadata, group) -> ShardedTensor:
+    """A ShardedTensor from known global metadata (no collective: the plan is already agreed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, metadata, process_group=group
+        )
+
+
+def _local_piece(source: ShardedTensor, spec: ShardSpec, rowwise: bool) -> Optional[torch.Tensor]:
+    """The local shard of `source` that covers `spec` exactly, or None (rowwise column copies)."""
+    want = [spec.row_offset] if rowwise else [spec.row_offset, spec.col_offset]
+    for shard in source.local_shards():
+        if list(shard.metadata.shard_offsets) == want:
+            return shard.tensor
+    if rowwise and spec.col_offset != 0:
+        return None
+    raise ValueError(
+        f"optimizer state has no local shard at offsets {want}; load it through "
+        "modular.checkpoint (DCP reshards it to this plan)"
+    )
+
+
+
+def _index_of_rank(shards: tuple[ShardSpec, ...], rank: int) -> int:
+    for j, s in enumerate(shards):
+        if s.rank == rank:
+            return j
+    raise KeyError(rank)

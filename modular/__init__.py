@@ -7,9 +7,13 @@
 
 from modular._input import InputError
 from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError
+from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
 from modular.shard import ignored_params, local_parameters, shard, sharded_modules
 
 __all__ = [
+    "CombinedOptimizer",
+    "FusedOptimizer",
+    "fuse_optimizer",
     "InputError",
     "ShardedEmbeddingBagCollection",
     "ShardingError",

@@ -22,3 +22,9 @@ __all__ = [
     "shard",
     "sharded_modules",
 ]
+
+# Composition with FSDP2 / DDP for the dense part (docs/composition.md).
+from modular.clip import clip_grad_norm_
+from modular.fsdp import apply_ddp, apply_fully_shard
+
+__all__ += ["apply_ddp", "apply_fully_shard", "clip_grad_norm_"]

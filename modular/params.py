@@ -1,0 +1,92 @@
+"""Which tensors a plain torch optimizer, DDP and FSDP should see in a `modular`-sharded model.
+
+    opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)
+
+# Note [sharded tables and torch optimizers]
+A sharded table is registered under its unsharded name as a `ShardedTensor`, a wrapper whose
+`.grad` stays None: its gradient lives on the local shards (`ShardView`s). A torch optimizer given
+the wrapper, e.g. through `model.parameters()`, would skip it on every step and the table would
+silently never train. So `local_parameters` hands out the local shards instead, and importing
+`modular` installs a global optimizer step pre-hook (`torch.optim.optimizer.
+register_optimizer_step_pre_hook`) that raises on the first `step()` of any optimizer holding a
+ShardedTensor, before anything is updated. The check is one isinstance test per parameter per
+step, and a ShardedTensor in an optimizer is always a bug, so it cannot fire on a correct program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
+
+from modular.embedding_bag import ShardedEmbeddingBagCollection
+
+__all__ = ["ignored_params", "local_parameters"]
+
+
+def _sharded_subtrees(model: nn.Module) -> list[tuple[str, ShardedEmbeddingBagCollection]]:
+    return [
+        (name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)
+    ]
+
+
+def ignored_params(model: nn.Module) -> set[torch.Tensor]:
+    """The parameters DDP and FSDP must leave alone: every table of every sharded EBC.
+
+    Sharded tables are ShardedTensors that modular communicates itself, data-parallel tables
+    all-reduce their own gradients, and fused tables update inside backward; an outer wrapper that
+    touched any of them would reduce twice. `modular.apply_fully_shard` and `modular.apply_ddp`
+    pass this set for you; by hand:
+
+        fully_shard(model, ignored_params=modular.ignored_params(model))
+    """
+    return {p for _, m in _sharded_subtrees(model) for p in m.parameters()}
+
+
+def local_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor a plain torch optimizer must update on this rank, in `named_parameters()` order.
+
+    Build the optimizer from it after all sharding calls (`shard`, then `apply_fully_shard` or
+    `apply_ddp`), because FSDP replaces parameters by DTensors:
+
+        opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)
+
+    It holds the local shards of sharded tables (not the ShardedTensor wrappers, see
+    Note [sharded tables and torch optimizers]), the data-parallel table replicas, FSDP's DTensor
+    parameters and every other parameter that requires grad. Tables of a module fused with its
+    optimizer (`module.fused`) are left out: they update inside backward and have no gradients.
+    """
+    fused = {
+        id(p)
+        for _, m in _sharded_subtrees(model)
+        if getattr(m, "fused", False)
+        for p in m.parameters()
+    }
+    out = []
+    for _, p in model.named_parameters():
+        if id(p) in fused:
+            continue
+        if isinstance(p, ShardedTensor):
+            out.extend(s.tensor for s in p.local_shards() if s.tensor.requires_grad)
+        elif p.requires_grad:
+            out.append(p)
+    return out
+
+
+def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook; see Note [sharded tables and torch optimizers]."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if isinstance(p, ShardedTensor):
+                raise TypeError(
+                    f"{type(optimizer).__name__} param group {g}, parameter {i} is a ShardedTensor "
+                    f"of size {tuple(p.size())}: a table sharded by modular, whose gradient lives "
+                    "on its local shards, so this optimizer would silently never update it. Build "
+                    "the optimizer from modular.local_parameters(model), not model.parameters()"
+                )
+
+
+_HOOK = register_optimizer_step_pre_hook(_reject_sharded_tensors)

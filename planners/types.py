@@ -209,11 +209,12 @@ class TablePlacement:
         unknown = set(data) - {"sharding_type", "ranks", "sizes"}
         if unknown:
             raise PlanError(f"unknown fields {sorted(unknown)} in table placement {dict(data)!r}")
-        sizes = data.get("sizes")
+        # The constructor checks and converts ranks and sizes (a JSON null or number in either
+        # must be a PlanError, not the TypeError that tuple() would raise here).
         return cls(
             ShardingType.parse(data["sharding_type"]),
-            ranks=tuple(data.get("ranks", ())),
-            sizes=None if sizes is None else tuple(sizes),
+            ranks=data.get("ranks", ()),
+            sizes=data.get("sizes"),
         )
 
 

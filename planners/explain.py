@@ -59,21 +59,7 @@ def explain_no_plan(
             names,
         )
 
-    # 2. Tables none of whose allowed candidates has a shard that fits on an empty rank.
-    stuck = np.flatnonzero(~candidates.valid.any(axis=1))
-    if len(stuck):
-        order = sorted(stuck, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
-        lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
-                 for i in order[:_LISTED]]  # fmt: skip
-        if len(order) > _LISTED:
-            lines.append(f"  ... and {len(order) - _LISTED} more tables")
-        return NoPlanError(
-            f"no plan fits: {len(order)} table(s) cannot fit on any rank; {where}, of which "
-            f"{format_bytes(base_memory)} holds the batch buffers:\n" + "\n".join(lines),
-            [names[i] for i in order],
-        )
-
-    # 3. All tables together need more memory than all ranks have.
+    # 2. All tables together need more memory than all ranks have.
     foot = np.array([_footprint(t, model.optimizer) for _, t in table_set])
     if foot.sum() > world * room:
         need = math.ceil(foot.sum() / room)
@@ -90,6 +76,20 @@ def explain_no_plan(
             f"for them ({format_bytes(room)} each after {format_bytes(base_memory)} of batch "
             f"buffers); largest: {biggest}; ways out: {'; '.join(ways)}",
             [names[i] for i in big],
+        )
+
+    # 3. Tables none of whose allowed candidates has a shard that fits on an empty rank.
+    stuck = np.flatnonzero(~candidates.valid.any(axis=1))
+    if len(stuck):
+        order = sorted(stuck, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
+        lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
+                 for i in order[:_LISTED]]  # fmt: skip
+        if len(order) > _LISTED:
+            lines.append(f"  ... and {len(order) - _LISTED} more tables")
+        return NoPlanError(
+            f"no plan fits: {len(order)} table(s) cannot fit on any rank; {where}, of which "
+            f"{format_bytes(base_memory)} holds the batch buffers:\n" + "\n".join(lines),
+            [names[i] for i in order],
         )
 
     # 4. Each table fits alone and the total fits, but packing left some without room.
@@ -134,8 +134,9 @@ def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, ro
         ways.append(f"at least {ranks_needed} ranks (row_wise over all of them)")
     elif con is None or con.allows(ShardingType.ROW_WISE):
         ways.append(f"row_wise over {ranks_needed}+ ranks")
-    if np.isfinite(smallest) and smallest > 2 * foot / max(ranks_needed, 1):
-        ways.append("a smaller batch (the shard's id and output buffers are most of it)")
+    buffers = float(candidates.max_memory[i][0]) - foot  # ids and bags of the table-wise shard
+    if buffers > 0.25 * room:
+        ways.append(f"a smaller batch (its id and output buffers alone take {format_bytes(buffers)})")
     if table.dtype is DataType.FP32:
         ways.append("fp16 weights")
     need = format_bytes(smallest) if np.isfinite(smallest) else "n/a (no allowed sharding type)"

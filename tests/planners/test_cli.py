@@ -1,0 +1,137 @@
+"""The CLI: plan -> show -> compare round trip; bad files give one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from planners import ShardingPlan
+from planners.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CRITEO = os.path.join(ROOT, "examples", "tables_criteo_1tb.yaml")
+CLUSTER = ["--world-size", "16", "--ranks-per-host", "8", "--device-memory", "80GiB",
+           "--batch-size", "512"]  # fmt: skip
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_show_compare_round_trip(tmp_path, capsys):
+    plan_path = str(tmp_path / "plan.json")
+    code, out, _ = run(capsys, "plan", CRITEO, *CLUSTER, "-o", plan_path)
+    assert code == 0
+    assert "slowest rank" in out and "lower bound" in out and f"wrote {plan_path}" in out
+    with open(plan_path) as f:
+        data = json.load(f)
+    assert data["planner"]["batch_size"] == 512
+    plan = ShardingPlan.from_dict(data)
+    assert plan.world_size == 16 and len(plan.modules[""]) == 26
+
+    png = str(tmp_path / "ranks.png")
+    code, shown, _ = run(capsys, "show", plan_path, "--tables", CRITEO, "--plot", png)
+    assert code == 0
+    assert shown.split("\n\n")[0] == out.split("\n\n")[0]  # the same per-rank table
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    other = str(tmp_path / "other.json")
+    code, _, _ = run(capsys, "plan", CRITEO, *CLUSTER, "--constraints",
+                     _write(tmp_path, "c.yaml", "t_cat_0: {sharding_types: [row_wise]}\n"), "-o", other)  # fmt: skip
+    assert code == 0
+    code, out, _ = run(capsys, "compare", plan_path, other, "--tables", CRITEO)
+    assert code == 0
+    assert "tables placed differently: " in out and "slowest / bound" in out
+
+
+def test_csv_and_json_tables(tmp_path, capsys):
+    csv_path = _write(tmp_path, "t.csv", "name,num_embeddings,embedding_dim,features,pooling_factor\n"
+                      "t_a,1000,64,a;b,1;20\nt_b,50000,32,,2.5\n")  # fmt: skip
+    json_path = _write(tmp_path, "t.json", json.dumps({"tables": [
+        {"name": "t_a", "num_embeddings": 1000, "embedding_dim": 64, "features": ["a", "b"],
+         "pooling_factor": [1, 20]},
+        {"name": "t_b", "num_embeddings": 50000, "embedding_dim": 32, "pooling_factor": 2.5}]}))  # fmt: skip
+    out_csv, out_json = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    assert run(capsys, "plan", csv_path, "--world-size", "2", "--batch-size", "64", "-o", out_csv)[0] == 0
+    assert run(capsys, "plan", json_path, "--world-size", "2", "--batch-size", "64", "-o", out_json)[0] == 0
+    with open(out_csv) as a, open(out_json) as b:
+        assert json.load(a)["modules"] == json.load(b)["modules"]
+
+
+def _write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD_FILES = [
+    ("bad.yaml", "- {name: t_a, num_embeddings: 10, embedding_dim: 8}\n- {name: t_b, num_embeddings: [\n",
+     r"bad\.yaml:3: invalid YAML"),
+    ("bad.json", '[\n  {"name": "t_a", "num_embeddings": 10,\n  "embedding_dim": 8,}\n]\n',
+     r"bad\.json:3: invalid JSON"),
+    ("field.yaml", "- name: t_a\n  num_embeddings: 10\n  embedding_dim: 8\n- name: t_b\n"
+     "  num_embeddings: lots\n  embedding_dim: 8\n",
+     r"field\.yaml:5: table record 2: field 'num_embeddings' must be an integer, got 'lots'"),
+    ("missing.json", '[{"name": "t_a", "num_embeddings": 10, "embedding_dim": 8},\n'
+     ' {"name": "t_b", "embedding_dim": 8}]\n', r"missing\.json:2: table record 2: missing field 'num_embeddings'"),
+    ("neg.csv", "name,num_embeddings,embedding_dim\nt_a,10,8\nt_b,-5,8\n",
+     r"neg\.csv:3: table 't_b': num_embeddings must be a positive integer, got -5"),
+    ("cols.csv", "name,rows,embedding_dim\nt_a,10,8\n", r"cols\.csv:1: unknown column 'rows'"),
+    ("extra.yaml", "- {name: t_a, num_embeddings: 10, embedding_dim: 8, colour: red}\n",
+     r"extra\.yaml:1: table record 1: unknown field 'colour'"),
+    ("notalist.yaml", "name: t_a\n", r"notalist\.yaml:1: expected a list of table records"),
+    ("tables.txt", "whatever\n", r"tables\.txt: unknown file type \.txt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,text,pattern", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_table_files_give_one_line_and_exit_2(tmp_path, capsys, name, text, pattern):
+    import re
+
+    path = _write(tmp_path, name, text)
+    code, out, err = run(capsys, "plan", path, "--world-size", "2", "--batch-size", "8")
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert re.search(pattern, err), err
+
+
+def test_missing_file_and_bad_constraints(tmp_path, capsys):
+    code, _, err = run(capsys, "plan", str(tmp_path / "nope.yaml"), "--world-size", "2", "--batch-size", "8")
+    assert code == 2 and "nope.yaml: cannot read" in err and err.count("\n") == 1
+    cons = _write(tmp_path, "c.yaml", "t_cat_0:\n  sharding_types: [sideways]\n")
+    code, _, err = run(capsys, "plan", CRITEO, *CLUSTER, "--constraints", cons)
+    assert code == 2 and "c.yaml:2: constraint for 't_cat_0': unknown sharding type 'sideways'" in err
+
+
+def test_no_plan_exits_1_with_the_explanation(capsys):
+    code, out, err = run(capsys, "plan", CRITEO, "--world-size", "1", "--device-memory", "16GiB",
+                         "--batch-size", "512")  # fmt: skip
+    assert code == 1 and out == ""
+    assert err.startswith("error: no plan fits: ") and "use at least" in err
+
+
+def test_show_rejects_a_plan_for_other_tables(tmp_path, capsys):
+    plan_path = str(tmp_path / "plan.json")
+    assert run(capsys, "plan", CRITEO, *CLUSTER, "-o", plan_path)[0] == 0
+    other = _write(tmp_path, "o.yaml", "- {name: t_x, num_embeddings: 10, embedding_dim: 8}\n")
+    code, _, err = run(capsys, "show", plan_path, "--tables", other)
+    assert code == 2 and "plan.json" in err and err.count("\n") == 1
+
+
+def test_module_entry_point_and_help():
+    done = subprocess.run([sys.executable, "-m", "planners", "plan", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0
+    assert "examples:" in done.stdout and "--world-size" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "planners", "plan", "missing.yaml",
+                           "--world-size", "2", "--batch-size", "8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr

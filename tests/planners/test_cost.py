@@ -1,0 +1,74 @@
+"""The cost model against numbers worked out by hand from the formulas in docs/planner.md."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planners import CostModel, Optimizer, ShardingType, Table, Topology
+from planners.cost import TableArrays
+
+T = ShardingType
+# W = 16 ranks, H = 8 per host, round bandwidths so the arithmetic is checkable by hand.
+TOPO = Topology(16, ranks_per_host=8, device_memory_bandwidth=1e10, intra_host_bandwidth=1e9,
+                cross_host_bandwidth=1e8)  # fmt: skip
+MODEL = CostModel(TOPO, batch_size=100, optimizer=Optimizer.ROWWISE_ADAGRAD)
+# N = 1000 rows, d = 64, P = 2 ids per sample, F = 1 bag per sample, fp32 (e = 4)
+TABLE = TableArrays.of([Table("t", 1000, 64, pooling_factor=2.0)])
+ALPHA = 7 / 1e9 + 8 / 1e8  # (H - 1) / intra + (W - H) / cross
+
+
+def shard(kind, rows, cols, k=1):
+    c = MODEL.shard(kind, TABLE, float(rows), float(cols), float(k))
+    return {name: float(np.asarray(v).ravel()[0]) for name, v in c._asdict().items()}
+
+
+def test_alpha():
+    assert MODEL.alpha == pytest.approx(ALPHA)
+
+
+def test_table_wise_shard():
+    c = shard(T.TABLE_WISE, 1000, 64)
+    assert c["input_dist"] == pytest.approx(100 * 2 * 8 * ALPHA)  # B * P * 8 bytes * alpha
+    assert c["output_dist"] == pytest.approx(2 * 100 * 1 * 64 * 4 * ALPHA)  # fwd + bwd
+    ids, bags = 16 * 100 * 2, 16 * 100 * 1  # W * B * P ids in, W * B * F bags out
+    fwd = ids * 64 * 4 + bags * 64 * 4
+    bwd = bags * 64 * 4 + ids * (2 * 64 * 4 + 2 * 4)  # rowwise adagrad: 4 bytes state per row
+    assert c["lookup"] == pytest.approx((fwd + bwd) / 1e10)
+    assert c["grad_sync"] == 0
+    weights = 1000 * 64 * 4 + 1000 * 4
+    buffers = ids * 8 + 2 * bags * 64 * 4
+    assert c["memory"] == pytest.approx(weights + buffers)
+
+
+def test_row_wise_shard_pays_full_output_and_a_share_of_input():
+    c = shard(T.ROW_WISE, 250, 64, k=4)
+    assert c["input_dist"] == pytest.approx(100 * 2 * 0.25 * 8 * ALPHA)
+    assert c["output_dist"] == pytest.approx(2 * 100 * 64 * 4 * ALPHA)
+
+
+def test_table_row_wise_reduces_inside_the_host_first():
+    c = shard(T.TABLE_ROW_WISE, 250, 64, k=4)
+    bag_bytes = 100 * 64 * 4
+    intra = 16 * bag_bytes * 3 / 4 / 1e9
+    assert c["output_dist"] == pytest.approx(2 * (intra + bag_bytes * ALPHA / 4))
+
+
+def test_data_parallel_all_reduces_the_whole_table():
+    c = shard(T.DATA_PARALLEL, 1000, 64)
+    assert c["input_dist"] == 0 and c["output_dist"] == 0
+    assert c["grad_sync"] == pytest.approx(2 * 15 / 16 * 1000 * 64 * 4 / 1e8)  # W > H: cross
+
+
+def test_column_shards_sum_to_the_table_plus_one_input_per_extra_shard():
+    whole = shard(T.TABLE_WISE, 1000, 64)
+    halves = [shard(T.COLUMN_WISE, 1000, 32) for _ in range(2)]
+    for name in ("lookup", "output_dist"):
+        # each column shard reads and writes its own rowwise state (4 bytes) for every id
+        extra = 16 * 100 * 2 * (2 * 4) / 1e10 if name == "lookup" else 0
+        assert sum(h[name] for h in halves) == pytest.approx(whole[name] + extra)
+    assert sum(h["input_dist"] for h in halves) == pytest.approx(2 * whole["input_dist"])
+
+
+def test_batch_buffers_are_every_ranks_own_ids_and_bags():
+    assert MODEL.batch_buffer_bytes(TABLE) == pytest.approx(100 * 2 * 8 + 2 * 100 * 64 * 4)

@@ -1,0 +1,246 @@
+"""Fused optimizers: sharded + fused training equals the unsharded EBC under a torch reference.
+
+The tables mix widths of 8 (fbgemm's fused kernel) and 5 / 7 (the emulated path), so both kernels
+of Note [fused tables] are compared against the same reference on every plan.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import modular
+from planners.types import ShardingPlan, ShardingType, TablePlacement
+from tests.dist import run_on_ranks
+from tests.modular.cases import CASES, close, global_batch, local_blocks, make_batch, placements_for
+
+OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
+LR, EPS, STEPS = 0.3, 1e-3, 5
+
+
+def _tables() -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t_sum", num_embeddings=13, embedding_dim=8, feature_names=["f_a", "f_b"]),
+        EmbeddingBagConfig(name="t_mean", num_embeddings=11, embedding_dim=7, feature_names=["f_c"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="t_small", num_embeddings=7, embedding_dim=5, feature_names=["f_d", "f_a"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="t_big", num_embeddings=29, embedding_dim=16, feature_names=["f_e"]),
+    ]
+
+
+def _ebc() -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    return EmbeddingBagCollection(tables=_tables())
+
+
+class _Reference:
+    """The unsharded EBC trained with the torch equivalent of each fused optimizer."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str) -> None:
+        self.ebc = ebc
+        self.kind = optimizer
+        params = list(ebc.parameters())
+        if optimizer == "exact_sgd":
+            self.opt = torch.optim.SGD(params, lr=LR)
+        elif optimizer == "exact_adagrad":
+            self.opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
+        else:
+            self.opt = None
+            self.row_sums = {n: torch.zeros(p.shape[0]) for n, p in ebc.named_parameters()}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad()
+            return
+        for name, p in self.ebc.named_parameters():  # row-wise Adagrad, written out
+            g = p.grad
+            self.row_sums[name] += (g * g).mean(1)
+            p -= LR * g / (self.row_sums[name].sqrt() + EPS)[:, None]
+            p.grad = None
+
+    def state(self, name: str) -> torch.Tensor | None:
+        if self.kind == "exact_sgd":
+            return None
+        if self.kind == "exact_adagrad":
+            return self.opt.state[dict(self.ebc.named_parameters())[name]]["sum"]
+        return self.row_sums[name]
+
+
+def _train(case: str, optimizer: str, fuse_first: bool) -> dict[str, float]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ebc = _ebc()
+    ref = _Reference(copy.deepcopy(ebc), optimizer)
+    plan = ShardingPlan(world_size=world, modules={"": placements_for(case, ebc, world)})
+    keys_before = [n for n, _ in ebc.named_parameters()]
+    if fuse_first:
+        opt = modular.fuse_optimizer(ebc, optimizer, lr=LR, eps=EPS)
+        model = modular.shard(ebc, plan)
+    else:
+        model = modular.shard(ebc, plan)
+        opt = modular.fuse_optimizer(model, optimizer, lr=LR, eps=EPS)
+    assert [n for n, _ in model.named_parameters()] == keys_before
+    assert modular.local_parameters(model) == [], "fused tables must not reach a dense optimizer"
+    worst = 0.0
+    for step in range(STEPS):
+        batches = [make_batch(ebc, seed=1000 * step + r) for r in range(world)]
+        out = model(batches[rank]).values()
+        expected = ref.ebc(global_batch(batches)).values()
+        target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step))
+        mine = slice(rank * out.shape[0], (rank + 1) * out.shape[0])
+        worst = max(worst, close(out, expected[mine], f"{case} step {step} output"))
+        (out * target[mine]).sum().backward()
+        ((expected * target).sum() / world).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    state = opt.state_dict()["state"]
+    for name, p in model.named_parameters():
+        full = dict(ref.ebc.named_parameters())[name].detach()
+        for tensor, rows, cols in local_blocks(p):
+            worst = max(worst, close(tensor, full[rows, cols], f"{case} {name} weight"))
+        want = ref.state(name)
+        if want is None:
+            assert state.get(name, {}) == {}
+            continue
+        got = next(iter(state[name].values()))
+        pieces = got.local_shards() if isinstance(got, ShardedTensor) else None
+        if pieces is None:
+            worst = max(worst, close(got, want, f"{case} {name} state"))
+        for s in pieces or []:
+            where = tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))
+            worst = max(worst, close(s.tensor, want[where], f"{case} {name} state"))
+    return {"worst": worst}
+
+
+def _train_all_cases(optimizer: str) -> dict[str, float]:
+    out = {}
+    for i, case in enumerate(CASES):
+        out[case] = _train(case, optimizer, fuse_first=i % 2 == 0)["worst"]
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fused_training_matches_unsharded_reference(world: int, optimizer: str) -> None:
+    results = run_on_ranks(world, _train_all_cases, optimizer, timeout=200)
+    assert set(results[0]) == set(CASES)
+
+
+def _fuse_order(optimizer: str, fuse_first: bool) -> dict[str, torch.Tensor]:
+    world = dist.get_world_size()
+    ebc = _ebc()
+    plan = ShardingPlan(world_size=world, modules={"": placements_for("mixed", ebc, world)})
+    if fuse_first:
+        opt = modular.fuse_optimizer(ebc, optimizer, lr=LR, eps=EPS)
+        model = modular.shard(ebc, plan)
+    else:
+        model = modular.shard(ebc, plan)
+        opt = modular.fuse_optimizer(model, optimizer, lr=LR, eps=EPS)
+    for step in range(STEPS):
+        batch = make_batch(ebc, seed=77 * step + dist.get_rank())
+        model(batch).values().square().sum().backward()
+        opt.step()
+    return {n: t.clone() for n, p in model.named_parameters() for t, _, _ in local_blocks(p)}
+
+
+@pytest.mark.timeout(120)
+def test_fuse_then_shard_equals_shard_then_fuse() -> None:
+    a = run_on_ranks(2, _fuse_order, "exact_rowwise_adagrad", True, timeout=100)
+    b = run_on_ranks(2, _fuse_order, "exact_rowwise_adagrad", False, timeout=100)
+    for rank, (x, y) in enumerate(zip(a, b)):
+        assert x.keys() == y.keys()
+        for name in x:
+            assert torch.equal(x[name], y[name]), f"rank {rank} {name}"
+
+
+def _state_keys(kind: str) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
+    world = dist.get_world_size()
+    ebc = _ebc()
+    placement = {
+        "data_parallel": TablePlacement(ShardingType.DATA_PARALLEL),
+        "table_wise": TablePlacement(ShardingType.TABLE_WISE, ranks=(1,)),
+        "row_wise": TablePlacement(ShardingType.ROW_WISE),
+        "column_wise": TablePlacement(ShardingType.COLUMN_WISE),
+    }[kind]
+    plan = ShardingPlan(world_size=world, modules={"": {c.name: placement for c in _tables()}})
+    model = modular.shard(ebc, plan)
+    opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR)
+    sd = opt.state_dict()
+    shapes = [tuple(next(iter(v.values())).size()) for _, v in sorted(sd["state"].items())]
+    return sorted(sd["state"]), [sorted(v) for v in sd["state"].values()][0], shapes
+
+
+@pytest.mark.timeout(120)
+def test_state_dict_keys_do_not_depend_on_the_sharding_type() -> None:
+    seen = {k: run_on_ranks(2, _state_keys, k, timeout=60)[0] for k in ("data_parallel", "table_wise", "row_wise", "column_wise")}
+    first = seen["data_parallel"]
+    assert first[0] == [f"embedding_bags.{c.name}.weight" for c in sorted(_tables(), key=lambda c: c.name)]
+    assert first[1] == ["row_sum"]
+    for kind, keys in seen.items():
+        assert keys == first, kind
+
+
+def test_unsharded_fused_ebc_trains_in_one_process_without_a_process_group() -> None:
+    ebc = _ebc()
+    ref = _Reference(copy.deepcopy(ebc), "exact_adagrad")
+    opt = modular.fuse_optimizer(ebc, "exact_adagrad", lr=LR, eps=EPS)
+    assert isinstance(ebc, modular.ShardedEmbeddingBagCollection) and ebc.is_local
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_scheduler = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        batch = make_batch(ebc, seed=step)
+        out = ebc(batch).values()
+        expected = ref.ebc(batch).values()
+        close(out, expected, f"step {step}")
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        opt.step()
+        ref.step()
+        scheduler.step()
+        ref_scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5**STEPS)
+    for name, p in ebc.named_parameters():
+        close(p.detach(), dict(ref.ebc.named_parameters())[name].detach(), name)
+
+
+def test_optimizer_state_dict_round_trip_in_one_process() -> None:
+    ebc = _ebc()
+    opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR)
+    ebc(make_batch(ebc, seed=1)).values().sum().backward()
+    saved = copy.deepcopy(opt.state_dict())
+    assert any(v["row_sum"].abs().sum() > 0 for v in saved["state"].values())
+    ebc(make_batch(ebc, seed=2)).values().sum().backward()
+    moved = opt.state_dict()["state"]
+    assert any(not torch.equal(moved[k]["row_sum"], saved["state"][k]["row_sum"]) for k in moved)
+    opt.load_state_dict(saved)
+    for key, value in opt.state_dict()["state"].items():
+        assert torch.equal(value["row_sum"], saved["state"][key]["row_sum"]), key
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        ("adam", {"lr": 0.1}, "'adam' is not supported; fbgemm's CPU kernels support 'exact_sgd', 'exact_adagrad', 'exact_rowwise_adagrad'"),
+        ("exact_adagrad", {"lr": 0.0}, "lr must be positive, got 0.0"),
+        ("exact_adagrad", {"lr": 0.1, "eps": -1.0}, "eps must be positive"),
+        ("exact_rowwise_adagrad", {"lr": 0.1, "weight_decay": 0.01}, "weight_decay=0.01 is not supported"),
+    ],
+)
+def test_unsupported_optimizer_or_hyperparameter_is_named(name: str, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        modular.fuse_optimizer(_ebc(), name, **kwargs)
+
+
+def test_fusing_twice_is_an_error() -> None:
+    ebc = _ebc()
+    modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
+    with pytest.raises(ValueError, match="already fused"):
+        modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)

@@ -1,0 +1,428 @@
+"""Train a DLRM whose tables are sharded by a plan, end to end, on CPU ranks or GPUs.
+
+    python examples/train_dlrm.py --world-size 2               # launches 2 gloo CPU ranks itself
+    torchrun --standalone --nproc_per_node=2 examples/train_dlrm.py   # NCCL when CUDA is there
+    python examples/train_dlrm.py --world-size 2 --resume      # continue from the last checkpoint
+    python examples/train_dlrm.py --world-size 2 --steps 0 --resume --export out/dlrm.pt
+
+One training setup, in the order Note [order of sharding calls] (modular/fsdp.py) asks for:
+tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` -> `modular.shard`
+(each rank allocates only its shards) -> `modular.fuse_optimizer` (row-wise Adagrad inside
+backward) -> `modular.apply_fully_shard` on the two MLP towers -> one `CombinedOptimizer`.
+Data is the synthetic Criteo stream (`examples.dlrm.SyntheticCriteo`, seeded per rank and step,
+so a resumed run sees exactly the batches an uninterrupted one would) or a Criteo TSV (`--data`).
+
+# Note [stopping on Ctrl-C]
+Ctrl-C reaches every rank (a terminal signals the whole process group; torchrun forwards it). A
+rank that raised KeyboardInterrupt at once could leave its peers blocked in a collective, so the
+first two SIGINTs only set a flag, which the ranks combine with the per-step loss all-reduce: all
+ranks then stop after the same step, never in the middle of a checkpoint save, and exit with
+status 130 without saving (the last complete checkpoint stays as it was; saves are atomic). A
+third SIGINT raises KeyboardInterrupt as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a script: make `examples`, `modular`, `planners` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import modular
+import planners
+from examples.dlrm import DLRM, Batch, SyntheticCriteo, auc, concat_batches, criteo_table_configs
+from examples.dlrm import read_criteo_tsv
+
+ROWS_CAP = 20_000
+DIM = 16
+BOTTOM_MLP = (64, DIM)
+TOP_MLP = (64, 32)
+EVAL_STEP = 1_000_000  # synthetic held-out batches come from steps training never reaches
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What one run does; every rank must get the same value."""
+
+    steps: int = 300
+    batch_size: int = 256  # per rank
+    lr: float = 0.1  # fused row-wise Adagrad for the tables
+    dense_lr: float = 1e-3  # Adam for the MLP towers
+    seed: int = 0
+    data: Optional[str] = None  # a Criteo TSV; None: the synthetic stream
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0  # 0: only at the end
+    resume: bool = False
+    export: Optional[str] = None
+    eval_batches: int = 4  # per rank
+    device_memory: str = "80GiB"  # what the planner assumes each rank has
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir (where the last run saved)")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a run did, the same on every rank (losses are means over ranks)."""
+
+    start_step: int
+    end_step: int
+    losses: tuple[float, ...]  # one per step run, steps start_step..end_step-1
+    auc: float
+    examples_per_s: float
+    interrupted: bool = False
+    checkpoint: Optional[str] = None
+
+
+def table_configs():
+    return criteo_table_configs(scale_rows_to=ROWS_CAP, dim=DIM)
+
+
+def build_model(device: str | torch.device) -> DLRM:
+    """The example's DLRM; dense towers always on CPU and seeded, tables on `device`."""
+    torch.manual_seed(0)  # the dense init is the same on every rank and in `export` checks
+    return DLRM(table_configs(), bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP, device=device)
+
+
+def make_plan(model: nn.Module, *, world_size: int, batch_size: int, device_memory: str):
+    """The planner's plan for this model (EBC at `sparse.ebc`) on `world_size` ranks of one host."""
+    topology = planners.Topology(world_size, ranks_per_host=world_size, device_memory=device_memory)
+    result = planners.plan_with_stats(model, topology, batch_size=batch_size)
+    return result.plan, result.stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+class Data:
+    """This rank's training batches by step, and its held-out batch."""
+
+    def __init__(self, config: TrainConfig, rank: int, world: int) -> None:
+        rows = [t.num_embeddings for t in table_configs()]
+        if config.data is None:
+            stream = SyntheticCriteo(
+                rows, batch_size=config.batch_size, seed=config.seed, rank=rank, world_size=world
+            )
+            self._batch_at = stream.batch_at
+            self.held_out = concat_batches(
+                [stream.batch_at(EVAL_STEP + i) for i in range(config.eval_batches)]
+            )
+            return
+        batches = list(read_criteo_tsv(config.data, rows, batch_size=config.batch_size, rank=rank, world_size=world))
+        if len(batches) < 2:
+            raise ValueError(
+                f"{config.data} has fewer than 2 * batch_size * world_size = "
+                f"{2 * config.batch_size * world} lines: one window of {config.batch_size * world} "
+                f"lines is held out for AUC and at least one must remain to train on; "
+                f"lower --batch-size"
+            )
+        self.held_out = batches[-1]
+        train = batches[:-1]
+        self._batch_at = lambda step: train[step % len(train)]  # epochs over the file
+
+    def batch_at(self, step: int) -> Batch:
+        return self._batch_at(step)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    if device.type == "cpu":
+        return batch
+    return Batch(batch.dense.to(device), batch.sparse.to(device), batch.labels.to(device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: one directory per saved step; each is committed atomically by modular.checkpoint
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Optional[tuple[int, Path]]:
+    """(step, path) of the newest complete checkpoint under `checkpoint_dir`, or None."""
+    found = [
+        (int(m.group(1)), p)
+        for p in Path(checkpoint_dir).glob("step_*")
+        if (m := _STEP_DIR.match(p.name)) and (p / "checkpoint.json").is_file()
+    ]
+    return max(found) if found else None
+
+
+def save_checkpoint(checkpoint_dir: str, step: int, model: nn.Module, opt) -> Path:
+    path = Path(checkpoint_dir) / f"step_{step:08d}"
+    modular.checkpoint.save(path, model, opt)
+    if dist.get_rank() == 0:  # keep only the newest: `path` is complete, so the rest can go
+        for old in Path(checkpoint_dir).glob("step_*"):
+            if old.name != path.name and _STEP_DIR.match(old.name):
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+class _StopFlag:
+    """Note [stopping on Ctrl-C]: SIGINT sets a flag the ranks agree on after each step."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous = None
+
+    def __enter__(self) -> _StopFlag:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        if self.count >= 3:
+            raise KeyboardInterrupt
+
+
+def _progress(enabled: bool, start: int, end: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=end - start, initial=0, desc=f"steps {start}..{end}", unit="step", file=sys.stderr)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Runs `config` on the default process group (already initialised); collective.
+
+    Only rank 0 prints. Returns the same `TrainResult` on every rank.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    # 1. Plan on a meta model (no memory), for this world size.
+    model = build_model("meta")
+    plan, stats = make_plan(model, world_size=world, batch_size=config.batch_size, device_memory=config.device_memory)
+    kinds: dict[str, int] = {}
+    for placement in plan.modules["sparse.ebc"].values():
+        kinds[placement.sharding_type.value] = kinds.get(placement.sharding_type.value, 0) + 1
+    say(f"plan for {world} ranks: {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}")
+    say(stats.format())
+
+    # 2. Shard the tables (each rank materialises its shards), fuse their optimizer, then FSDP
+    #    for the dense towers, then the dense optimizer over what is left (Note [order of
+    #    sharding calls]).
+    model = modular.shard(model, plan, device=device)
+    fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8)
+    towers = (model.dense, model.over)
+    for tower in towers:  # built on CPU by DLRM; the tables already live on `device`
+        tower.to(device)
+    model = modular.apply_fully_shard(model, modules=lambda m: any(m is t for t in towers))
+    dense = torch.optim.Adam(modular.local_parameters(model), lr=config.dense_lr)
+    opt = modular.CombinedOptimizer({"tables": fused, "dense": dense})
+
+    start = 0
+    if config.resume:
+        found = latest_checkpoint(config.checkpoint_dir)
+        if found is None:
+            raise FileNotFoundError(
+                f"--resume: no complete checkpoint (step_NNNNNNNN/checkpoint.json) under "
+                f"{config.checkpoint_dir!r}; run once without --resume first"
+            )
+        start, path = found
+        modular.checkpoint.load(path, model, opt)
+        say(f"resumed from {path} (step {start})")
+    end = max(start, config.steps)
+
+    data = Data(config, rank, world)
+    losses: list[float] = []
+    examples, seconds, interrupted = 0, 0.0, False
+    saved: Optional[Path] = None
+    bar = _progress(config.progress and rank == 0 and end > start, start, end)
+    with _StopFlag() as stop:
+        for step in range(start, end):
+            began = time.perf_counter()
+            batch = to_device(data.batch_at(step), device)
+            loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
+            opt.zero_grad()
+            loss.backward()  # the tables are updated here (fused)
+            opt.step()
+            # One small all-reduce per step: the loss averaged over ranks, and the stop flag.
+            shared = torch.tensor([loss.item(), float(stop.count > 0)], device=device)
+            dist.all_reduce(shared)
+            losses.append(shared[0].item() / world)
+            if step > start:  # the first step pays one-off costs (allocation, warm-up)
+                examples += config.batch_size * world
+                seconds += time.perf_counter() - began
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", ex_s=f"{examples / max(seconds, 1e-9):,.0f}")
+            if shared[1].item() > 0:
+                interrupted = True
+                end = step + 1
+                break
+            due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
+            if config.checkpoint_dir and due and step + 1 < end:
+                saved = save_checkpoint(config.checkpoint_dir, step + 1, model, opt)
+    if bar is not None:
+        bar.close()
+    if interrupted:
+        say(f"interrupted after step {end}: stopping without saving; the last checkpoint is intact")
+        return TrainResult(start, end, tuple(losses), float("nan"), 0.0, True, str(saved) if saved else None)
+
+    # 3. Held-out AUC over every rank's held-out batch.
+    held_out = to_device(data.held_out, device)
+    with torch.no_grad():
+        logits = model(held_out.dense, held_out.sparse).float()
+    gathered = [torch.empty_like(logits) for _ in range(world)]
+    labels = [torch.empty_like(held_out.labels) for _ in range(world)]
+    dist.all_gather(gathered, logits)
+    dist.all_gather(labels, held_out.labels)
+    score = auc(torch.cat(gathered).cpu(), torch.cat(labels).cpu())
+
+    if config.checkpoint_dir and end > start:
+        saved = save_checkpoint(config.checkpoint_dir, end, model, opt)
+        say(f"saved checkpoint {saved}")
+    if config.export:
+        state = modular.checkpoint.export(model)
+        if state is not None:
+            Path(config.export).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, config.export)
+            say(f"exported the unsharded state_dict ({len(state)} entries) to {config.export}")
+        dist.barrier()
+
+    rate = examples / seconds if seconds else 0.0
+    if losses:
+        say(f"final: loss {losses[-1]:.4f} (first {losses[0]:.4f}), AUC {score:.4f}, {rate:,.0f} examples/s")
+    else:
+        say(f"final: no steps run (at step {start}), AUC {score:.4f}")
+    return TrainResult(start, end, tuple(losses), score, rate, False, str(saved) if saved else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch: under torchrun (RANK / WORLD_SIZE set) or self-launched CPU ranks
+
+
+def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = TrainConfig()
+    p.add_argument("--steps", type=int, default=d.steps, help="train until this global step")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per rank")
+    p.add_argument("--lr", type=float, default=d.lr, help="tables: fused row-wise Adagrad")
+    p.add_argument("--dense-lr", type=float, default=d.dense_lr, help="MLP towers: Adam")
+    p.add_argument("--seed", type=int, default=d.seed, help="the synthetic stream's seed")
+    p.add_argument("--data", default=None, help="a Criteo-format TSV (e.g. examples/data/criteo_sample.tsv)")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--export", default=None, help="write the unsharded state_dict here (torch.save)")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="held-out batches per rank")
+    p.add_argument("--device-memory", default=d.device_memory, help="per rank, for the planner")
+    p.add_argument("--world-size", type=int, default=1, help="CPU ranks to launch (ignored under torchrun)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    config = TrainConfig(
+        steps=a.steps, batch_size=a.batch_size, lr=a.lr, dense_lr=a.dense_lr, seed=a.seed,
+        data=a.data, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
+        resume=a.resume, export=a.export, eval_batches=a.eval_batches,
+        device_memory=a.device_memory, progress=not a.no_progress,
+    )  # fmt: skip
+    return config, a.world_size
+
+
+def _quiet_known_warnings() -> None:
+    # Raised on every step by code outside this example; they say nothing about this run.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered")
+    warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+
+
+def run_rank(config: TrainConfig) -> int:
+    """One rank, from the env:// variables torchrun (or `launch`) sets; the exit status."""
+    _quiet_known_warnings()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        backend = "gloo"
+    dist.init_process_group(backend)
+    try:
+        result = train(config)
+        return 130 if result.interrupted else 0
+    except KeyboardInterrupt:  # a third Ctrl-C (Note [stopping on Ctrl-C])
+        return 130
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: Sequence[str], world_size: int) -> int:
+    """Starts `world_size` CPU ranks of this script, one process each; the worst exit status."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *argv],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+        )
+        for r in range(world_size)
+    ]
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:  # the ranks got the same SIGINT; give them time to stop together
+        deadline = time.monotonic() + 30
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        return 130
+    failed = {r: c for r, c in enumerate(codes) if c != 0}
+    if failed:
+        print(f"ranks exited with non-zero status: {failed}", file=sys.stderr)
+        return 130 if set(failed.values()) == {130} else 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config, world_size = parse_args(argv)
+    if "RANK" in os.environ:  # under torchrun, or one of the ranks `launch` started
+        return run_rank(config)
+    if world_size < 1:
+        raise SystemExit(f"--world-size must be at least 1, got {world_size}")
+    return launch(argv, world_size)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

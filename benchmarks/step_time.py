@@ -1,0 +1,457 @@
+"""Training-step time of our sharded EBC against TorchRec's, side by side in one run.
+
+    python benchmarks/step_time.py                                  # the default config (issue 7)
+    python benchmarks/step_time.py --plans rw --optimizers fused --steps 10
+    python benchmarks/step_time.py --profile rw:fused               # where our step spends time
+
+For each (plan, optimizer) the ranks build one model per contender from the same weights and
+time, on the same synthetic batches, alternating blocks of steps:
+
+  ours      modular.shard + torch.optim.SGD over modular.local_parameters ("dense"), or
+            modular.fuse_optimizer(model, "exact_rowwise_adagrad") ("fused")
+  torchrec  DistributedModelParallel with the equivalent ParameterShardings: compute kernel
+            "dense" with the same torch SGD over its parameters, or "fused" with
+            EXACT_ROWWISE_ADAGRAD in fused_params
+  floor     fbgemm's table-batched kernel alone (SplitTableBatchedEmbeddingBagsCodegen with the
+            fused update, or the dense TBE + SGD) on exactly the ids this rank looks up in our
+            step, with this rank's shard shapes: no input or output dist
+  unsharded one process's plain torchrec EBC (nn.EmbeddingBag per table) + SGD on its own batch
+            ("dense"), or the fused fbgemm TBE over the whole tables ("fused")
+  dense     the "unsharded dense part": the loss and its backward on the pooled output
+
+A step is forward + backward + optimizer; its time is the max over ranks of that step's wall
+time. Each rank runs with one thread (OMP_NUM_THREADS=1); all contenders run on all ranks at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import dataclasses
+import datetime
+import io
+import logging
+import os
+import pstats
+import socket
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+PLANS = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel"}
+OPTIMIZERS = ("dense", "fused")
+LR, EPS = 0.01, 1e-8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tables: int
+    rows: int
+    dim: int
+    batch: int
+    pooling: int
+    world_size: int
+    plans: tuple[str, ...]
+    optimizers: tuple[str, ...]
+    steps: int
+    blocks: int
+    warmup: int
+    profile: Optional[str]
+    torchrec: bool
+
+
+class Model(nn.Module):
+    """A bare EBC under the FQN "ebc" (so both frameworks get the same plan key)."""
+
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt).values()
+
+
+def _make_ebc(cfg: Config, device: str = "cpu"):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows,
+            feature_names=[f"f{i}"], pooling=PoolingType.SUM,
+        )
+        for i in range(cfg.tables)
+    ]  # fmt: skip
+    return EmbeddingBagCollection(tables=tables, device=torch.device(device))
+
+
+def _our_plan(cfg: Config, plan: str):
+    from planners.types import ShardingPlan, ShardingType, TablePlacement
+
+    kind = ShardingType.parse(PLANS[plan])
+    placements = {}
+    for i in range(cfg.tables):
+        if kind is ShardingType.TABLE_WISE:
+            placements[f"t{i}"] = TablePlacement(kind, ranks=(i % cfg.world_size,))
+        elif kind is ShardingType.DATA_PARALLEL:
+            placements[f"t{i}"] = TablePlacement(kind)
+        else:
+            placements[f"t{i}"] = TablePlacement(kind, ranks=tuple(range(cfg.world_size)))
+    return ShardingPlan(world_size=cfg.world_size, modules={"ebc": placements})
+
+
+def _batches(cfg: Config, rank: int, n: int = 4):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    out = []
+    for _ in range(n):
+        lengths = torch.full((cfg.tables * cfg.batch,), cfg.pooling, dtype=torch.int64)
+        values = torch.randint(0, cfg.rows, (int(lengths.sum()),), generator=g)
+        out.append(
+            KeyedJaggedTensor(
+                keys=[f"f{i}" for i in range(cfg.tables)], values=values, lengths=lengths,
+                stride=cfg.batch,
+            )
+        )  # fmt: skip
+    return out
+
+
+# -- the contenders: each is a `step(kjt) -> None` closure --------------------------------------
+
+
+def _loss(pooled: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    return (pooled * probe).sum()
+
+
+def _ours(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
+    import modular
+
+    model = modular.shard(Model(copy.deepcopy(ebc)), _our_plan(cfg, plan))
+    if opt_kind == "fused":
+        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+    else:
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=LR)
+
+    def step(kjt) -> None:
+        opt.zero_grad()
+        _loss(model(kjt), probe).backward()
+        opt.step()
+
+    return model, step
+
+
+def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from planners.torchrec_interop import to_torchrec
+
+    kernel = "fused" if opt_kind == "fused" else "dense"
+    tr_plan = to_torchrec(_our_plan(cfg, plan), Model(ebc), device_type="cpu")
+    for ps_by_table in tr_plan.plan.values():
+        for name, ps in ps_by_table.items():
+            if ps.sharding_type != "data_parallel":
+                ps_by_table[name] = dataclasses.replace(ps, compute_kernel=kernel)
+    fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": EPS}
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
+    model = DistributedModelParallel(
+        Model(copy.deepcopy(ebc)), env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"), plan=tr_plan, sharders=[sharder],
+    )  # fmt: skip
+    # Fused tables update in backward; everything else (dense tables, data-parallel replicas,
+    # whose gradients DDP all-reduces) takes the torch SGD, like ours.
+    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    opt = torch.optim.SGD(list(dense.values()), lr=LR) if dense else None
+
+    def step(kjt) -> None:
+        if opt is not None:
+            opt.zero_grad()
+        _loss(model(kjt), probe).backward()
+        if opt is not None:
+            opt.step()
+
+    return model, step
+
+
+def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
+    """The TBE on this rank's shard shapes and on exactly the ids our input dist gives it."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        DenseTableBatchedEmbeddingBagsCodegen,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    sebc = ours_model.ebc
+    received = []
+    with torch.no_grad():
+        for kjt in kjts:
+            r = sebc.input_dist(kjt)
+            lengths = r.lengths.reshape(-1)
+            values = r.values
+            if r.local is not None:  # data-parallel tables look up this rank's own batch
+                lengths = torch.cat([lengths, r.local.lengths().long()])
+                values = torch.cat([values, r.local.values().long()])
+            received.append((values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)))
+    sizes = []
+    for k in (*sebc._kernels, *sebc._local_kernels):
+        sizes.extend(k.sizes)
+    bags = [int(o.numel() - 1) for _, o in received]
+    per_table = bags[0] // len(sizes)
+    if opt_kind == "fused":
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(r, c, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, c in sizes],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
+            pooling_mode=PoolingMode.SUM,
+        )  # fmt: skip
+        opt = None
+    else:
+        tbe = DenseTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=sizes, pooling_mode=PoolingMode.SUM, use_cpu=True
+        )
+        opt = torch.optim.SGD(tbe.parameters(), lr=LR)
+    grad = torch.randn(per_table, sum(c for _, c in sizes))
+    state = {"i": 0}
+
+    def step(_kjt) -> None:
+        values, offsets = received[state["i"] % len(received)]
+        state["i"] += 1
+        if opt is not None:
+            opt.zero_grad()
+        tbe(values, offsets).backward(grad)
+        if opt is not None:
+            opt.step()
+
+    return step
+
+
+def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
+    if opt_kind == "dense":
+        model = Model(copy.deepcopy(ebc))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+        def step(kjt) -> None:
+            opt.zero_grad()
+            _loss(model(kjt), probe).backward()
+            opt.step()
+
+        return step
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(cfg.rows, cfg.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * cfg.tables,
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
+        pooling_mode=PoolingMode.SUM,
+    )  # fmt: skip
+
+    def step(kjt) -> None:
+        out = tbe(kjt.values(), kjt.offsets()).view(cfg.tables, cfg.batch, cfg.dim)
+        _loss(out.transpose(0, 1).reshape(cfg.batch, -1), probe).backward()
+
+    return step
+
+
+def _dense_part(probe) -> Callable:
+    pooled = torch.randn(probe.shape, requires_grad=True)
+
+    def step(_kjt) -> None:
+        pooled.grad = None
+        _loss(pooled, probe).backward()
+
+    return step
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+def _time_block(step: Callable, kjts, n: int, start: int) -> list[float]:
+    times = []
+    for i in range(n):
+        kjt = kjts[(start + i) % len(kjts)]
+        t0 = time.perf_counter()
+        step(kjt)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _max_over_ranks(times: list[float]) -> list[float]:
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe) -> dict:
+    torch.manual_seed(0)
+    contenders: dict[str, Callable] = {}
+    notes = {}
+    ours_model, contenders["ours"] = _ours(cfg, ebc, plan, opt_kind, probe)
+    if cfg.torchrec:
+        try:
+            _, contenders["torchrec"] = _torchrec(cfg, ebc, plan, opt_kind, probe)
+        except Exception as e:  # reported in the table: TorchRec cannot run this case on CPU
+            notes["torchrec"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    contenders["floor"] = _floor(cfg, ours_model, opt_kind, kjts)
+    contenders["unsharded"] = _unsharded(cfg, ebc, opt_kind, probe)
+    contenders["dense"] = _dense_part(probe)
+    # A failure to build TorchRec on one rank must skip it on all ranks.
+    ok = torch.tensor([int("torchrec" in contenders)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item() and "torchrec" in contenders:
+        del contenders["torchrec"]
+        notes.setdefault("torchrec", "failed on another rank")
+
+    for name, step in contenders.items():
+        _time_block(step, kjts, cfg.warmup, 0)
+    if cfg.profile == f"{plan}:{opt_kind}":
+        _profile(rank, contenders["ours"], kjts, cfg)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    per_block = max(1, cfg.steps // cfg.blocks)
+    for b in range(cfg.blocks):
+        names = list(contenders)
+        if b % 2:
+            names.reverse()
+        for name in names:
+            dist.barrier()
+            times[name] += _max_over_ranks(_time_block(contenders[name], kjts, per_block, b))
+    return {"times": times, "notes": notes}
+
+
+def _profile(rank: int, step: Callable, kjts, cfg: Config) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        _time_block(step, kjts, 5, 0)
+    pr = cProfile.Profile()
+    pr.enable()
+    _time_block(step, kjts, 5, 0)
+    pr.disable()
+    if rank == 0:
+        print(f"\n== torch.profiler, ours, {cfg.profile}, 5 steps, rank 0 ==", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(35)
+        print(f"\n== cProfile, ours, {cfg.profile}, 5 steps, rank 0 ==\n{s.getvalue()}", flush=True)
+
+
+def _worker(rank: int, cfg: Config, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    torch.manual_seed(0)
+    ebc = _make_ebc(cfg)  # the same weights on every rank and for every contender
+    kjts = _batches(cfg, rank)
+    probe = torch.randn(cfg.batch, cfg.tables * cfg.dim, generator=torch.Generator().manual_seed(7))
+    results = {}
+    for plan in cfg.plans:
+        for opt_kind in cfg.optimizers:
+            results[(plan, opt_kind)] = _run_case(cfg, rank, plan, opt_kind, ebc, kjts, probe)
+            if rank == 0:
+                _print_case(plan, opt_kind, results[(plan, opt_kind)])
+    if rank == 0:
+        _print_summary(cfg, results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ms(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:8.1f} {min(xs) * 1e3:8.1f} {max(xs) * 1e3:8.1f}"
+
+
+def _print_case(plan: str, opt_kind: str, result: dict) -> None:
+    print(f"\n{plan}/{opt_kind}: step time, ms (max over ranks per step)", flush=True)
+    print(f"  {'':10} {'median':>8} {'min':>8} {'max':>8}")
+    for name, xs in result["times"].items():
+        print(f"  {name:10} {_ms(xs)}")
+    for name, why in result["notes"].items():
+        print(f"  {name:10} not run: {why}")
+
+
+def _print_summary(cfg: Config, results: dict) -> None:
+    print(
+        f"\n## {cfg.tables} tables x {cfg.rows:,} rows x {cfg.dim} dims, batch {cfg.batch:,} per "
+        f"rank, pooling {cfg.pooling}, SUM, {cfg.world_size} CPU ranks x 1 thread (gloo), "
+        f"{cfg.steps} steps each in {cfg.blocks} alternating blocks, "
+        f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores\n"
+    )
+    print("| plan | optimizer | ours ms | TorchRec ms | ours / TorchRec | floor ms | "
+          "unsharded ms | dense part ms | ours / (floor + dense) |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    med = statistics.median
+    for (plan, opt_kind), r in results.items():
+        t = r["times"]
+        ours = med(t["ours"])
+        if "torchrec" in t:
+            tr, ratio = f"{med(t['torchrec']) * 1e3:.1f}", f"{ours / med(t['torchrec']):.2f}"
+        else:
+            tr, ratio = "n/a", "n/a"
+        floor, dense = med(t["floor"]), med(t["dense"])
+        print(f"| {PLANS[plan]} | {opt_kind} | {ours * 1e3:.1f} | {tr} | {ratio} | "
+              f"{floor * 1e3:.1f} | {med(t['unsharded']) * 1e3:.1f} | {dense * 1e3:.2f} | "
+              f"{ours / (floor + dense):.2f} |")  # fmt: skip
+    for (plan, opt_kind), r in results.items():
+        for name, why in r["notes"].items():
+            print(f"\n{PLANS[plan]}/{opt_kind}: {name} not run: {why}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024, help="samples per rank")
+    p.add_argument("--pooling", type=int, default=20, help="ids per bag")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=["tw", "rw", "cw", "dp"])
+    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks the steps are split in")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", default=None, help="plan:optimizer to profile ours on, e.g. rw:fused")
+    p.add_argument("--no-torchrec", action="store_true")
+    a = p.parse_args(argv)
+    cfg = Config(
+        tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
+        world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
+        steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
+        torchrec=not a.no_torchrec,
+    )  # fmt: skip
+    mp.spawn(_worker, args=(cfg, _free_port()), nprocs=cfg.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,10 +27,8 @@ from modular.embedding_bag import ShardedEmbeddingBagCollection
 __all__ = ["ignored_params", "local_parameters"]
 
 
-def _sharded_subtrees(model: nn.Module) -> list[tuple[str, ShardedEmbeddingBagCollection]]:
-    return [
-        (name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)
-    ]
+def _sharded(model: nn.Module) -> list[ShardedEmbeddingBagCollection]:
+    return [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
 
 
 def ignored_params(model: nn.Module) -> set[torch.Tensor]:
@@ -43,7 +41,7 @@ def ignored_params(model: nn.Module) -> set[torch.Tensor]:
 
         fully_shard(model, ignored_params=modular.ignored_params(model))
     """
-    return {p for _, m in _sharded_subtrees(model) for p in m.parameters()}
+    return {p for m in _sharded(model) for p in m.parameters()}
 
 
 def local_parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -61,8 +59,8 @@ def local_parameters(model: nn.Module) -> list[torch.Tensor]:
     """
     fused = {
         id(p)
-        for _, m in _sharded_subtrees(model)
-        if getattr(m, "fused", False)
+        for m in _sharded(model)
+        if m.fused is not None
         for p in m.parameters()
     }
     out = []

@@ -69,6 +69,8 @@ class FusedTables:
     def _fused_kernel(self, kernel: DenseKernel, config, cw_rowwise, is_local: bool):
         emulate = (
             (is_local and self._world > 1)
+            # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
+            or (config.weight_decay > 0 and self._device.type == "cpu")
             or any(cols % 4 for _, cols in kernel.sizes)
             or any(table in cw_rowwise for table, _ in kernel.group.shards)
         )

@@ -152,6 +152,7 @@ class FusedKernel:
             eps=config.eps,
             pooling_mode=_POOLING[group.pooling],
             device=device,
+            **_weight_decay_args(config),
         )
         self.views = [
             torch.nn.Parameter(w, requires_grad=False) for w in self.tbe.split_embedding_weights()
@@ -198,13 +199,25 @@ class EmulatedFusedKernel(DenseKernel):
             shape = (rows,) if config.optimizer.rowwise() else (rows, cols)
             self.states.append({} if name is None else {name: torch.zeros(shape, device=device)})
 
+    def _decayed(self, view: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """grad + weight_decay * weight on the rows this step touched (fbgemm's L2 mode)."""
+        wd = self.config.weight_decay
+        if wd == 0.0:
+            return grad
+        touched = (grad != 0).any(1, keepdim=True)
+        return grad + wd * view.detach() * touched
+
     def row_square_sums(self) -> list[torch.Tensor]:
         """Per kernel table, the sum over its columns of grad**2 for each row (zeros if no grad)."""
-        grads = [v.grad for v in self.views]
-        return [
-            torch.zeros(v.shape[0], device=v.device) if g is None else (g * g).sum(1)
-            for v, g in zip(self.views, grads)
-        ]
+        out = []
+        for v in self.views:
+            g = v.grad
+            if g is None:
+                out.append(torch.zeros(v.shape[0], device=v.device))
+            else:
+                g = self._decayed(v, g)
+                out.append((g * g).sum(1))
+        return out
 
     @torch.no_grad()
     def apply_update(self, row_mean_squares: Optional[list[Optional[torch.Tensor]]] = None) -> None:
@@ -222,6 +235,7 @@ class EmulatedFusedKernel(DenseKernel):
             if name is None:
                 view.sub_(cfg.lr * grad)
                 continue
+            grad = self._decayed(view, grad)
             state = self.states[i][name]
             if cfg.optimizer.rowwise():
                 given = row_mean_squares[i] if row_mean_squares else None
@@ -231,3 +245,11 @@ class EmulatedFusedKernel(DenseKernel):
                 state.add_(grad * grad)
                 view.sub_(cfg.lr * grad / (state.sqrt() + cfg.eps))
         self.flat_weight.grad = None
+
+
+def _weight_decay_args(config) -> dict:
+    if config.weight_decay == 0.0:
+        return {}
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    return {"weight_decay": config.weight_decay, "weight_decay_mode": WeightDecayMode.L2}

@@ -79,6 +79,10 @@ class FusedConfig:
     def eps(self) -> float:
         return float(self.param_group["eps"])
 
+    @property
+    def weight_decay(self) -> float:
+        return float(self.param_group.get("weight_decay", 0.0))
+
 
 def fuse_optimizer(
     model: nn.Module,
@@ -95,7 +99,10 @@ def fuse_optimizer(
         opt.step()               # a no-op for the tables; kept so loops look the same
 
     Works before or after `modular.shard` (both orders train identically; see Note [fused
-    tables]). Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
+    tables]). `weight_decay` (row-wise Adagrad only) is fbgemm's L2 mode: it is added to the
+    gradient of the rows a step touched. fbgemm's CPU kernel ignores it (measured with
+    fbgemm-gpu-cpu 1.8.0), so on CPU a model with weight decay runs every table through the exact
+    emulated update instead. Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
     `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op). Supported:
     "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad".
     """
@@ -107,11 +114,12 @@ def fuse_optimizer(
         raise ValueError(f"fused {kind.value}: lr must be positive, got {lr}")
     if not eps > 0:
         raise ValueError(f"fused {kind.value}: eps must be positive, got {eps}")
-    if weight_decay != 0.0:
+    if weight_decay < 0:
+        raise ValueError(f"fused {kind.value}: weight_decay must be >= 0, got {weight_decay}")
+    if weight_decay and not kind.rowwise():
         raise ValueError(
-            f"fused {kind.value}: weight_decay={weight_decay} is not supported yet (fbgemm's "
-            "decay touches only the rows a step looked up, and its data-parallel emulation is "
-            "not exact yet); use weight_decay=0.0"
+            f"fused {kind.value}: weight_decay={weight_decay} is not supported: fbgemm's "
+            f"{kind.value} kernel has no weight decay (only exact_rowwise_adagrad has one)"
         )
     targets = [
         (name, m)

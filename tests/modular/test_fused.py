@@ -41,9 +41,10 @@ def _ebc() -> EmbeddingBagCollection:
 class _Reference:
     """The unsharded EBC trained with the torch equivalent of each fused optimizer."""
 
-    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str) -> None:
+    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str, weight_decay: float = 0.0) -> None:
         self.ebc = ebc
         self.kind = optimizer
+        self.weight_decay = weight_decay
         params = list(ebc.parameters())
         if optimizer == "exact_sgd":
             self.opt = torch.optim.SGD(params, lr=LR)
@@ -61,6 +62,8 @@ class _Reference:
             return
         for name, p in self.ebc.named_parameters():  # row-wise Adagrad, written out
             g = p.grad
+            touched = (g != 0).any(1, keepdim=True)
+            g = g + self.weight_decay * p * touched  # fbgemm's L2 mode: rows the step touched
             self.row_sums[name] += (g * g).mean(1)
             p -= LR * g / (self.row_sums[name].sqrt() + EPS)[:, None]
             p.grad = None
@@ -73,18 +76,19 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc()
-    ref = _Reference(copy.deepcopy(ebc), optimizer)
+    ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
+    hyper = {"lr": LR, "eps": EPS, "weight_decay": weight_decay}
     plan = ShardingPlan(world_size=world, modules={"": placements_for(case, ebc, world)})
     keys_before = [n for n, _ in ebc.named_parameters()]
     if fuse_first:
-        opt = modular.fuse_optimizer(ebc, optimizer, lr=LR, eps=EPS)
+        opt = modular.fuse_optimizer(ebc, optimizer, **hyper)
         model = modular.shard(ebc, plan)
     else:
         model = modular.shard(ebc, plan)
-        opt = modular.fuse_optimizer(model, optimizer, lr=LR, eps=EPS)
+        opt = modular.fuse_optimizer(model, optimizer, **hyper)
     assert [n for n, _ in model.named_parameters()] == keys_before
     assert modular.local_parameters(model) == [], "fused tables must not reach a dense optimizer"
     worst = 0.0
@@ -124,6 +128,16 @@ def _train_all_cases(optimizer: str) -> dict[str, float]:
     for i, case in enumerate(CASES):
         out[case] = _train(case, optimizer, fuse_first=i % 2 == 0)["worst"]
     return out
+
+
+def _train_with_weight_decay() -> dict[str, float]:
+    return {c: _train(c, "exact_rowwise_adagrad", c != "row_wise", 0.05)["worst"] for c in CASES}
+
+
+@pytest.mark.timeout(120)
+def test_rowwise_adagrad_weight_decay_matches_fbgemm_l2_semantics() -> None:
+    results = run_on_ranks(2, _train_with_weight_decay, timeout=100)
+    assert set(results[0]) == set(CASES)
 
 
 @pytest.mark.timeout(240)
@@ -231,7 +245,9 @@ def test_optimizer_state_dict_round_trip_in_one_process() -> None:
         ("adam", {"lr": 0.1}, "'adam' is not supported; fbgemm's CPU kernels support 'exact_sgd', 'exact_adagrad', 'exact_rowwise_adagrad'"),
         ("exact_adagrad", {"lr": 0.0}, "lr must be positive, got 0.0"),
         ("exact_adagrad", {"lr": 0.1, "eps": -1.0}, "eps must be positive"),
-        ("exact_rowwise_adagrad", {"lr": 0.1, "weight_decay": 0.01}, "weight_decay=0.01 is not supported"),
+        ("exact_adagrad", {"lr": 0.1, "weight_decay": 0.01}, "fbgemm's exact_adagrad kernel has no weight decay"),
+        ("exact_sgd", {"lr": 0.1, "weight_decay": 0.01}, "fbgemm's exact_sgd kernel has no weight decay"),
+        ("exact_rowwise_adagrad", {"lr": 0.1, "weight_decay": -1.0}, "weight_decay must be >= 0"),
     ],
 )
 def test_unsupported_optimizer_or_hyperparameter_is_named(name: str, kwargs: dict, message: str) -> None:

@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -117,6 +118,31 @@ def make_plan(model: nn.Module, *, world_size: int, batch_size: int, device_memo
     return result.plan, result.stats
 
 
+def shard_model(
+    model: DLRM, plan, config: TrainConfig, device: torch.device
+) -> tuple[DLRM, modular.CombinedOptimizer]:
+    """Shards `model` (tables on `meta`) by `plan` and builds its optimizer; collective.
+
+    The order is Note [order of sharding calls] (modular/fsdp.py): tables first (each rank
+    materialises its shards), their optimizer fused into backward, then FSDP2 for the dense
+    towers, then the dense optimizer over what is left (FSDP's DTensors).
+    """
+    model = modular.shard(model, plan, device=device)
+    fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8)
+    towers = (model.dense, model.over)
+    for tower in towers:  # built on CPU by DLRM; the tables already live on `device`
+        tower.to(device)
+    model = modular.apply_fully_shard(model, modules=lambda m: any(m is t for t in towers))
+    dense = torch.optim.Adam(modular.local_parameters(model), lr=config.dense_lr)
+    return model, modular.CombinedOptimizer({"tables": fused, "dense": dense})
+
+
+def rank_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ---------------------------------------------------------------------------------------------
 # Data
 
@@ -194,11 +220,13 @@ class _StopFlag:
         self._previous = None
 
     def __enter__(self) -> _StopFlag:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is threading.main_thread():  # only it may set handlers
+            self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
     def _handle(self, signum, frame) -> None:
         self.count += 1
@@ -220,7 +248,7 @@ def train(config: TrainConfig) -> TrainResult:
     Only rank 0 prints. Returns the same `TrainResult` on every rank.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     say = print if rank == 0 else (lambda *a, **k: None)
 
     # 1. Plan on a meta model (no memory), for this world size.
@@ -232,17 +260,7 @@ def train(config: TrainConfig) -> TrainResult:
     say(f"plan for {world} ranks: {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}")
     say(stats.format())
 
-    # 2. Shard the tables (each rank materialises its shards), fuse their optimizer, then FSDP
-    #    for the dense towers, then the dense optimizer over what is left (Note [order of
-    #    sharding calls]).
-    model = modular.shard(model, plan, device=device)
-    fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8)
-    towers = (model.dense, model.over)
-    for tower in towers:  # built on CPU by DLRM; the tables already live on `device`
-        tower.to(device)
-    model = modular.apply_fully_shard(model, modules=lambda m: any(m is t for t in towers))
-    dense = torch.optim.Adam(modular.local_parameters(model), lr=config.dense_lr)
-    opt = modular.CombinedOptimizer({"tables": fused, "dense": dense})
+    model, opt = shard_model(model, plan, config, device)
 
     start = 0
     if config.resume:

@@ -1,0 +1,102 @@
+"""examples/train_dlrm.py on 2 gloo ranks: resume continues the same run, export loads strictly.
+
+The pooled ranks of tests/dist.py run `train` in-process (no start-up cost); one test starts the
+script itself, as a user would, to cover the self-launch and the Criteo TSV path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import modular
+
+from tests.dist import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = dict(batch_size=64, eval_batches=1, progress=False)
+
+
+def _losses(config_kwargs: dict) -> tuple:
+    from examples import train_dlrm
+
+    result = train_dlrm.train(train_dlrm.TrainConfig(**SMALL, **config_kwargs))
+    return result.start_step, result.end_step, result.losses
+
+
+def test_resume_continues_the_run_it_stopped(tmp_path: Path) -> None:
+    # Uninterrupted: steps 0..7. Interrupted: steps 0..4, saved, then resumed for 5..7.
+    whole = run_on_ranks(2, _losses, dict(steps=8, checkpoint_dir=str(tmp_path / "a")), timeout=90)
+    first = run_on_ranks(2, _losses, dict(steps=5, checkpoint_dir=str(tmp_path / "b")), timeout=90)
+    assert (tmp_path / "b" / "step_00000005" / "checkpoint.json").is_file()
+    rest = run_on_ranks(
+        2, _losses, dict(steps=8, checkpoint_dir=str(tmp_path / "b"), resume=True), timeout=90
+    )
+    (_, _, full), (_, _, head), (start, end, tail) = whole[0], first[0], rest[0]
+    assert (start, end) == (5, 8)
+    assert full[-1] < full[0] - 0.01, full  # it learns at all
+    # The resumed run sees the same batches with the same tables, dense weights and optimizer
+    # state (Adam moments, row-wise Adagrad sums) as the uninterrupted one.
+    torch.testing.assert_close(torch.tensor(head + tail), torch.tensor(full), atol=1e-5, rtol=1e-5)
+    assert rest[1][2] == tail  # ranks agree on the (all-reduced) losses
+
+
+def _exported_logits_match(checkpoint_dir: str, export: str) -> float:
+    from examples import train_dlrm
+    from examples.dlrm import concat_batches
+
+    config = train_dlrm.TrainConfig(**SMALL, steps=3, checkpoint_dir=checkpoint_dir, export=export)
+    train_dlrm.train(config)
+    # A fresh sharded model from the checkpoint: what the run ended with.
+    world = dist.get_world_size()
+    model = train_dlrm.build_model("meta")
+    plan, _ = train_dlrm.make_plan(model, world_size=world, batch_size=64, device_memory="80GiB")
+    model, opt = train_dlrm.shard_model(model, plan, config, torch.device("cpu"))
+    _, path = train_dlrm.latest_checkpoint(checkpoint_dir)
+    modular.checkpoint.load(path, model, opt)
+    data = train_dlrm.Data(config, dist.get_rank(), world)
+    batch = data.batch_at(1234)
+    with torch.no_grad():
+        local = model(batch.dense, batch.sparse)
+    logits = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(logits, local)
+    batches = [train_dlrm.Data(config, r, world).batch_at(1234) for r in range(world)]
+    if dist.get_rank() != 0:
+        return 0.0
+    reference = train_dlrm.build_model("cpu")
+    reference.load_state_dict(torch.load(export, weights_only=True), strict=True)
+    global_batch = concat_batches(batches)
+    with torch.no_grad():
+        expected = reference(global_batch.dense, global_batch.sparse)
+    torch.testing.assert_close(torch.cat(logits), expected, atol=1e-5, rtol=1e-5)
+    # Trained: the exported tables are not the seeded initial ones.
+    fresh = train_dlrm.build_model("cpu")
+    return (fresh(global_batch.dense, global_batch.sparse) - expected).abs().max().item()
+
+
+def test_export_gives_the_sharded_models_logits_in_one_process(tmp_path: Path) -> None:
+    export = str(tmp_path / "dlrm.pt")
+    moved = run_on_ranks(2, _exported_logits_match, str(tmp_path / "ckpt"), export, timeout=90)
+    assert moved[0] > 1e-3, "the exported model equals the untrained one: were the weights trained?"
+
+
+def test_script_self_launches_two_ranks_on_the_criteo_sample(tmp_path: Path) -> None:
+    command = [
+        sys.executable, str(ROOT / "examples" / "train_dlrm.py"), "--world-size", "2",
+        "--data", str(ROOT / "examples" / "data" / "criteo_sample.tsv"), "--batch-size", "32",
+        "--steps", "4", "--checkpoint-dir", str(tmp_path), "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    final = [line for line in done.stdout.splitlines() if line.startswith("final: ")]
+    assert len(final) == 1, done.stdout  # rank 0 alone prints
+    assert "AUC" in final[0] and "examples/s" in final[0]
+    assert (tmp_path / "step_00000004" / "checkpoint.json").is_file()

@@ -151,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         for world in args.world_sizes:
             topo = topology(world)
             cells = [str(n), str(world)]
+            start = time.perf_counter()
             try:
                 result = planners.plan_with_stats(tables, topo, batch_size=BATCH)
             except NoPlanError as e:
                 ours = None
-                cells += [f"no plan: {str(e).splitlines()[0][:90]}", "-", "-"]
+                reason = str(e).splitlines()[0].removeprefix("no plan fits: ")
+                cells += [f"{time.perf_counter() - start:.2f} s: no plan fits ({reason[:60]}...)", "-", "-"]
             else:
                 ours = result.stats
                 cells += [f"{result.seconds:.2f} s", _ms(ours.max_cost), f"{ours.bound_ratio:.3f}"]

@@ -65,8 +65,9 @@ def _floor(x: float, step: int) -> int:
     return int(np.floor(x / step)) * step if np.isfinite(x) else 0
 
 
-def refine(p: Problem, s: State, max_steps: int | None = None) -> None:
-    """While the slowest rank can be lowered by one move, make the move that lowers it most."""
+def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None = None) -> None:
+    """While the slowest rank can be lowered by one move, make the move that lowers it most;
+    stop early once it is at most `good_enough` seconds (e.g. just above the lower bound)."""
     world = len(s.load)
     host = int(p.model.topology.ranks_per_host or 1)
     on_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]
@@ -135,6 +136,8 @@ def refine(p: Problem, s: State, max_steps: int | None = None) -> None:
     for _ in range(steps):
         r = int(np.argmax(s.load))
         top = float(s.load[r])
+        if top <= good_enough:
+            return
         best: list[Any] = [top * (1 - 1e-7), None]  # the new max of the pair must beat this
         free = p.capacity - s.mem
 

@@ -28,3 +28,4 @@ from modular.clip import clip_grad_norm_
 from modular.fsdp import apply_ddp, apply_fully_shard
 
 __all__ += ["apply_ddp", "apply_fully_shard", "clip_grad_norm_"]
+import modular.checkpoint  # noqa: E402,F401  (modular.checkpoint.save/load/export/load_unsharded)

@@ -1,0 +1,126 @@
+"""Checkpoints that survive a new plan or a new world size, and export to one process.
+
+    modular.checkpoint.save("ckpt/step_1000", model, opt)      # every rank calls it
+    ...                                                        # later, any plan, any world size
+    model = modular.shard(build_model(), new_plan)
+    modular.checkpoint.load("ckpt/step_1000", model, opt)
+
+    sd = modular.checkpoint.export(model)                      # rank 0: plain tensors
+    if sd is not None:
+        single_process_model.load_state_dict(sd, strict=True)
+
+See docs/checkpointing.md, Note [checkpoint layout] and Note [checkpoint keys].
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from modular.checkpoint._export import export, load_unsharded
+from modular.checkpoint._files import (
+    CheckpointError,
+    SafeLoadPlanner,
+    SafeReader,
+    agree,
+    commit,
+    hash_rank_files,
+    new_token,
+    read_manifest,
+    read_metadata,
+    resolve,
+    tmp_dir,
+    verify_file,
+)
+from modular.checkpoint._state import (
+    MODEL,
+    apply_model,
+    apply_optimizer,
+    check_loaded,
+    local_tensors,
+    model_state,
+    optimizer_state,
+    stage,
+)
+
+__all__ = ["CheckpointError", "export", "load", "load_unsharded", "save"]
+
+PathLike = Union[str, os.PathLike]
+
+
+def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> None:
+    """Saves the model (and optimizer) state to the directory `path`, atomically. Collective.
+
+    Sharded tables, data-parallel replicas, FSDP2 params and optimizer state are written by DCP
+    under plan-independent keys (Note [checkpoint keys]), so `load` accepts any later plan and
+    world size. `path` is replaced only once every rank has written everything; an interrupted
+    save leaves the previous checkpoint at `path` intact (Note [checkpoint layout]). `optimizer`
+    may be any optimizer with torch's `state_dict()`/`load_state_dict()` over
+    `modular.local_parameters(model)`, or one whose state is keyed by parameter FQN.
+    """
+    path = Path(path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state, error = None, None
+    try:  # a rank that cannot describe its state must not leave the others in a collective
+        state = model_state(model)
+        if optimizer is not None:
+            state.update(optimizer_state(model, optimizer))
+    except TypeError as e:
+        error = str(e)
+    agree(error)
+    tmp = tmp_dir(path, new_token())
+    if rank == 0:
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(
+        state,
+        storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+        planner=DefaultSavePlanner(flatten_state_dict=False),
+    )
+    digests: list[Optional[dict]] = [None] * world
+    dist.all_gather_object(digests, hash_rank_files(tmp, rank))
+    error = None
+    if rank == 0:
+        files = {name: d for per_rank in digests for name, d in per_rank.items()}
+        try:  # the other ranks must learn that the checkpoint was not committed
+            commit(path, tmp, files, world)
+        except OSError as e:
+            error = f"could not commit checkpoint {str(path)!r} from {str(tmp)!r}: {e}"
+    agree(error)
+
+
+def load(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> None:
+    """Loads a checkpoint written by `save` into `model` (and `optimizer`). Collective.
+
+    The model may be sharded by any plan over any number of ranks: each rank reads just the
+    slices its shards need. Before anything changes, every file is checked against the sha256
+    recorded at save time and every table's name and global shape against the checkpoint's
+    metadata; any problem raises `CheckpointError` on every rank naming the file or table. The
+    state is read into fresh buffers and copied into the model only after every rank has read
+    all of it, so a failed load leaves the model and optimizer as they were.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error, manifest = None, None
+    try:
+        found = resolve(Path(path))
+        manifest = read_manifest(found)
+    except CheckpointError as e:
+        error = str(e)
+    agree(error)
+    names = sorted(manifest["files"])
+    problems = [verify_file(found, n, manifest["files"][n]) for n in names[rank::world]]
+    agree(next((p for p in problems if p is not None), None))
+    staged, error = stage(read_metadata(found), model, optimizer, str(found))
+    agree(error)
+    dcp.load(staged.buffers, storage_reader=SafeReader(found), planner=SafeLoadPlanner())
+    agree(check_loaded(staged))
+    model_values = {k[len(MODEL):]: local_tensors(staged.buffers[k]) for k in staged.model_keys}
+    apply_model(model, model_values)
+    apply_optimizer(staged)

@@ -1,0 +1,140 @@
+"""Between a sharded model and one process: `export` (gather) and `load_unsharded` (scatter).
+
+# Note [export memory]
+`export` walks the model's state one entry at a time, in the same order on every rank. A sharded
+table is sent shard by shard to the destination, which receives each one straight into its slice
+of the final tensor (or, for a column shard, which is not contiguous there, into one shard-sized
+buffer first). So the destination holds the result gathered so far plus at most one shard in
+flight, never a gather list of world_size x the largest shard as `ShardedTensor.gather` would
+allocate. FSDP2 params are all-gathered with `full_tensor()`, one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from modular.checkpoint._files import CheckpointError, agree
+from modular.checkpoint._state import apply_model, describe, global_shape
+
+
+def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:
+    """The whole model as an unsharded state dict of CPU tensors on `rank`; None on other ranks.
+
+    Collective: every rank calls it. The result has the unsharded model's keys and loads with
+    `load_state_dict(strict=True)` into it. See Note [export memory].
+    """
+    me = dist.get_rank()
+    out: Optional[dict[str, Any]] = {} if me == rank else None
+    for fqn, value in get_model_state_dict(model).items():
+        full = gather(value, rank)
+        if out is not None:
+            out[fqn] = full
+    return out
+
+
+def gather(value: Any, dst: int) -> Any:
+    """The full tensor of one state entry on global rank `dst` (CPU), None elsewhere."""
+    me = dist.get_rank()
+    if isinstance(value, ShardedTensor):
+        return _gather_sharded(value, dst)
+    if isinstance(value, DTensor):
+        full = value.full_tensor()
+        return full.cpu() if me == dst else None
+    if isinstance(value, torch.Tensor):  # a replica: every rank holds the whole of it
+        return value.detach().cpu().clone() if me == dst else None
+    return value if me == dst else None
+
+
+def _gather_sharded(st: ShardedTensor, dst: int) -> Optional[torch.Tensor]:
+    me = dist.get_rank()
+    meta = st.metadata()
+    group = st._process_group
+    device = _comm_device(group)
+    full = torch.empty(tuple(st.size()), dtype=meta.tensor_properties.dtype) if me == dst else None
+    local = {tuple(s.metadata.shard_offsets): s.tensor for s in st.local_shards()}
+    for shard in meta.shards_metadata:  # the global shard list: the same order on every rank
+        owner = dist.get_global_rank(group, shard.placement.rank())
+        (r0, c0), (rows, cols) = shard.shard_offsets, shard.shard_sizes
+        if me == owner == dst:
+            full[r0 : r0 + rows, c0 : c0 + cols].copy_(local[(r0, c0)])
+        elif me == owner:
+            dist.send(local[(r0, c0)].detach().contiguous().to(device), dst)
+        elif me == dst:
+            region = full[r0 : r0 + rows, c0 : c0 + cols]
+            if device.type == "cpu" and region.is_contiguous():
+                dist.recv(region, owner)
+            else:
+                buf = torch.empty((rows, cols), dtype=full.dtype, device=device)
+                dist.recv(buf, owner)
+                region.copy_(buf)
+    return full
+
+
+def _comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def load_unsharded(
+    model: nn.Module, state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike]
+) -> None:
+    """Initialises a sharded model from a single-process `state_dict` (or a `torch.save` file).
+
+    Every rank calls it with the same source; each copies only its own slices (a file is memory-
+    mapped, so a rank reads just the pages of its shards). Names and shapes are checked strictly,
+    on every rank, before any weight changes.
+    """
+    source = state_dict_or_path
+    if isinstance(source, (str, os.PathLike)):
+        source = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    live = get_model_state_dict(model)
+    problems = []
+    for fqn, target in live.items():
+        if fqn not in source:
+            problems.append(f"{describe(fqn)}: missing from the state dict")
+        elif isinstance(target, (torch.Tensor, ShardedTensor)):
+            if tuple(source[fqn].shape) != global_shape(target):
+                problems.append(
+                    f"{describe(fqn)}: the state dict holds shape {tuple(source[fqn].shape)}, "
+                    f"the model {global_shape(target)}"
+                )
+    unexpected = [k for k in source if k not in live]
+    if unexpected:
+        problems.append(
+            "the state dict holds " + ", ".join(describe(k) for k in unexpected)
+            + ", which the model does not have"
+        )
+    agree(
+        "the unsharded state dict does not match the model; nothing was loaded:\n  "
+        + "\n  ".join(problems)
+        if problems
+        else None
+    )
+    values = {}
+    for fqn, target in live.items():
+        full = source[fqn]
+        if isinstance(target, ShardedTensor):
+            slices = []
+            for s in target.local_shards():
+                (r0, c0), (rows, cols) = s.metadata.shard_offsets, s.metadata.shard_sizes
+                slices.append(full[r0 : r0 + rows, c0 : c0 + cols])
+            values[fqn] = slices
+        elif isinstance(target, DTensor):
+            values[fqn] = distribute_tensor(
+                full.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+            )
+        else:
+            values[fqn] = full
+    apply_model(model, values)
+
+
+__all__ = ["CheckpointError", "export", "load_unsharded"]

@@ -1,0 +1,262 @@
+"""modular.checkpoint: resharding save/load, resumed training, export/import, and safety.
+
+Every test saves from one pool of gloo ranks and loads in another (possibly of another size)
+through `tmp_path`; snapshots are assembled into full tensors in this process
+(tests/modular/checkpoint_helpers.py) and compared with `torch.equal`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import modular
+from modular.checkpoint import CheckpointError
+from modular.checkpoint._files import MANIFEST, sha256_of
+from tests.dist import run_on_ranks, spawn_ranks
+from tests.modular import checkpoint_helpers as H
+
+TIMEOUT = 90.0
+
+
+def _optimizer(model: torch.nn.Module, name: str) -> Any:
+    if name == "adagrad":
+        return torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
+    if name == "adam":
+        return torch.optim.Adam(modular.local_parameters(model), lr=0.01)
+    if name == "fused":  # fused row-wise Adagrad on the tables, Adam on the dense layer
+        fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
+        dense = torch.optim.Adam(modular.local_parameters(model), lr=0.01)
+        return modular.CombinedOptimizer({"tables": fused, "dense": dense})
+    raise ValueError(name)
+
+
+def _model(kind: str, seed: int, fsdp: bool) -> H.Model:
+    model = H.sharded(kind, seed=seed)
+    if fsdp:  # the dense layer's params become DTensors sharded over the ranks
+        modular.apply_fully_shard(model, modules={torch.nn.Linear})
+    return model
+
+
+def _train_and_save(path: str, kind: str, optimizer: str, steps: int = 2, fsdp: bool = False) -> dict[str, Any]:
+    model = _model(kind, 0, fsdp)
+    opt = _optimizer(model, optimizer)
+    H.train(model, opt, range(steps))
+    modular.checkpoint.save(path, model, opt)
+    return H.local_snapshot(model, opt)
+
+
+def _load_and_snapshot(path: str, kind: str, optimizer: str, fsdp: bool = False) -> dict[str, Any]:
+    model = _model(kind, 1, fsdp)  # other weights than the saved ones, until loaded
+    opt = _optimizer(model, optimizer)
+    modular.checkpoint.load(path, model, opt)
+    return H.local_snapshot(model, opt)
+
+
+# t0 and t3 swap between data-parallel and row-wise from A to B; every table changes type in each.
+RESHARD = [
+    pytest.param(2, "A", 3, "B", "adagrad", id="2A->3B"),
+    pytest.param(3, "B", 2, "A", "adagrad", id="3B->2A"),
+    pytest.param(2, "C", 1, "A", "adagrad", id="2C->1A"),
+    pytest.param(4, "A", 2, "C", "adagrad", id="4A->2C"),
+    pytest.param(2, "A", 3, "B", "fused", id="2A->3B-fused"),
+]
+
+
+@pytest.mark.parametrize("save_world, save_kind, load_world, load_kind, optimizer", RESHARD)
+def test_reshard_restores_weights_optimizer_state_and_outputs(
+    tmp_path: Path, save_world: int, save_kind: str, load_world: int, load_kind: str, optimizer: str
+) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = H.assemble(run_on_ranks(save_world, _train_and_save, path, save_kind, optimizer, timeout=TIMEOUT))
+    loaded = H.assemble(run_on_ranks(load_world, _load_and_snapshot, path, load_kind, optimizer, timeout=TIMEOUT))
+    assert any(k.startswith("optim.") and k.endswith((".sum", ".row_sum")) for k in saved)
+    H.assert_same(saved, loaded, f"world {save_world} plan {save_kind} -> world {load_world} plan {load_kind}")
+
+
+@pytest.mark.parametrize("load_world, load_fsdp", [(3, True), (1, False)], ids=["fsdp3", "plain1"])
+def test_fsdp_dense_params_reshard(tmp_path: Path, load_world: int, load_fsdp: bool) -> None:
+    """FSDP2 DTensor params and their Adam state load into FSDP at another size, or into plain."""
+    path = str(tmp_path / "ckpt")
+    saved = H.assemble(run_on_ranks(2, _train_and_save, path, "A", "adam", fsdp=True, timeout=TIMEOUT))
+    loaded = H.assemble(run_on_ranks(load_world, _load_and_snapshot, path, "B", "adam", fsdp=load_fsdp, timeout=TIMEOUT))
+    assert "optim.state.dense.weight.exp_avg" in saved
+    H.assert_same(saved, loaded, f"FSDP world 2 -> world {load_world}")
+
+
+def _uninterrupted(path: str) -> list[float]:
+    model = H.sharded("A", seed=0)
+    opt = _optimizer(model, "adam")
+    losses = H.train(model, opt, range(2))
+    modular.checkpoint.save(path, model, opt)
+    return losses + H.train(model, opt, range(2, 5))
+
+
+def _resumed(path: str, kind: str) -> list[float]:
+    model = H.sharded(kind, seed=1)
+    opt = _optimizer(model, "adam")  # Adam's state is created lazily: load must create it
+    modular.checkpoint.load(path, model, opt)
+    return H.train(model, opt, range(2, 5))
+
+
+def test_resumed_training_has_the_same_losses(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    reference = run_on_ranks(2, _uninterrupted, path, timeout=TIMEOUT)[0]
+    same_plan = run_on_ranks(2, _resumed, path, "A", timeout=TIMEOUT)[0]
+    assert same_plan == reference[2:], (same_plan, reference)
+    # On a new plan and world size the pooled sums run in another order: equal to rounding.
+    replanned = run_on_ranks(3, _resumed, path, "B", timeout=TIMEOUT)[0]
+    torch.testing.assert_close(replanned, reference[2:], rtol=1e-5, atol=0)
+    assert reference[4] < reference[0]  # it trained
+
+
+def _export(kind: str, fsdp: bool) -> Any:
+    import torch.distributed as dist
+
+    model = _model(kind, 0, fsdp)
+    H.train(model, _optimizer(model, "adagrad"), range(1))
+    sd = modular.checkpoint.export(model)
+    sharded_out = H.eval_outputs(model)
+    if dist.get_rank() != 0:
+        return sd
+    single = H.build(seed=3)
+    single.load_state_dict(sd, strict=True)
+    assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in sd.values())
+    with torch.no_grad():
+        single_out = single.ebc(H.global_batch(99, max_ids=1)).values()
+    assert torch.equal(single_out, sharded_out), (single_out - sharded_out).abs().max()
+    return {k: v.clone() for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("world, kind, fsdp", [(3, "A", False), (2, "B", True)], ids=["3A", "2B-fsdp"])
+def test_export_loads_strictly_into_the_single_process_model(world: int, kind: str, fsdp: bool) -> None:
+    results = run_on_ranks(world, _export, kind, fsdp, timeout=TIMEOUT)
+    assert results[0] is not None and all(r is None for r in results[1:])
+    assert sorted(results[0]) == sorted(H.build(seed=0).state_dict())
+
+
+def _load_unsharded(file: str, kind: str) -> dict[str, Any]:
+    model = H.sharded(kind, seed=1)
+    modular.checkpoint.load_unsharded(model, file)
+    return H.local_snapshot(model)
+
+
+def test_load_unsharded_initialises_every_plan(tmp_path: Path) -> None:
+    single = H.build(seed=7)
+    file = tmp_path / "single.pt"
+    torch.save(single.state_dict(), file)
+    with torch.no_grad():
+        expected_out = single.ebc(H.global_batch(99, max_ids=1)).values()
+    for world, kind in [(3, "C"), (2, "A")]:
+        got = H.assemble(run_on_ranks(world, _load_unsharded, str(file), kind, timeout=TIMEOUT))
+        assert torch.equal(got.pop("outputs"), expected_out)
+        H.assert_same({f"model.{k}": v for k, v in single.state_dict().items()}, got, f"world {world} plan {kind}")
+
+
+# -- safety ------------------------------------------------------------------------------------
+
+
+def _save_and_die(path: str) -> None:
+    """Loads the checkpoint, trains a step, and saves again; rank 1 dies in the middle of writing."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model = H.sharded("A", seed=1)
+    opt = _optimizer(model, "adagrad")
+    modular.checkpoint.load(path, model, opt)
+    H.train(model, opt, range(2, 3))
+    if dist.get_rank() == 1:
+        write_data = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            write_data(self, plan, planner).wait()
+            os.kill(os.getpid(), signal.SIGKILL)  # data files written, metadata not yet
+
+        FileSystemWriter.write_data = write_then_die
+    modular.checkpoint.save(path, model, opt)
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    saved = H.assemble(run_on_ranks(2, _train_and_save, path, "A", "adagrad", timeout=TIMEOUT))
+    outcomes = spawn_ranks(2, _save_and_die, path, timeout=60, collective_timeout=10)
+    assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
+    assert outcomes[0].error is not None or outcomes[0].timed_out, outcomes[0]
+    leftovers = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert leftovers and any(p.name.startswith("__1_") for p in (tmp_path / leftovers[0]).iterdir())
+    loaded = H.assemble(run_on_ranks(2, _load_and_snapshot, path, "B", "adagrad", timeout=TIMEOUT))
+    H.assert_same(saved, loaded, "after the interrupted save")
+    # The next successful save replaces it and clears the half-written directory.
+    run_on_ranks(2, _train_and_save, path, "B", "adagrad", timeout=TIMEOUT)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def _load_expecting_error(path: str, kind: str, table_kwargs: dict[str, Any]) -> str:
+    """Loads into a model that may not match; returns the error after checking nothing changed."""
+    model = H.sharded(kind, seed=1, **table_kwargs)
+    opt = _optimizer(model, "adagrad")
+    before = H.local_snapshot(model, opt)
+    with pytest.raises(CheckpointError) as info:
+        modular.checkpoint.load(path, model, opt)
+    after = H.local_snapshot(model, opt)
+    H.assert_unchanged(before, after, "a failed load")
+    return str(info.value)
+
+
+def test_mismatched_tables_fail_before_loading(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, _train_and_save, path, "A", "adagrad", timeout=TIMEOUT)
+    messages = run_on_ranks(3, _load_expecting_error, path, "B", {"t1_rows": 8}, timeout=TIMEOUT)
+    assert "table 't1' (ebc.embedding_bags.t1.weight)" in messages[0]
+    assert "shape (7, 6), the model (8, 6)" in messages[0]
+    assert "nothing was loaded" in messages[0]
+    messages = run_on_ranks(2, _load_expecting_error, path, "A", {"t3_name": "t9"}, timeout=TIMEOUT)
+    assert "table 't9' (ebc.embedding_bags.t9.weight): missing from the checkpoint" in messages[0]
+    assert "holds table 't3' (ebc.embedding_bags.t3.weight), which the model does not have" in messages[0]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/modular-checkpoint-pwned",))
+
+
+def _rewrite_manifest_entry(directory: Path, name: str) -> None:
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest["files"][name] = sha256_of(directory / name)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_corrupted_or_malicious_files_fail_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    run_on_ranks(2, _train_and_save, str(path), "A", "adagrad", timeout=TIMEOUT)
+    truncated, flipped, evil = (tmp_path / n for n in ("truncated", "flipped", "evil"))
+    for d in (truncated, flipped, evil):
+        shutil.copytree(path, d)
+    data = truncated / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    data = flipped / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    # A `.metadata` that would run a command if unpickled, with a manifest that vouches for it.
+    (evil / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    _rewrite_manifest_entry(evil, ".metadata")
+    marker = Path("/tmp/modular-checkpoint-pwned")
+    marker.unlink(missing_ok=True)
+
+    messages = run_on_ranks(2, _load_expecting_error, str(truncated), "A", {}, timeout=TIMEOUT)
+    assert "__1_0.distcp" in messages[0] and "truncated" in messages[0], messages[0]
+    assert all("__1_0.distcp" in m for m in messages), messages  # every rank raises, naming it
+    messages = run_on_ranks(2, _load_expecting_error, str(flipped), "A", {}, timeout=TIMEOUT)
+    assert "__0_0.distcp" in messages[0] and "corrupted" in messages[0], messages[0]
+    with pytest.raises(Exception, match="posix.system|refusing to unpickle"):
+        run_on_ranks(2, _load_and_snapshot, str(evil), "A", "adagrad", timeout=TIMEOUT)
+    assert not marker.exists()

@@ -35,7 +35,8 @@ def tables_from_model(
     pooling_factors = dict(pooling_factors or {})
     found: dict[str, tuple[Table, ...]] = {}
     for fqn, module in model.named_modules():
-        if not _is_ebc(module) or any(fqn.startswith(f + ".") or not f for f in found if fqn):
+        inside_found = any(not f or fqn.startswith(f + ".") for f in found)  # an EBC's children
+        if not _is_ebc(module) or (fqn and inside_found):
             continue
         weighted = bool(module.is_weighted()) if callable(getattr(module, "is_weighted", None)) else False
         found[fqn] = tuple(

@@ -100,3 +100,42 @@ def test_script_self_launches_two_ranks_on_the_criteo_sample(tmp_path: Path) -> 
     assert len(final) == 1, done.stdout  # rank 0 alone prints
     assert "AUC" in final[0] and "examples/s" in final[0]
     assert (tmp_path / "step_00000004" / "checkpoint.json").is_file()
+
+
+def _interrupt_rank_1_once_training(checkpoint_dir: str):
+    import signal
+    import threading
+    import time
+
+    from examples import train_dlrm
+
+    def send_sigint_once_handled() -> None:  # only once train's handler is in place
+        while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    if dist.get_rank() == 1:
+        threading.Thread(target=send_sigint_once_handled, daemon=True).start()
+    config = train_dlrm.TrainConfig(
+        **SMALL, steps=100_000, checkpoint_dir=checkpoint_dir, checkpoint_every=5
+    )
+    return train_dlrm.train(config)
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    from tests.dist import spawn_ranks
+
+    outcomes = spawn_ranks(2, _interrupt_rank_1_once_training, str(tmp_path), timeout=90)
+    for o in outcomes:
+        assert o.error is None and not o.timed_out, (o.error, o.output[-2000:])
+    results = [o.result for o in outcomes]
+    assert all(r.interrupted for r in results)
+    assert results[0].end_step == results[1].end_step < 100_000
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    # No save at the interrupted step: the newest checkpoint is the last periodic one.
+    last_periodic = results[0].end_step // 5 * 5
+    if last_periodic == results[0].end_step:
+        last_periodic -= 5
+    expected = [f"step_{last_periodic:08d}"] if last_periodic > 0 else []
+    assert saved == expected, (saved, results[0].end_step)

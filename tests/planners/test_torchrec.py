@@ -101,7 +101,7 @@ def test_torchrec_planner_plan_is_no_better_than_ours():
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
     from torchrec.distributed.planner import Topology as TorchRecTopology
     from torchrec.distributed.planner.stats import NoopEmbeddingStats
-    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -117,7 +117,7 @@ def test_torchrec_planner_plan_is_no_better_than_ours():
     planner = EmbeddingShardingPlanner(
         topology=TorchRecTopology(world_size=4, compute_device="cuda", local_world_size=4),
         batch_size=256, constraints=constraints, debug=False, stats=[NoopEmbeddingStats()],
-        storage_reservation=HeuristicalStorageReservation(percentage=0.1))  # fmt: skip
+        storage_reservation=FixedPercentageStorageReservation(percentage=0.1))  # fmt: skip
     theirs = planners.from_torchrec(planner.plan(ebc, [EmbeddingBagCollectionSharder()]),
                                     world_size=4, ranks_per_host=4)  # fmt: skip
     topo = Topology(4)

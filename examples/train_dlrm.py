@@ -382,7 +382,6 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
 
 def _quiet_known_warnings() -> None:
     # Raised on every step by code outside this example; they say nothing about this run.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
 
 

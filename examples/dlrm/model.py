@@ -171,4 +171,5 @@ class DLRM(nn.Module):
         """dense [B, 13] float and sparse KJT with keys f_cat_0.. -> logits [B]."""
         d = self.dense(dense)
         e = self.sparse(sparse)
-        return self.over(dot_interaction(d, e)).squeeze(1)
+        # A fresh tensor, not a view: FSDP2 warns when a root module returns a view (B floats).
+        return self.over(dot_interaction(d, e)).reshape(-1).clone()

@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.no_torchrec:
                 tr_cells[0] = "not run"
             elif smaller is not None and smaller > args.torchrec_timeout / 10:
-                tr_cells[0] = (f"skipped (est. >{args.torchrec_timeout:.0f} s: {n // 10} tables "
-                               f"took {smaller:.0f} s)")  # fmt: skip
+                took = "timed out" if math.isinf(smaller) else f"took {smaller:.0f} s"
+                tr_cells[0] = f"skipped (est. >{args.torchrec_timeout:.0f} s: {n // 10} tables {took})"
                 tr_seconds[(n, world)] = float("inf")
             else:
                 tr = run_torchrec(n, world, args.torchrec_timeout)

@@ -6,11 +6,36 @@ Everything goes through `all_to_all_single` with explicit splits (gloo has no un
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+
+class CollectiveError(RuntimeError):
+    """A collective of a sharded module failed, almost always because a peer rank died or raised.
+
+    # Note [a failed peer]
+    A rank that dies closes its sockets, and gloo fails its peers' pending collectives at once; a
+    rank that raises stays alive and silent, and its peers fail when the collective times out
+    (the `timeout` given to `init_process_group`). Either way torch's message names only a socket
+    or a timeout, so the collectives here re-raise it saying which collective, on which rank, and
+    where to look: the rank that failed first says why in its own error.
+    """
+
+
+def _raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) -> NoReturn:
+    # gloo reports a closed socket or a timeout as a plain RuntimeError, NCCL as a DistError;
+    # any other subclass is someone else's error and passes through as it is.
+    if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
+        raise error
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    raise CollectiveError(
+        f"{what} failed on rank {rank} of {world}: {error}. Another rank most likely died or "
+        "raised before reaching it (see that rank's error or exit status); this rank stops too so "
+        "that none hangs (Note [a failed peer])"
+    ) from error
 
 
 def all_to_all(
@@ -19,12 +44,17 @@ def all_to_all(
     input_splits: list[int],
     output_splits: list[int],
     group: Optional[ProcessGroup],
+    what: str = "an all-to-all of a sharded EmbeddingBagCollection",
 ) -> torch.Tensor:
-    """all_to_all_single of a 1-D tensor with element splits (no autograd)."""
+    """all_to_all_single of a 1-D tensor with element splits (no autograd); `what` names it in
+    the error raised when it fails (Note [a failed peer])."""
     out = tensor.new_empty(sum(output_splits))
-    dist.all_to_all_single(
-        out, tensor.contiguous(), output_splits, input_splits, group=group
-    )
+    try:
+        dist.all_to_all_single(
+            out, tensor.contiguous(), output_splits, input_splits, group=group
+        )
+    except RuntimeError as e:
+        _raise_failed(what, group, e)
     return out
 
 
@@ -52,14 +82,16 @@ class _PooledAllToAll(torch.autograd.Function):
         ctx.grad_scale = grad_scale
         ctx.shape = tensor.shape
         return all_to_all(
-            tensor.reshape(-1), input_splits=input_splits, output_splits=output_splits, group=group
+            tensor.reshape(-1), input_splits=input_splits, output_splits=output_splits, group=group,
+            what="the output-dist all-to-all of pooled embeddings",
         )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         input_splits, output_splits = ctx.splits
         out = all_to_all(
-            grad.contiguous(), input_splits=output_splits, output_splits=input_splits, group=ctx.group
+            grad.contiguous(), input_splits=output_splits, output_splits=input_splits,
+            group=ctx.group, what="the backward all-to-all of pooled-embedding gradients",
         )
         if ctx.grad_scale != 1.0:
             out.mul_(ctx.grad_scale)
@@ -92,7 +124,10 @@ def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup
     device = _collective_device(group)
     mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     out = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
+    try:
+        dist.all_gather(out, mine, group=group)
+    except RuntimeError as e:
+        _raise_failed(f"an all_gather of {width} bytes", group, e)
     return [bytes(t.cpu().tolist()) for t in out]
 
 

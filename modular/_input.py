@@ -146,6 +146,10 @@ class Router:
                 + f". Expected exactly the features {list(self.features)}"
             )
             return Rejection(Problem.FEATURES, feature, message), None
+        # fbgemm's permutation trusts lengths, values and weights to agree; check them first.
+        rejection = self._check_structure(kjt)
+        if rejection is not None:
+            return rejection, None
         perm = self._permutations.get(keys)
         if perm is None:
             perm = torch.tensor([keys.index(f) for f in self.features], dtype=torch.int32)
@@ -154,57 +158,10 @@ class Router:
 
     def check(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
         """Finds the first problem in a batch whose features are already in order."""
-        values, lengths = kjt.values(), kjt.lengths()
-        nf = len(self.features)
-        if values.dtype not in (torch.int32, torch.int64) or lengths.dtype not in (
-            torch.int32,
-            torch.int64,
-        ):
-            return Rejection(
-                Problem.DTYPE,
-                -1,
-                f"ids and lengths for module {self.module!r} must be int32 or int64, got "
-                f"values {values.dtype} and lengths {lengths.dtype}",
-            )
-        if kjt.variable_stride_per_key():
-            return Rejection(
-                Problem.LENGTHS,
-                -1,
-                f"module {self.module!r} needs the same batch size for every feature; "
-                "variable batch per feature is not supported",
-            )
-        if lengths.numel() != nf * kjt.stride():
-            return Rejection(
-                Problem.LENGTHS,
-                -1,
-                f"module {self.module!r}: {lengths.numel()} lengths for {nf} features is not a "
-                f"whole batch (batch size {kjt.stride()} x {nf} = {nf * kjt.stride()})",
-            )
-        total = int(lengths.sum())
-        if total != values.numel() or bool((lengths < 0).any()):
-            return Rejection(
-                Problem.LENGTHS,
-                -1,
-                f"module {self.module!r}: lengths sum to {total} but there are "
-                f"{values.numel()} ids (or a length is negative); lengths must count the ids of "
-                "each bag",
-            )
-        weights = kjt.weights_or_none()
-        if self.is_weighted:
-            if weights is None:
-                return Rejection(
-                    Problem.WEIGHTS,
-                    -1,
-                    f"module {self.module!r} is weighted (is_weighted=True) but the batch has "
-                    "no per-sample weights",
-                )
-            if weights.dtype != torch.float32:
-                return Rejection(
-                    Problem.DTYPE,
-                    -1,
-                    f"per-sample weights for module {self.module!r} must be float32, got "
-                    f"{weights.dtype}",
-                )
+        rejection = self._check_structure(kjt)
+        if rejection is not None:
+            return rejection
+        values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
         if values.numel() == 0:
             return None
         fidx = self.feature_of_values(lengths, kjt.stride())
@@ -232,6 +189,79 @@ class Router:
                     f"feature {self.features[f]!r} (table {tables}) of module {self.module!r} "
                     f"has a non-finite per-sample weight ({float(weights[pos])}); "
                     f"{int(bad.sum())} weights are NaN or inf",
+                )
+        return None
+
+    def _check_structure(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
+        """Dtypes, and lengths and weights that agree with the values; in any feature order."""
+        values, lengths = kjt.values(), kjt.lengths()
+        nf = len(self.features)
+        if values.dtype not in (torch.int32, torch.int64) or lengths.dtype not in (
+            torch.int32,
+            torch.int64,
+        ):
+            return Rejection(
+                Problem.DTYPE,
+                -1,
+                f"ids and lengths for module {self.module!r} must be int32 or int64, got "
+                f"values {values.dtype} and lengths {lengths.dtype}",
+            )
+        if kjt.variable_stride_per_key():
+            return Rejection(
+                Problem.LENGTHS,
+                -1,
+                f"module {self.module!r} needs the same batch size for every feature; "
+                "variable batch per feature is not supported",
+            )
+        if lengths.numel() != nf * kjt.stride():
+            return Rejection(
+                Problem.LENGTHS,
+                -1,
+                f"module {self.module!r}: {lengths.numel()} lengths for {nf} features is not a "
+                f"whole batch (batch size {kjt.stride()} x {nf} = {nf * kjt.stride()})",
+            )
+        negative = lengths < 0
+        if bool(negative.any()):
+            pos = int(negative.nonzero()[0, 0])
+            f = self.features.index(kjt.keys()[pos // kjt.stride()])
+            tables = ", ".join(repr(t) for t in self.feature_tables[f])
+            return Rejection(
+                Problem.LENGTHS,
+                f,
+                f"feature {self.features[f]!r} (table {tables}) of module {self.module!r} has "
+                f"length {int(lengths[pos])} for sample {pos % kjt.stride()}; lengths must count "
+                "the ids of each bag",
+            )
+        total = int(lengths.sum())
+        if total != values.numel():
+            return Rejection(
+                Problem.LENGTHS,
+                -1,
+                f"module {self.module!r}: lengths sum to {total} but there are "
+                f"{values.numel()} ids; lengths must count the ids of each bag",
+            )
+        weights = kjt.weights_or_none()
+        if weights is not None and weights.numel() != values.numel():
+            return Rejection(
+                Problem.WEIGHTS,
+                -1,
+                f"module {self.module!r}: {weights.numel()} per-sample weights for "
+                f"{values.numel()} ids; a batch with weights needs one weight per id",
+            )
+        if self.is_weighted:
+            if weights is None:
+                return Rejection(
+                    Problem.WEIGHTS,
+                    -1,
+                    f"module {self.module!r} is weighted (is_weighted=True) but the batch has "
+                    "no per-sample weights",
+                )
+            if weights.dtype != torch.float32:
+                return Rejection(
+                    Problem.DTYPE,
+                    -1,
+                    f"per-sample weights for module {self.module!r} must be float32, got "
+                    f"{weights.dtype}",
                 )
         return None
 

@@ -1,0 +1,95 @@
+"""Bad batches the id/feature/weight tests of tests/modular/test_shard_errors.py do not cover.
+
+One rank feeds a batch with a wrong dtype, lengths that disagree with the values, or weights that
+disagree with the ids, in module order or with its features shuffled (the shuffle runs fbgemm's
+permutation, which trusts lengths and values: before the structure check it corrupted the heap).
+That rank gets the detailed error, its peers an error naming it, and the next good batch is right.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import modular
+from tests.dist import run_on_ranks
+from tests.faults.helpers import VICTIM
+from tests.modular.cases import BATCH, close, features_of, global_batch, make_batch, make_ebc, plan_for, rank_batches
+
+TIMEOUT_S = 60
+
+
+def _corrupt(kjt: KeyedJaggedTensor, problem: str, shuffled: bool) -> KeyedJaggedTensor:
+    if shuffled:  # same ids, features in reverse order
+        kjt = KeyedJaggedTensor.from_jt_dict({k: kjt[k] for k in reversed(kjt.keys())})
+    values, lengths, weights = kjt.values(), kjt.lengths().clone(), kjt.weights_or_none()
+    if problem == "float_ids":
+        values = values.float()
+    elif problem == "int16_ids":
+        values = values.short()
+    elif problem == "float64_weights":
+        weights = weights.double()
+    elif problem == "too_few_ids":  # the last 2 ids are gone, their lengths are not
+        values = values[:-2]
+        weights = None if weights is None else weights[:-2]
+    elif problem == "too_many_lengths":
+        lengths[-1] += 1000
+    elif problem == "negative_length":  # 'f_c' sample 1 (unshuffled: bag 2 * BATCH + 1)
+        lengths[kjt.keys().index("f_c") * BATCH + 1] = -1
+    elif problem == "too_few_weights":
+        weights = weights[:-1]
+    else:
+        raise ValueError(problem)
+    return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths, weights=weights)
+
+
+def _bad_batch(problem: str, shuffled: bool) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    weighted = "weights" in problem
+    ref = make_ebc(weighted)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world))
+    batch = make_batch(ref, seed=rank, empty=False)
+    if rank == VICTIM:
+        batch = _corrupt(batch, problem, shuffled)
+    try:
+        ebc(batch)
+    except modular.InputError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"rank {rank}: a batch with {problem} on rank {VICTIM} was accepted")
+    batches = rank_batches(ref, world, step=1)
+    got = ebc(batches[rank]).values()
+    close(got, ref(global_batch(batches)).values()[rank * BATCH : (rank + 1) * BATCH], f"rank {rank}: the next good batch")
+    return message
+
+
+# problem -> (the victim's message, what its peers are told)
+OWN_AND_PEER = {
+    "float_ids": (r"ids and lengths for module '' must be int32 or int64, got values torch\.float32 and lengths torch\.int64", "a wrong dtype"),
+    "int16_ids": (r"must be int32 or int64, got values torch\.int16", "a wrong dtype"),
+    "float64_weights": (r"per-sample weights for module '' must be float32, got torch\.float64", "a wrong dtype"),
+    "too_few_ids": (r"module '': lengths sum to (\d+) but there are (\d+) ids; lengths must count the ids of each bag", "lengths that do not match the values"),
+    "too_many_lengths": (r"module '': lengths sum to \d+ but there are \d+ ids", "lengths that do not match the values"),
+    "negative_length": (r"feature 'f_c' \(table 't_mean'\) of module '' has length -1 for sample 1; lengths must count the ids of each bag", "lengths that do not match the values in feature 'f_c'"),
+    "too_few_weights": (r"module '': (\d+) per-sample weights for (\d+) ids; a batch with weights needs one weight per id", "bad per-sample weights"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shuffled", [False, True], ids=["in_order", "shuffled"])
+@pytest.mark.parametrize("problem", sorted(OWN_AND_PEER))
+def test_bad_batch_on_one_rank_names_the_problem_there_and_stops_its_peers(problem: str, shuffled: bool) -> None:
+    messages = run_on_ranks(3, _bad_batch, problem, shuffled, timeout=TIMEOUT_S)
+    own, peer = OWN_AND_PEER[problem]
+    match = re.search(own, messages[VICTIM])
+    assert match, messages[VICTIM]
+    if problem in ("too_few_ids", "too_few_weights"):
+        assert int(match.group(1)) != int(match.group(2)), messages[VICTIM]
+    for rank, message in enumerate(messages):
+        if rank != VICTIM:
+            assert message.startswith(f"rank {VICTIM} rejected its batch for module '' ({peer}"), message

@@ -1,0 +1,216 @@
+"""What the input checks of a sharded EBC cost per training step, side by side with the step.
+
+    python benchmarks/input_checks.py                          # the default config, 2 gloo ranks
+    python benchmarks/input_checks.py --plans rw --steps 40
+
+Input dist starts by checking the batch (`Router.normalise`, then `Router.check`: dtypes, lengths
+against values, weights, every id against its table's rows; see modular/_input.py) so that a bad
+batch raises on every rank instead of hanging them or reading out of bounds. On each rank and for
+each plan this times, on the same batches and in alternating blocks:
+
+  step      one training step of the sharded EBC (forward + backward + SGD), checks included
+  checks    normalise + check alone, on a batch already in the module's feature order
+  shuffled  normalise + check on the same batch with its features in reverse order (normalise
+            then also checks the structure first and permutes the batch, as a real input would)
+
+A time is the max over ranks of one step's wall time; the report gives medians and the checks'
+share of a step. Each rank runs with one thread (OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+PLANS = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tables: int
+    rows: int
+    dim: int
+    batch: int
+    pooling: int
+    world_size: int
+    plans: tuple[str, ...]
+    steps: int
+    blocks: int
+    warmup: int
+
+
+class Model(nn.Module):
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt).values()
+
+
+def _make_ebc(cfg: Config):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows,
+                           feature_names=[f"f{i}"], pooling=PoolingType.SUM)
+        for i in range(cfg.tables)
+    ]  # fmt: skip
+    return EmbeddingBagCollection(tables=tables)
+
+
+def _plan(cfg: Config, plan: str):
+    from planners.types import ShardingPlan, ShardingType, TablePlacement
+
+    kind = ShardingType.parse(PLANS[plan])
+    placements = {}
+    for i in range(cfg.tables):
+        if kind is ShardingType.TABLE_WISE:
+            placements[f"t{i}"] = TablePlacement(kind, ranks=(i % cfg.world_size,))
+        elif kind is ShardingType.DATA_PARALLEL:
+            placements[f"t{i}"] = TablePlacement(kind)
+        else:
+            placements[f"t{i}"] = TablePlacement(kind, ranks=tuple(range(cfg.world_size)))
+    return ShardingPlan(world_size=cfg.world_size, modules={"ebc": placements})
+
+
+def _batches(cfg: Config, rank: int, n: int = 4):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    out = []
+    for _ in range(n):
+        lengths = torch.full((cfg.tables * cfg.batch,), cfg.pooling, dtype=torch.int64)
+        values = torch.randint(0, cfg.rows, (int(lengths.sum()),), generator=g)
+        keys = [f"f{i}" for i in range(cfg.tables)]
+        out.append(KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=cfg.batch))
+    return out
+
+
+def _shuffled(kjt):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return KeyedJaggedTensor.from_jt_dict({k: kjt[k] for k in reversed(kjt.keys())})
+
+
+def _contenders(cfg: Config, plan: str, ebc) -> dict[str, tuple[Callable, bool]]:
+    """name -> (step(kjt), whether it takes the shuffled batch)."""
+    import modular
+
+    model = modular.shard(Model(ebc), _plan(cfg, plan))
+    router = model.ebc._router
+    opt = torch.optim.SGD(modular.local_parameters(model), lr=0.01)
+
+    def step(kjt) -> None:
+        opt.zero_grad()
+        model(kjt).sum().backward()
+        opt.step()
+
+    def checks(kjt) -> None:
+        rejection, kjt = router.normalise(kjt)
+        if rejection is None:
+            rejection = router.check(kjt)
+        if rejection is not None:
+            raise RuntimeError(rejection.message)
+
+    return {"step": (step, False), "checks": (checks, False), "shuffled": (checks, True)}
+
+
+def _time_block(fn: Callable, kjts, n: int, start: int) -> list[float]:
+    times = []
+    for i in range(n):
+        kjt = kjts[(start + i) % len(kjts)]
+        t0 = time.perf_counter()
+        fn(kjt)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _max_over_ranks(times: list[float]) -> list[float]:
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _run_plan(cfg: Config, plan: str, kjts) -> dict[str, list[float]]:
+    torch.manual_seed(0)
+    contenders = _contenders(cfg, plan, _make_ebc(cfg))
+    shuffled = [_shuffled(k) for k in kjts]
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    per_block = max(1, cfg.steps // cfg.blocks)
+    for name, (fn, shuffle) in contenders.items():
+        _time_block(fn, shuffled if shuffle else kjts, cfg.warmup, 0)
+    for block in range(cfg.blocks):
+        for name, (fn, shuffle) in contenders.items():
+            dist.barrier()
+            t = _time_block(fn, shuffled if shuffle else kjts, per_block, block * per_block)
+            times[name] += _max_over_ranks(t)
+    return times
+
+
+def _worker(rank: int, cfg: Config, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    kjts = _batches(cfg, rank)
+    if rank == 0:
+        ids = cfg.tables * cfg.batch * cfg.pooling
+        print(f"{cfg.tables} tables x {cfg.rows:_} rows x {cfg.dim} dims, batch {cfg.batch}/rank, "
+              f"pooling {cfg.pooling} ({ids:_} ids/rank/step), {cfg.world_size} gloo ranks, "
+              f"{cfg.steps} steps, medians of the max over ranks\n")  # fmt: skip
+        print(f"{'plan':<14} {'step ms':>9} {'checks ms':>10} {'share':>7} {'shuffled ms':>12} {'share':>7}")
+    for plan in cfg.plans:
+        times = _run_plan(cfg, plan, kjts)
+        if rank == 0:
+            med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+            print(f"{PLANS[plan]:<14} {med['step']:>9.2f} {med['checks']:>10.3f} "
+                  f"{100 * med['checks'] / med['step']:>6.2f}% {med['shuffled']:>12.3f} "
+                  f"{100 * med['shuffled'] / med['step']:>6.2f}%", flush=True)  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024, help="samples per rank")
+    p.add_argument("--pooling", type=int, default=20, help="ids per bag")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=["tw", "rw", "cw", "dp"])
+    p.add_argument("--steps", type=int, default=20, help="timed steps per contender and plan")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks the steps are split in")
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args(argv)
+    cfg = Config(tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
+                 world_size=a.world_size, plans=tuple(a.plans), steps=a.steps, blocks=a.blocks,
+                 warmup=a.warmup)  # fmt: skip
+    mp.spawn(_worker, args=(cfg, _free_port()), nprocs=cfg.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

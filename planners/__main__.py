@@ -112,7 +112,10 @@ def _workload(args: argparse.Namespace, recorded: dict, plan_path: str) -> tuple
     if batch is None:
         raise PlanError(f"{plan_path} does not record the batch size; pass --batch-size")
     optimizer = args.optimizer or recorded.get("optimizer", Optimizer.ROWWISE_ADAGRAD.value)
-    return batch, optimizer, args.module if args.module is not None else recorded.get("module")
+    module = args.module if args.module is not None else recorded.get("module")
+    if module is not None and not isinstance(module, str):
+        raise PlanError(f"{plan_path}: the recorded module must be an FQN string, got {module!r}")
+    return batch, optimizer, module
 
 
 def _module_for(plan: ShardingPlan, module: str | None) -> str:

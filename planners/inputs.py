@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 GiB = 1024**3
+MAX_WORLD_SIZE = 1 << 20
 
 
 class DataType(enum.Enum):
@@ -103,13 +104,15 @@ def parse_bytes(value: str | int | float, what: str = "size") -> int:
         raise PlanError(f"{what} must be a byte count like '80GiB', got {value!r}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
-    else:
+    elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if not match or match.group(2).lower() not in _UNITS:
             raise PlanError(
                 f"{what} must be a byte count like '80GiB', '80GB' or '85899345920', got {value!r}"
             )
         number, unit = float(match.group(1)), match.group(2).lower()
+    else:  # e.g. a list or mapping in a plan file's settings
+        raise PlanError(f"{what} must be a byte count like '80GiB', got {value!r}")
     result = number * _UNITS[unit]
     if not math.isfinite(result) or result <= 0:
         raise PlanError(f"{what} must be positive, got {value!r}")
@@ -232,6 +235,11 @@ class Topology:
 
     def __post_init__(self) -> None:
         _positive_int(self.world_size, "world_size")
+        if self.world_size > MAX_WORLD_SIZE:  # the planner keeps per-rank arrays
+            raise PlanError(
+                f"world_size {self.world_size} is more ranks than the planner handles "
+                f"(at most {MAX_WORLD_SIZE:_})"
+            )
         if self.ranks_per_host is None:
             object.__setattr__(self, "ranks_per_host", min(8, self.world_size))
         _positive_int(self.ranks_per_host, "ranks_per_host")

@@ -15,7 +15,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
-from modular._kernels import DenseKernel, EmulatedFusedKernel, FusedKernel
+from modular._emulated import EmulatedFusedKernel
+from modular._kernels import DenseKernel, FusedKernel
 from planners.types import ShardingType, ShardSpec
 
 
@@ -179,24 +180,27 @@ class FusedTables:
         torch.autograd.Variable._execution_engine.queue_callback(self._apply_emulated_updates)
 
     def _apply_emulated_updates(self) -> None:
-        """End of backward: row statistics of column-wise row-wise-Adagrad tables are summed over
-        their column shards (one all-reduce per table, same order on every rank), then every
-        emulated kernel applies its update. Data-parallel gradients were all-reduced by their
-        hooks already."""
+        """End of backward (Note [emulated fused kernels]): the collectives, in the same order on
+        every rank (column-wise row statistics by table, then data-parallel gradients by kernel),
+        then each emulated kernel's update on the rows it touched."""
+        grads = {id(k): k.take_pending() for k in self._emulated}
         row_means: dict[str, torch.Tensor] = {}
         for table_name in self._cw_rowwise:
-            t = self.layout.table_index(table_name)
-            table = self.layout.tables[t]
+            table = self.layout.table(table_name)
             acc = torch.zeros(table.num_embeddings, device=self._device)
             for k in self._emulated:
-                for (name, j), sums in zip(k.group.shards, k.row_square_sums()):
-                    if name == table_name:
-                        acc += sums
+                for t, ((name, _), g) in enumerate(zip(k.group.shards, grads[id(k)])):
+                    if name == table_name and g is not None:
+                        decayed = k.decayed(t, g)
+                        acc.index_add_(0, g.rows, (decayed * decayed).sum(1))
             if not self._local_only:
                 dist.all_reduce(acc, group=self._pg)
             row_means[table_name] = acc / table.embedding_dim
         for k in self._emulated:
-            k.apply_update([row_means.get(name) for name, _ in k.group.shards])
+            g = grads[id(k)]
+            if k in self._local_kernels and self._world > 1:
+                g = k.all_gather_mean(g, world=self._world, group=self._pg)
+            k.apply(g, [row_means.get(name) for name, _ in k.group.shards])
 
 
 def _frozen(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:

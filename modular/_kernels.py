@@ -178,6 +178,10 @@ class FusedKernel:
             out.append({name: states[0].view(shape)})
         return out
 
+    @property
+    def flat_weight(self) -> torch.Tensor:
+        return self.tbe.weights_host
+
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
@@ -186,74 +190,6 @@ class FusedKernel:
             self.tbe.set_learning_rate(lr)
             self._lr = lr
         return self.tbe(indices, offsets, per_sample_weights=weights)
-
-
-class EmulatedFusedKernel(DenseKernel):
-    """The same update as FusedKernel, done in torch at the end of backward on a dense gradient.
-
-    Used where fbgemm's fused kernel would be wrong or cannot run: data-parallel replicas (their
-    gradient must be all-reduced before the update, or replicas drift apart), column-wise shards
-    under row-wise Adagrad (the row statistic spans every column shard), and shard widths that are
-    not multiples of 4. Matches fbgemm's exact optimizers to float rounding.
-    """
-
-    def __init__(
-        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
-    ) -> None:
-        super().__init__(group, sizes, device, trainable=False)
-        self.config = config
-        name = config.optimizer.state_name()
-        self.states = []
-        for rows, cols in sizes:
-            shape = (rows,) if config.optimizer.rowwise() else (rows, cols)
-            self.states.append({} if name is None else {name: torch.zeros(shape, device=device)})
-
-    def _decayed(self, view: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """grad + weight_decay * weight on the rows this step touched (fbgemm's L2 mode)."""
-        wd = self.config.weight_decay
-        if wd == 0.0:
-            return grad
-        touched = (grad != 0).any(1, keepdim=True)
-        return grad + wd * view.detach() * touched
-
-    def row_square_sums(self) -> list[torch.Tensor]:
-        """Per kernel table, the sum over its columns of grad**2 for each row (zeros if no grad)."""
-        out = []
-        for v in self.views:
-            g = v.grad
-            if g is None:
-                out.append(torch.zeros(v.shape[0], device=v.device))
-            else:
-                g = self._decayed(v, g)
-                out.append((g * g).sum(1))
-        return out
-
-    @torch.no_grad()
-    def apply_update(self, row_mean_squares: Optional[list[Optional[torch.Tensor]]] = None) -> None:
-        """Applies one optimizer step to every table of the kernel, then drops the gradient.
-
-        `row_mean_squares[i]`, when given, replaces table i's own mean of grad**2 per row (for
-        row-wise Adagrad over column shards, where the mean spans all shards).
-        """
-        cfg = self.config
-        name = cfg.optimizer.state_name()
-        for i, view in enumerate(self.views):
-            grad = view.grad
-            if grad is None:
-                continue
-            if name is None:
-                view.sub_(cfg.lr * grad)
-                continue
-            grad = self._decayed(view, grad)
-            state = self.states[i][name]
-            if cfg.optimizer.rowwise():
-                given = row_mean_squares[i] if row_mean_squares else None
-                state.add_(given if given is not None else (grad * grad).mean(1))
-                view.sub_(cfg.lr * grad / (state.sqrt() + cfg.eps)[:, None])
-            else:
-                state.add_(grad * grad)
-                view.sub_(cfg.lr * grad / (state.sqrt() + cfg.eps))
-        self.flat_weight.grad = None
 
 
 def _weight_decay_args(config) -> dict:

@@ -28,7 +28,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from modular._comm import all_to_all, pooled_all_to_all
 from modular._input import InputError, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables, _index_of_rank
-from modular._kernels import DenseKernel, EmulatedFusedKernel, ShardView
+from modular._emulated import EmulatedFusedKernel
+from modular._kernels import DenseKernel, ShardView
 from modular._layout import KernelGroup, Layout, Pooling, TableInfo, build_layout, kernel_groups
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
@@ -329,15 +330,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     def input_dist(self, features: KeyedJaggedTensor) -> Received:
         """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
         rejection, kjt = self._router.normalise(features)
+        routed = None
         if rejection is None:
-            rejection = self._router.check(kjt)
+            rejection, routed = self._router.check_and_route(kjt)
         batch = features.stride()
         world = self._world
-        if rejection is None:
-            routed = self._router.route(kjt)
-            counts = routed.values_per_rank
-        else:
-            counts = [0] * world
+        counts = routed.values_per_rank if routed is not None else [0] * world
         # One small all-to-all tells every rank how much is coming and whether anyone failed, so
         # a bad batch on one rank raises on every rank instead of hanging the others.
         if self._local_only:

@@ -1,0 +1,234 @@
+"""fbgemm's exact fused optimizers, done in torch on the rows a step looked up.
+
+# Note [emulated fused kernels]
+Where fbgemm's fused kernel would be wrong or cannot run (Note [fused tables] in modular/optim.py)
+the lookup still runs fbgemm's TBE forward, but backward computes a *sparse* gradient: for each
+table, the unique rows its ids touched and their summed gradients (never a dense (rows, dim)
+buffer). At the end of backward the owning module applies the update to those rows alone, after
+the collectives that make it exact: the per-row statistic of row-wise Adagrad summed over a
+column-wise table's shards, and data-parallel gradients averaged over ranks. Rows count as
+touched when a step looked them up, which is also what fbgemm's weight decay uses.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    DenseTableBatchedEmbeddingBagsCodegen,
+)
+
+from modular._kernels import _POOLING
+from modular._layout import KernelGroup, Pooling
+
+
+class RowGrad(NamedTuple):
+    """A table's sparse gradient: unique rows (ascending) and their summed gradients."""
+
+    rows: torch.Tensor  # (k,) int64
+    grad: torch.Tensor  # (k, cols)
+
+
+class _SparseLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, placeholder, kernel, indices, offsets, weights):  # type: ignore[override]
+        ctx.kernel = kernel
+        ctx.inputs = (indices, offsets, weights)
+        return kernel.tbe(indices, offsets, per_sample_weights=weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        ctx.kernel.pending.append(ctx.kernel.sparse_grads(grad_out, *ctx.inputs))
+        return None, None, None, None, None
+
+
+class EmulatedFusedKernel:
+    """One kernel group with fbgemm's forward and the optimizer applied in torch (see the Note)."""
+
+    def __init__(
+        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+    ) -> None:
+        self.group = group
+        self.sizes = sizes
+        self.config = config
+        self.tbe = DenseTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=sizes,
+            feature_table_map=list(group.feature_table_map),
+            pooling_mode=_POOLING[group.pooling],
+            use_cpu=device.type == "cpu",
+        )
+        self.tbe.to(device)
+        self.tbe.weights.requires_grad_(False)
+        self.views, start = [], 0
+        for rows, cols in sizes:
+            view = self.tbe.weights.detach()[start : start + rows * cols].view(rows, cols)
+            self.views.append(torch.nn.Parameter(view, requires_grad=False))
+            start += rows * cols
+        name = config.optimizer.state_name()
+        self.states = []
+        for rows, cols in sizes:
+            shape = (rows,) if config.optimizer.rowwise() else (rows, cols)
+            self.states.append({} if name is None else {name: torch.zeros(shape, device=device)})
+        self.pending: list[list[Optional[RowGrad]]] = []
+        self._placeholder = torch.zeros(0, device=device, requires_grad=True)
+        dims = [r.shard.num_cols for r in group.routes]
+        self._route_cols = [sum(dims[:i]) for i in range(len(dims))]
+        self._route_dims = dims
+
+    @property
+    def flat_weight(self) -> torch.Tensor:
+        return self.tbe.weights
+
+    def __call__(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        return _SparseLookup.apply(self._placeholder, self, indices, offsets, weights)
+
+    def sparse_grads(
+        self,
+        grad_out: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+    ) -> list[Optional[RowGrad]]:
+        """Each kernel table's gradient from the pooled outputs' gradient, as (rows, sums)."""
+        routes = len(self.group.routes)
+        bags = offsets.numel() - 1
+        per_route = bags // routes
+        lengths = offsets[1:] - offsets[:-1]
+        sample = torch.repeat_interleave(
+            torch.arange(bags, device=offsets.device) % per_route, lengths, output_size=indices.numel()
+        )
+        scale = None if weights is None else weights
+        if self.group.pooling is Pooling.MEAN:
+            inverse = 1.0 / lengths.clamp(min=1).to(grad_out.dtype)
+            per_id = torch.repeat_interleave(inverse, lengths, output_size=indices.numel())
+            scale = per_id if scale is None else scale * per_id
+        bounds = offsets[::per_route].tolist()
+        ids_of: list[list[torch.Tensor]] = [[] for _ in self.sizes]
+        grads_of: list[list[torch.Tensor]] = [[] for _ in self.sizes]
+        for f, t in enumerate(self.group.feature_table_map):
+            lo, hi = bounds[f], bounds[f + 1]
+            if lo == hi:
+                continue
+            col = self._route_cols[f]
+            g = grad_out.narrow(1, col, self._route_dims[f]).index_select(0, sample[lo:hi])
+            if scale is not None:
+                g = g * scale[lo:hi, None]
+            ids_of[t].append(indices[lo:hi])
+            grads_of[t].append(g)
+        return [
+            _coalesce(torch.cat(ids), torch.cat(gs), cols) if ids else None
+            for ids, gs, (_, cols) in zip(ids_of, grads_of, self.sizes)
+        ]
+
+    def take_pending(self) -> list[Optional[RowGrad]]:
+        """The gradients of every backward since the last update, summed per table."""
+        pending, self.pending = self.pending, []
+        out: list[Optional[RowGrad]] = []
+        for t, (_, cols) in enumerate(self.sizes):
+            parts = [p[t] for p in pending if p[t] is not None]
+            if not parts:
+                out.append(None)
+            elif len(parts) == 1:
+                out.append(parts[0])
+            else:
+                rows = torch.cat([p.rows for p in parts])
+                out.append(_coalesce(rows, torch.cat([p.grad for p in parts]), cols))
+        return out
+
+    def decayed(self, t: int, g: RowGrad) -> torch.Tensor:
+        """grad + weight_decay * weight on the touched rows (fbgemm's L2 mode)."""
+        wd = self.config.weight_decay
+        if wd == 0.0:
+            return g.grad
+        return g.grad + wd * self.views[t].detach().index_select(0, g.rows)
+
+    def all_gather_mean(
+        self, grads: list[Optional[RowGrad]], *, world: int, group
+    ) -> list[Optional[RowGrad]]:
+        """Data-parallel replicas: every rank gathers every rank's touched rows and gradients and
+        sums them in rank order, so all replicas apply the same mean gradient (three collectives
+        per kernel, the same order on every rank). Sends only the touched rows, not the table."""
+        device = self._placeholder.device
+        counts = torch.tensor([0 if g is None else g.rows.numel() for g in grads], device=device)
+        all_counts = _all_gather_padded([counts], counts.numel(), group, world, torch.int64, device)
+        rows_mine = [g.rows for g in grads if g is not None]
+        vals_mine = [g.grad.reshape(-1) for g in grads if g is not None]
+        cols = torch.tensor([c for _, c in self.sizes], device=device)
+        row_total = all_counts.sum(1)
+        val_total = (all_counts * cols).sum(1)
+        rows_all = _all_gather_padded(rows_mine, int(row_total.max()), group, world, torch.int64, device)
+        vals_all = _all_gather_padded(vals_mine, int(val_total.max()), group, world, torch.float32, device)
+        out: list[Optional[RowGrad]] = []
+        per_rank_rows = [r[: int(n)].split(c.tolist()) for r, n, c in zip(rows_all, row_total, all_counts)]
+        per_rank_vals = [
+            v[: int(n)].split((c * cols).tolist()) for v, n, c in zip(vals_all, val_total, all_counts)
+        ]
+        for t, (_, width) in enumerate(self.sizes):
+            ids = torch.cat([per_rank_rows[r][t] for r in range(world)])
+            if ids.numel() == 0:
+                out.append(None)
+                continue
+            vals = torch.cat([per_rank_vals[r][t] for r in range(world)]).view(-1, width)
+            summed = _coalesce(ids, vals, width)
+            out.append(RowGrad(summed.rows, summed.grad.div_(world)))
+        return out
+
+    @torch.no_grad()
+    def apply(
+        self, grads: list[Optional[RowGrad]], row_means: Optional[list[Optional[torch.Tensor]]] = None
+    ) -> None:
+        """One optimizer step on the touched rows of each table.
+
+        `row_means[t]`, when given, is row-wise Adagrad's per-row mean of grad**2 over all of a
+        column-wise table's shards (indexed by row), replacing this shard's own mean.
+        """
+        cfg = self.config
+        name = cfg.optimizer.state_name()
+        for t, g in enumerate(grads):
+            if g is None:
+                continue
+            weight, rows = self.views[t], g.rows
+            grad = self.decayed(t, g)
+            spread = rows[:, None].expand(-1, weight.shape[1])
+            if name is None:
+                weight.scatter_add_(0, spread, grad * -cfg.lr)  # rows are unique: a scatter
+                continue
+            state = self.states[t][name]
+            if cfg.optimizer.rowwise():
+                given = row_means[t] if row_means else None
+                mean_sq = given.index_select(0, rows) if given is not None else (grad * grad).mean(1)
+                total = state.index_select(0, rows) + mean_sq
+                state.index_copy_(0, rows, total)
+                step = grad / (total.sqrt() + cfg.eps)[:, None]
+            else:
+                total = state.index_select(0, rows) + grad * grad
+                state.index_copy_(0, rows, total)
+                step = grad / (total.sqrt() + cfg.eps)
+            weight.scatter_add_(0, spread, step.mul_(-cfg.lr))
+
+
+def _coalesce(ids: torch.Tensor, grads: torch.Tensor, cols: int) -> RowGrad:
+    rows, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(rows.numel(), cols, dtype=grads.dtype, device=grads.device)
+    return RowGrad(rows, summed.index_add_(0, inverse, grads))
+
+
+def _all_gather_padded(
+    pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """All-gathers 1-D data of different lengths per rank (gloo needs equal ones): each rank's
+    pieces, back to back, padded to `size`. Buffers are not zero-filled (a fresh 40 MB zeros
+    costs more than the collective); only the padding is."""
+    padded = torch.empty(size, dtype=dtype, device=device)
+    used = 0
+    for p in pieces:
+        padded[used : used + p.numel()] = p
+        used += p.numel()
+    padded[used:].zero_()
+    out = torch.empty(world, size, dtype=dtype, device=device)
+    dist.all_gather(list(out.unbind(0)), padded, group=group)
+    return out

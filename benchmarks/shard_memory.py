@@ -41,7 +41,7 @@ def _init(weight: torch.Tensor) -> None:
     torch.nn.init.uniform_(weight, -0.01, 0.01)
 
 
-def _worker(rank: int, args, port: int, fused: bool, queue) -> None:
+def _worker(rank: int, args, port: int, mode: str, queue) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
@@ -68,9 +68,12 @@ def _worker(rank: int, args, port: int, fused: bool, queue) -> None:
         world_size=args.world_size,
         modules={"ebc": {c.name: TablePlacement(ShardingType.ROW_WISE, ranks=ranks) for c in configs}},
     )
-    modular.shard(model, plan)
-    if fused:
+    if mode == "fused_first":  # fused on meta: shard builds fused kernels directly
         modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.01, eps=1e-8)
+    modular.shard(model, plan)
+    if mode == "fused":  # fused after sharding: kernels swapped one at a time
+        modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.01, eps=1e-8)
+    fused = mode != "dense"
     dist.barrier()
     peak = _status_kib("VmHWM") * 1024
     shards = sum(
@@ -114,7 +117,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--optimizers", nargs="+", choices=("dense", "fused"), default=["dense", "fused"])
+    p.add_argument("--optimizers", nargs="+", choices=("dense", "fused", "fused_first"),
+                   default=["dense", "fused", "fused_first"])
     args = p.parse_args()
     size = args.tables * args.rows * args.dim * 4
     print(f"## {args.tables} tables x {args.rows:,} rows x {args.dim} dims fp32 = "
@@ -127,7 +131,7 @@ def main() -> None:
     for opt in args.optimizers:
         queue = ctx.Queue()
         mp.start_processes(
-            _worker, args=(args, _free_port(), opt == "fused", queue), nprocs=args.world_size,
+            _worker, args=(args, _free_port(), opt, queue), nprocs=args.world_size,
             join=True, start_method="spawn",
         )  # fmt: skip
         rows = sorted(queue.get() for _ in range(args.world_size))

@@ -16,7 +16,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
 from modular._emulated import EmulatedFusedKernel
-from modular._kernels import DenseKernel, FusedKernel
+from modular._kernels import FusedKernel
 from planners.types import ShardingType, ShardSpec
 
 
@@ -26,19 +26,36 @@ class FusedTables:
     __slots__ = ()  # keeps the object layout of nn.Module, so shard() can swap a root EBC's class
 
     def fuse(self, config) -> None:
-        """Swaps every kernel for a fused one (weights copied); called by `fuse_optimizer`."""
+        """Swaps every kernel for a fused one (weights copied); called by `fuse_optimizer`.
+
+        One kernel at a time, after the table weights (which alias the dense buffers) are let
+        go: each dense buffer is freed once its fused twin holds the weights, so fusing needs
+        one kernel's worth of extra memory, not a second copy of every shard.
+        """
         if self.fused is not None:
             raise ValueError(f"module {self._module_fqn!r} is already fused")
         cw_rowwise = self._column_wise_rowwise_tables(config)
-        old = (*self._kernels, *self._local_kernels)
-        self._kernels = [self._fused_kernel(k, config, cw_rowwise, False) for k in self._kernels]
-        self._local_kernels = [
-            self._fused_kernel(k, config, cw_rowwise, True) for k in self._local_kernels
-        ]
-        with torch.no_grad():
-            for before, after in zip(old, (*self._kernels, *self._local_kernels)):
-                for a, b in zip(after.views, before.views):
-                    a.copy_(b)
+        layouts = {}
+        for t, table in enumerate(self.layout.tables):
+            holder = self.embedding_bags[table.name]
+            weight = holder._parameters["weight"]
+            if isinstance(weight, ShardedTensor):
+                layouts[table.name] = (weight.metadata(), self._local_shard_metadata(t, weight))
+            holder._parameters["weight"] = None
+        del weight
+        for kernels, is_local in ((self._kernels, False), (self._local_kernels, True)):
+            for i in range(len(kernels)):
+                old = kernels[i]
+                new = self._fused_kernel(old.group, old.sizes, config, cw_rowwise, is_local)
+                with torch.no_grad():
+                    for a, b in zip(new.views, old.views):
+                        a.copy_(b)
+                kernels[i] = new
+                del old
+        self._become_fused(config, cw_rowwise, layouts)
+
+    def _become_fused(self, config, cw_rowwise, layouts) -> None:
+        """Points the tables at the fused kernels' weights (no collective: layouts are known)."""
         self.fused = config
         self._cw_rowwise = cw_rowwise
         self._emulated = [
@@ -47,13 +64,13 @@ class FusedTables:
         views = self._local_views()
         for t, table in enumerate(self.layout.tables):
             holder = self.embedding_bags[table.name]
-            weight = holder._parameters["weight"]
-            if isinstance(weight, ShardedTensor):
+            if table.name in layouts:
+                metadata, local_metadata = layouts[table.name]
                 local = [
-                    Shard(tensor=views[(table.name, j)], metadata=spec_meta)
-                    for j, spec_meta in self._local_shard_metadata(t, weight)
+                    Shard(tensor=views[(table.name, j)], metadata=shard_meta)
+                    for j, shard_meta in local_metadata
                 ]
-                holder._parameters["weight"] = _sharded(local, _frozen(weight.metadata()), self._pg)
+                holder._parameters["weight"] = _sharded(local, _frozen(metadata), self._pg)
             else:
                 holder._parameters["weight"] = views[(table.name, self._rank_shard(t))]
         self._register_data_parallel_hooks()
@@ -67,16 +84,16 @@ class FusedTables:
             if p.sharding_type is ShardingType.COLUMN_WISE and len(shards) > 1
         )
 
-    def _fused_kernel(self, kernel: DenseKernel, config, cw_rowwise, is_local: bool):
+    def _fused_kernel(self, group, sizes, config, cw_rowwise, is_local: bool):
         emulate = (
             (is_local and self._world > 1)
             # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
             or (config.weight_decay > 0 and self._device.type == "cpu")
-            or any(cols % 4 for _, cols in kernel.sizes)
-            or any(table in cw_rowwise for table, _ in kernel.group.shards)
+            or any(cols % 4 for _, cols in sizes)
+            or any(table in cw_rowwise for table, _ in group.shards)
         )
         kind = EmulatedFusedKernel if emulate else FusedKernel
-        return kind(kernel.group, kernel.sizes, self._device, config)
+        return kind(group, sizes, self._device, config)
 
     def _local_shard_metadata(self, t: int, weight: ShardedTensor):
         out = []

@@ -160,6 +160,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         process_group: Optional[ProcessGroup],
         device: torch.device,
         local: bool = False,
+        fused=None,
     ) -> None:
         super().__init__()
         tables = table_infos(ebc, module)
@@ -192,8 +193,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         my_routes = self.layout.routes_to(self._rank)
         self._groups = kernel_groups(my_routes)
         self._local_groups = kernel_groups(self.layout.local)
-        self._kernels = [self._make_kernel(g) for g in self._groups]
-        self._local_kernels = [self._make_kernel(g) for g in self._local_groups]
+        # With a fused config the fused kernels are built directly (no dense copy on the way).
+        cw_rowwise = self._column_wise_rowwise_tables(fused) if fused is not None else ()
+        self._kernels = [self._make_kernel(g, fused, cw_rowwise, False) for g in self._groups]
+        self._local_kernels = [
+            self._make_kernel(g, fused, cw_rowwise, True) for g in self._local_groups
+        ]
         self._group_route_ranges = _ranges([len(g.routes) for g in self._groups])
         self._local_features = torch.tensor(
             [r.feature for r in self.layout.local], dtype=torch.int32, device=device
@@ -209,6 +214,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self._init_weights(ebc)
         for t in tables:  # collective, in table order on every rank
             self.embedding_bags[t.name] = ShardedTable(self._table_weight(t))
+        if fused is not None:
+            self.fused = fused
+            self._cw_rowwise = cw_rowwise
+            self._emulated = [
+                k for k in (*self._kernels, *self._local_kernels)
+                if isinstance(k, EmulatedFusedKernel)
+            ]
         self._register_data_parallel_hooks()
 
     @classmethod
@@ -234,11 +246,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
 
     # -- construction -----------------------------------------------------------------------
 
-    def _make_kernel(self, group: KernelGroup) -> DenseKernel:
+    def _make_kernel(self, group: KernelGroup, fused, cw_rowwise, is_local: bool):
         sizes = []
         for table, j in group.shards:
             spec = self.layout.shards[self.layout.table_index(table)][j]
             sizes.append((spec.num_rows, spec.num_cols))
+        if fused is not None:
+            return self._fused_kernel(group, sizes, fused, cw_rowwise, is_local)
         return DenseKernel(group, sizes, self._device)
 
     def _local_views(self) -> dict[tuple[str, int], ShardView]:
@@ -273,7 +287,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             return
         source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
         for k in self._local_kernels:  # replicas start equal everywhere
-            dist.broadcast(k.flat_weight.data, src=source, group=self._pg)
+            for view in k.views:
+                dist.broadcast(view.data, src=source, group=self._pg)
 
     def _table_weight(self, table: TableInfo) -> torch.Tensor:
         t = self.layout.table_index(table.name)

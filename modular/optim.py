@@ -26,6 +26,10 @@ from torch import nn
 
 __all__ = ["CombinedOptimizer", "FusedOptimizer", "FusedOptimizerKind", "fuse_optimizer"]
 
+# A torchrec EBC on `meta` that fuse_optimizer saw: modular.shard builds it fused directly, so a
+# model too large for one rank is never materialised (the attribute holds the FusedConfig).
+PENDING_FUSE = "_modular_pending_fuse"
+
 
 class FusedOptimizerKind(enum.Enum):
     EXACT_SGD = "exact_sgd"
@@ -99,7 +103,8 @@ def fuse_optimizer(
         opt.step()               # a no-op for the tables; kept so loops look the same
 
     Works before or after `modular.shard` (both orders train identically; see Note [fused
-    tables]). `weight_decay` (row-wise Adagrad only) is fbgemm's L2 mode: it is added to the
+    tables]). An EBC on `meta` is not materialised: it is marked, and `modular.shard` builds its
+    shards fused directly, so each rank only ever allocates its own shards. `weight_decay` (row-wise Adagrad only) is fbgemm's L2 mode: it is added to the
     gradient of the rows a step touched. fbgemm's CPU kernel ignores it (measured with
     fbgemm-gpu-cpu 1.8.0), so on CPU a model with weight decay runs every table through the exact
     emulated update instead. Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
@@ -128,16 +133,27 @@ def fuse_optimizer(
     ]
     if not targets:
         raise ValueError("fuse_optimizer found no EmbeddingBagCollection in the model")
-    fused = [name for name, m in targets if getattr(m, "fused", None) is not None]
+    fused = [
+        name
+        for name, m in targets
+        if getattr(m, "fused", None) is not None or getattr(m, PENDING_FUSE, None) is not None
+    ]
     if fused:
         raise ValueError(f"modules {fused} are already fused; fuse a model only once")
     config = FusedConfig(kind, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
     for name, m in targets:
+        if isinstance(m, EmbeddingBagCollection) and _on_meta(m):
+            setattr(m, PENDING_FUSE, config)  # fused when modular.shard builds its shards
+            continue
         if isinstance(m, EmbeddingBagCollection):
             local = ShardedEmbeddingBagCollection.unsharded(m, module=name)
             m = _replace(model, name, m, local)
         m.fuse(config)
     return FusedOptimizer(model, config)
+
+
+def _on_meta(ebc: nn.Module) -> bool:
+    return any(p.is_meta for p in ebc.parameters())
 
 
 def _replace(model: nn.Module, fqn: str, old: nn.Module, new: nn.Module) -> nn.Module:

@@ -14,6 +14,7 @@ from torch.distributed import ProcessGroup
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular._comm import all_gather_bytes
+from modular.optim import PENDING_FUSE
 from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError, table_infos
 from modular.params import ignored_params, local_parameters  # re-exported: they lived here
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
@@ -63,11 +64,13 @@ def shard(
 
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
         placements, shards = resolved[fqn]
+        # A fused EBC stays fused (Note [fused tables]): unsharded and fused, or fused on meta.
+        fused = getattr(ebc, "fused", None) or getattr(ebc, PENDING_FUSE, None)
         sharded = ShardedEmbeddingBagCollection(
-            ebc, placements, shards, module=fqn, process_group=process_group, device=device
+            ebc, placements, shards, module=fqn, process_group=process_group, device=device,
+            fused=fused,
         )
-        if getattr(ebc, "fused", None) is not None:  # a fused, unsharded EBC stays fused
-            sharded.fuse(ebc.fused)
+        if getattr(ebc, "fused", None) is not None:
             sharded.load_fused_state(ebc.fused_state())
         if fqn == "":
             # The model is the EBC: become the sharded module so the caller's object is it.

@@ -260,3 +260,38 @@ def test_fusing_twice_is_an_error() -> None:
     modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
     with pytest.raises(ValueError, match="already fused"):
         modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
+
+
+def _meta_order(fuse_first: bool) -> dict[str, torch.Tensor]:
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=_tables(), device=torch.device("meta"))
+    plan = ShardingPlan(world_size=world, modules={"": placements_for("mixed", ebc, world)})
+    if fuse_first:
+        opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+        assert all(p.is_meta for p in ebc.parameters()), "a meta EBC must not be materialised"
+        assert opt.state_dict()["state"] == {}
+        model = modular.shard(ebc, plan)
+    else:
+        model = modular.shard(ebc, plan)
+        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+    assert model.fused is not None
+    for step in range(STEPS):
+        model(make_batch(ebc, seed=31 * step + dist.get_rank())).values().square().sum().backward()
+        opt.step()
+    out = {n: t.clone() for n, p in model.named_parameters() for t, _, _ in local_blocks(p)}
+    for key, value in opt.state_dict()["state"].items():
+        row_sum = value["row_sum"]
+        for s in row_sum.local_shards() if isinstance(row_sum, ShardedTensor) else []:
+            out[f"{key}/state/{s.metadata.shard_offsets}"] = s.tensor.clone()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fusing_a_meta_ebc_builds_fused_shards_directly_and_trains_like_the_other_order() -> None:
+    a = run_on_ranks(2, _meta_order, True, timeout=100)
+    b = run_on_ranks(2, _meta_order, False, timeout=100)
+    for rank, (x, y) in enumerate(zip(a, b)):
+        assert x.keys() == y.keys() and any("/state/" in k for k in x)
+        for name in x:
+            assert torch.equal(x[name], y[name]), f"rank {rank} {name}"

@@ -205,9 +205,17 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         )
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
-        self._output_columns = torch.tensor(
-            self.layout.output_columns(), dtype=torch.int64, device=device
-        )
+        columns = self.layout.output_columns()
+        self._output_columns = torch.tensor(columns, dtype=torch.int64, device=device)
+        # Without row-wise partial sums each output column arrives exactly once: a gather (or
+        # nothing, when they arrive in order) replaces the index_add into zeros.
+        self._arrival_order: Optional[torch.Tensor] = None
+        self._arrives_in_order = columns == list(range(len(columns)))
+        if sorted(columns) == list(range(len(columns))) and not self._arrives_in_order:
+            order = [0] * len(columns)
+            for position, column in enumerate(columns):
+                order[column] = position
+            self._arrival_order = torch.tensor(order, dtype=torch.int64, device=device)
         self._mean_columns, self._mean_features = self._mean_column_maps()
 
         self.embedding_bags = nn.ModuleDict()
@@ -496,9 +504,14 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         if local is not None:
             blocks.append(local)
         columns = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-        out = columns.new_zeros(batch, self.layout.output_dim).index_add(
-            1, self._output_columns, columns
-        )
+        if self._arrives_in_order:
+            out = columns
+        elif self._arrival_order is not None:
+            out = columns.index_select(1, self._arrival_order)
+        else:
+            out = columns.new_zeros(batch, self.layout.output_dim).index_add(
+                1, self._output_columns, columns
+            )
         if self._mean_columns is not None:
             counts = received.local_lengths.index_select(0, self._mean_features).t()
             means = out.index_select(1, self._mean_columns) / counts.clamp(min=1).to(out.dtype)

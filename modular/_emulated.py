@@ -16,11 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    DenseTableBatchedEmbeddingBagsCodegen,
-)
-
-from modular._kernels import _POOLING
+from modular._kernels import dense_tbe
 from modular._layout import KernelGroup, Pooling
 
 
@@ -53,13 +49,7 @@ class EmulatedFusedKernel:
         self.group = group
         self.sizes = sizes
         self.config = config
-        self.tbe = DenseTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=sizes,
-            feature_table_map=list(group.feature_table_map),
-            pooling_mode=_POOLING[group.pooling],
-            use_cpu=device.type == "cpu",
-        )
-        self.tbe.to(device)
+        self.tbe = dense_tbe(group, sizes, device)
         self.tbe.weights.requires_grad_(False)
         self.views, start = [], 0
         for rows, cols in sizes:

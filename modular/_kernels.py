@@ -43,11 +43,9 @@ class ShardView(torch.nn.Parameter):
     _start: int
     _end: int
 
-    def __new__(
-        cls, flat: torch.Tensor, start: int, rows: int, cols: int, requires_grad: bool = True
-    ) -> ShardView:
+    def __new__(cls, flat: torch.Tensor, start: int, rows: int, cols: int) -> ShardView:
         data = flat.detach()[start : start + rows * cols].view(rows, cols)
-        view = torch.Tensor._make_subclass(cls, data, requires_grad and flat.requires_grad)
+        view = torch.Tensor._make_subclass(cls, data, flat.requires_grad)
         view._flat = flat
         view._start = start
         view._end = start + rows * cols
@@ -86,6 +84,19 @@ def _rebuild_plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def dense_tbe(
+    group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device
+) -> DenseTableBatchedEmbeddingBagsCodegen:
+    """fbgemm's dense TBE over one kernel group's shards: one flat fp32 buffer, tables in order."""
+    tbe = DenseTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=sizes,
+        feature_table_map=list(group.feature_table_map),
+        pooling_mode=_POOLING[group.pooling],
+        use_cpu=device.type == "cpu",
+    )
+    return tbe.to(device)
+
+
 class DenseKernel:
     """fbgemm's dense TBE for one kernel group: autograd gives the flat buffer a dense gradient.
 
@@ -98,26 +109,16 @@ class DenseKernel:
         group: KernelGroup,
         sizes: list[tuple[int, int]],
         device: torch.device,
-        *,
-        trainable: bool = True,
     ) -> None:
         self.group = group
         self.sizes = sizes
-        self.tbe = DenseTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=sizes,
-            feature_table_map=list(group.feature_table_map),
-            pooling_mode=_POOLING[group.pooling],
-            use_cpu=device.type == "cpu",
-        )
-        self.tbe.to(device)
+        self.tbe = dense_tbe(group, sizes, device)
         offsets, start = [], 0
         for rows, cols in sizes:
             offsets.append(start)
             start += rows * cols
-        # Views of a fused (emulated) kernel take no gradient from the user's point of view.
         self.views = [
-            ShardView(self.tbe.weights, off, rows, cols, trainable)
-            for off, (rows, cols) in zip(offsets, sizes)
+            ShardView(self.tbe.weights, off, rows, cols) for off, (rows, cols) in zip(offsets, sizes)
         ]
 
     @property

@@ -42,8 +42,9 @@ def shard(
     allocates just its shards and fills them with the table's `init_fn`; a materialised EBC's
     weights are copied, so the sharded model computes exactly what the original did.
 
-    Every problem with the plan is raised on every rank, before any collective that could hang.
-    `device` defaults to the current CUDA device under NCCL and to the CPU otherwise.
+    Every problem with the plan is raised on every rank, also when only one rank sees it (its
+    plan or model differs): see Note [agreeing on the plan]. `device` defaults to the current
+    CUDA device under NCCL and to the CPU otherwise.
     """
     if not dist.is_initialized():
         raise ShardingError(
@@ -52,15 +53,19 @@ def shard(
     if not isinstance(plan, ShardingPlan):
         raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
     world = dist.get_world_size(process_group)
-    if plan.world_size != world:
-        raise ShardingError(
-            f"the plan is for {plan.world_size} ranks but the process group has {world}; "
-            f"make a plan for world_size={world}"
-        )
     device = torch.device(device) if device is not None else _default_device(process_group)
-    targets = _find_targets(model, plan)
-    resolved = {fqn: _resolve(fqn, ebc, plan, world) for fqn, ebc in targets}
-    _check_same_on_every_rank(plan, targets, process_group)
+    targets, resolved, problem = [], {}, None
+    try:
+        if plan.world_size != world:
+            raise ShardingError(
+                f"the plan is for {plan.world_size} ranks but the process group has {world}; "
+                f"make a plan for world_size={world}"
+            )
+        targets = _find_targets(model, plan)
+        resolved = {fqn: _resolve(fqn, ebc, plan, world) for fqn, ebc in targets}
+    except ShardingError as e:
+        problem = e
+    _agree_on_every_rank(plan, targets, process_group, problem)
 
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
         placements, shards = resolved[fqn]
@@ -151,28 +156,52 @@ def _resolve(
     return placements, shards
 
 
-def _check_same_on_every_rank(
-    plan: ShardingPlan, targets: list[tuple[str, EmbeddingBagCollection]], group
+def _agree_on_every_rank(
+    plan: ShardingPlan,
+    targets: list[tuple[str, EmbeddingBagCollection]],
+    group,
+    problem: Optional[ShardingError],
 ) -> None:
-    """One small collective: every rank must hold the same plan and the same tables."""
-    described = {
-        "plan": plan.to_dict(),
-        "tables": {
-            fqn: [
-                [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
-                for c in ebc.embedding_bag_configs()
-            ]
-            + [ebc.is_weighted()]
-            for fqn, ebc in targets
-        },
-    }
-    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
-    digests = all_gather_bytes(digest, width=len(digest), group=group)
-    if len(set(digests)) > 1:
+    """# Note [agreeing on the plan]
+    Every rank joins one small all-gather, always, even when its own plan check failed: each
+    sends a digest of its plan and planned tables, or a flag that it rejected the plan. A rank
+    that raised before this collective would leave its peers waiting in it; instead, if any rank
+    flagged a problem, a second gather shares the messages and every rank raises (its own message,
+    or the rejecting rank's), and if the digests differ every rank raises naming the groups of
+    ranks that agree. Both collectives are reached by every live rank, so neither can hang.
+    """
+    if problem is None:
+        described = {
+            "plan": plan.to_dict(),
+            "tables": {
+                fqn: [
+                    [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
+                    for c in ebc.embedding_bag_configs()
+                ]
+                + [ebc.is_weighted()]
+                for fqn, ebc in targets
+            },
+        }
+        payload = b"\x00" + hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
+    else:
+        payload = b"\x01" + bytes(32)
+    payloads = all_gather_bytes(payload, width=len(payload), group=group)
+    rejecting = [r for r, p in enumerate(payloads) if p[0] == 1]
+    if rejecting:
+        messages: list = [None] * len(payloads)
+        dist.all_gather_object(messages, None if problem is None else str(problem), group=group)
+        if problem is not None:
+            raise problem
+        first = rejecting[0]
+        raise ShardingError(
+            f"rank {first} rejected the plan: {messages[first]} (ranks {rejecting} rejected it; "
+            "this rank stops too so that no rank hangs)"
+        )
+    if len(set(payloads)) > 1:
         groups: dict[bytes, list[int]] = {}
-        for r, d in enumerate(digests):
+        for r, d in enumerate(payloads):
             groups.setdefault(d, []).append(r)
-        listing = "; ".join(f"ranks {rs} hold {d.hex()[:12]}" for d, rs in groups.items())
+        listing = "; ".join(f"ranks {rs} hold {d[1:].hex()[:12]}" for d, rs in groups.items())
         raise ShardingError(
             "ranks disagree on the plan or on the tables of the planned modules "
             f"({listing}); every rank must call modular.shard with the same plan and the same "

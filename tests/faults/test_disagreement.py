@@ -102,11 +102,7 @@ def test_a_plan_only_one_rank_rejects_does_not_hang_its_peers(problem: str) -> N
     assert bad is not None and bad.exc_type == "ShardingError" and LOCAL_ONLY[problem] in bad.message, bad
     assert peer is not None and not outcomes[0].timed_out, outcomes[0]
     assert peer.seconds < COLLECTIVE_TIMEOUT_S + MARGIN_S, peer
-    # What the issue asks for: a clear error on every rank at shard time. Today the peer waits in
-    # the digest all-gather for the whole collective timeout and then gets gloo's timeout.
-    if peer.exc_type == "CollectiveError":
-        pytest.xfail(
-            f"modular.shard raised on rank {VICTIM} before the digest all-gather; rank 0 waited "
-            f"{peer.seconds:.1f} s for it and got: {peer.message[:120]}"
-        )
+    # A clear error on every rank at shard time: the peer learns the victim's message in the
+    # plan agreement (Note [agreeing on the plan]) instead of waiting for a timeout.
     assert peer.exc_type == "ShardingError" and f"rank {VICTIM}" in peer.message, peer
+    assert LOCAL_ONLY[problem] in peer.message, peer

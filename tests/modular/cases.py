@@ -257,10 +257,11 @@ class CollectiveCalled(RuntimeError):
 
 
 @contextlib.contextmanager
-def no_collectives() -> Iterator[None]:
-    """Makes every torch.distributed collective raise `CollectiveCalled` inside the block.
+def no_collectives(allow: tuple[str, ...] = ()) -> Iterator[None]:
+    """Makes every torch.distributed collective but those in `allow` raise `CollectiveCalled`.
 
-    Used to prove that an error is raised *before* any collective, so it cannot hang a peer.
+    Used to prove that an error is raised before any collective it could hang in (or, with
+    `allow`, after only the collectives every rank is known to join).
     """
     import torch.distributed.distributed_c10d as c10d
 
@@ -274,7 +275,7 @@ def no_collectives() -> Iterator[None]:
 
     for module in (dist, c10d):
         for name in _COLLECTIVES:
-            if hasattr(module, name):
+            if hasattr(module, name) and name not in allow:
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, refuse(name))
     try:

@@ -1,8 +1,10 @@
 """Bad plans and bad batches raise clear errors, on every rank, and never hang a peer.
 
-Plan problems must be found before the first collective: their rank bodies run `modular.shard`
-under `no_collectives()`, which turns any collective into a `CollectiveCalled` error (so a check
-that came after a collective would show up as the wrong message). Batch problems are seen by one
+Plan problems are agreed in the one small gather every rank always joins (Note [agreeing on the
+plan] in modular/shard.py), and raised before any other collective: their rank bodies run
+`modular.shard` under `no_collectives(allow=AGREEMENT)`, which turns any other collective into a
+`CollectiveCalled` error (so a check that came after building a table would show the wrong
+message). Batch problems are seen by one
 rank; its peers must raise too, and afterwards every rank must still compute correct results.
 """
 
@@ -73,10 +75,12 @@ def _bad_plan(problem: str) -> None:
         modular.shard(model, plan)
     else:
         raise ValueError(problem)
-    with no_collectives():
+    with no_collectives(allow=AGREEMENT):
         modular.shard(model, plan)
 
 
+# The plan agreement: a digest all-gather, and the messages when some rank rejected the plan.
+AGREEMENT = ("all_gather", "all_gather_object")
 W = r"\d"
 PLAN_ERRORS = {
     "missing_module": r"the plan names module 'tower\.ebc', which does not exist in the model; the model's EmbeddingBagCollections are \['ebc'\]",
@@ -95,7 +99,7 @@ PLAN_ERRORS = {
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("problem", sorted(PLAN_ERRORS))
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_bad_plan_raises_the_same_error_on_every_rank_before_any_collective(world_size: int, problem: str) -> None:
+def test_bad_plan_raises_the_same_error_on_every_rank_before_building_tables(world_size: int, problem: str) -> None:
     messages = expect_errors_on_all_ranks(world_size, _bad_plan, problem, timeout=TIMEOUT_S)
     assert len(set(messages)) == 1, messages
     assert re.search(PLAN_ERRORS[problem], messages[0]), messages[0]
@@ -105,15 +109,16 @@ def test_bad_plan_raises_the_same_error_on_every_rank_before_any_collective(worl
 
 def _good_plan_under_no_collectives() -> None:
     model = _Model()
-    with no_collectives():
-        modular.shard(model, ShardingPlan(world_size=dist.get_world_size(), modules={"ebc": placements_for("mixed", model.ebc, dist.get_world_size())}))
+    with no_collectives(allow=AGREEMENT):
+        modular.shard(model, ShardingPlan(world_size=dist.get_world_size(), modules={"ebc": placements_for("data_parallel", model.ebc, dist.get_world_size())}))
 
 
 @pytest.mark.timeout(120)
-def test_no_collectives_guard_catches_the_consistency_check() -> None:
-    # The guard the plan-error tests rely on: a good plan reaches a collective and is stopped.
+def test_no_collectives_guard_catches_building_tables() -> None:
+    # The guard the plan-error tests rely on: a good plan passes the agreement, starts building
+    # its tables, and is stopped at the first other collective (the replicas' broadcast).
     messages = expect_errors_on_all_ranks(2, _good_plan_under_no_collectives, timeout=TIMEOUT_S)
-    assert all(m.startswith("collective all_gather was called") for m in messages), messages
+    assert all(m.startswith("collective broadcast was called") for m in messages), messages
 
 
 def _different_plans() -> None:

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -79,11 +80,17 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     if rank == 0:
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(
-        state,
-        storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-        planner=DefaultSavePlanner(flatten_state_dict=False),
-    )
+    try:
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+            planner=DefaultSavePlanner(flatten_state_dict=False),
+        )
+    except CheckpointException as e:  # a BaseException: `except Exception` would not see it
+        raise CheckpointError(
+            f"saving checkpoint {str(path)!r} failed while writing {str(tmp)!r}: {e}; the "
+            f"previous checkpoint at {str(path)!r}, if any, is untouched"
+        ) from e
     digests: list[Optional[dict]] = [None] * world
     dist.all_gather_object(digests, hash_rank_files(tmp, rank))
     error = None

@@ -136,10 +136,23 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{str(path)!r} is not a complete modular checkpoint: it has no {MANIFEST}, which "
             "modular.checkpoint.save writes last (Note [checkpoint layout])"
         )
-    manifest = json.loads(file.read_text())
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(
-            f"{str(file)!r} has format {manifest.get('format')!r}; this version reads {FORMAT!r}"
+            f"{str(file)!r} is damaged (not JSON: {e}); the checkpoint cannot be verified, so "
+            "nothing was loaded"
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{str(file)!r} has format {found!r}; this version reads {FORMAT!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and {"bytes", "sha256"} <= set(v) for v in files.values()
+    ):
+        raise CheckpointError(
+            f"{str(file)!r} is damaged: it has no valid 'files' list of sizes and sha256 sums, so "
+            "the checkpoint cannot be verified and nothing was loaded"
         )
     return manifest
 

@@ -24,6 +24,7 @@ third SIGINT raises KeyboardInterrupt as usual.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -84,12 +86,17 @@ class TrainConfig:
     eval_batches: int = 4  # per rank
     device_memory: str = "80GiB"  # what the planner assumes each rank has
     progress: bool = True
+    # A collective that waits longer fails (naming it) instead of hanging: a rank that died or
+    # raised stops its peers within this many seconds (torch's own default is 30 minutes).
+    collective_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"--steps must be >= 0, got {self.steps}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if not self.collective_timeout > 0:
+            raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir (where the last run saved)")
 
@@ -370,12 +377,15 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
     p.add_argument("--device-memory", default=d.device_memory, help="per rank, for the planner")
     p.add_argument("--world-size", type=int, default=1, help="CPU ranks to launch (ignored under torchrun)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
+                   help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
     config = TrainConfig(
         steps=a.steps, batch_size=a.batch_size, lr=a.lr, dense_lr=a.dense_lr, seed=a.seed,
         data=a.data, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         resume=a.resume, export=a.export, eval_batches=a.eval_batches,
         device_memory=a.device_memory, progress=not a.no_progress,
+        collective_timeout=a.collective_timeout,
     )  # fmt: skip
     return config, a.world_size
 
@@ -383,6 +393,8 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
 def _quiet_known_warnings() -> None:
     # Raised on every step by code outside this example; they say nothing about this run.
     warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+    # torchrec asks torch.fx whether it is tracing; torch logs a deprecation note once per rank.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 def run_rank(config: TrainConfig) -> int:
@@ -394,7 +406,7 @@ def run_rank(config: TrainConfig) -> int:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         backend = "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout))
     try:
         result = train(config)
         return 130 if result.interrupted else 0
@@ -443,7 +455,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, world_size = parse_args(argv)
     if "RANK" in os.environ:  # under torchrun, or one of the ranks `launch` started
-        return run_rank(config)
+        status = run_rank(config)
+        # Skip interpreter teardown: with gloo and fbgemm loaded, tearing down the process after
+        # destroy_process_group aborts now and then ("terminate called without an active
+        # exception", about 1 run in 8 here), which would turn a finished run into a failure.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     if world_size < 1:
         raise SystemExit(f"--world-size must be at least 1, got {world_size}")
     return launch(argv, world_size)

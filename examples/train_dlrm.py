@@ -255,7 +255,13 @@ def _progress(enabled: bool, start: int, end: int):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=end - start, initial=0, desc=f"steps {start}..{end}", unit="step", file=sys.stderr)
+    # On a terminal the bar redraws in place; into a log (CI, nohup) it would add a line per
+    # step, so there it writes one every 10 seconds.
+    interval = 0.1 if sys.stderr.isatty() else 10.0
+    return tqdm(
+        total=end - start, initial=0, desc=f"steps {start}..{end}", unit="step", file=sys.stderr,
+        mininterval=interval, maxinterval=max(interval, 10.0),
+    )
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -312,8 +318,11 @@ def train(config: TrainConfig) -> TrainResult:
                 examples += config.batch_size * world
                 seconds += time.perf_counter() - began
             if bar is not None:
+                bar.set_postfix(  # drawn by update(), at most every mininterval
+                    loss=f"{losses[-1]:.4f}", ex_s=f"{examples / max(seconds, 1e-9):,.0f}",
+                    refresh=False,
+                )
                 bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.4f}", ex_s=f"{examples / max(seconds, 1e-9):,.0f}")
             if shared[1].item() > 0:
                 interrupted = True
                 end = step + 1

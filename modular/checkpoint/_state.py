@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 MODEL = "model."
 OPTIM = "optim."

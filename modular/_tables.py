@@ -1,0 +1,112 @@
+"""One table of a sharded EBC, as the model sees it: its `weight` under the unsharded name.
+
+Also reads a torchrec EBC's tables (`table_infos`) and defines `ShardingError`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from modular._layout import Pooling, TableInfo
+
+__all__ = ["ShardedTable", "ShardingError", "table_infos"]
+
+
+class ShardingError(ValueError):
+    """A plan that does not fit the model or the process group; names the module, table or rank."""
+
+
+def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ...]:
+    """Reads the tables of a torchrec EBC, rejecting what sharding does not support."""
+    infos = []
+    for cfg in ebc.embedding_bag_configs():
+        if cfg.data_type != DataType.FP32:
+            raise ShardingError(
+                f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
+                "only FP32 tables can be sharded"
+            )
+        if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ShardingError(
+                f"table {cfg.name!r} of module {module!r} has pooling {cfg.pooling.name}; "
+                "only SUM and MEAN are supported"
+            )
+        infos.append(
+            TableInfo(
+                name=cfg.name,
+                num_embeddings=cfg.num_embeddings,
+                embedding_dim=cfg.embedding_dim,
+                features=tuple(cfg.feature_names),
+                pooling=Pooling.SUM if cfg.pooling == PoolingType.SUM else Pooling.MEAN,
+            )
+        )
+    return tuple(infos)
+
+
+class ShardedTable(nn.Module):
+    """Holds one table's `weight` under the unsharded name (a ShardedTensor, or a replica)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        # register_parameter rejects a ShardedTensor; the dict accepts it.
+        self._parameters["weight"] = weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._parameters["weight"]
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """`load_state_dict` for one table: a full (unsharded) tensor is sliced into this rank's
+        shards; a ShardedTensor must have the same shards (another plan's goes through
+        `modular.checkpoint.load`, which reshards); anything else is an error naming the table."""
+        key = prefix + "weight"
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            return
+        value, weight = state_dict[key], self._parameters["weight"]
+        if tuple(value.size()) != tuple(weight.size()):
+            error_msgs.append(
+                f"table weight {key!r}: the state holds shape {tuple(value.size())}, the model "
+                f"{tuple(weight.size())}"
+            )
+            return
+        with torch.no_grad():
+            if not isinstance(weight, ShardedTensor):
+                if isinstance(value, ShardedTensor):
+                    error_msgs.append(
+                        f"table weight {key!r} is replicated here but sharded in the state; "
+                        "load it with modular.checkpoint.load, which reshards"
+                    )
+                    return
+                weight.copy_(value)
+                return
+            if not isinstance(value, ShardedTensor):  # a full table: keep this rank's slices
+                for shard in weight.local_shards():
+                    (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(value[r0 : r0 + nr, c0 : c0 + nc])
+                return
+            theirs = {
+                (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)): s.tensor
+                for s in value.local_shards()
+            }
+            for shard in weight.local_shards():
+                where = (tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
+                if where not in theirs:
+                    error_msgs.append(
+                        f"table weight {key!r}: the state was sharded under another plan (no "
+                        f"shard at offsets {list(where[0])} with sizes {list(where[1])} on this "
+                        "rank); load it with modular.checkpoint.load, which reshards"
+                    )
+                    return
+                shard.tensor.copy_(theirs[where])
+
+    def extra_repr(self) -> str:
+        w = self._parameters["weight"]
+        kind = "sharded" if isinstance(w, ShardedTensor) else "replicated"
+        return f"{kind}, size={tuple(w.size())}"

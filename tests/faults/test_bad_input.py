@@ -12,14 +12,13 @@ import copy
 import re
 
 import pytest
-import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM
-from tests.modular.cases import BATCH, close, features_of, global_batch, make_batch, make_ebc, plan_for, rank_batches
+from tests.modular.cases import BATCH, close, global_batch, make_batch, make_ebc, plan_for, rank_batches
 
 TIMEOUT_S = 60
 

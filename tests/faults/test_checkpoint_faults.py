@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import modular
-from modular.checkpoint import CheckpointError
 from modular.checkpoint._files import MANIFEST
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM, break_victim, check_survivors, check_victim, spawn, survive

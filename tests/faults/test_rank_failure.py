@@ -15,7 +15,6 @@ import pytest
 import torch.distributed as dist
 
 import modular
-from modular.embedding_bag import ShardedEmbeddingBagCollection
 from tests.faults.helpers import (
     COLLECTIVE_TIMEOUT_S,
     VICTIM,

@@ -67,10 +67,6 @@ class EmulatedFusedKernel:
         self._route_cols = [sum(dims[:i]) for i in range(len(dims))]
         self._route_dims = dims
 
-    @property
-    def flat_weight(self) -> torch.Tensor:
-        return self.tbe.weights
-
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:

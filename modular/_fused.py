@@ -54,13 +54,17 @@ class FusedTables:
                 del old
         self._become_fused(config, cw_rowwise, layouts)
 
-    def _become_fused(self, config, cw_rowwise, layouts) -> None:
-        """Points the tables at the fused kernels' weights (no collective: layouts are known)."""
+    def _mark_fused(self, config, cw_rowwise) -> None:
+        """Records the fused config and which kernels update at the end of backward."""
         self.fused = config
         self._cw_rowwise = cw_rowwise
         self._emulated = [
             k for k in (*self._kernels, *self._local_kernels) if isinstance(k, EmulatedFusedKernel)
         ]
+
+    def _become_fused(self, config, cw_rowwise, layouts) -> None:
+        """Points the tables at the fused kernels' weights (no collective: layouts are known)."""
+        self._mark_fused(config, cw_rowwise)
         views = self._local_views()
         for t, table in enumerate(self.layout.tables):
             holder = self.embedding_bags[table.name]

@@ -179,10 +179,6 @@ class FusedKernel:
             out.append({name: states[0].view(shape)})
         return out
 
-    @property
-    def flat_weight(self) -> torch.Tensor:
-        return self.tbe.weights_host
-
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
@@ -27,13 +27,19 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from modular._comm import all_to_all, pooled_all_to_all
 from modular._tables import ShardedTable, ShardingError, table_infos
 from modular._input import InputError, Problem, Rejection, Router, _permute
-from modular._fused import FusedTables, _index_of_rank
+from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
 from modular._kernels import DenseKernel, ShardView
 from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
-__all__ = ["ShardedEmbeddingBagCollection", "ShardedTable", "ShardingError", "table_infos"]
+__all__ = [
+    "ShardedEmbeddingBagCollection",
+    "ShardedTable",
+    "ShardingError",
+    "replace_module",
+    "table_infos",
+]
 
 
 class Received(NamedTuple):
@@ -103,7 +109,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self._local_kernels = [
             self._make_kernel(g, fused, cw_rowwise, True) for g in self._local_groups
         ]
-        self._group_route_ranges = _ranges([len(g.routes) for g in self._groups])
         self._local_features = torch.tensor(
             [r.feature for r in self.layout.local], dtype=torch.int32, device=device
         )
@@ -123,16 +128,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self._mean_columns, self._mean_features = self._mean_column_maps()
 
         self.embedding_bags = nn.ModuleDict()
-        self._init_weights(ebc)
+        views = self._local_views()
+        self._init_weights(ebc, views)
         for t in tables:  # collective, in table order on every rank
-            self.embedding_bags[t.name] = ShardedTable(self._table_weight(t))
+            self.embedding_bags[t.name] = ShardedTable(self._table_weight(t, views))
         if fused is not None:
-            self.fused = fused
-            self._cw_rowwise = cw_rowwise
-            self._emulated = [
-                k for k in (*self._kernels, *self._local_kernels)
-                if isinstance(k, EmulatedFusedKernel)
-            ]
+            self._mark_fused(fused, cw_rowwise)
         self._register_data_parallel_hooks()
 
     @classmethod
@@ -175,9 +176,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         return views
 
     @torch.no_grad()
-    def _init_weights(self, ebc: EmbeddingBagCollection) -> None:
+    def _init_weights(self, ebc: EmbeddingBagCollection, views: dict) -> None:
         """Copies the unsharded weights into the local shards, or runs init_fn on meta tables."""
-        for (table, j), view in self._local_views().items():
+        for (table, j), view in views.items():
             t = self.layout.table_index(table)
             spec = self.layout.shards[t][j]
             source = ebc.embedding_bags[table].weight
@@ -202,11 +203,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             for view in k.views:
                 dist.broadcast(view.data, src=source, group=self._pg)
 
-    def _table_weight(self, table: TableInfo) -> torch.Tensor:
+    def _table_weight(self, table: TableInfo, views: dict) -> torch.Tensor:
         t = self.layout.table_index(table.name)
-        views = self._local_views()
         if self.layout.placements[t].sharding_type is ShardingType.DATA_PARALLEL:
-            return views[(table.name, _index_of_rank(self.layout.shards[t], self._rank))]
+            return views[(table.name, self._rank_shard(t))]
         local = []
         for j, spec in enumerate(self.layout.shards[t]):
             if spec.rank != self._rank:
@@ -345,44 +345,20 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     def lookup(self, received: Received) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Pools the received ids (for every rank's batch) and this rank's data-parallel ids."""
         rows = self._world * received.batch_size
-        outs = []
+        remote = torch.zeros(rows, 0, device=self._device)
         if self._kernels:
-            lengths = received.lengths.reshape(-1)
-            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-            for kernel, (start, end) in zip(self._kernels, self._group_route_ranges):
-                lo, hi = start * rows, end * rows
-                v0, v1 = int(offsets[lo]), int(offsets[hi])
-                outs.append(
-                    kernel(
-                        received.values[v0:v1],
-                        offsets[lo : hi + 1] - v0,
-                        None if received.weights is None else received.weights[v0:v1],
-                    )
-                )
-        if outs:
-            remote = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        else:
-            remote = torch.zeros(rows, 0, device=self._device)
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(received.lengths.reshape(-1))
+            remote = _pool(self._kernels, received.values, offsets, received.weights, rows)
         local = None
         if received.local is not None:
             kjt = received.local
-            weights = kjt.weights() if self._is_weighted else None
-            offsets = kjt.offsets()
-            n = kjt.stride()
-            pieces, start = [], 0
-            for kernel in self._local_kernels:
-                end = start + len(kernel.group.routes)
-                lo, hi = start * n, end * n
-                v0, v1 = int(offsets[lo]), int(offsets[hi])
-                pieces.append(
-                    kernel(
-                        kjt.values()[v0:v1].long(),
-                        offsets[lo : hi + 1].long() - v0,
-                        None if weights is None else weights[v0:v1],
-                    )
-                )
-                start = end
-            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+            local = _pool(
+                self._local_kernels,
+                kjt.values().long(),
+                kjt.offsets().long(),
+                kjt.weights() if self._is_weighted else None,
+                kjt.stride(),
+            )
         return remote, local
 
     def output_dist(
@@ -448,11 +424,18 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     def module_fqn(self) -> str:
         return self._module_fqn
 
-    def data_parallel_parameters(self) -> list[torch.Tensor]:
-        """The replicated table weights (they all-reduce their own gradients)."""
-        return [
-            m.weight for m in self.embedding_bags.values() if not isinstance(m.weight, ShardedTensor)
-        ]
+
+def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    """Puts `new` at `fqn` in `model` and returns the object now there. At "" (the model is the
+    module itself) the model becomes `new` in place, so the caller's reference stays valid."""
+    if fqn == "":
+        model.__class__ = type(new)
+        model.__dict__.clear()
+        model.__dict__.update(new.__dict__)
+        return model
+    parent, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), name, new)
+    return new
 
 
 def _shard_seed(table: str, spec: ShardSpec) -> int:
@@ -465,9 +448,22 @@ def _shard_seed(table: str, spec: ShardSpec) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for n in sizes:
-        out.append((start, start + n))
-        start += n
-    return out
+def _pool(
+    kernels: list, values: torch.Tensor, offsets: torch.Tensor, weights, bags_per_route: int
+) -> torch.Tensor:
+    """Runs each kernel on its consecutive routes' slice of one (values, offsets) batch, where
+    every route holds `bags_per_route` bags; the kernels' pooled outputs side by side."""
+    outs, start = [], 0
+    for kernel in kernels:
+        end = start + len(kernel.group.routes)
+        lo, hi = start * bags_per_route, end * bags_per_route
+        v0, v1 = int(offsets[lo]), int(offsets[hi])
+        outs.append(
+            kernel(
+                values[v0:v1],
+                offsets[lo : hi + 1] - v0,
+                None if weights is None else weights[v0:v1],
+            )
+        )
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -111,7 +111,7 @@ def fuse_optimizer(
     `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op). Supported:
     "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad".
     """
-    from modular.embedding_bag import ShardedEmbeddingBagCollection
+    from modular.embedding_bag import ShardedEmbeddingBagCollection, replace_module
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     kind = FusedOptimizerKind.parse(optimizer)
@@ -147,24 +147,13 @@ def fuse_optimizer(
             continue
         if isinstance(m, EmbeddingBagCollection):
             local = ShardedEmbeddingBagCollection.unsharded(m, module=name)
-            m = _replace(model, name, m, local)
+            m = replace_module(model, name, local)
         m.fuse(config)
     return FusedOptimizer(model, config)
 
 
 def _on_meta(ebc: nn.Module) -> bool:
     return any(p.is_meta for p in ebc.parameters())
-
-
-def _replace(model: nn.Module, fqn: str, old: nn.Module, new: nn.Module) -> nn.Module:
-    if fqn == "":
-        old.__class__ = type(new)
-        old.__dict__.clear()
-        old.__dict__.update(new.__dict__)
-        return old
-    parent, _, attr = fqn.rpartition(".")
-    setattr(model.get_submodule(parent), attr, new)
-    return new
 
 
 class FusedOptimizer(torch.optim.Optimizer):

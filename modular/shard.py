@@ -15,7 +15,12 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular._comm import all_gather_bytes
 from modular.optim import PENDING_FUSE
-from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError, table_infos
+from modular.embedding_bag import (
+    ShardedEmbeddingBagCollection,
+    ShardingError,
+    replace_module,
+    table_infos,
+)
 from modular.params import ignored_params, local_parameters  # re-exported: they lived here
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
@@ -77,14 +82,7 @@ def shard(
         )
         if getattr(ebc, "fused", None) is not None:
             sharded.load_fused_state(ebc.fused_state())
-        if fqn == "":
-            # The model is the EBC: become the sharded module so the caller's object is it.
-            model.__class__ = ShardedEmbeddingBagCollection
-            model.__dict__.clear()
-            model.__dict__.update(sharded.__dict__)
-        else:
-            parent_fqn, _, name = fqn.rpartition(".")
-            setattr(model.get_submodule(parent_fqn), name, sharded)
+        replace_module(model, fqn, sharded)
     return model
 
 

@@ -190,8 +190,9 @@ class Router:
         if missing or unknown or len(set(keys)) != len(keys):
             parts = []
             for f in missing:
-                tables = ", ".join(repr(t) for t in self.feature_tables[self.features.index(f)])
-                parts.append(f"feature {f!r} (table {tables}) is missing")
+                parts.append(
+                    f"feature {f!r} (table {self._tables_of(self.features.index(f))}) is missing"
+                )
             if unknown:
                 parts.append(
                     f"features {unknown} are not read by any table of this module"
@@ -282,7 +283,7 @@ class Router:
         if bool(negative.any()):
             pos = int(negative.nonzero()[0, 0])
             f = self.features.index(kjt.keys()[pos // kjt.stride()])
-            tables = ", ".join(repr(t) for t in self.feature_tables[f])
+            tables = self._tables_of(f)
             return Rejection(
                 Problem.LENGTHS,
                 f,
@@ -335,12 +336,20 @@ class Router:
         bounds = torch.repeat_interleave(self.id_bound, per_feature, output_size=values.numel())
         return not bool((values >= bounds).any())
 
+    def _tables_of(self, f: int) -> str:
+        """The tables feature `f` feeds, for messages: "'t_user', 't_user_hist'"."""
+        return ", ".join(repr(t) for t in self.feature_tables[f])
+
+    def _first_bad(self, bad: torch.Tensor, fidx: torch.Tensor) -> tuple[int, int]:
+        """(position, feature) of the first True in `bad`; the slow path of a rejection."""
+        pos = int(bad.nonzero()[0, 0])
+        return pos, int(fidx[pos])
+
     def _id_range_rejection(self, values, lengths, batch) -> Rejection:
         fidx = self.feature_of_values(lengths, batch)
         bad = (values < 0) | (values >= self.id_bound[fidx])
-        pos = int(bad.nonzero()[0, 0])
-        f = int(fidx[pos])
-        tables = ", ".join(repr(t) for t in self.feature_tables[f])
+        pos, f = self._first_bad(bad, fidx)
+        tables = self._tables_of(f)
         return Rejection(
             Problem.ID_RANGE,
             f,
@@ -352,9 +361,8 @@ class Router:
     def _weights_rejection(self, weights, lengths, batch) -> Rejection:
         fidx = self.feature_of_values(lengths, batch)
         bad = ~torch.isfinite(weights)
-        pos = int(bad.nonzero()[0, 0])
-        f = int(fidx[pos])
-        tables = ", ".join(repr(t) for t in self.feature_tables[f])
+        pos, f = self._first_bad(bad, fidx)
+        tables = self._tables_of(f)
         return Rejection(
             Problem.WEIGHTS,
             f,

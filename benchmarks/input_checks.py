@@ -35,10 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch import nn  # noqa: E402
-
-PLANS = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel"}
-
+# The same tables, plans and batches as the step-time benchmark (its helpers read only the
+# config fields both Configs have).
+from benchmarks.step_time import PLANS, Model, _batches, _make_ebc  # noqa: E402
+from benchmarks.step_time import _our_plan as _plan  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -52,55 +52,6 @@ class Config:
     steps: int
     blocks: int
     warmup: int
-
-
-class Model(nn.Module):
-    def __init__(self, ebc: nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt):
-        return self.ebc(kjt).values()
-
-
-def _make_ebc(cfg: Config):
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows,
-                           feature_names=[f"f{i}"], pooling=PoolingType.SUM)
-        for i in range(cfg.tables)
-    ]  # fmt: skip
-    return EmbeddingBagCollection(tables=tables)
-
-
-def _plan(cfg: Config, plan: str):
-    from planners.types import ShardingPlan, ShardingType, TablePlacement
-
-    kind = ShardingType.parse(PLANS[plan])
-    placements = {}
-    for i in range(cfg.tables):
-        if kind is ShardingType.TABLE_WISE:
-            placements[f"t{i}"] = TablePlacement(kind, ranks=(i % cfg.world_size,))
-        elif kind is ShardingType.DATA_PARALLEL:
-            placements[f"t{i}"] = TablePlacement(kind)
-        else:
-            placements[f"t{i}"] = TablePlacement(kind, ranks=tuple(range(cfg.world_size)))
-    return ShardingPlan(world_size=cfg.world_size, modules={"ebc": placements})
-
-
-def _batches(cfg: Config, rank: int, n: int = 4):
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    g = torch.Generator().manual_seed(1234 + rank)
-    out = []
-    for _ in range(n):
-        lengths = torch.full((cfg.tables * cfg.batch,), cfg.pooling, dtype=torch.int64)
-        values = torch.randint(0, cfg.rows, (int(lengths.sum()),), generator=g)
-        keys = [f"f{i}" for i in range(cfg.tables)]
-        out.append(KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=cfg.batch))
-    return out
 
 
 def _shuffled(kjt):

@@ -166,7 +166,6 @@ class FusedTables:
         for t, table in enumerate(self.layout.tables):
             source = per_table[table.name][name]
             rowwise = self.fused.optimizer.rowwise()
-            synced = False
             for j, spec in enumerate(self.layout.shards[t]):
                 if spec.rank != self._rank:
                     continue
@@ -182,8 +181,7 @@ class FusedTables:
                     piece = source[rows] if rowwise else source[rows, cols]
                 target.copy_(piece)
             if rowwise and table.name in self._cw_rowwise and isinstance(source, ShardedTensor):
-                synced = True
-            if synced:  # every column shard needs the first one's row state
+                # every column shard needs the first one's row state
                 self._sync_column_shard_rows(t, name, states)
 
     def _sync_column_shard_rows(self, t: int, name: str, states) -> None:

@@ -5,12 +5,27 @@ buffer; each shard is exposed as a `ShardView`, a parameter that aliases its sli
 and whose `.grad` is the matching slice of the buffer's gradient, so a torch optimizer can update
 each shard on its own even though the kernel batches them (TorchRec's TableBatchedEmbeddingSlice
 does the same).
+
+# Note [dense gradient buffer]
+A dense kernel's gradient is as large as its weights, and on CPU a fresh tensor that large is a
+fresh mmap: the kernel pays a page fault per 4 KiB on first touch, every step (measured: a new
+zeroed 100 MiB buffer 43 ms, zeroing the same buffer again 3 ms; fbgemm's dense TBE backward
+allocates one per call, so it spent 44 ms of a 61 ms step there). So a dense kernel keeps its
+flat gradient across steps, as `zero_grad(set_to_none=False)` would: `.grad = None` (what
+`optimizer.zero_grad()` does) hides it, and the next backward zeroes it and accumulates into it.
+On CPU the accumulation is fbgemm's exact-SGD backward with a learning rate of -1 run on the
+gradient buffer instead of the weights (`w -= lr * g` with lr = -1 is `buf += g`, per touched row,
+with fbgemm's own sort and sums: bit-identical to its dense gradient for SUM). MEAN bags go in as
+SUM with 1/length folded into per-id weights, because fbgemm's weighted CPU backward leaves the
+1/length out. Other devices keep fbgemm's dense TBE backward (their caching allocators make a new
+buffer cheap). A reference to last step's `.grad` taken before `zero_grad()` therefore sees this
+step's gradient, as with set_to_none=False.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -36,17 +51,21 @@ class ShardView(torch.nn.Parameter):
 
     In-place updates write through to the kernel. `.grad` reads (and writes) the matching slice of
     the buffer's gradient; setting it to None clears the whole buffer's gradient, which is what
-    `optimizer.zero_grad()` does for every shard of the kernel anyway.
+    `optimizer.zero_grad()` does for every shard of the kernel anyway (the buffer itself is kept
+    for the next step: Note [dense gradient buffer]).
     """
 
     _flat: torch.Tensor
+    _grads: GradBuffer
     _start: int
     _end: int
 
-    def __new__(cls, flat: torch.Tensor, start: int, rows: int, cols: int) -> ShardView:
+    def __new__(cls, grads: GradBuffer, start: int, rows: int, cols: int) -> ShardView:
+        flat = grads.flat
         data = flat.detach()[start : start + rows * cols].view(rows, cols)
         view = torch.Tensor._make_subclass(cls, data, flat.requires_grad)
         view._flat = flat
+        view._grads = grads
         view._start = start
         view._end = start + rows * cols
         return view
@@ -66,9 +85,7 @@ class ShardView(torch.nn.Parameter):
         if value is None:
             self._flat.grad = None
             return
-        if self._flat.grad is None:
-            self._flat.grad = torch.zeros_like(self._flat)
-        self._flat.grad[self._start : self._end].copy_(value.reshape(-1))
+        self._grads.acquire()[self._start : self._end].copy_(value.reshape(-1))
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         return torch.nn.Parameter(self.detach().clone(), self.requires_grad)
@@ -97,6 +114,42 @@ def dense_tbe(
     return tbe.to(device)
 
 
+class GradBuffer:
+    """The flat gradient of one dense kernel, kept across steps (Note [dense gradient buffer])."""
+
+    def __init__(self, flat: torch.nn.Parameter) -> None:
+        self.flat = flat
+        self._kept: Optional[torch.Tensor] = None
+
+    def acquire(self) -> torch.Tensor:
+        """`flat.grad`, made from the kept buffer (zeroed) when it is None."""
+        g = self.flat.grad
+        if g is None:
+            g = self._kept
+            if g is None:
+                g = torch.zeros_like(self.flat)
+            else:
+                g.zero_()
+            self.flat.grad = g
+        self._kept = g
+        return g
+
+
+class _DenseLookup(torch.autograd.Function):
+    """fbgemm's forward; backward accumulates into the kernel's kept gradient buffer."""
+
+    @staticmethod
+    def forward(ctx, flat, kernel, indices, offsets, weights):  # type: ignore[override]
+        ctx.kernel = kernel
+        ctx.inputs = (indices, offsets, weights)
+        return kernel.tbe(indices, offsets, per_sample_weights=weights)  # grad mode is off here
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        ctx.kernel.accumulate(grad_out, *ctx.inputs)
+        return None, None, None, None, None
+
+
 class DenseKernel:
     """fbgemm's dense TBE for one kernel group: autograd gives the flat buffer a dense gradient.
 
@@ -113,22 +166,81 @@ class DenseKernel:
         self.group = group
         self.sizes = sizes
         self.tbe = dense_tbe(group, sizes, device)
+        self.grads = GradBuffer(self.tbe.weights)
         offsets, start = [], 0
         for rows, cols in sizes:
             offsets.append(start)
             start += rows * cols
         self.views = [
-            ShardView(self.tbe.weights, off, rows, cols) for off, (rows, cols) in zip(offsets, sizes)
+            ShardView(self.grads, off, rows, cols) for off, (rows, cols) in zip(offsets, sizes)
         ]
+        self._on_cpu = device.type == "cpu"
+        self._hooks: list[Callable[[torch.Tensor], None]] = []
+        if self._on_cpu:
+            from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
+            self._placements = torch.full(
+                (len(sizes),), EmbeddingLocation.HOST.value, dtype=torch.int32
+            )
+            self._minus_one = torch.tensor(-1.0)
+            self._ones = torch.ones(0)
 
     @property
     def flat_weight(self) -> torch.nn.Parameter:
         return self.tbe.weights
 
+    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """`hook(flat_weight)` runs after each backward has accumulated into its gradient."""
+        if self._on_cpu:
+            self._hooks.append(hook)
+        else:
+            self.flat_weight.register_post_accumulate_grad_hook(hook)
+
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        return self.tbe(indices, offsets, per_sample_weights=weights)
+        if not self._on_cpu:
+            return self.tbe(indices, offsets, per_sample_weights=weights)
+        return _DenseLookup.apply(self.tbe.weights, self, indices, offsets, weights)
+
+    def accumulate(
+        self,
+        grad_out: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+    ) -> None:
+        """Adds this lookup's gradient into the kept buffer (Note [dense gradient buffer])."""
+        n = indices.numel()
+        if self.group.pooling is Pooling.MEAN:
+            lengths = offsets[1:] - offsets[:-1]
+            inverse = 1.0 / lengths.clamp(min=1).to(torch.float32)
+            per_id = torch.repeat_interleave(inverse, lengths, output_size=n)
+            weights = per_id if weights is None else weights.float() * per_id
+        elif weights is None:
+            if self._ones.numel() < n:
+                self._ones = torch.ones(n)
+            weights = self._ones[:n]
+        tbe = self.tbe
+        torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(
+            grad_out.contiguous(),
+            self.grads.acquire(),
+            self._placements,
+            tbe.weights_offsets,
+            tbe.D_offsets,
+            tbe.max_D,
+            tbe.hash_size_cumsum,
+            tbe.total_hash_size_bits,
+            indices,
+            offsets.to(indices.dtype),
+            int(PoolingMode.SUM),
+            weights.float().contiguous(),
+            False,  # stochastic rounding
+            self._minus_one,  # learning rate: w -= lr * g is buf += g
+            0,  # output dtype: fp32
+        )
+        for hook in self._hooks:
+            hook(self.tbe.weights)
 
 
 # -- fused kernels (Note [fused tables]) ------------------------------------------------------

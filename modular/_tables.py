@@ -34,6 +34,15 @@ def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ..
                 f"table {cfg.name!r} of module {module!r} has pooling {cfg.pooling.name}; "
                 "only SUM and MEAN are supported"
             )
+        if cfg.pooling == PoolingType.MEAN and ebc.is_weighted():
+            # torchrec's own forward raises on it (nn.EmbeddingBag takes per-sample weights only
+            # with mode="sum"), and fbgemm's CPU TBE computes the weighted mean but leaves the
+            # 1/length out of its gradient: refuse it rather than train a wrong table.
+            raise ShardingError(
+                f"table {cfg.name!r} of module {module!r} has MEAN pooling in a weighted "
+                "EmbeddingBagCollection; per-sample weights work only with SUM pooling (torchrec's "
+                "unsharded EBC refuses them too): use PoolingType.SUM or an unweighted EBC"
+            )
         infos.append(
             TableInfo(
                 name=cfg.name,

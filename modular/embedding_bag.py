@@ -233,7 +233,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
 
         for k in self._local_kernels:
             if world > 1 and isinstance(k, DenseKernel):
-                k.flat_weight.register_post_accumulate_grad_hook(all_reduce_mean)
+                k.register_post_accumulate_grad_hook(all_reduce_mean)
 
     def _mean_column_maps(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         cols, feats = [], []

@@ -16,7 +16,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
 from modular._emulated import EmulatedFusedKernel
-from modular._kernels import FusedKernel
+from modular._kernels import FusedKernel, RowStatsFusedKernel
 from planners.types import ShardingType, ShardSpec
 
 
@@ -58,8 +58,11 @@ class FusedTables:
         """Records the fused config and which kernels update at the end of backward."""
         self.fused = config
         self._cw_rowwise = cw_rowwise
-        self._emulated = [
-            k for k in (*self._kernels, *self._local_kernels) if isinstance(k, EmulatedFusedKernel)
+        self._row_sums: Optional[torch.Tensor] = None
+        self._emulated = [  # kernels with work at the end of backward
+            k
+            for k in (*self._kernels, *self._local_kernels)
+            if isinstance(k, (EmulatedFusedKernel, RowStatsFusedKernel))
         ]
 
     def _become_fused(self, config, cw_rowwise, layouts) -> None:
@@ -89,15 +92,21 @@ class FusedTables:
         )
 
     def _fused_kernel(self, group, sizes, config, cw_rowwise, is_local: bool):
+        on_cpu = self._device.type == "cpu"
+        column_rows = any(table in cw_rowwise for table, _ in group.shards)
         emulate = (
             (is_local and self._world > 1)
             # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
-            or (config.weight_decay > 0 and self._device.type == "cpu")
+            or (config.weight_decay > 0 and on_cpu)
             or any(cols % 4 for _, cols in sizes)
-            or any(table in cw_rowwise for table, _ in group.shards)
+            # Note [row statistics across column shards]: fbgemm's CPU kernel in two passes.
+            or (column_rows and not on_cpu)
         )
-        kind = EmulatedFusedKernel if emulate else FusedKernel
-        return kind(group, sizes, self._device, config)
+        if emulate:
+            return EmulatedFusedKernel(group, sizes, self._device, config)
+        if column_rows:
+            return RowStatsFusedKernel(group, sizes, self._device, config)
+        return FusedKernel(group, sizes, self._device, config)
 
     def _local_shard_metadata(self, t: int, weight: ShardedTensor):
         out = []
@@ -199,27 +208,57 @@ class FusedTables:
         torch.autograd.Variable._execution_engine.queue_callback(self._apply_emulated_updates)
 
     def _apply_emulated_updates(self) -> None:
-        """End of backward (Note [emulated fused kernels]): the collectives, in the same order on
-        every rank (column-wise row statistics by table, then data-parallel gradients by kernel),
-        then each emulated kernel's update on the rows it touched."""
-        grads = {id(k): k.take_pending() for k in self._emulated}
+        """End of backward (Note [emulated fused kernels], Note [row statistics across column
+        shards]): one all-reduce of the column-wise tables' row statistics, then the data-parallel
+        gradients kernel by kernel (the same collectives in the same order on every rank), then
+        each kernel's update on the rows it touched."""
+        emulated = [k for k in self._emulated if isinstance(k, EmulatedFusedKernel)]
+        two_pass = [k for k in self._emulated if isinstance(k, RowStatsFusedKernel)]
+        grads = {id(k): k.take_pending() for k in emulated}
+        stats = {id(k): k.row_stats() for k in two_pass}
         row_means: dict[str, torch.Tensor] = {}
-        for table_name in self._cw_rowwise:
-            table = self.layout.table(table_name)
-            acc = torch.zeros(table.num_embeddings, device=self._device)
-            for k in self._emulated:
-                for t, ((name, _), g) in enumerate(zip(k.group.shards, grads[id(k)])):
-                    if name == table_name and g is not None:
-                        decayed = k.decayed(t, g)
-                        acc.index_add_(0, g.rows, (decayed * decayed).sum(1))
+        if self._cw_rowwise:
+            sizes = [self.layout.table(name).num_embeddings for name in self._cw_rowwise]
+            sums = self._row_sums_buffer(sum(sizes))
+            for name, acc in zip(self._cw_rowwise, sums.split(sizes)):
+                for k in emulated:
+                    for t, ((table, _), g) in enumerate(zip(k.group.shards, grads[id(k)])):
+                        if table == name and g is not None:
+                            decayed = k.decayed(t, g)
+                            acc.index_add_(0, g.rows, (decayed * decayed).sum(1))
+                for k in two_pass:
+                    if stats[id(k)] is None:
+                        continue
+                    for (table, _), s, (_, cols) in zip(k.group.shards, stats[id(k)], k.sizes):
+                        if table == name:
+                            acc.add_(s, alpha=cols)  # s is a mean over this shard's columns
             if not self._local_only:
-                dist.all_reduce(acc, group=self._pg)
-            row_means[table_name] = acc / table.embedding_dim
-        for k in self._emulated:
+                dist.all_reduce(sums, group=self._pg)
+            for name, acc in zip(self._cw_rowwise, sums.split(sizes)):
+                row_means[name] = acc.div_(self.layout.table(name).embedding_dim)
+        for k in emulated:
             g = grads[id(k)]
             if k in self._local_kernels and self._world > 1:
                 g = k.all_gather_mean(g, world=self._world, group=self._pg)
             k.apply(g, [row_means.get(name) for name, _ in k.group.shards])
+        for k in two_pass:
+            if stats[id(k)] is None:
+                continue
+            k.update(
+                [
+                    row_means[table] - s if table in row_means else None
+                    for (table, _), s in zip(k.group.shards, stats[id(k)])
+                ]
+            )
+
+    def _row_sums_buffer(self, n: int) -> torch.Tensor:
+        """A zeroed buffer for the column-wise row sums, kept across steps (a fresh one per step
+        is fresh pages to fault in, Note [dense gradient buffer] in modular/_kernels.py)."""
+        buf = self._row_sums
+        if buf is None or buf.numel() != n:
+            self._row_sums = torch.zeros(n, device=self._device)
+            return self._row_sums
+        return buf.zero_()
 
 
 def _frozen(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:

@@ -114,6 +114,25 @@ def dense_tbe(
     return tbe.to(device)
 
 
+def sum_weights(
+    pooling: Pooling, offsets: torch.Tensor, weights: Optional[torch.Tensor], ones: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-id weights that make a SUM-mode fbgemm CPU backward exact for this lookup: 1/length for
+    MEAN bags (fbgemm's weighted CPU backward leaves it out), ones when unweighted (its raw
+    backward ops need a weight tensor). Returns them and the cache of ones, grown as needed."""
+    n = int(offsets[-1])
+    if pooling is Pooling.MEAN:
+        lengths = offsets[1:] - offsets[:-1]
+        inverse = 1.0 / lengths.clamp(min=1).to(torch.float32)
+        per_id = torch.repeat_interleave(inverse, lengths, output_size=n)
+        return (per_id if weights is None else weights.float() * per_id), ones
+    if weights is not None:
+        return weights.float().contiguous(), ones
+    if ones.numel() < n:
+        ones = torch.ones(n, device=offsets.device)
+    return ones[:n], ones
+
+
 class GradBuffer:
     """The flat gradient of one dense kernel, kept across steps (Note [dense gradient buffer])."""
 
@@ -211,16 +230,7 @@ class DenseKernel:
         weights: Optional[torch.Tensor],
     ) -> None:
         """Adds this lookup's gradient into the kept buffer (Note [dense gradient buffer])."""
-        n = indices.numel()
-        if self.group.pooling is Pooling.MEAN:
-            lengths = offsets[1:] - offsets[:-1]
-            inverse = 1.0 / lengths.clamp(min=1).to(torch.float32)
-            per_id = torch.repeat_interleave(inverse, lengths, output_size=n)
-            weights = per_id if weights is None else weights.float() * per_id
-        elif weights is None:
-            if self._ones.numel() < n:
-                self._ones = torch.ones(n)
-            weights = self._ones[:n]
+        weights, self._ones = sum_weights(self.group.pooling, offsets, weights, self._ones)
         tbe = self.tbe
         torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(
             grad_out.contiguous(),
@@ -234,7 +244,7 @@ class DenseKernel:
             indices,
             offsets.to(indices.dtype),
             int(PoolingMode.SUM),
-            weights.float().contiguous(),
+            weights,
             False,  # stochastic rounding
             self._minus_one,  # learning rate: w -= lr * g is buf += g
             0,  # output dtype: fp32
@@ -253,7 +263,10 @@ class FusedKernel:
     def __init__(
         self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
     ) -> None:
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+        )
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice,
             SplitTableBatchedEmbeddingBagsCodegen,
@@ -274,6 +287,9 @@ class FusedKernel:
             eps=config.eps,
             pooling_mode=_POOLING[group.pooling],
             device=device,
+            # Input dist has checked every id against its table (Router.check), so fbgemm's own
+            # per-forward bounds check would only repeat it.
+            bounds_check_mode=BoundsCheckMode.NONE,
             **_weight_decay_args(config),
         )
         self.views = [
@@ -299,6 +315,151 @@ class FusedKernel:
             self.tbe.set_learning_rate(lr)
             self._lr = lr
         return self.tbe(indices, offsets, per_sample_weights=weights)
+
+
+class _RowStatsLookup(torch.autograd.Function):
+    """fbgemm's fused forward; backward takes the row statistics and queues the update."""
+
+    @staticmethod
+    def forward(ctx, placeholder, kernel, indices, offsets, weights):  # type: ignore[override]
+        ctx.kernel = kernel
+        ctx.inputs = (indices, offsets, weights)
+        return kernel.tbe(indices, offsets, per_sample_weights=weights)  # grad mode is off here
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        ctx.kernel.backward(grad_out, *ctx.inputs)
+        return None, None, None, None, None
+
+
+class RowStatsFusedKernel(FusedKernel):
+    """fbgemm's fused row-wise Adagrad, with the row statistic of whole rows for column shards.
+
+    # Note [row statistics across column shards]
+    Row-wise Adagrad keeps one statistic per row, the running sum of mean(g**2) over the row's
+    columns; a column shard alone sees only its own columns, which is the approximation TorchRec
+    makes. Exact, with fbgemm's kernel doing the work, in two passes on CPU:
+      1. in backward, fbgemm's row-wise Adagrad backward with learning rate 0 into a zeroed
+         scratch state: each touched row gets s = mean over this shard's columns of g**2 (the
+         weights are left as they are: w -= 0 * ...);
+      2. at the end of backward the owning module all-reduces cols * s per column-wise table,
+         which gives every shard the whole row's mean m, adds m - s to the row's state, and runs
+         the same backward with the real learning rate: fbgemm adds s back, so the state grows
+         by m and the update divides by the exact statistic.
+    The result equals the unsharded table's update up to float rounding (tests/modular/
+    test_fused.py, atol 1e-5). Two fbgemm backward passes and one all-reduce of one float per
+    row replace a gradient scattered in torch (cw/fused step 85 -> see docs/benchmarks.md).
+    Several lookups before one backward are merged into one batch, so their gradients are
+    summed before the update, as the torch emulation does.
+    """
+
+    def __init__(
+        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+    ) -> None:
+        super().__init__(group, sizes, device, config)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._placeholder = torch.zeros(0, device=device, requires_grad=True)
+        self._zero_lr = torch.tensor(0.0, device=device)
+        self._ones = torch.ones(0, device=device)
+        self._scratch: Optional[torch.Tensor] = None
+        rows = [r for r, _ in sizes]  # row-wise state: one value per row, tables back to back
+        self._stats_offsets = [sum(rows[:t]) for t in range(len(rows))]
+
+    def __call__(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        lr = self.config.lr
+        if lr != self._lr:
+            self.tbe.set_learning_rate(lr)
+            self._lr = lr
+        return _RowStatsLookup.apply(self._placeholder, self, indices, offsets, weights)
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+    ) -> None:
+        offsets = offsets.to(indices.dtype)
+        weights, self._ones = sum_weights(self.group.pooling, offsets, weights, self._ones)
+        self.pending.append((grad_out.contiguous(), indices, offsets, weights))
+
+    def row_stats(self) -> Optional[list[torch.Tensor]]:
+        """Pass 1 over the pending lookups (merged): per kernel table, mean(g**2) over its
+        columns for each row (zero where untouched); None if nothing is pending."""
+        if not self.pending:
+            return None
+        if len(self.pending) > 1:
+            self.pending = [_merge_lookups(self.pending, len(self.group.routes))]
+        # Kept across steps: a fresh buffer this size is fresh pages to fault in (Note [dense
+        # gradient buffer]); the caller is done with last step's statistics.
+        if self._scratch is None:
+            self._scratch = torch.zeros_like(self.tbe.momentum1_host.detach())
+        else:
+            self._scratch.zero_()
+        scratch = self._scratch
+        self._run(*self.pending[0], state=scratch, lr=self._zero_lr)
+        return [
+            scratch[off : off + rows] for off, (rows, _) in zip(self._stats_offsets, self.sizes)
+        ]
+
+    @torch.no_grad()
+    def update(self, adjust: list[Optional[torch.Tensor]]) -> None:
+        """Pass 2: adds `adjust[t]` (the whole row's mean minus this shard's) to the state of
+        kernel table t, then the real update."""
+        name = self.config.optimizer.state_name()
+        for t, delta in enumerate(adjust):
+            if delta is not None:
+                self.states[t][name].add_(delta)
+        pending, self.pending = self.pending, []
+        for lookup in pending:
+            self._run(*lookup, state=self.tbe.momentum1_host, lr=self.tbe.learning_rate_tensor)
+
+    def _run(self, grad_out, indices, offsets, weights, *, state, lr) -> None:
+        tbe = self.tbe
+        with torch.no_grad():
+            torch.ops.fbgemm.split_embedding_backward_codegen_rowwise_adagrad_cpu(
+                grad_out,
+                tbe.weights_host,
+                tbe.weights_placements,
+                tbe.weights_offsets,
+                tbe.D_offsets,
+                tbe.max_D,
+                tbe.hash_size_cumsum,
+                tbe.total_hash_size_bits,
+                indices,
+                offsets,
+                int(PoolingMode.SUM),
+                weights,
+                False,  # stochastic rounding
+                state.detach(),
+                tbe.momentum1_placements,
+                tbe.momentum1_offsets,
+                lr,
+                self.config.eps,
+                0.0,  # weight decay: its kernels take the torch emulation on CPU
+                0,
+                0.0,  # max norm
+                0,  # output dtype: fp32
+            )
+
+
+def _merge_lookups(pending, routes: int):
+    """One TBE batch holding several lookups' bags: feature by feature, the first lookup's bags,
+    then the next's (TBE batches are feature-major), with their output gradients stacked."""
+    segments_ids, segments_w, lengths = [], [], []
+    for _, indices, offsets, weights in pending:
+        bags = (offsets.numel() - 1) // routes
+        bounds = offsets[::bags].tolist()
+        lengths.append((offsets[1:] - offsets[:-1]).view(routes, bags))
+        segments_ids.append([indices[bounds[f] : bounds[f + 1]] for f in range(routes)])
+        segments_w.append([weights[bounds[f] : bounds[f + 1]] for f in range(routes)])
+    indices = torch.cat([seg[f] for f in range(routes) for seg in segments_ids])
+    weights = torch.cat([seg[f] for f in range(routes) for seg in segments_w])
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(torch.cat(lengths, dim=1).reshape(-1))
+    grad_out = torch.cat([p[0] for p in pending], dim=0)
+    return grad_out, indices, offsets.to(indices.dtype), weights
 
 
 def _weight_decay_args(config) -> dict:

@@ -76,7 +76,7 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc()
     ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
@@ -93,14 +93,18 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
     assert modular.local_parameters(model) == [], "fused tables must not reach a dense optimizer"
     worst = 0.0
     for step in range(STEPS):
-        batches = [make_batch(ebc, seed=1000 * step + r) for r in range(world)]
-        out = model(batches[rank]).values()
-        expected = ref.ebc(global_batch(batches)).values()
-        target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step))
-        mine = slice(rank * out.shape[0], (rank + 1) * out.shape[0])
-        worst = max(worst, close(out, expected[mine], f"{case} step {step} output"))
-        (out * target[mine]).sum().backward()
-        ((expected * target).sum() / world).backward()
+        loss, ref_loss = 0.0, 0.0
+        for lookup in range(lookups):  # several lookups before one backward: one update
+            batches = [make_batch(ebc, seed=1000 * step + 100 * lookup + r) for r in range(world)]
+            out = model(batches[rank]).values()
+            expected = ref.ebc(global_batch(batches)).values()
+            target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step + 50 * lookup))
+            mine = slice(rank * out.shape[0], (rank + 1) * out.shape[0])
+            worst = max(worst, close(out, expected[mine], f"{case} step {step} output"))
+            loss = loss + (out * target[mine]).sum()
+            ref_loss = ref_loss + (expected * target).sum() / world
+        loss.backward()
+        ref_loss.backward()
         opt.step()
         opt.zero_grad()
         ref.step()
@@ -146,6 +150,18 @@ def test_rowwise_adagrad_weight_decay_matches_fbgemm_l2_semantics() -> None:
 def test_fused_training_matches_unsharded_reference(world: int, optimizer: str) -> None:
     results = run_on_ranks(world, _train_all_cases, optimizer, timeout=200)
     assert set(results[0]) == set(CASES)
+
+
+def _train_column_wise_twice_per_step() -> float:
+    return _train("column_wise", "exact_rowwise_adagrad", fuse_first=False, lookups=2)["worst"]
+
+
+@pytest.mark.timeout(120)
+def test_column_wise_rowwise_adagrad_sums_two_lookups_into_one_update() -> None:
+    # Column shards of widths 4 and 8 take fbgemm's kernel in two passes (Note [row statistics
+    # across column shards]), which merges the two lookups' batches; widths 3/4 and 2/3 the torch
+    # emulation, which sums their gradients. Both must equal one update of the summed gradient.
+    run_on_ranks(2, _train_column_wise_twice_per_step, timeout=100)
 
 
 def _fuse_order(optimizer: str, fuse_first: bool) -> dict[str, torch.Tensor]:

@@ -277,3 +277,29 @@ def test_weighted_ebc_without_weights_raises_on_every_rank() -> None:
     assert errors[0].message == "module '' is weighted (is_weighted=True) but the batch has no per-sample weights"
     assert errors[1].message.startswith("rank 0 rejected its batch for module '' (bad per-sample weights)")
 
+
+
+# -- tables sharding cannot take (one process: no collective involved) -------------------------
+
+
+@pytest.mark.parametrize(
+    "change, weighted, message",
+    [
+        ({"data_type": "FP16"}, False, r"table 't' of module 'm' has data type FP16; only FP32 tables can be sharded"),
+        ({"pooling": "MEAN"}, True, r"table 't' of module 'm' has MEAN pooling in a weighted EmbeddingBagCollection; .*use PoolingType\.SUM"),
+    ],
+)
+def test_tables_that_cannot_be_sharded_are_named(change: dict, weighted: bool, message: str) -> None:
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from modular._tables import ShardingError, table_infos
+
+    kwargs = {"data_type": DataType[change["data_type"]]} if "data_type" in change else {"pooling": PoolingType[change["pooling"]]}
+    cfg = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"], **kwargs)
+    ebc = EmbeddingBagCollection(tables=[cfg], is_weighted=weighted, device=torch.device("meta"))
+    with pytest.raises(ShardingError, match=message):
+        table_infos(ebc, "m")
+    # the same table is fine as SUM / FP32, weighted or not
+    ok = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"])], is_weighted=weighted, device=torch.device("meta"))
+    assert [t.name for t in table_infos(ok, "m")] == ["t"]

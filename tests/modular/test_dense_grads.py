@@ -1,0 +1,87 @@
+"""Dense kernels keep one gradient buffer across steps (Note [dense gradient buffer]) and must
+still behave like ordinary parameters: gradients accumulate over backward calls, zero_grad() with
+or without set_to_none clears them, and data-parallel tables average each backward over ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import modular
+from tests.dist import run_on_ranks
+from tests.modular.cases import BATCH, close, global_batch, local_blocks, make_ebc, plan_for, rank_batches
+
+
+def _backward(ebc, ref, step: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = rank_batches(ref, world, step)
+    out = ebc(batches[rank]).values()
+    expected = ref(global_batch(batches)).values()
+    target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step))
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    (out * target[mine]).sum().backward()
+    ((expected * target).sum() / world).backward()
+
+
+def _compare_grads(ebc, ref, what: str) -> int:
+    ref_params = dict(ref.named_parameters())
+    compared = 0
+    for name, param in ebc.named_parameters():
+        for tensor, rows, cols in local_blocks(param):
+            close(tensor.grad, ref_params[name].grad[rows, cols], f"{what}: grad of {name}")
+            compared += 1
+    return compared
+
+
+def _accumulate_and_clear(case: str) -> int:
+    ref = make_ebc(False)
+    ebc = copy.deepcopy(ref)
+    modular.shard(ebc, plan_for(case, ebc, dist.get_world_size()))
+    local = modular.local_parameters(ebc)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(local, lr=0.1) if local else None
+    compared = 0
+    _backward(ebc, ref, 0)
+    _backward(ebc, ref, 1)  # no zero_grad in between: the two gradients add up
+    compared += _compare_grads(ebc, ref, f"{case}: two backward calls")
+    for set_to_none in (False, True, False):
+        if opt is not None:
+            opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        for p in local:
+            if set_to_none:
+                assert p.grad is None, f"{case}: zero_grad() left a gradient"
+            else:
+                assert p.grad is not None and not p.grad.any(), f"{case}: zero_grad(set_to_none=False) left a nonzero gradient"
+        _backward(ebc, ref, 2 + int(set_to_none))
+        compared += _compare_grads(ebc, ref, f"{case}: after zero_grad(set_to_none={set_to_none})")
+    return compared
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["mixed", "data_parallel", "row_wise"])
+def test_gradients_accumulate_and_clear_like_plain_parameters(case: str) -> None:
+    compared = run_on_ranks(2, _accumulate_and_clear, case, timeout=100)
+    assert all(n > 0 for n in compared), compared
+
+
+def test_setting_one_shard_gradient_keeps_its_kernel_neighbours_consistent() -> None:
+    # One process, no process group; the views of one kernel (the SUM tables share one).
+    ebc = modular.ShardedEmbeddingBagCollection.unsharded(make_ebc(False), module="")
+    everything = modular.local_parameters(ebc)
+    views = [v for v in everything if v._flat is everything[0]._flat]
+    others = [v for v in everything if v._flat is not everything[0]._flat]
+    assert len(views) > 1 and others and all(v.grad is None for v in everything)
+    views[0].grad = torch.ones_like(views[0])
+    assert torch.equal(views[0].grad, torch.ones_like(views[0]))
+    assert all(v.grad is not None and not v.grad.any() for v in views[1:])
+    views[1].grad = None  # clears the kernel's whole buffer, as zero_grad() does for each view
+    assert all(v.grad is None for v in views)
+    views[0].grad = torch.full_like(views[0], 2.0)  # the kept buffer comes back zeroed
+    assert torch.equal(views[0].grad, torch.full_like(views[0], 2.0))
+    assert all(not v.grad.any() for v in views[1:])
+    assert all(v.grad is None for v in others)  # another kernel's buffer is untouched

@@ -140,14 +140,14 @@ class EmulatedFusedKernel:
         per kernel, the same order on every rank). Sends only the touched rows, not the table."""
         device = self._placeholder.device
         counts = torch.tensor([0 if g is None else g.rows.numel() for g in grads], device=device)
-        all_counts = _all_gather_padded([counts], counts.numel(), group, world, torch.int64, device)
+        all_counts = all_gather_padded([counts], counts.numel(), group, world, torch.int64, device)
         rows_mine = [g.rows for g in grads if g is not None]
         vals_mine = [g.grad.reshape(-1) for g in grads if g is not None]
         cols = torch.tensor([c for _, c in self.sizes], device=device)
         row_total = all_counts.sum(1)
         val_total = (all_counts * cols).sum(1)
-        rows_all = _all_gather_padded(rows_mine, int(row_total.max()), group, world, torch.int64, device)
-        vals_all = _all_gather_padded(vals_mine, int(val_total.max()), group, world, torch.float32, device)
+        rows_all = all_gather_padded(rows_mine, int(row_total.max()), group, world, torch.int64, device)
+        vals_all = all_gather_padded(vals_mine, int(val_total.max()), group, world, torch.float32, device)
         out: list[Optional[RowGrad]] = []
         per_rank_rows = [r[: int(n)].split(c.tolist()) for r, n, c in zip(rows_all, row_total, all_counts)]
         per_rank_vals = [
@@ -203,7 +203,7 @@ def _coalesce(ids: torch.Tensor, grads: torch.Tensor, cols: int) -> RowGrad:
     return RowGrad(rows, summed.index_add_(0, inverse, grads))
 
 
-def _all_gather_padded(
+def all_gather_padded(
     pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device
 ) -> torch.Tensor:
     """All-gathers 1-D data of different lengths per rank (gloo needs equal ones): each rank's

@@ -15,8 +15,15 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
-from modular._emulated import EmulatedFusedKernel
-from modular._kernels import FusedKernel, RowStatsFusedKernel
+from modular._emulated import EmulatedFusedKernel, all_gather_padded
+from modular._kernels import (
+    DeferredFusedKernel,
+    FusedKernel,
+    Lookup,
+    ReplicaFusedKernel,
+    RowStatsFusedKernel,
+    merge_lookups,
+)
 from planners.types import ShardingType, ShardSpec
 
 
@@ -62,7 +69,7 @@ class FusedTables:
         self._emulated = [  # kernels with work at the end of backward
             k
             for k in (*self._kernels, *self._local_kernels)
-            if isinstance(k, (EmulatedFusedKernel, RowStatsFusedKernel))
+            if isinstance(k, (EmulatedFusedKernel, DeferredFusedKernel))
         ]
 
     def _become_fused(self, config, cw_rowwise, layouts) -> None:
@@ -94,16 +101,19 @@ class FusedTables:
     def _fused_kernel(self, group, sizes, config, cw_rowwise, is_local: bool):
         on_cpu = self._device.type == "cpu"
         column_rows = any(table in cw_rowwise for table, _ in group.shards)
+        replica = is_local and self._world > 1
         emulate = (
-            (is_local and self._world > 1)
             # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
-            or (config.weight_decay > 0 and on_cpu)
+            (config.weight_decay > 0 and on_cpu)
             or any(cols % 4 for _, cols in sizes)
-            # Note [row statistics across column shards]: fbgemm's CPU kernel in two passes.
-            or (column_rows and not on_cpu)
+            # Note [row statistics across column shards] and Note [fused replicas] run
+            # fbgemm's CPU backward ops directly; other devices take the torch emulation.
+            or ((column_rows or replica) and not on_cpu)
         )
         if emulate:
             return EmulatedFusedKernel(group, sizes, self._device, config)
+        if replica:
+            return ReplicaFusedKernel(group, sizes, self._device, config)
         if column_rows:
             return RowStatsFusedKernel(group, sizes, self._device, config)
         return FusedKernel(group, sizes, self._device, config)
@@ -250,6 +260,44 @@ class FusedTables:
                     for (table, _), s in zip(k.group.shards, stats[id(k)])
                 ]
             )
+        for k in self._emulated:
+            if isinstance(k, ReplicaFusedKernel):
+                batch = self._global_batch(k, k.take_batch())
+                if batch is not None:
+                    k.run_backward(batch)
+
+    def _global_batch(self, k: ReplicaFusedKernel, mine: Optional[Lookup]) -> Optional[Lookup]:
+        """Every rank's lookup batch for replica kernel `k`, merged in rank order, gradients
+        divided by the world size (Note [fused replicas]). Three or four collectives, the same
+        on every rank: bag lengths and output gradients (same shapes everywhere: input dist
+        agreed on the batch size), then ids (and weights) padded to the longest."""
+        if mine is None:  # no lookup on any rank: forward ran on all or none
+            return None
+        world, group = self._world, self._pg
+        routes = len(k.group.routes)
+        lengths = mine.offsets[1:] - mine.offsets[:-1]
+        all_lengths = torch.empty(world, lengths.numel(), dtype=lengths.dtype, device=lengths.device)
+        all_grads = torch.empty(world, *mine.grad_out.shape, device=mine.grad_out.device)
+        dist.all_gather(list(all_lengths.unbind(0)), lengths.contiguous(), group=group)
+        dist.all_gather(list(all_grads.unbind(0)), mine.grad_out, group=group)
+        counts = all_lengths.sum(1).tolist()
+        longest = max(counts)
+        ids = all_gather_padded([mine.indices], longest, group, world, mine.indices.dtype, mine.indices.device)
+        weights = None
+        if mine.weights is not None:
+            weights = all_gather_padded([mine.weights.float()], longest, group, world, torch.float32, mine.weights.device)
+        entries = []
+        for r in range(world):
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths[r])
+            entries.append(
+                Lookup(
+                    all_grads[r].div_(world),
+                    ids[r, : counts[r]],
+                    offsets.to(mine.indices.dtype),
+                    None if weights is None else weights[r, : counts[r]],
+                )
+            )
+        return merge_lookups(entries, routes)
 
     def _row_sums_buffer(self, n: int) -> torch.Tensor:
         """A zeroed buffer for the column-wise row sums, kept across steps (a fresh one per step

@@ -25,7 +25,7 @@ step's gradient, as with set_to_none=False.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -317,8 +317,9 @@ class FusedKernel:
         return self.tbe(indices, offsets, per_sample_weights=weights)
 
 
-class _RowStatsLookup(torch.autograd.Function):
-    """fbgemm's fused forward; backward takes the row statistics and queues the update."""
+class _DeferredLookup(torch.autograd.Function):
+    """fbgemm's fused forward; backward only records what the update at the end of backward
+    needs (the owning module runs it after its collectives)."""
 
     @staticmethod
     def forward(ctx, placeholder, kernel, indices, offsets, weights):  # type: ignore[override]
@@ -328,42 +329,33 @@ class _RowStatsLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        ctx.kernel.backward(grad_out, *ctx.inputs)
+        indices, offsets, weights = ctx.inputs
+        ctx.kernel.pending.append(
+            Lookup(grad_out.contiguous(), indices, offsets.to(indices.dtype), weights)
+        )
         return None, None, None, None, None
 
 
-class RowStatsFusedKernel(FusedKernel):
-    """fbgemm's fused row-wise Adagrad, with the row statistic of whole rows for column shards.
+class Lookup(NamedTuple):
+    """One TBE batch and its pooled outputs' gradient."""
 
-    # Note [row statistics across column shards]
-    Row-wise Adagrad keeps one statistic per row, the running sum of mean(g**2) over the row's
-    columns; a column shard alone sees only its own columns, which is the approximation TorchRec
-    makes. Exact, with fbgemm's kernel doing the work, in two passes on CPU:
-      1. in backward, fbgemm's row-wise Adagrad backward with learning rate 0 into a zeroed
-         scratch state: each touched row gets s = mean over this shard's columns of g**2 (the
-         weights are left as they are: w -= 0 * ...);
-      2. at the end of backward the owning module all-reduces cols * s per column-wise table,
-         which gives every shard the whole row's mean m, adds m - s to the row's state, and runs
-         the same backward with the real learning rate: fbgemm adds s back, so the state grows
-         by m and the update divides by the exact statistic.
-    The result equals the unsharded table's update up to float rounding (tests/modular/
-    test_fused.py, atol 1e-5). Two fbgemm backward passes and one all-reduce of one float per
-    row replace a gradient scattered in torch (cw/fused step 85 -> see docs/benchmarks.md).
-    Several lookups before one backward are merged into one batch, so their gradients are
-    summed before the update, as the torch emulation does.
-    """
+    grad_out: torch.Tensor  # (bags per route, total columns)
+    indices: torch.Tensor
+    offsets: torch.Tensor  # routes * bags + 1, the indices' dtype
+    weights: Optional[torch.Tensor]
+
+
+class DeferredFusedKernel(FusedKernel):
+    """fbgemm's fused kernel (CPU) whose update runs at the end of backward, on a batch the
+    owning module may first complete with other ranks' data (subclasses say how)."""
 
     def __init__(
         self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
     ) -> None:
         super().__init__(group, sizes, device, config)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[Lookup] = []
         self._placeholder = torch.zeros(0, device=device, requires_grad=True)
-        self._zero_lr = torch.tensor(0.0, device=device)
         self._ones = torch.ones(0, device=device)
-        self._scratch: Optional[torch.Tensor] = None
-        rows = [r for r, _ in sizes]  # row-wise state: one value per row, tables back to back
-        self._stats_offsets = [sum(rows[:t]) for t in range(len(rows))]
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
@@ -372,36 +364,101 @@ class RowStatsFusedKernel(FusedKernel):
         if lr != self._lr:
             self.tbe.set_learning_rate(lr)
             self._lr = lr
-        return _RowStatsLookup.apply(self._placeholder, self, indices, offsets, weights)
+        return _DeferredLookup.apply(self._placeholder, self, indices, offsets, weights)
 
-    def backward(
+    def take_batch(self) -> Optional[Lookup]:
+        """The lookups since the last update as one batch (several are merged, so their
+        gradients add up before one update); None if there were none."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return None
+        return pending[0] if len(pending) == 1 else merge_lookups(pending, len(self.group.routes))
+
+    def run_backward(
         self,
-        grad_out: torch.Tensor,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        weights: Optional[torch.Tensor],
+        batch: Lookup,
+        *,
+        state: Optional[torch.Tensor] = None,
+        lr: Optional[torch.Tensor] = None,
     ) -> None:
-        offsets = offsets.to(indices.dtype)
-        weights, self._ones = sum_weights(self.group.pooling, offsets, weights, self._ones)
-        self.pending.append((grad_out.contiguous(), indices, offsets, weights))
+        """fbgemm's fused CPU backward on `batch`: the update, with this kernel's state and
+        learning rate unless others are given (SUM mode with per-id weights: `sum_weights`)."""
+        tbe, kind = self.tbe, self.config.optimizer.value
+        weights, self._ones = sum_weights(
+            self.group.pooling, batch.offsets, batch.weights, self._ones
+        )
+        lr = tbe.learning_rate_tensor if lr is None else lr
+        common = (
+            batch.grad_out, tbe.weights_host, tbe.weights_placements, tbe.weights_offsets,
+            tbe.D_offsets, tbe.max_D, tbe.hash_size_cumsum, tbe.total_hash_size_bits,
+            batch.indices, batch.offsets, int(PoolingMode.SUM), weights,
+            False,  # stochastic rounding
+        )  # fmt: skip
+        with torch.no_grad():
+            if kind == "exact_sgd":
+                torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(*common, lr, 0)
+                return
+            momentum = (
+                (tbe.momentum1_host if state is None else state).detach(),
+                tbe.momentum1_placements,
+                tbe.momentum1_offsets,
+            )
+            if kind == "exact_adagrad":
+                torch.ops.fbgemm.split_embedding_backward_codegen_adagrad_cpu(
+                    *common, *momentum, lr, self.config.eps, 0
+                )
+            else:  # weight decay and max norm 0: weight decay takes the torch emulation on CPU
+                torch.ops.fbgemm.split_embedding_backward_codegen_rowwise_adagrad_cpu(
+                    *common, *momentum, lr, self.config.eps, 0.0, 0, 0.0, 0
+                )
+
+
+class RowStatsFusedKernel(DeferredFusedKernel):
+    """fbgemm's fused row-wise Adagrad, with the row statistic of whole rows for column shards.
+
+    # Note [row statistics across column shards]
+    Row-wise Adagrad keeps one statistic per row, the running sum of mean(g**2) over the row's
+    columns; a column shard alone sees only its own columns, which is the approximation TorchRec
+    makes. Exact, with fbgemm's kernel doing the work, in two passes on CPU:
+      1. at the end of backward, fbgemm's row-wise Adagrad backward with learning rate 0 into a
+         zeroed scratch state: each touched row gets s = mean over this shard's columns of g**2
+         (the weights are left as they are: w -= 0 * ...);
+      2. the owning module all-reduces cols * s per column-wise table, which gives every shard
+         the whole row's mean m, adds m - s to the row's state, and runs the same backward with
+         the real learning rate: fbgemm adds s back, so the state grows by m and the update
+         divides by the exact statistic.
+    The result equals the unsharded table's update up to float rounding (tests/modular/
+    test_fused.py, atol 1e-5). Two fbgemm passes and one all-reduce of one float per row replace
+    a gradient scattered in torch (docs/benchmarks.md). Several lookups before one backward are
+    merged into one batch, so their gradients add up before one update, as in the emulation.
+    """
+
+    def __init__(
+        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+    ) -> None:
+        super().__init__(group, sizes, device, config)
+        self._zero_lr = torch.tensor(0.0, device=device)
+        self._scratch: Optional[torch.Tensor] = None
+        self._batch: Optional[Lookup] = None
+        rows = [r for r, _ in sizes]  # row-wise state: one value per row, tables back to back
+        self._stats_offsets = [sum(rows[:t]) for t in range(len(rows))]
 
     def row_stats(self) -> Optional[list[torch.Tensor]]:
-        """Pass 1 over the pending lookups (merged): per kernel table, mean(g**2) over its
-        columns for each row (zero where untouched); None if nothing is pending."""
-        if not self.pending:
+        """Pass 1 over the pending lookups: per kernel table, mean(g**2) over its columns for
+        each row (zero where untouched); None if nothing is pending."""
+        self._batch = self.take_batch()
+        if self._batch is None:
             return None
-        if len(self.pending) > 1:
-            self.pending = [_merge_lookups(self.pending, len(self.group.routes))]
         # Kept across steps: a fresh buffer this size is fresh pages to fault in (Note [dense
         # gradient buffer]); the caller is done with last step's statistics.
         if self._scratch is None:
             self._scratch = torch.zeros_like(self.tbe.momentum1_host.detach())
         else:
             self._scratch.zero_()
-        scratch = self._scratch
-        self._run(*self.pending[0], state=scratch, lr=self._zero_lr)
+        self.run_backward(self._batch, state=self._scratch, lr=self._zero_lr)
         return [
-            scratch[off : off + rows] for off, (rows, _) in zip(self._stats_offsets, self.sizes)
+            self._scratch[off : off + rows]
+            for off, (rows, _) in zip(self._stats_offsets, self.sizes)
         ]
 
     @torch.no_grad()
@@ -412,54 +469,43 @@ class RowStatsFusedKernel(FusedKernel):
         for t, delta in enumerate(adjust):
             if delta is not None:
                 self.states[t][name].add_(delta)
-        pending, self.pending = self.pending, []
-        for lookup in pending:
-            self._run(*lookup, state=self.tbe.momentum1_host, lr=self.tbe.learning_rate_tensor)
-
-    def _run(self, grad_out, indices, offsets, weights, *, state, lr) -> None:
-        tbe = self.tbe
-        with torch.no_grad():
-            torch.ops.fbgemm.split_embedding_backward_codegen_rowwise_adagrad_cpu(
-                grad_out,
-                tbe.weights_host,
-                tbe.weights_placements,
-                tbe.weights_offsets,
-                tbe.D_offsets,
-                tbe.max_D,
-                tbe.hash_size_cumsum,
-                tbe.total_hash_size_bits,
-                indices,
-                offsets,
-                int(PoolingMode.SUM),
-                weights,
-                False,  # stochastic rounding
-                state.detach(),
-                tbe.momentum1_placements,
-                tbe.momentum1_offsets,
-                lr,
-                self.config.eps,
-                0.0,  # weight decay: its kernels take the torch emulation on CPU
-                0,
-                0.0,  # max norm
-                0,  # output dtype: fp32
-            )
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            self.run_backward(batch)
 
 
-def _merge_lookups(pending, routes: int):
+class ReplicaFusedKernel(DeferredFusedKernel):
+    """A data-parallel replica under fbgemm's fused optimizer.
+
+    # Note [fused replicas]
+    Every replica must apply the same update: the mean gradient over ranks. Rather than gather
+    touched rows and their gradients (rows x dim floats from every rank), the owning module
+    gathers each rank's lookup batch, its ids and the pooled outputs' gradient (divided by the
+    world size), and every rank runs fbgemm's fused backward on the global batch, ranks in
+    order: the identical update everywhere, from a fraction of the bytes (ids and bags x dim
+    floats), with fbgemm summing duplicate rows. CPU; other devices take the torch emulation.
+    """
+
+
+def merge_lookups(pending: list[Lookup], routes: int) -> Lookup:
     """One TBE batch holding several lookups' bags: feature by feature, the first lookup's bags,
     then the next's (TBE batches are feature-major), with their output gradients stacked."""
-    segments_ids, segments_w, lengths = [], [], []
-    for _, indices, offsets, weights in pending:
-        bags = (offsets.numel() - 1) // routes
-        bounds = offsets[::bags].tolist()
-        lengths.append((offsets[1:] - offsets[:-1]).view(routes, bags))
-        segments_ids.append([indices[bounds[f] : bounds[f + 1]] for f in range(routes)])
-        segments_w.append([weights[bounds[f] : bounds[f + 1]] for f in range(routes)])
-    indices = torch.cat([seg[f] for f in range(routes) for seg in segments_ids])
-    weights = torch.cat([seg[f] for f in range(routes) for seg in segments_w])
+    weighted = pending[0].weights is not None
+    ids, weights, lengths = [], [], []
+    for p in pending:
+        bags = (p.offsets.numel() - 1) // routes
+        bounds = p.offsets[::bags].tolist() if bags else [0] * (routes + 1)
+        lengths.append((p.offsets[1:] - p.offsets[:-1]).view(routes, bags))
+        ids.append([p.indices[bounds[f] : bounds[f + 1]] for f in range(routes)])
+        if weighted:
+            weights.append([p.weights[bounds[f] : bounds[f + 1]] for f in range(routes)])
+    indices = torch.cat([seg[f] for f in range(routes) for seg in ids])
+    merged_weights = (
+        torch.cat([seg[f] for f in range(routes) for seg in weights]) if weighted else None
+    )
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(torch.cat(lengths, dim=1).reshape(-1))
-    grad_out = torch.cat([p[0] for p in pending], dim=0)
-    return grad_out, indices, offsets.to(indices.dtype), weights
+    grad_out = torch.cat([p.grad_out for p in pending], dim=0)
+    return Lookup(grad_out, indices, offsets.to(indices.dtype), merged_weights)
 
 
 def _weight_decay_args(config) -> dict:

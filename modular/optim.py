@@ -4,11 +4,13 @@
 Fusing is a compute choice, separate from where tables live: `fuse_optimizer` works on an
 unsharded EBC (it becomes a single-process module with fused kernels), on one sharded by
 `modular.shard`, and `modular.shard` keeps a fused EBC fused. Shards whose width is a multiple of
-4 use fbgemm's fused kernel. Three cases instead compute a dense gradient and apply the identical
-update in torch at the end of backward (`EmulatedFusedKernel`): data-parallel replicas (the
-gradient is all-reduced first, so replicas stay identical), column-wise shards under row-wise
-Adagrad (the per-row statistic is all-reduced over the column shards, so the result equals the
-unsharded table's), and shard widths that fbgemm cannot take.
+4 use fbgemm's fused kernel. Column-wise shards under row-wise Adagrad use it in two passes, with
+the per-row statistic all-reduced over the column shards in between, so the result equals the
+unsharded table's (`RowStatsFusedKernel`, Note [row statistics across column shards]; on CPU).
+The other cases compute a sparse gradient and apply the identical update in torch at the end of
+backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so
+replicas stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU
+kernel ignores it) and column-wise row-wise Adagrad off CPU.
 
 Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
 "row_sum" for row-wise Adagrad), never by the sharding type; each state tensor is a ShardedTensor

@@ -310,11 +310,14 @@ class FusedKernel:
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
+        self._sync_lr()
+        return self.tbe(indices, offsets, per_sample_weights=weights)
+
+    def _sync_lr(self) -> None:
         lr = self.config.lr
         if lr != self._lr:  # an LR scheduler changed the optimizer's param group
             self.tbe.set_learning_rate(lr)
             self._lr = lr
-        return self.tbe(indices, offsets, per_sample_weights=weights)
 
 
 class _DeferredLookup(torch.autograd.Function):
@@ -360,10 +363,7 @@ class DeferredFusedKernel(FusedKernel):
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        lr = self.config.lr
-        if lr != self._lr:
-            self.tbe.set_learning_rate(lr)
-            self._lr = lr
+        self._sync_lr()
         return _DeferredLookup.apply(self._placeholder, self, indices, offsets, weights)
 
     def take_batch(self) -> Optional[Lookup]:

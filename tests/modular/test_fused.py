@@ -45,6 +45,7 @@ class _Reference:
         self.ebc = ebc
         self.kind = optimizer
         self.weight_decay = weight_decay
+        self.lr = LR
         params = list(ebc.parameters())
         if optimizer == "exact_sgd":
             self.opt = torch.optim.SGD(params, lr=LR)
@@ -65,7 +66,7 @@ class _Reference:
             touched = (g != 0).any(1, keepdim=True)
             g = g + self.weight_decay * p * touched  # fbgemm's L2 mode: rows the step touched
             self.row_sums[name] += (g * g).mean(1)
-            p -= LR * g / (self.row_sums[name].sqrt() + EPS)[:, None]
+            p -= self.lr * g / (self.row_sums[name].sqrt() + EPS)[:, None]
             p.grad = None
 
     def state(self, name: str) -> torch.Tensor | None:
@@ -76,7 +77,7 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc()
     ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
@@ -91,6 +92,7 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
         opt = modular.fuse_optimizer(model, optimizer, **hyper)
     assert [n for n, _ in model.named_parameters()] == keys_before
     assert modular.local_parameters(model) == [], "fused tables must not reach a dense optimizer"
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if halve_lr else None
     worst = 0.0
     for step in range(STEPS):
         loss, ref_loss = 0.0, 0.0
@@ -108,6 +110,11 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
         opt.step()
         opt.zero_grad()
         ref.step()
+        if scheduler is not None:
+            scheduler.step()
+            ref.lr *= 0.5
+            for group in ref.opt.param_groups if ref.opt is not None else []:
+                group["lr"] *= 0.5
     state = opt.state_dict()["state"]
     for name, p in model.named_parameters():
         full = dict(ref.ebc.named_parameters())[name].detach()
@@ -149,6 +156,18 @@ def test_rowwise_adagrad_weight_decay_matches_fbgemm_l2_semantics() -> None:
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_fused_training_matches_unsharded_reference(world: int, optimizer: str) -> None:
     results = run_on_ranks(world, _train_all_cases, optimizer, timeout=200)
+    assert set(results[0]) == set(CASES)
+
+
+def _train_with_lr_schedule() -> dict[str, float]:
+    return {c: _train(c, "exact_rowwise_adagrad", fuse_first=False, halve_lr=True)["worst"] for c in CASES}
+
+
+@pytest.mark.timeout(120)
+def test_lr_scheduler_drives_every_fused_kernel_kind() -> None:
+    # fbgemm's kernel (table-wise, row-wise), its two-pass column-wise form, the replayed
+    # data-parallel replicas and the torch emulation (widths 5 and 7) all follow a StepLR.
+    results = run_on_ranks(2, _train_with_lr_schedule, timeout=100)
     assert set(results[0]) == set(CASES)
 
 

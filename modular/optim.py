@@ -10,7 +10,9 @@ unsharded table's (`RowStatsFusedKernel`, Note [row statistics across column sha
 The other cases compute a sparse gradient and apply the identical update in torch at the end of
 backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so
 replicas stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU
-kernel ignores it) and column-wise row-wise Adagrad off CPU.
+kernel ignores it) and column-wise row-wise Adagrad off CPU. A table looked up more than once
+before one backward: fbgemm's own kernel updates once per lookup, the others once, on the
+summed gradient (the two agree for SGD up to rounding, not for the Adagrads).
 
 Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
 "row_sum" for row-wise Adagrad), never by the sharding type; each state tensor is a ShardedTensor

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from modular._kernels import dense_tbe
+from modular._kernels import KernelLookup, dense_tbe
 from modular._layout import KernelGroup, Pooling
 
 
@@ -25,19 +25,6 @@ class RowGrad(NamedTuple):
 
     rows: torch.Tensor  # (k,) int64
     grad: torch.Tensor  # (k, cols)
-
-
-class _SparseLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, placeholder, kernel, indices, offsets, weights):  # type: ignore[override]
-        ctx.kernel = kernel
-        ctx.inputs = (indices, offsets, weights)
-        return kernel.tbe(indices, offsets, per_sample_weights=weights)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        ctx.kernel.pending.append(ctx.kernel.sparse_grads(grad_out, *ctx.inputs))
-        return None, None, None, None, None
 
 
 class EmulatedFusedKernel:
@@ -70,7 +57,17 @@ class EmulatedFusedKernel:
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        return _SparseLookup.apply(self._placeholder, self, indices, offsets, weights)
+        return KernelLookup.apply(self._placeholder, self, indices, offsets, weights)
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor],
+    ) -> None:
+        """Records this lookup's sparse gradient for the update at the end of backward."""
+        self.pending.append(self.sparse_grads(grad_out, indices, offsets, weights))
 
     def sparse_grads(
         self,

@@ -16,14 +16,14 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
 from modular._emulated import EmulatedFusedKernel, all_gather_padded
-from modular._kernels import (
+from modular._deferred import (
     DeferredFusedKernel,
-    FusedKernel,
     Lookup,
     ReplicaFusedKernel,
     RowStatsFusedKernel,
     merge_lookups,
 )
+from modular._kernels import FusedKernel
 from planners.types import ShardingType, ShardSpec
 
 
@@ -275,17 +275,20 @@ class FusedTables:
             return None
         world, group = self._world, self._pg
         routes = len(k.group.routes)
+        device, id_type = mine.indices.device, mine.indices.dtype
         lengths = mine.offsets[1:] - mine.offsets[:-1]
-        all_lengths = torch.empty(world, lengths.numel(), dtype=lengths.dtype, device=lengths.device)
-        all_grads = torch.empty(world, *mine.grad_out.shape, device=mine.grad_out.device)
+        all_lengths = torch.empty(world, lengths.numel(), dtype=lengths.dtype, device=device)
+        all_grads = torch.empty(world, *mine.grad_out.shape, device=device)
         dist.all_gather(list(all_lengths.unbind(0)), lengths.contiguous(), group=group)
         dist.all_gather(list(all_grads.unbind(0)), mine.grad_out, group=group)
         counts = all_lengths.sum(1).tolist()
         longest = max(counts)
-        ids = all_gather_padded([mine.indices], longest, group, world, mine.indices.dtype, mine.indices.device)
+        ids = all_gather_padded([mine.indices], longest, group, world, id_type, device)
         weights = None
         if mine.weights is not None:
-            weights = all_gather_padded([mine.weights.float()], longest, group, world, torch.float32, mine.weights.device)
+            weights = all_gather_padded(
+                [mine.weights.float()], longest, group, world, torch.float32, device
+            )
         entries = []
         for r in range(world):
             offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths[r])
@@ -293,7 +296,7 @@ class FusedTables:
                 Lookup(
                     all_grads[r].div_(world),
                     ids[r, : counts[r]],
-                    offsets.to(mine.indices.dtype),
+                    offsets.to(id_type),
                     None if weights is None else weights[r, : counts[r]],
                 )
             )

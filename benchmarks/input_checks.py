@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 # The same tables, plans and batches as the step-time benchmark (its helpers read only the
 # config fields both Configs have).
-from benchmarks.step_time import PLANS, Model, _batches, _make_ebc  # noqa: E402
+from benchmarks.step_time import PLANS, Model, _batches, _make_ebc, add_workload_args, free_port  # noqa: E402
 from benchmarks.step_time import _our_plan as _plan  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
@@ -138,21 +137,9 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1024, help="samples per rank")
-    p.add_argument("--pooling", type=int, default=20, help="ids per bag")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=["tw", "rw", "cw", "dp"])
+    add_workload_args(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender and plan")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks the steps are split in")
     p.add_argument("--warmup", type=int, default=3)
@@ -160,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = Config(tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
                  world_size=a.world_size, plans=tuple(a.plans), steps=a.steps, blocks=a.blocks,
                  warmup=a.warmup)  # fmt: skip
-    mp.spawn(_worker, args=(cfg, _free_port()), nprocs=cfg.world_size, join=True)
+    mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -422,14 +422,14 @@ def _print_summary(cfg: Config, results: dict) -> None:
             print(f"\n{PLANS[plan]}/{opt_kind}: {name} not run: {why}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags (issue 7's default config), shared with benchmarks/input_checks.py."""
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=64)
@@ -437,6 +437,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--pooling", type=int, default=20, help="ids per bag")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=["tw", "rw", "cw", "dp"])
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks the steps are split in")
@@ -450,7 +455,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
         torchrec=not a.no_torchrec,
     )  # fmt: skip
-    mp.spawn(_worker, args=(cfg, _free_port()), nprocs=cfg.world_size, join=True)
+    mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular._input import Problem, Rejection, Routed, Router
-from modular._layout import ROW_SPLIT, Layout, Pooling, TableInfo, build_layout
+from modular._tables import table_infos
+from modular._layout import ROW_SPLIT, Layout, build_layout
 from planners.types import ShardingType, TablePlacement
 from tests.modular.cases import CASES, features_of, id_bounds, make_batch, make_ebc, placements_for
 
@@ -262,26 +263,14 @@ CPU = torch.device("cpu")
 SUM_, MEAN_ = PoolingType.SUM, PoolingType.MEAN
 
 
-def _infos(configs: list[EmbeddingBagConfig]) -> tuple[TableInfo, ...]:
-    return tuple(
-        TableInfo(
-            name=c.name,
-            num_embeddings=c.num_embeddings,
-            embedding_dim=c.embedding_dim,
-            features=tuple(c.feature_names),
-            pooling=Pooling.SUM if c.pooling == PoolingType.SUM else Pooling.MEAN,
-        )
-        for c in configs
-    )
-
-
 def _routers(
     configs: list[EmbeddingBagConfig],
     placements: dict[str, TablePlacement],
     world: int,
     weighted: bool,
 ) -> tuple[Router, ReferenceRouter]:
-    tables = _infos(configs)
+    # the tables as sharding reads them (unweighted here: the router takes `weighted` itself)
+    tables = table_infos(EmbeddingBagCollection(tables=configs, device=torch.device("meta")), "m")
     shards = tuple(
         placements[t.name].shards(
             num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim, world_size=world,

@@ -25,7 +25,7 @@ class CollectiveError(RuntimeError):
     """
 
 
-def _raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) -> NoReturn:
+def raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) -> NoReturn:
     # gloo reports a closed socket or a timeout as a plain RuntimeError, NCCL as a DistError;
     # any other subclass is someone else's error and passes through as it is.
     if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
@@ -54,7 +54,7 @@ def all_to_all(
             out, tensor.contiguous(), output_splits, input_splits, group=group
         )
     except RuntimeError as e:
-        _raise_failed(what, group, e)
+        raise_failed(what, group, e)
     return out
 
 
@@ -116,6 +116,37 @@ def pooled_all_to_all(
     return _PooledAllToAll.apply(tensor, input_splits, output_splits, group, grad_scale)
 
 
+def all_gather(
+    tensor: torch.Tensor,
+    *,
+    group: Optional[ProcessGroup],
+    world: int,
+    what: str = "an all-gather of a sharded EmbeddingBagCollection",
+) -> torch.Tensor:
+    """Every rank's `tensor` (the same shape on every rank), stacked: (world, *tensor.shape)."""
+    out = tensor.new_empty(world, *tensor.shape)
+    try:
+        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group)
+    except RuntimeError as e:
+        raise_failed(what, group, e)
+    return out
+
+
+def all_gather_padded(
+    pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """All-gathers 1-D data of different lengths per rank (gloo needs equal ones): each rank's
+    pieces, back to back, padded to `size`; returns (world, size). Buffers are not zero-filled (a
+    fresh 40 MB zeros costs more than the collective); only the padding is."""
+    padded = torch.empty(size, dtype=dtype, device=device)
+    used = 0
+    for p in pieces:
+        padded[used : used + p.numel()] = p
+        used += p.numel()
+    padded[used:].zero_()
+    return all_gather(padded, group=group, world=world, what=f"an all-gather of {size} values")
+
+
 def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup]) -> list[bytes]:
     """Gathers a fixed-width byte string from every rank (one small collective)."""
     if len(payload) != width:
@@ -127,7 +158,7 @@ def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup
     try:
         dist.all_gather(out, mine, group=group)
     except RuntimeError as e:
-        _raise_failed(f"an all_gather of {width} bytes", group, e)
+        raise_failed(f"an all_gather of {width} bytes", group, e)
     return [bytes(t.cpu().tolist()) for t in out]
 
 

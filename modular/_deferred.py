@@ -6,22 +6,14 @@ replicas] below, and Note [fused tables] in modular/optim.py.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
 from modular._kernels import FusedKernel, KernelLookup, sum_weights
+from modular._lookups import Lookup, merge_lookups
 from modular._layout import KernelGroup
-
-
-class Lookup(NamedTuple):
-    """One TBE batch and its pooled outputs' gradient."""
-
-    grad_out: torch.Tensor  # (bags per route, total columns)
-    indices: torch.Tensor
-    offsets: torch.Tensor  # routes * bags + 1, the indices' dtype
-    weights: Optional[torch.Tensor]
 
 
 class DeferredFusedKernel(FusedKernel):
@@ -174,24 +166,3 @@ class ReplicaFusedKernel(DeferredFusedKernel):
     order: the identical update everywhere, from a fraction of the bytes (ids and bags x dim
     floats), with fbgemm summing duplicate rows. CPU; other devices take the torch emulation.
     """
-
-
-def merge_lookups(pending: list[Lookup], routes: int) -> Lookup:
-    """One TBE batch holding several lookups' bags: feature by feature, the first lookup's bags,
-    then the next's (TBE batches are feature-major), with their output gradients stacked."""
-    weighted = pending[0].weights is not None
-    ids, weights, lengths = [], [], []
-    for p in pending:
-        bags = (p.offsets.numel() - 1) // routes
-        bounds = p.offsets[::bags].tolist() if bags else [0] * (routes + 1)
-        lengths.append((p.offsets[1:] - p.offsets[:-1]).view(routes, bags))
-        ids.append([p.indices[bounds[f] : bounds[f + 1]] for f in range(routes)])
-        if weighted:
-            weights.append([p.weights[bounds[f] : bounds[f + 1]] for f in range(routes)])
-    indices = torch.cat([seg[f] for f in range(routes) for seg in ids])
-    merged_weights = (
-        torch.cat([seg[f] for f in range(routes) for seg in weights]) if weighted else None
-    )
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(torch.cat(lengths, dim=1).reshape(-1))
-    grad_out = torch.cat([p.grad_out for p in pending], dim=0)
-    return Lookup(grad_out, indices, offsets.to(indices.dtype), merged_weights)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
+from modular._comm import all_gather_padded
 from modular._kernels import KernelLookup, dense_tbe
 from modular._layout import KernelGroup, Pooling
 
@@ -198,20 +198,3 @@ def _coalesce(ids: torch.Tensor, grads: torch.Tensor, cols: int) -> RowGrad:
     rows, inverse = torch.unique(ids, return_inverse=True)
     summed = torch.zeros(rows.numel(), cols, dtype=grads.dtype, device=grads.device)
     return RowGrad(rows, summed.index_add_(0, inverse, grads))
-
-
-def all_gather_padded(
-    pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device
-) -> torch.Tensor:
-    """All-gathers 1-D data of different lengths per rank (gloo needs equal ones): each rank's
-    pieces, back to back, padded to `size`. Buffers are not zero-filled (a fresh 40 MB zeros
-    costs more than the collective); only the padding is."""
-    padded = torch.empty(size, dtype=dtype, device=device)
-    used = 0
-    for p in pieces:
-        padded[used : used + p.numel()] = p
-        used += p.numel()
-    padded[used:].zero_()
-    out = torch.empty(world, size, dtype=dtype, device=device)
-    dist.all_gather(list(out.unbind(0)), padded, group=group)
-    return out

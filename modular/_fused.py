@@ -15,15 +15,10 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
-from modular._emulated import EmulatedFusedKernel, all_gather_padded
-from modular._deferred import (
-    DeferredFusedKernel,
-    Lookup,
-    ReplicaFusedKernel,
-    RowStatsFusedKernel,
-    merge_lookups,
-)
+from modular._deferred import DeferredFusedKernel, ReplicaFusedKernel, RowStatsFusedKernel
+from modular._emulated import EmulatedFusedKernel
 from modular._kernels import FusedKernel
+from modular._lookups import Lookup, gather_batch, gather_lengths
 from planners.types import ShardingType, ShardSpec
 
 
@@ -87,7 +82,7 @@ class FusedTables:
                 holder._parameters["weight"] = _sharded(local, _frozen(metadata), self._pg)
             else:
                 holder._parameters["weight"] = views[(table.name, self._rank_shard(t))]
-        self._register_data_parallel_hooks()
+        self._replicate_data_parallel_kernels()
 
     def _column_wise_rowwise_tables(self, config) -> tuple[str, ...]:
         if not config.optimizer.rowwise():
@@ -268,39 +263,11 @@ class FusedTables:
 
     def _global_batch(self, k: ReplicaFusedKernel, mine: Optional[Lookup]) -> Optional[Lookup]:
         """Every rank's lookup batch for replica kernel `k`, merged in rank order, gradients
-        divided by the world size (Note [fused replicas]). Three or four collectives, the same
-        on every rank: bag lengths and output gradients (same shapes everywhere: input dist
-        agreed on the batch size), then ids (and weights) padded to the longest."""
+        divided by the world size (Note [fused replicas]); the same collectives on every rank."""
         if mine is None:  # no lookup on any rank: forward ran on all or none
             return None
-        world, group = self._world, self._pg
-        routes = len(k.group.routes)
-        device, id_type = mine.indices.device, mine.indices.dtype
-        lengths = mine.offsets[1:] - mine.offsets[:-1]
-        all_lengths = torch.empty(world, lengths.numel(), dtype=lengths.dtype, device=device)
-        all_grads = torch.empty(world, *mine.grad_out.shape, device=device)
-        dist.all_gather(list(all_lengths.unbind(0)), lengths.contiguous(), group=group)
-        dist.all_gather(list(all_grads.unbind(0)), mine.grad_out, group=group)
-        counts = all_lengths.sum(1).tolist()
-        longest = max(counts)
-        ids = all_gather_padded([mine.indices], longest, group, world, id_type, device)
-        weights = None
-        if mine.weights is not None:
-            weights = all_gather_padded(
-                [mine.weights.float()], longest, group, world, torch.float32, device
-            )
-        entries = []
-        for r in range(world):
-            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths[r])
-            entries.append(
-                Lookup(
-                    all_grads[r].div_(world),
-                    ids[r, : counts[r]],
-                    offsets.to(id_type),
-                    None if weights is None else weights[r, : counts[r]],
-                )
-            )
-        return merge_lookups(entries, routes)
+        lengths = gather_lengths(mine, self._pg, self._world)
+        return gather_batch(mine, lengths, len(k.group.routes), self._pg, self._world)
 
     def _row_sums_buffer(self, n: int) -> torch.Tensor:
         """A zeroed buffer for the column-wise row sums, kept across steps (a fresh one per step

@@ -20,20 +20,37 @@ SUM with 1/length folded into per-id weights, because fbgemm's weighted CPU back
 1/length out. Other devices keep fbgemm's dense TBE backward (their caching allocators make a new
 buffer cheap). A reference to last step's `.grad` taken before `zero_grad()` therefore sees this
 step's gradient, as with set_to_none=False.
+
+# Note [dense replicas]
+A data-parallel table's gradient must be the mean over ranks of their batches' gradients, the same
+on every rank. DDP all-reduces the whole (rows, dim) gradient; but a step touches only the rows
+its ids name, so on CPU a replica first all-gathers every rank's bag lengths (one small
+collective), and when the global batch's ids x dim is at most the buffer's size (`replay_pays`)
+it gathers the ids and the pooled outputs' gradients divided by the world size and runs the same
+fbgemm backward on the global batch, ranks in order: the same sum, from bags x dim floats and ids
+instead of a table's worth, and the same bits on every rank. Otherwise (more ids than the table
+has rows) it accumulates its own batch and all-reduces the buffer. The choice rests on the
+gathered lengths, so every rank makes the same one. Measured in docs/benchmarks.md; the fused
+twin is Note [fused replicas] in modular/_deferred.py.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     DenseTableBatchedEmbeddingBagsCodegen,
 )
 
+from torch.distributed import ProcessGroup
+
+from modular._comm import raise_failed
 from modular._layout import KernelGroup, Pooling
+from modular._lookups import Lookup, gather_batch, gather_lengths
 
 _POOLING = {Pooling.SUM: PoolingMode.SUM, Pooling.MEAN: PoolingMode.MEAN}
 
@@ -196,7 +213,8 @@ class DenseKernel:
             ShardView(self.grads, off, rows, cols) for off, (rows, cols) in zip(offsets, sizes)
         ]
         self._on_cpu = device.type == "cpu"
-        self._hooks: list[Callable[[torch.Tensor], None]] = []
+        self._replicas: Optional[tuple[Optional[ProcessGroup], int]] = None
+        self.replay_ratio = 1.0  # Note [dense replicas]; tests force either way with 0 or inf
         if self._on_cpu:
             from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 
@@ -210,12 +228,17 @@ class DenseKernel:
     def flat_weight(self) -> torch.nn.Parameter:
         return self.tbe.weights
 
-    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
-        """`hook(flat_weight)` runs after each backward has accumulated into its gradient."""
+    def replicate(self, group: Optional[ProcessGroup], world: int) -> None:
+        """Makes this kernel a data-parallel replica on `world` ranks: each backward leaves the
+        mean over ranks of their batches' gradients in the buffer (Note [dense replicas])."""
         if self._on_cpu:
-            self._hooks.append(hook)
-        else:
-            self.flat_weight.register_post_accumulate_grad_hook(hook)
+            self._replicas = (group, world)
+            return
+
+        def all_reduce_mean(flat: torch.Tensor) -> None:
+            _all_reduce_mean(flat.grad, group, world)
+
+        self.flat_weight.register_post_accumulate_grad_hook(all_reduce_mean)
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
@@ -231,28 +254,58 @@ class DenseKernel:
         offsets: torch.Tensor,
         weights: Optional[torch.Tensor],
     ) -> None:
-        """Adds this lookup's gradient into the kept buffer (Note [dense gradient buffer])."""
-        weights, self._ones = sum_weights(self.group.pooling, offsets, weights, self._ones)
+        """Adds this lookup's gradient into the kept buffer (Note [dense gradient buffer]); for a
+        replica, the mean over ranks (Note [dense replicas])."""
+        batch = Lookup(grad_out.contiguous(), indices, offsets.to(indices.dtype), weights)
+        reduce = False
+        if self._replicas is not None:
+            group, world = self._replicas
+            lengths = gather_lengths(batch, group, world)
+            ids = int(lengths.sum())
+            if replay_pays(ids, self.tbe.max_D, self.tbe.weights.numel(), self.replay_ratio):
+                batch = gather_batch(batch, lengths, len(self.group.routes), group, world)
+            else:
+                reduce = True
+        per_id, self._ones = sum_weights(
+            self.group.pooling, batch.offsets, batch.weights, self._ones
+        )
         tbe = self.tbe
+        grad = self.grads.acquire()
         torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(
-            grad_out.contiguous(),
-            self.grads.acquire(),
+            batch.grad_out,
+            grad,
             self._placements,
             tbe.weights_offsets,
             tbe.D_offsets,
             tbe.max_D,
             tbe.hash_size_cumsum,
             tbe.total_hash_size_bits,
-            indices,
-            offsets.to(indices.dtype),
+            batch.indices,
+            batch.offsets,
             int(PoolingMode.SUM),
-            weights,
+            per_id,
             False,  # stochastic rounding
             self._minus_one,  # learning rate: w -= lr * g is buf += g
             0,  # output dtype: fp32
         )
-        for hook in self._hooks:
-            hook(self.tbe.weights)
+        if reduce:
+            _all_reduce_mean(grad, *self._replicas)
+
+
+def replay_pays(global_ids: int, dim: int, numel: int, ratio: float = 1.0) -> bool:
+    """Whether a dense replica replays the global batch rather than all-reducing its gradient
+    (Note [dense replicas]): when the replay's scatter, ids x dim adds, is at most `ratio` times
+    the buffer's size."""
+    return global_ids * dim <= ratio * numel
+
+
+def _all_reduce_mean(grad: torch.Tensor, group: Optional[ProcessGroup], world: int) -> None:
+    # Note [grad scaling across ranks] (modular/_comm.py): the mean over ranks, like DDP.
+    try:
+        dist.all_reduce(grad, group=group)
+    except RuntimeError as e:
+        raise_failed("the gradient all-reduce of a data-parallel table", group, e)
+    grad.div_(world)
 
 
 # -- fused kernels (Note [fused tables]) ------------------------------------------------------

@@ -134,7 +134,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             self.embedding_bags[t.name] = ShardedTable(self._table_weight(t, views))
         if fused is not None:
             self._mark_fused(fused, cw_rowwise)
-        self._register_data_parallel_hooks()
+        self._replicate_data_parallel_kernels()
 
     @classmethod
     def unsharded(cls, ebc: EmbeddingBagCollection, *, module: str) -> ShardedEmbeddingBagCollection:
@@ -223,17 +223,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                 local, table.num_embeddings, table.embedding_dim, process_group=self._pg
             )
 
-    def _register_data_parallel_hooks(self) -> None:
-        world, group = self._world, self._pg
-
-        def all_reduce_mean(param: torch.Tensor) -> None:
-            # Note [grad scaling across ranks]: the mean over ranks, like DDP.
-            dist.all_reduce(param.grad, group=group)
-            param.grad.div_(world)
-
+    def _replicate_data_parallel_kernels(self) -> None:
+        if self._world == 1:
+            return
         for k in self._local_kernels:
-            if world > 1 and isinstance(k, DenseKernel):
-                k.register_post_accumulate_grad_hook(all_reduce_mean)
+            if isinstance(k, DenseKernel):
+                k.replicate(self._pg, self._world)
 
     def _mean_column_maps(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         cols, feats = [], []

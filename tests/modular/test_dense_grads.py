@@ -1,6 +1,7 @@
 """Dense kernels keep one gradient buffer across steps (Note [dense gradient buffer]) and must
 still behave like ordinary parameters: gradients accumulate over backward calls, zero_grad() with
-or without set_to_none clears them, and data-parallel tables average each backward over ranks.
+or without set_to_none clears them, and data-parallel tables average each backward over ranks,
+whether they replay the global batch or all-reduce the buffer (Note [dense replicas]).
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ def _compare_grads(ebc, ref, what: str) -> int:
     return compared
 
 
-def _accumulate_and_clear(case: str) -> int:
-    ref = make_ebc(False)
+def _accumulate_and_clear(case: str, replay_ratio: float | None = None, weighted: bool = False) -> int:
+    ref = make_ebc(weighted)
     ebc = copy.deepcopy(ref)
     modular.shard(ebc, plan_for(case, ebc, dist.get_world_size()))
+    if replay_ratio is not None:  # 0: always all-reduce, inf: always replay
+        assert ebc._local_kernels, case
+        for k in ebc._local_kernels:
+            k.replay_ratio = replay_ratio
     local = modular.local_parameters(ebc)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(local, lr=0.1) if local else None
@@ -67,6 +72,26 @@ def _accumulate_and_clear(case: str) -> int:
 def test_gradients_accumulate_and_clear_like_plain_parameters(case: str) -> None:
     compared = run_on_ranks(2, _accumulate_and_clear, case, timeout=100)
     assert all(n > 0 for n in compared), compared
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("replay_ratio", [0.0, float("inf")], ids=["all_reduce", "replay"])
+def test_data_parallel_replicas_average_by_either_route(replay_ratio: float, world: int) -> None:
+    for weighted in (False, True):  # SUM and MEAN bags; per-sample weights
+        compared = run_on_ranks(world, _accumulate_and_clear, "data_parallel", replay_ratio, weighted, timeout=100)
+        assert all(n > 0 for n in compared), compared
+    compared = run_on_ranks(world, _accumulate_and_clear, "mixed", replay_ratio, True, timeout=100)
+    assert all(n > 0 for n in compared), compared
+
+
+def test_replay_pays_when_the_global_batch_touches_less_than_the_table() -> None:
+    from modular._kernels import replay_pays
+
+    # 8 tables x 100k rows x 64 dims, 2 ranks x 1,024 samples x 8 features x 20 ids: replay
+    assert replay_pays(2 * 1024 * 8 * 20, 64, 8 * 100_000 * 64)
+    # 64 ranks of the same batch touch more ids than the tables have rows: all-reduce
+    assert not replay_pays(64 * 1024 * 8 * 20, 64, 8 * 100_000 * 64)
 
 
 def test_setting_one_shard_gradient_keeps_its_kernel_neighbours_consistent() -> None:

@@ -29,6 +29,7 @@ from modular._tables import ShardedTable, ShardingError, table_infos
 from modular._input import InputError, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
+from modular._arrival import Arrival
 from modular._kernels import DenseKernel, ShardView
 from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups
 from planners.types import ShardingType, ShardSpec, TablePlacement
@@ -114,17 +115,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         )
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
-        columns = self.layout.output_columns()
-        self._output_columns = torch.tensor(columns, dtype=torch.int64, device=device)
-        # Without row-wise partial sums each output column arrives exactly once: a gather (or
-        # nothing, when they arrive in order) replaces the index_add into zeros.
-        self._arrival_order: Optional[torch.Tensor] = None
-        self._arrives_in_order = columns == list(range(len(columns)))
-        if sorted(columns) == list(range(len(columns))) and not self._arrives_in_order:
-            order = [0] * len(columns)
-            for position, column in enumerate(columns):
-                order[column] = position
-            self._arrival_order = torch.tensor(order, dtype=torch.int64, device=device)
+        local_dim = sum(r.shard.num_cols for r in self.layout.local)
+        self._arrival = Arrival(
+            [*self._recv_dims, local_dim],
+            self.layout.output_columns(),
+            self.layout.output_dim,
+            device,
+        )
         self._mean_columns, self._mean_features = self._mean_column_maps()
 
         self.embedding_bags = nn.ModuleDict()
@@ -371,22 +368,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                 group=self._pg,
                 grad_scale=1.0 / self._world,
             )
-        blocks = [
-            chunk.view(batch, d)
-            for chunk, d in zip(arrived.split([batch * d for d in self._recv_dims]), self._recv_dims)
-            if d
-        ]
-        if local is not None:
-            blocks.append(local)
-        columns = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-        if self._arrives_in_order:
-            out = columns
-        elif self._arrival_order is not None:
-            out = columns.index_select(1, self._arrival_order)
-        else:
-            out = columns.new_zeros(batch, self.layout.output_dim).index_add(
-                1, self._output_columns, columns
-            )
+        if local is not None:  # this rank's data-parallel columns come last
+            local = local.reshape(-1)
+            arrived = torch.cat([arrived, local]) if arrived.numel() else local
+        out = self._arrival.arrange(arrived, batch)  # Note [arrival blocks]
         if self._mean_columns is not None:
             counts = received.local_lengths.index_select(0, self._mean_features).t()
             means = out.index_select(1, self._mean_columns) / counts.clamp(min=1).to(out.dtype)

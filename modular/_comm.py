@@ -38,6 +38,40 @@ def raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) 
     ) from error
 
 
+class KeptBuffers:
+    """Receive buffers kept across steps, each handed out again only once nothing else holds it.
+
+    # Note [kept receive buffers]
+    On CPU a fresh tensor of a few MiB is fresh pages for the kernel to fault in on first touch,
+    inside the collective that fills it (Note [dense gradient buffer] in modular/_kernels.py):
+    measured 0.2-0.5 ms more per 2 MiB all-to-all than into a kept buffer, three times a step. So
+    a module keeps one buffer per collective and reuses it when its storage has no other user
+    (no view, no autograd save, no caller keeping last step's output): a buffer still in use is
+    never written, a new one is made instead. Other devices allocate as usual (their caching
+    allocators already reuse memory).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def empty(self, key: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised 1-D tensor of `numel` elements with `like`'s dtype and device."""
+        if like.device.type != "cpu":
+            return like.new_empty(numel)
+        kept = self._kept.get(key)
+        if kept is None or kept.dtype != like.dtype or kept.numel() < numel or _in_use(kept):
+            # Room for a slightly larger batch next step, so that id counts that vary from step
+            # to step do not make a new buffer each time.
+            kept = self._kept[key] = like.new_empty(numel + numel // 8)
+        return kept[:numel]
+
+
+def _in_use(t: torch.Tensor) -> bool:
+    # `t` itself and the temporary storage object hold one reference each; anything more is a
+    # view, a saved tensor or a caller's reference.
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+
+
 def all_to_all(
     tensor: torch.Tensor,
     *,
@@ -45,10 +79,12 @@ def all_to_all(
     output_splits: list[int],
     group: Optional[ProcessGroup],
     what: str = "an all-to-all of a sharded EmbeddingBagCollection",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """all_to_all_single of a 1-D tensor with element splits (no autograd); `what` names it in
-    the error raised when it fails (Note [a failed peer])."""
-    out = tensor.new_empty(sum(output_splits))
+    the error raised when it fails (Note [a failed peer]). Receives into `out` when given."""
+    if out is None:
+        out = tensor.new_empty(sum(output_splits))
     try:
         dist.all_to_all_single(
             out, tensor.contiguous(), output_splits, input_splits, group=group
@@ -76,26 +112,31 @@ class _PooledAllToAll(torch.autograd.Function):
         output_splits: list[int],
         group: Optional[ProcessGroup],
         grad_scale: float,
+        buffers: Optional[KeptBuffers],
     ) -> torch.Tensor:
         ctx.splits = (input_splits, output_splits)
         ctx.group = group
         ctx.grad_scale = grad_scale
         ctx.shape = tensor.shape
+        ctx.buffers = buffers
+        out = buffers.empty("pooled", sum(output_splits), tensor) if buffers else None
         return all_to_all(
             tensor.reshape(-1), input_splits=input_splits, output_splits=output_splits, group=group,
-            what="the output-dist all-to-all of pooled embeddings",
+            what="the output-dist all-to-all of pooled embeddings", out=out,
         )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         input_splits, output_splits = ctx.splits
+        buffers = ctx.buffers
+        out = buffers.empty("pooled grad", sum(input_splits), grad) if buffers else None
         out = all_to_all(
             grad.contiguous(), input_splits=output_splits, output_splits=input_splits,
-            group=ctx.group, what="the backward all-to-all of pooled-embedding gradients",
+            group=ctx.group, what="the backward all-to-all of pooled-embedding gradients", out=out,
         )
         if ctx.grad_scale != 1.0:
             out.mul_(ctx.grad_scale)
-        return out.view(ctx.shape), None, None, None, None
+        return out.view(ctx.shape), None, None, None, None, None
 
 
 def pooled_all_to_all(
@@ -105,15 +146,17 @@ def pooled_all_to_all(
     output_splits: list[int],
     group: Optional[ProcessGroup],
     grad_scale: float,
+    buffers: Optional[KeptBuffers] = None,
 ) -> torch.Tensor:
-    """Differentiable all_to_all of a tensor flattened to 1-D; see Note [grad scaling across ranks]."""
+    """Differentiable all_to_all of a tensor flattened to 1-D; see Note [grad scaling across ranks].
+    With `buffers`, both directions receive into kept buffers (Note [kept receive buffers])."""
     if torch.is_grad_enabled() and not tensor.requires_grad:
         # The backward is a collective too, so every rank must run it once its peers do. A rank
         # that looks up nothing trainable (it holds no shard of the module) sends an input without
         # a grad_fn; its output would then have none either, its backward would never reach this
         # all-to-all, and the ranks that do would wait for it forever.
         tensor = tensor.detach().requires_grad_()
-    return _PooledAllToAll.apply(tensor, input_splits, output_splits, group, grad_scale)
+    return _PooledAllToAll.apply(tensor, input_splits, output_splits, group, grad_scale, buffers)
 
 
 def all_gather(

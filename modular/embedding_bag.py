@@ -24,7 +24,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from modular._comm import all_to_all, pooled_all_to_all
+from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
 from modular._tables import ShardedTable, ShardingError, table_infos
 from modular._input import InputError, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables
@@ -115,6 +115,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         )
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
+        self._recv_buffers = KeptBuffers()  # Note [kept receive buffers]
         local_dim = sum(r.shard.num_cols for r in self.layout.local)
         self._arrival = Arrival(
             [*self._recv_dims, local_dim],
@@ -278,11 +279,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         send_values = routed.values.split(counts)
         send = torch.cat([t for pair in zip(send_lengths, send_values) for t in pair])
         recv_counts = meta[:, 0].tolist()
+        output_splits = [mine * batch + c for c in recv_counts]
         recv = all_to_all(
             send,
             input_splits=[n * batch + c for n, c in zip(routes, counts)],
-            output_splits=[mine * batch + c for c in recv_counts],
+            output_splits=output_splits,
             group=self._pg,
+            out=self._recv_buffers.empty("ids", sum(output_splits), send),
         )
         weights = None
         if self._is_weighted:
@@ -367,6 +370,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                 output_splits=[batch * d for d in self._recv_dims],
                 group=self._pg,
                 grad_scale=1.0 / self._world,
+                buffers=self._recv_buffers,
             )
         if local is not None:  # this rank's data-parallel columns come last
             local = local.reshape(-1)

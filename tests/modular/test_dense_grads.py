@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import modular
 from tests.dist import run_on_ranks
@@ -35,6 +36,10 @@ def _compare_grads(ebc, ref, what: str) -> int:
         for tensor, rows, cols in local_blocks(param):
             close(tensor.grad, ref_params[name].grad[rows, cols], f"{what}: grad of {name}")
             compared += 1
+        if not isinstance(param, ShardedTensor):  # a replica: the same bits on every rank
+            copies = [torch.empty_like(param.grad) for _ in range(dist.get_world_size())]
+            dist.all_gather(copies, param.grad.contiguous())
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{what}: replicas of {name} differ"
     return compared
 
 

@@ -9,6 +9,9 @@ time, on the same synthetic batches, alternating blocks of steps:
 
   ours      modular.shard + torch.optim.SGD over modular.local_parameters ("dense"), or
             modular.fuse_optimizer(model, "exact_rowwise_adagrad") ("fused")
+  prefetch  ours, with each step first calling modular.prefetch(model, next batch), so the next
+            batch's input dist overlaps this step (Note [prefetched input dist]; TorchRec's
+            counterpart would be its TrainPipelineSparseDist, not run here)
   torchrec  DistributedModelParallel with the equivalent ParameterShardings: compute kernel
             "dense" with the same torch SGD over its parameters, or "fused" with
             EXACT_ROWWISE_ADAGRAD in fused_params
@@ -150,6 +153,19 @@ def _ours(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module,
         opt.step()
 
     return model, step
+
+
+def _prefetching(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) -> Callable:
+    import modular
+
+    model, plain = _ours(cfg, ebc, plan, opt_kind, probe)
+    position = {id(k): i for i, k in enumerate(kjts)}
+
+    def step(kjt) -> None:
+        modular.prefetch(model, kjts[(position[id(kjt)] + 1) % len(kjts)])
+        plain(kjt)
+
+    return step
 
 
 def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
@@ -312,6 +328,7 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
     contenders: dict[str, Callable] = {}
     notes = {}
     ours_model, contenders["ours"] = _ours(cfg, ebc, plan, opt_kind, probe)
+    contenders["prefetch"] = _prefetching(cfg, ebc, plan, opt_kind, probe, kjts)
     if cfg.torchrec:
         try:
             _, contenders["torchrec"] = _torchrec(cfg, ebc, plan, opt_kind, probe)
@@ -403,20 +420,23 @@ def _print_summary(cfg: Config, results: dict) -> None:
         f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores\n"
     )
     print("| plan | optimizer | ours ms | TorchRec ms | ours / TorchRec | floor ms | "
-          "unsharded ms | dense part ms | ours / (floor + dense) |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "unsharded ms | dense part ms | ours / (floor + dense) | ours + prefetch ms | "
+          "ours + prefetch / TorchRec |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     med = statistics.median
     for (plan, opt_kind), r in results.items():
         t = r["times"]
         ours = med(t["ours"])
+        pre = med(t["prefetch"])
         if "torchrec" in t:
             tr, ratio = f"{med(t['torchrec']) * 1e3:.1f}", f"{ours / med(t['torchrec']):.2f}"
+            pre_ratio = f"{pre / med(t['torchrec']):.2f}"
         else:
-            tr, ratio = "n/a", "n/a"
+            tr, ratio, pre_ratio = "n/a", "n/a", "n/a"
         floor, dense = med(t["floor"]), med(t["dense"])
         print(f"| {PLANS[plan]} | {opt_kind} | {ours * 1e3:.1f} | {tr} | {ratio} | "
               f"{floor * 1e3:.1f} | {med(t['unsharded']) * 1e3:.1f} | {dense * 1e3:.2f} | "
-              f"{ours / (floor + dense):.2f} |")  # fmt: skip
+              f"{ours / (floor + dense):.2f} | {pre * 1e3:.1f} | {pre_ratio} |")  # fmt: skip
     for (plan, opt_kind), r in results.items():
         for name, why in r["notes"].items():
             print(f"\n{PLANS[plan]}/{opt_kind}: {name} not run: {why}")

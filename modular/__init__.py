@@ -8,6 +8,7 @@
 from modular._input import InputError
 from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
+from modular._prefetch import prefetch
 from modular.shard import ignored_params, local_parameters, shard, sharded_modules
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "ShardingError",
     "ignored_params",
     "local_parameters",
+    "prefetch",
     "shard",
     "sharded_modules",
 ]

@@ -3,7 +3,7 @@
 A `ShardedEmbeddingBagCollection` replaces a torchrec `EmbeddingBagCollection` in place. It keeps
 the unsharded module's parameter names (`embedding_bags.<table>.weight`): sharded tables are
 `ShardedTensor`s whose local shards alias the lookup kernels' buffers, data-parallel tables are
-plain replicated parameters that all-reduce their own gradients.
+plain replicated parameters that average their own gradients over ranks.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
         self._recv_buffers = KeptBuffers()  # Note [kept receive buffers]
+        self._prefetcher = None  # made by the first prefetch (Note [prefetched input dist])
         local_dim = sum(r.shard.num_cols for r in self.layout.local)
         self._arrival = Arrival(
             [*self._recv_dims, local_dim],
@@ -243,12 +244,28 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     # -- the three steps --------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        received = self.input_dist(features)
+        received = self._prefetcher.take(features) if self._prefetcher is not None else None
+        if received is None:
+            received = self.input_dist(features)
         remote, local = self.lookup(received)
         return self.output_dist(remote, local, received)
 
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Starts the input dist of `features` for a later `forward(features)` (Note [prefetched
+        input dist] in modular/_prefetch.py); call it on every rank, in the same order."""
+        if self._prefetcher is None:
+            from modular._prefetch import Prefetcher
+
+            self._prefetcher = Prefetcher(self)
+        self._prefetcher.start(features)
+
     def input_dist(self, features: KeyedJaggedTensor) -> Received:
         """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
+        return self._input_dist(features, self._pg, self._recv_buffers)
+
+    def _input_dist(
+        self, features: KeyedJaggedTensor, group: Optional[ProcessGroup], buffers: KeptBuffers
+    ) -> Received:
         rejection, kjt = self._router.normalise(features)
         routed = None
         if rejection is None:
@@ -268,7 +285,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             [[c, batch, int(problem), feature] for c in counts], dtype=torch.int64
         ).to(self._device)
         meta = all_to_all(meta.view(-1), input_splits=[4] * world, output_splits=[4] * world,
-                          group=self._pg).view(world, 4).cpu()
+                          group=group).view(world, 4).cpu()
         self._raise_if_rejected(meta, rejection)
         if rejection is not None:  # unreachable: _raise_if_rejected raised
             raise InputError(rejection.message)
@@ -284,13 +301,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             send,
             input_splits=[n * batch + c for n, c in zip(routes, counts)],
             output_splits=output_splits,
-            group=self._pg,
-            out=self._recv_buffers.empty("ids", sum(output_splits), send),
+            group=group,
+            out=buffers.empty("ids", sum(output_splits), send),
         )
         weights = None
         if self._is_weighted:
             weights = all_to_all(
-                routed.weights, input_splits=counts, output_splits=recv_counts, group=self._pg
+                routed.weights, input_splits=counts, output_splits=recv_counts, group=group
             )
         pieces = recv.split([p for c in recv_counts for p in (mine * batch, c)])
         lengths = torch.cat(pieces[0::2]).view(world * mine, batch)

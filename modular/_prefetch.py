@@ -1,0 +1,135 @@
+"""Input dist of the next batch while this step computes: `modular.prefetch(model, kjt)`.
+
+# Note [prefetched input dist]
+A step of a sharded EBC waits on its input dist (routing every id, then two all-to-alls) before
+any lookup can start. The ids of the *next* batch are known a step early, so they can travel
+while this step looks up, trains and steps the optimizer, as TorchRec's TrainPipelineSparseDist
+does, but without wrapping the model or the training loop:
+
+    modular.prefetch(model, next_kjt)   # starts next_kjt's input dist in the background
+    loss = model(kjt)                   # uses kjt's prefetched input dist, if one was started
+    ...
+    kjt = next_kjt
+
+`prefetch` hands the batch to a background thread, which runs the same input dist on a second
+process group over the same ranks (both made by the first prefetch, one per process group and
+shared by its modules, so prefetches run in the order they were made, the same on every rank),
+so its collectives never interleave with the step's own on the module's group. A later
+`forward(kjt)` with the same KeyedJaggedTensor object takes the result (or raises the error input
+dist raised, e.g. `InputError` for a bad batch, on every rank as usual); a forward without one
+runs input dist itself. The batch is the prefetching rank's own: each rank prefetches its next
+batch, every rank in the same order (prefetch is collective, like forward). Do not change a KJT's
+tensors after prefetching it.
+
+The background thread overlaps on CPU modules over a gloo group that spans the world; elsewhere
+(NCCL on CUDA, where a second stream would be needed, or a module on a subgroup) `prefetch` runs
+the input dist at once on the module's group, which is correct but does not overlap. Measured in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from modular._comm import KeptBuffers
+
+if TYPE_CHECKING:
+    from modular.embedding_bag import Received, ShardedEmbeddingBagCollection
+
+__all__ = ["prefetch"]
+
+# More batches than this prefetched and not yet looked up is a loop that prefetches batches it
+# never runs (each holds its routed ids in memory).
+MAX_PENDING = 8
+
+
+def prefetch(model: nn.Module, features: KeyedJaggedTensor) -> nn.Module:
+    """Starts the input dist of `features` in every sharded EBC of `model` (Note [prefetched input
+    dist]); a later `model(...)` whose sharded EBCs receive this same KJT object skips it. Returns
+    `model`. Call it on every rank, in the same order."""
+    from modular.embedding_bag import ShardedEmbeddingBagCollection
+
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
+    found = False
+    for module in model.modules():
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            module.prefetch(features)
+            found = True
+    if not found:
+        raise ValueError("prefetch: the model has no sharded EmbeddingBagCollection (call modular.shard first)")
+    return model
+
+
+class Prefetcher:
+    """One sharded EBC's prefetched input dists (Note [prefetched input dist])."""
+
+    def __init__(self, module: ShardedEmbeddingBagCollection) -> None:
+        self._module = module
+        self._pending: dict[int, tuple[KeyedJaggedTensor, Future]] = {}
+        self._buffers = KeptBuffers()
+        self._side = _side_group(module)
+
+    @property
+    def overlaps(self) -> bool:
+        return self._side is not None
+
+    def start(self, features: KeyedJaggedTensor) -> None:
+        entry = self._pending.get(id(features))
+        if entry is not None and entry[0] is features:
+            return  # already on its way
+        if len(self._pending) >= MAX_PENDING:
+            raise RuntimeError(
+                f"module {self._module.module_fqn!r} has {len(self._pending)} prefetched batches "
+                "that no forward has used; prefetch a batch only shortly before the forward "
+                "that takes it (Note [prefetched input dist] in modular/_prefetch.py)"
+            )
+        future: Future = Future()
+        if self._side is not None:
+            group, executor = self._side
+            future = executor.submit(self._module._input_dist, features, group, self._buffers)
+        else:
+            try:
+                future.set_result(self._module.input_dist(features))
+            except Exception as e:  # raised by the forward that takes it, as with the thread
+                future.set_exception(e)
+        self._pending[id(features)] = (features, future)
+
+    def take(self, features: KeyedJaggedTensor) -> Optional[Received]:
+        """The prefetched input dist of this very KJT, or None; raises what it raised."""
+        entry = self._pending.get(id(features))
+        if entry is None or entry[0] is not features:
+            return None
+        del self._pending[id(features)]
+        return entry[1].result()
+
+
+# One second group and one thread per process group, shared by the modules on it: their prefetches
+# then run one at a time, in the order the modules were prefetched, which is the same on every
+# rank, so the second group's collectives match across ranks.
+_SIDE_GROUPS: dict[object, tuple[ProcessGroup, ThreadPoolExecutor]] = {}
+
+
+def _side_group(
+    module: ShardedEmbeddingBagCollection,
+) -> Optional[tuple[ProcessGroup, ThreadPoolExecutor]]:
+    """The background group and thread for `module`'s process group, made on first use; None
+    where prefetching does not overlap: a one-process module, a device other than the CPU, a
+    backend other than gloo, or a process group smaller than the world (a new group is a
+    collective of the whole world, which the ranks outside it would not join)."""
+    if module.is_local or module.device.type != "cpu":
+        return None
+    pg = module.process_group if module.process_group is not None else dist.group.WORLD
+    if dist.get_backend(pg) != dist.Backend.GLOO or dist.get_world_size(pg) != dist.get_world_size():
+        return None
+    side = _SIDE_GROUPS.get(pg)
+    if side is None:
+        group = dist.new_group(backend=dist.Backend.GLOO)
+        side = _SIDE_GROUPS[pg] = (group, ThreadPoolExecutor(1, "modular-input-dist"))
+    return side

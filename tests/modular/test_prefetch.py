@@ -1,0 +1,149 @@
+"""`modular.prefetch` (Note [prefetched input dist]): the next batch's input dist runs in the
+background on a second process group, and the forward that takes it gives the unsharded model's
+outputs and gradients; bad batches still raise on every rank, at that forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import modular
+from modular._prefetch import MAX_PENDING
+from tests.dist import run_on_ranks
+from tests.modular.cases import BATCH, close, global_batch, local_blocks, make_batch, make_ebc, plan_for, rank_batches
+
+TIMEOUT_S = 100
+
+
+def _train_with_prefetch(case: str, weighted: bool, steps: int = 4) -> int:
+    """Steps of SGD where each step prefetches the next batch before its own forward; outputs
+    and gradients against the unsharded EBC on the global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = make_ebc(weighted)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for(case, ref, world))
+    opt = torch.optim.SGD(modular.local_parameters(ebc), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_params = dict(ref.named_parameters())
+    batches = [rank_batches(ref, world, step) for step in range(steps)]
+    modular.prefetch(ebc, batches[0][rank])
+    assert ebc._prefetcher.overlaps, "gloo on CPU should prefetch in the background"
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    compared = 0
+    for step in range(steps):
+        if step + 1 < steps:
+            modular.prefetch(ebc, batches[step + 1][rank])
+        assert id(batches[step][rank]) in ebc._prefetcher._pending, "this step's batch was not prefetched"
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out = ebc(batches[step][rank]).values()
+        expected = ref(global_batch(batches[step])).values()
+        close(out, expected[mine], f"{case}: step {step} output")
+        target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step))
+        (out * target[mine]).sum().backward()
+        ((expected * target).sum() / world).backward()
+        for name, param in ebc.named_parameters():
+            for tensor, rows, cols in local_blocks(param):
+                close(tensor.grad, ref_params[name].grad[rows, cols], f"{case}: step {step} grad of {name}")
+                compared += 1
+        opt.step()
+        ref_opt.step()
+    assert not ebc._prefetcher._pending, "every prefetched batch was used"
+    return compared
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case, weighted", [("mixed", False), ("mixed", True), ("row_wise", False), ("table_wise", False)])
+def test_prefetched_steps_match_the_unsharded_model(case: str, weighted: bool) -> None:
+    compared = run_on_ranks(2, _train_with_prefetch, case, weighted, timeout=TIMEOUT_S)
+    assert all(n > 0 for n in compared), compared
+
+
+@pytest.mark.timeout(120)
+def test_prefetch_over_three_ranks() -> None:
+    compared = run_on_ranks(3, _train_with_prefetch, "mixed", True, timeout=TIMEOUT_S)
+    assert all(n > 0 for n in compared), compared
+
+
+def _out_of_order_and_bad_batches() -> list[str]:
+    """A forward of another batch than the prefetched one, then a prefetched bad batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world))
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    first, second = rank_batches(ref, world, 0), rank_batches(ref, world, 1)
+    modular.prefetch(ebc, second[rank])
+    modular.prefetch(ebc, second[rank])  # twice: still one input dist
+    # `first` was not prefetched: its forward runs input dist itself, on the module's own group,
+    # while `second`'s runs on the other.
+    close(ebc(first[rank]).values(), ref(global_batch(first)).values()[mine], "not prefetched")
+    close(ebc(second[rank]).values(), ref(global_batch(second)).values()[mine], "prefetched")
+    bad = make_batch(ref, seed=rank)
+    if rank == 1:  # 'f_a' feeds a 7-row table
+        jts = bad.to_dict()
+        values = jts["f_a"].values().clone()
+        values[0] = 7
+        jts["f_a"] = type(jts["f_a"])(values=values, lengths=jts["f_a"].lengths())
+        bad = type(bad).from_jt_dict(jts)
+    modular.prefetch(ebc, bad)  # does not raise here: the error is the forward's
+    messages = []
+    try:
+        ebc(bad)
+    except modular.InputError as e:
+        messages.append(str(e))
+    third = rank_batches(ref, world, 2)  # and the module still works afterwards
+    modular.prefetch(ebc, third[rank])
+    close(ebc(third[rank]).values(), ref(global_batch(third)).values()[mine], "after a bad batch")
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_prefetched_bad_batch_raises_at_its_forward_on_every_rank() -> None:
+    messages = run_on_ranks(2, _out_of_order_and_bad_batches, timeout=TIMEOUT_S)
+    assert "has id 7, outside table" in messages[1][0], messages
+    assert messages[0][0].startswith("rank 1 rejected its batch for module ''"), messages
+
+
+def _too_many_pending() -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("table_wise", ref, world))
+    batches = [make_batch(ref, seed=s) for s in range(MAX_PENDING + 1)]
+    for b in batches[:-1]:
+        modular.prefetch(ebc, b)
+    try:
+        modular.prefetch(ebc, batches[-1])
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a ninth pending prefetch did not raise")
+    for b in batches[:-1]:  # they are all still usable, in any order
+        ebc(b)
+    return message
+
+
+@pytest.mark.timeout(120)
+def test_prefetching_batches_no_forward_uses_is_refused() -> None:
+    messages = run_on_ranks(2, _too_many_pending, timeout=TIMEOUT_S)
+    assert all("8 prefetched batches that no forward has used" in m for m in messages), messages
+
+
+def test_prefetch_on_one_process_runs_input_dist_at_once() -> None:
+    ref = make_ebc(False)
+    ebc = modular.ShardedEmbeddingBagCollection.unsharded(copy.deepcopy(ref), module="")
+    batch = make_batch(ref, seed=3)
+    modular.prefetch(ebc, batch)
+    assert not ebc._prefetcher.overlaps and id(batch) in ebc._prefetcher._pending
+    close(ebc(batch).values(), ref(batch).values(), "unsharded prefetch")
+    assert not ebc._prefetcher._pending
+
+
+def test_prefetch_needs_a_sharded_model_and_a_kjt() -> None:
+    with pytest.raises(ValueError, match="no sharded EmbeddingBagCollection"):
+        modular.prefetch(nn.Linear(2, 2), make_batch(make_ebc(False), seed=0))
+    ebc = modular.ShardedEmbeddingBagCollection.unsharded(make_ebc(False), module="")
+    with pytest.raises(TypeError, match="takes a KeyedJaggedTensor, got dict"):
+        modular.prefetch(ebc, {})

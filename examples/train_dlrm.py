@@ -4,6 +4,7 @@
     torchrun --standalone --nproc_per_node=2 examples/train_dlrm.py   # NCCL when CUDA is there
     python examples/train_dlrm.py --world-size 2 --resume      # continue from the last checkpoint
     python examples/train_dlrm.py --world-size 2 --steps 0 --resume --export out/dlrm.pt
+    python examples/train_dlrm.py --world-size 2 --prefetch    # next batch's input dist overlapped
 
 One training setup, in the order Note [order of sharding calls] (modular/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` -> `modular.shard`
@@ -86,6 +87,9 @@ class TrainConfig:
     eval_batches: int = 4  # per rank
     device_memory: str = "80GiB"  # what the planner assumes each rank has
     progress: bool = True
+    # The next batch's input dist during this step (modular.prefetch). Off by default: on the
+    # 2-core CI machines each rank's core is busy anyway and it measured 5% slower here.
+    prefetch: bool = False
     # A collective that waits longer fails (naming it) instead of hanging: a rank that died or
     # raised stops its peers within this many seconds (torch's own default is 30 minutes).
     collective_timeout: float = 300.0
@@ -303,9 +307,14 @@ def train(config: TrainConfig) -> TrainResult:
     saved: Optional[Path] = None
     bar = _progress(config.progress and rank == 0 and end > start, start, end)
     with _StopFlag() as stop:
+        upcoming = to_device(data.batch_at(start), device) if end > start else None
         for step in range(start, end):
             began = time.perf_counter()
-            batch = to_device(data.batch_at(step), device)
+            batch, upcoming = upcoming, None
+            if step + 1 < end:
+                upcoming = to_device(data.batch_at(step + 1), device)
+                if config.prefetch:  # its input dist overlaps this step (modular.prefetch)
+                    modular.prefetch(model, upcoming.sparse)
             loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
             opt.zero_grad()
             loss.backward()  # the tables are updated here (fused)
@@ -386,6 +395,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
     p.add_argument("--device-memory", default=d.device_memory, help="per rank, for the planner")
     p.add_argument("--world-size", type=int, default=1, help="CPU ranks to launch (ignored under torchrun)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--prefetch", action="store_true", help="overlap the next batch's input dist with this step")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                    help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
@@ -393,7 +403,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         steps=a.steps, batch_size=a.batch_size, lr=a.lr, dense_lr=a.dense_lr, seed=a.seed,
         data=a.data, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         resume=a.resume, export=a.export, eval_batches=a.eval_batches,
-        device_memory=a.device_memory, progress=not a.no_progress,
+        device_memory=a.device_memory, progress=not a.no_progress, prefetch=a.prefetch,
         collective_timeout=a.collective_timeout,
     )  # fmt: skip
     return config, a.world_size

@@ -46,6 +46,12 @@ def test_resume_continues_the_run_it_stopped(tmp_path: Path) -> None:
     assert rest[1][2] == tail  # ranks agree on the (all-reduced) losses
 
 
+def test_prefetching_the_next_batch_does_not_change_the_run() -> None:
+    with_prefetch = run_on_ranks(2, _losses, dict(steps=6, prefetch=True), timeout=90)
+    without = run_on_ranks(2, _losses, dict(steps=6, prefetch=False), timeout=90)
+    assert with_prefetch == without  # the same ops on the same ids: the same losses, bit for bit
+
+
 def _exported_logits_match(checkpoint_dir: str, export: str) -> float:
     from examples import train_dlrm
     from examples.dlrm import concat_batches

@@ -290,6 +290,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         if rejection is not None:  # unreachable: _raise_if_rejected raised
             raise InputError(rejection.message)
 
+        if not self.layout.routes:  # data-parallel tables only: no ids travel, on any rank
+            return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
         routes = self._router.routes_per_rank
         mine = routes[self._rank]
         send_lengths = routed.lengths.split([n * batch for n in routes])
@@ -378,7 +380,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     ) -> KeyedTensor:
         """Sends each rank its samples' pooled columns and adds them into the output."""
         batch = received.batch_size
-        if self._local_only:
+        if self._local_only or not self.layout.routes:  # nothing to send (every rank agrees)
             arrived = remote.reshape(-1)
         else:
             arrived = pooled_all_to_all(

@@ -66,10 +66,13 @@ class KeptBuffers:
         return kept[:numel]
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: absent means never reuse
+
+
 def _in_use(t: torch.Tensor) -> bool:
     # `t` itself and the temporary storage object hold one reference each; anything more is a
     # view, a saved tensor or a caller's reference.
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+    return _use_count is None or _use_count(t.untyped_storage()._cdata) > 2
 
 
 def all_to_all(

@@ -45,7 +45,6 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     DenseTableBatchedEmbeddingBagsCodegen,
 )
-
 from torch.distributed import ProcessGroup
 
 from modular._comm import raise_failed

@@ -10,11 +10,12 @@ time, on the same synthetic batches, alternating blocks of steps:
   ours      modular.shard + torch.optim.SGD over modular.local_parameters ("dense"), or
             modular.fuse_optimizer(model, "exact_rowwise_adagrad") ("fused")
   prefetch  ours, with each step first calling modular.prefetch(model, next batch), so the next
-            batch's input dist overlaps this step (Note [prefetched input dist]; TorchRec's
-            counterpart would be its TrainPipelineSparseDist, not run here)
+            batch's input dist overlaps this step (Note [prefetched input dist])
   torchrec  DistributedModelParallel with the equivalent ParameterShardings: compute kernel
             "dense" with the same torch SGD over its parameters, or "fused" with
             EXACT_ROWWISE_ADAGRAD in fused_params
+  pipeline  the same DMP under TorchRec's TrainPipelineSparseDist, which overlaps the next
+            batch's input dist too (the counterpart of "prefetch")
   floor     fbgemm's table-batched kernel alone (SplitTableBatchedEmbeddingBagsCodegen with the
             fused update, or the dense TBE + SGD) on exactly the ids this rank looks up in our
             step, with this rank's shard shapes: no input or output dist
@@ -23,7 +24,9 @@ time, on the same synthetic batches, alternating blocks of steps:
   dense     the "unsharded dense part": the loss and its backward on the pooled output
 
 A step is forward + backward + optimizer; its time is the max over ranks of that step's wall
-time. Each rank runs with one thread (OMP_NUM_THREADS=1); all contenders run on all ranks at once.
+time. Each rank runs with one thread (OMP_NUM_THREADS=1) and, unless --no-pin, is pinned to its
+own share of the cores (with gloo's threads: a rank's background work then fills its own core's
+idle time instead of preempting another rank); all contenders run on all ranks at once.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Config:
     warmup: int
     profile: Optional[str]
     torchrec: bool
+    pin: bool = True
 
 
 class Model(nn.Module):
@@ -168,7 +172,9 @@ def _prefetching(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) -> Cal
     return step
 
 
-def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
+def _dmp(cfg: Config, module: nn.Module, plan: str, opt_kind: str):
+    """TorchRec's DistributedModelParallel of `module` (its EBC at "ebc") with the equivalent
+    plan, and the torch SGD over what its fused kernels do not update (None if nothing)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -178,7 +184,7 @@ def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Mod
     from planners.torchrec_interop import to_torchrec
 
     kernel = "fused" if opt_kind == "fused" else "dense"
-    tr_plan = to_torchrec(_our_plan(cfg, plan), Model(ebc), device_type="cpu")
+    tr_plan = to_torchrec(_our_plan(cfg, plan), Model(module.ebc), device_type="cpu")
     for ps_by_table in tr_plan.plan.values():
         for name, ps in ps_by_table.items():
             if ps.sharding_type != "data_parallel":
@@ -186,13 +192,17 @@ def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Mod
     fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": EPS}
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     model = DistributedModelParallel(
-        Model(copy.deepcopy(ebc)), env=ShardingEnv.from_process_group(dist.group.WORLD),
+        module, env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=torch.device("cpu"), plan=tr_plan, sharders=[sharder],
     )  # fmt: skip
     # Fused tables update in backward; everything else (dense tables, data-parallel replicas,
     # whose gradients DDP all-reduces) takes the torch SGD, like ours.
-    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
-    opt = torch.optim.SGD(list(dense.values()), lr=LR) if dense else None
+    dense = list(dict(in_backward_optimizer_filter(model.named_parameters())).values())
+    return model, (torch.optim.SGD(dense, lr=LR) if dense else None)
+
+
+def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> Callable:
+    model, opt = _dmp(cfg, Model(copy.deepcopy(ebc)), plan, opt_kind)
 
     def step(kjt) -> None:
         if opt is not None:
@@ -201,7 +211,39 @@ def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Mod
         if opt is not None:
             opt.step()
 
-    return model, step
+    return step
+
+
+class _LossModel(nn.Module):
+    """Model + loss, the shape TorchRec's train pipelines call: forward(batch) -> (loss, output)."""
+
+    def __init__(self, ebc: nn.Module, probe: torch.Tensor) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.register_buffer("probe", probe)
+
+    def forward(self, kjt):
+        pooled = self.ebc(kjt).values()
+        return _loss(pooled, self.probe), pooled
+
+
+def _torchrec_pipeline(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) -> Callable:
+    """The same DMP under TorchRec's TrainPipelineSparseDist (batch i+1's input dist overlaps
+    batch i), on the same batches in the same order."""
+    import itertools
+
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    model, opt = _dmp(cfg, _LossModel(copy.deepcopy(ebc), probe), plan, opt_kind)
+    # The pipeline always steps an optimizer; with every table fused there is nothing to step.
+    opt = opt or torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
+    pipeline = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+    batches = itertools.cycle(kjts)
+
+    def step(_kjt) -> None:
+        pipeline.progress(batches)
+
+    return step
 
 
 def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
@@ -330,19 +372,24 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
     ours_model, contenders["ours"] = _ours(cfg, ebc, plan, opt_kind, probe)
     contenders["prefetch"] = _prefetching(cfg, ebc, plan, opt_kind, probe, kjts)
     if cfg.torchrec:
-        try:
-            _, contenders["torchrec"] = _torchrec(cfg, ebc, plan, opt_kind, probe)
-        except Exception as e:  # reported in the table: TorchRec cannot run this case on CPU
-            notes["torchrec"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        builders = {
+            "torchrec": lambda: _torchrec(cfg, ebc, plan, opt_kind, probe),
+            "pipeline": lambda: _torchrec_pipeline(cfg, ebc, plan, opt_kind, probe, kjts),
+        }
+        for name, build in builders.items():
+            try:
+                contenders[name] = build()
+            except Exception as e:  # reported in the table: TorchRec cannot run this case on CPU
+                notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            # A failure to build on one rank must skip it on all ranks.
+            ok = torch.tensor([int(name in contenders)])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if not ok.item() and name in contenders:
+                del contenders[name]
+                notes.setdefault(name, "failed on another rank")
     contenders["floor"] = _floor(cfg, ours_model, opt_kind, kjts)
     contenders["unsharded"] = _unsharded(cfg, ebc, opt_kind, probe)
     contenders["dense"] = _dense_part(probe)
-    # A failure to build TorchRec on one rank must skip it on all ranks.
-    ok = torch.tensor([int("torchrec" in contenders)])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item() and "torchrec" in contenders:
-        del contenders["torchrec"]
-        notes.setdefault("torchrec", "failed on another rank")
 
     for name, step in contenders.items():
         _time_block(step, kjts, cfg.warmup, 0)
@@ -382,6 +429,9 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
+    cores = _cores_of(rank, cfg)
+    if cores:  # before the process group, so that gloo's threads stay on the rank's cores too
+        os.sched_setaffinity(0, cores)
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
     torch.manual_seed(0)
     ebc = _make_ebc(cfg)  # the same weights on every rank and for every contender
@@ -399,6 +449,14 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _cores_of(rank: int, cfg: Config) -> set[int]:
+    """The cores rank `rank` is pinned to: an equal share of the machine's, none if not pinned."""
+    per_rank = (os.cpu_count() or 1) // cfg.world_size
+    if not cfg.pin or per_rank == 0:
+        return set()
+    return set(range(rank * per_rank, (rank + 1) * per_rank))
+
+
 def _ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:8.1f} {min(xs) * 1e3:8.1f} {max(xs) * 1e3:8.1f}"
 
@@ -413,30 +471,37 @@ def _print_case(plan: str, opt_kind: str, result: dict) -> None:
 
 
 def _print_summary(cfg: Config, results: dict) -> None:
+    pinned = "each rank pinned to its own cores" if _cores_of(0, cfg) else "ranks not pinned"
     print(
         f"\n## {cfg.tables} tables x {cfg.rows:,} rows x {cfg.dim} dims, batch {cfg.batch:,} per "
-        f"rank, pooling {cfg.pooling}, SUM, {cfg.world_size} CPU ranks x 1 thread (gloo), "
-        f"{cfg.steps} steps each in {cfg.blocks} alternating blocks, "
+        f"rank, pooling {cfg.pooling}, SUM, {cfg.world_size} CPU ranks x 1 thread (gloo, "
+        f"{pinned}), {cfg.steps} steps each in {cfg.blocks} alternating blocks, "
         f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores\n"
     )
-    print("| plan | optimizer | ours ms | TorchRec ms | ours / TorchRec | floor ms | "
-          "unsharded ms | dense part ms | ours / (floor + dense) | ours + prefetch ms | "
-          "ours + prefetch / TorchRec |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| plan | optimizer | ours ms | ours + prefetch ms | TorchRec ms | TorchRec pipeline ms | "
+          "ours / TorchRec | ours + prefetch / TorchRec | ours + prefetch / TorchRec pipeline | "
+          "floor ms | unsharded ms | dense part ms | ours / (floor + dense) | "
+          "ours + prefetch / (floor + dense) |")  # fmt: skip
+    print("|---|---|" + "---:|" * 12)
     med = statistics.median
+
+    def ms(t: dict, name: str) -> str:
+        return f"{med(t[name]) * 1e3:.1f}" if name in t else "n/a"
+
+    def ratio(t: dict, a: str, b: str) -> str:
+        return f"{med(t[a]) / med(t[b]):.2f}" if a in t and b in t else "n/a"
+
     for (plan, opt_kind), r in results.items():
         t = r["times"]
-        ours = med(t["ours"])
-        pre = med(t["prefetch"])
-        if "torchrec" in t:
-            tr, ratio = f"{med(t['torchrec']) * 1e3:.1f}", f"{ours / med(t['torchrec']):.2f}"
-            pre_ratio = f"{pre / med(t['torchrec']):.2f}"
-        else:
-            tr, ratio, pre_ratio = "n/a", "n/a", "n/a"
-        floor, dense = med(t["floor"]), med(t["dense"])
-        print(f"| {PLANS[plan]} | {opt_kind} | {ours * 1e3:.1f} | {tr} | {ratio} | "
-              f"{floor * 1e3:.1f} | {med(t['unsharded']) * 1e3:.1f} | {dense * 1e3:.2f} | "
-              f"{ours / (floor + dense):.2f} | {pre * 1e3:.1f} | {pre_ratio} |")  # fmt: skip
+        bound = med(t["floor"]) + med(t["dense"])
+        cells = [
+            PLANS[plan], opt_kind, ms(t, "ours"), ms(t, "prefetch"), ms(t, "torchrec"),
+            ms(t, "pipeline"), ratio(t, "ours", "torchrec"), ratio(t, "prefetch", "torchrec"),
+            ratio(t, "prefetch", "pipeline"), ms(t, "floor"), ms(t, "unsharded"),
+            f"{med(t['dense']) * 1e3:.2f}", f"{med(t['ours']) / bound:.2f}",
+            f"{med(t['prefetch']) / bound:.2f}",
+        ]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
     for (plan, opt_kind), r in results.items():
         for name, why in r["notes"].items():
             print(f"\n{PLANS[plan]}/{opt_kind}: {name} not run: {why}")
@@ -468,12 +533,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", default=None, help="plan:optimizer to profile ours on, e.g. rw:fused")
     p.add_argument("--no-torchrec", action="store_true")
+    p.add_argument("--no-pin", action="store_true", help="let the OS move ranks between cores")
     a = p.parse_args(argv)
     cfg = Config(
         tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
         world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
-        torchrec=not a.no_torchrec,
+        torchrec=not a.no_torchrec, pin=not a.no_pin,
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 examples/train_dlrm.py   # NCCL when CUDA is there
     python examples/train_dlrm.py --world-size 2 --resume      # continue from the last checkpoint
     python examples/train_dlrm.py --world-size 2 --steps 0 --resume --export out/dlrm.pt
-    python examples/train_dlrm.py --world-size 2 --prefetch    # next batch's input dist overlapped
+    python examples/train_dlrm.py --world-size 2 --no-prefetch # no overlap of the next input dist
 
 One training setup, in the order Note [order of sharding calls] (modular/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` -> `modular.shard`
@@ -87,9 +87,10 @@ class TrainConfig:
     eval_batches: int = 4  # per rank
     device_memory: str = "80GiB"  # what the planner assumes each rank has
     progress: bool = True
-    # The next batch's input dist during this step (modular.prefetch). Off by default: on the
-    # 2-core CI machines each rank's core is busy anyway and it measured 5% slower here.
-    prefetch: bool = False
+    # The next batch's input dist during this step (modular.prefetch). On CPU it pays when each
+    # rank has its own cores (the self-launch pins them: +10% examples/s on 2 cores; unpinned it
+    # measured 5% slower, docs/benchmarks.md).
+    prefetch: bool = True
     # A collective that waits longer fails (naming it) instead of hanging: a rank that died or
     # raised stops its peers within this many seconds (torch's own default is 30 minutes).
     collective_timeout: float = 300.0
@@ -395,7 +396,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
     p.add_argument("--device-memory", default=d.device_memory, help="per rank, for the planner")
     p.add_argument("--world-size", type=int, default=1, help="CPU ranks to launch (ignored under torchrun)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--prefetch", action="store_true", help="overlap the next batch's input dist with this step")
+    p.add_argument("--no-prefetch", action="store_true", help="no overlap of the next batch's input dist")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                    help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
@@ -403,7 +404,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         steps=a.steps, batch_size=a.batch_size, lr=a.lr, dense_lr=a.dense_lr, seed=a.seed,
         data=a.data, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         resume=a.resume, export=a.export, eval_batches=a.eval_batches,
-        device_memory=a.device_memory, progress=not a.no_progress, prefetch=a.prefetch,
+        device_memory=a.device_memory, progress=not a.no_progress, prefetch=not a.no_prefetch,
         collective_timeout=a.collective_timeout,
     )  # fmt: skip
     return config, a.world_size
@@ -441,6 +442,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pin(rank: int, world_size: int):
+    """Pins a launched rank to its own share of the cores (as CPU launchers such as torch's
+    run_cpu do): its threads, gloo's included, then use that rank's idle time rather than
+    preempting another rank. None (no pinning) with fewer cores than ranks or without affinity."""
+    per_rank = (os.cpu_count() or 1) // world_size
+    if per_rank == 0 or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = set(range(rank * per_rank, (rank + 1) * per_rank))
+    return lambda: os.sched_setaffinity(0, cores)
+
+
 def launch(argv: Sequence[str], world_size: int) -> int:
     """Starts `world_size` CPU ranks of this script, one process each; the worst exit status."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
@@ -450,6 +462,7 @@ def launch(argv: Sequence[str], world_size: int) -> int:
         subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), *argv],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            preexec_fn=_pin(r, world_size),
         )
         for r in range(world_size)
     ]

@@ -23,8 +23,10 @@ tensors after prefetching it.
 
 The background thread overlaps on CPU modules over a gloo group that spans the world; elsewhere
 (NCCL on CUDA, where a second stream would be needed, or a module on a subgroup) `prefetch` runs
-the input dist at once on the module's group, which is correct but does not overlap. Measured in
-docs/benchmarks.md.
+the input dist at once on the module's group, which is correct but does not overlap. On CPU it
+pays when each rank is pinned to its own cores: unpinned, the background thread and gloo's threads
+of one rank preempt another rank's main thread, and on 2 cores the step got no faster (measured
+in docs/benchmarks.md, with and without pinning).
 """
 
 from __future__ import annotations

@@ -11,10 +11,14 @@ does, but without wrapping the model or the training loop:
     ...
     kjt = next_kjt
 
-`prefetch` hands the batch to a background thread, which runs the same input dist on a second
-process group over the same ranks (both made by the first prefetch, one per process group and
-shared by its modules, so prefetches run in the order they were made, the same on every rank),
-so its collectives never interleave with the step's own on the module's group. A later
+`prefetch` arms the batch; the module hands it to a background thread when its own thread is
+next about to wait (at the output all-to-all of the current forward, or at once when a forward
+wants that very batch), so the routing's CPU work fills a wait instead of slowing the lookup
+(measured: the lookup took 4.6 ms instead of 2.7 when the thread started at `prefetch`). The
+thread runs the same input dist on a second process group over the same ranks (both made by the
+first prefetch, one per process group and shared by its modules, so input dists run in the order
+they were released, the same on every rank), so its collectives never interleave with the step's
+own on the module's group. A batch prefetched but never used costs no collective. A later
 `forward(kjt)` with the same KeyedJaggedTensor object takes the result (or raises the error input
 dist raised, e.g. `InputError` for a bad batch, on every rank as usual); a forward without one
 runs input dist itself. The batch is the prefetching rank's own: each rank prefetches its next
@@ -75,6 +79,7 @@ class Prefetcher:
     def __init__(self, module: ShardedEmbeddingBagCollection) -> None:
         self._module = module
         self._pending: dict[int, tuple[KeyedJaggedTensor, Future]] = {}
+        self._armed: list[tuple[KeyedJaggedTensor, Future]] = []  # started, not yet released
         self._buffers = KeptBuffers()
         self._side = _side_group(module)
 
@@ -94,8 +99,7 @@ class Prefetcher:
             )
         future: Future = Future()
         if self._side is not None:
-            group, executor = self._side
-            future = executor.submit(self._module._input_dist, features, group, self._buffers)
+            self._armed.append((features, future))  # the thread gets it at `release`
         else:
             try:
                 future.set_result(self._module.input_dist(features))
@@ -103,12 +107,27 @@ class Prefetcher:
                 future.set_exception(e)
         self._pending[id(features)] = (features, future)
 
+    def release(self) -> None:
+        """Hands the armed input dists to the background thread, in the order they were
+        prefetched; the module calls it when its own thread is about to wait on a collective."""
+        armed, self._armed = self._armed, []
+        for features, future in armed:
+            self._side[1].submit(self._run, features, future)
+
+    def _run(self, features: KeyedJaggedTensor, future: Future) -> None:
+        try:
+            future.set_result(self._module._input_dist(features, self._side[0], self._buffers))
+        except BaseException as e:  # raised by the forward that takes it
+            future.set_exception(e)
+
     def take(self, features: KeyedJaggedTensor) -> Optional[Received]:
         """The prefetched input dist of this very KJT, or None; raises what it raised."""
         entry = self._pending.get(id(features))
         if entry is None or entry[0] is not features:
             return None
         del self._pending[id(features)]
+        if any(f is features for f, _ in self._armed):
+            self.release()  # not started yet: start it (and those before it) now
         return entry[1].result()
 
 

@@ -380,6 +380,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     ) -> KeyedTensor:
         """Sends each rank its samples' pooled columns and adds them into the output."""
         batch = received.batch_size
+        if self._prefetcher is not None:  # this thread waits next: the prefetched batch may go
+            self._prefetcher.release()
         if self._local_only or not self.layout.routes:  # nothing to send (every rank agrees)
             arrived = remote.reshape(-1)
         else:

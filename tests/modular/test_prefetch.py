@@ -14,7 +14,7 @@ from torch import nn
 import modular
 from modular._prefetch import MAX_PENDING
 from tests.dist import run_on_ranks
-from tests.modular.cases import BATCH, close, global_batch, local_blocks, make_batch, make_ebc, plan_for, rank_batches
+from tests.modular.cases import BATCH, close, global_batch, local_blocks, make_batch, make_ebc, no_collectives, plan_for, rank_batches
 
 TIMEOUT_S = 100
 
@@ -105,6 +105,32 @@ def test_prefetched_bad_batch_raises_at_its_forward_on_every_rank() -> None:
     messages = run_on_ranks(2, _out_of_order_and_bad_batches, timeout=TIMEOUT_S)
     assert "has id 7, outside table" in messages[1][0], messages
     assert messages[0][0].startswith("rank 1 rejected its batch for module ''"), messages
+
+
+def _armed_until_the_module_waits() -> int:
+    """prefetch itself starts no collective: the batch goes to the thread at the module's next
+    output all-to-all, or when a forward asks for it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world))
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    steps = [rank_batches(ref, world, s) for s in range(3)]
+    ebc(steps[0][rank])  # the side group exists from the first prefetch on; make it here
+    modular.prefetch(ebc, steps[1][rank])
+    ebc(steps[1][rank])
+    with no_collectives():
+        modular.prefetch(ebc, steps[2][rank])
+    assert [f for f, _ in ebc._prefetcher._armed] == [steps[2][rank]]
+    out = ebc(steps[1][rank])  # not prefetched: its own input dist; releases steps[2] at output dist
+    assert not ebc._prefetcher._armed
+    close(out.values(), ref(global_batch(steps[1])).values()[mine], "between")
+    close(ebc(steps[2][rank]).values(), ref(global_batch(steps[2])).values()[mine], "released")
+    return 1
+
+
+@pytest.mark.timeout(120)
+def test_prefetch_starts_no_collective_until_the_module_waits() -> None:
+    assert run_on_ranks(2, _armed_until_the_module_waits, timeout=TIMEOUT_S) == [1, 1]
 
 
 def _too_many_pending() -> str:

@@ -6,8 +6,8 @@ any lookup can start. The ids of the *next* batch are known a step early, so the
 while this step looks up, trains and steps the optimizer, as TorchRec's TrainPipelineSparseDist
 does, but without wrapping the model or the training loop:
 
-    modular.prefetch(model, next_kjt)   # starts next_kjt's input dist in the background
-    loss = model(kjt)                   # uses kjt's prefetched input dist, if one was started
+    modular.prefetch(model, next_kjt)   # next_kjt's input dist will run in the background
+    loss = model(kjt)                   # uses kjt's prefetched input dist, if there is one
     ...
     kjt = next_kjt
 
@@ -51,14 +51,15 @@ if TYPE_CHECKING:
 __all__ = ["prefetch"]
 
 # More batches than this prefetched and not yet looked up is a loop that prefetches batches it
-# never runs (each holds its routed ids in memory).
+# never runs (each holds its KJT, and once released its routed ids, in memory).
 MAX_PENDING = 8
 
 
 def prefetch(model: nn.Module, features: KeyedJaggedTensor) -> nn.Module:
-    """Starts the input dist of `features` in every sharded EBC of `model` (Note [prefetched input
-    dist]); a later `model(...)` whose sharded EBCs receive this same KJT object skips it. Returns
-    `model`. Call it on every rank, in the same order."""
+    """Prefetches `features` for every sharded EBC of `model`: its input dist runs in the
+    background from the module's next wait on (Note [prefetched input dist]), and a later
+    `model(...)` whose sharded EBCs receive this same KJT object uses it. Returns `model`. Call it
+    on every rank, in the same order."""
     from modular.embedding_bag import ShardedEmbeddingBagCollection
 
     if not isinstance(features, KeyedJaggedTensor):

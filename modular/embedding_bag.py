@@ -251,8 +251,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         return self.output_dist(remote, local, received)
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Starts the input dist of `features` for a later `forward(features)` (Note [prefetched
-        input dist] in modular/_prefetch.py); call it on every rank, in the same order."""
+        """Prefetches `features` for a later `forward(features)`: its input dist runs in the
+        background from this module's next wait on (Note [prefetched input dist] in
+        modular/_prefetch.py); call it on every rank, in the same order."""
         if self._prefetcher is None:
             from modular._prefetch import Prefetcher
 

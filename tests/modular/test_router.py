@@ -3,7 +3,8 @@ bit, what the straightforward per-id router gives, for every plan; bad batches a
 the same problem, feature and message. Pure: one process, no process group.
 
 `ReferenceRouter` is the previous, per-id implementation (a searchsorted over (slot, row) keys and
-a stable sort by route), kept as the specification.
+a stable sort by route), kept as the specification; the structural checks (dtypes, lengths,
+weights' count), which have no fast path, are the router's own.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ReferenceRouter:
             rows = layout.table(o.table).num_embeddings
             bound[f] = rows if bound[f] is None else min(bound[f], rows)
         self.id_bound = torch.tensor(bound, dtype=torch.int64, device=device)
+        self._structure = Router(layout, module=module, is_weighted=is_weighted, device=device)
 
 
         # Each id of feature f is copied into one slot per (output, column shard); a slot holds
@@ -89,7 +91,8 @@ class ReferenceRouter:
 
     def check(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
         """Finds the first problem in a batch whose features are already in order."""
-        rejection = self._check_structure(kjt)
+        # Dtypes and lengths are checked by the same code on both sides (no fast path there).
+        rejection = self._structure._check_structure(kjt)
         if rejection is not None:
             return rejection
         values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
@@ -120,79 +123,6 @@ class ReferenceRouter:
                     f"feature {self.features[f]!r} (table {tables}) of module {self.module!r} "
                     f"has a non-finite per-sample weight ({float(weights[pos])}); "
                     f"{int(bad.sum())} weights are NaN or inf",
-                )
-        return None
-
-    def _check_structure(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
-        """Dtypes, and lengths and weights that agree with the values; in any feature order."""
-        values, lengths = kjt.values(), kjt.lengths()
-        nf = len(self.features)
-        if values.dtype not in (torch.int32, torch.int64) or lengths.dtype not in (
-            torch.int32,
-            torch.int64,
-        ):
-            return Rejection(
-                Problem.DTYPE,
-                -1,
-                f"ids and lengths for module {self.module!r} must be int32 or int64, got "
-                f"values {values.dtype} and lengths {lengths.dtype}",
-            )
-        if kjt.variable_stride_per_key():
-            return Rejection(
-                Problem.LENGTHS,
-                -1,
-                f"module {self.module!r} needs the same batch size for every feature; "
-                "variable batch per feature is not supported",
-            )
-        if lengths.numel() != nf * kjt.stride():
-            return Rejection(
-                Problem.LENGTHS,
-                -1,
-                f"module {self.module!r}: {lengths.numel()} lengths for {nf} features is not a "
-                f"whole batch (batch size {kjt.stride()} x {nf} = {nf * kjt.stride()})",
-            )
-        negative = lengths < 0
-        if bool(negative.any()):
-            pos = int(negative.nonzero()[0, 0])
-            f = self.features.index(kjt.keys()[pos // kjt.stride()])
-            tables = ", ".join(repr(t) for t in self.feature_tables[f])
-            return Rejection(
-                Problem.LENGTHS,
-                f,
-                f"feature {self.features[f]!r} (table {tables}) of module {self.module!r} has "
-                f"length {int(lengths[pos])} for sample {pos % kjt.stride()}; lengths must count "
-                "the ids of each bag",
-            )
-        total = int(lengths.sum())
-        if total != values.numel():
-            return Rejection(
-                Problem.LENGTHS,
-                -1,
-                f"module {self.module!r}: lengths sum to {total} but there are "
-                f"{values.numel()} ids; lengths must count the ids of each bag",
-            )
-        weights = kjt.weights_or_none()
-        if weights is not None and weights.numel() != values.numel():
-            return Rejection(
-                Problem.WEIGHTS,
-                -1,
-                f"module {self.module!r}: {weights.numel()} per-sample weights for "
-                f"{values.numel()} ids; a batch with weights needs one weight per id",
-            )
-        if self.is_weighted:
-            if weights is None:
-                return Rejection(
-                    Problem.WEIGHTS,
-                    -1,
-                    f"module {self.module!r} is weighted (is_weighted=True) but the batch has "
-                    "no per-sample weights",
-                )
-            if weights.dtype != torch.float32:
-                return Rejection(
-                    Problem.DTYPE,
-                    -1,
-                    f"per-sample weights for module {self.module!r} must be float32, got "
-                    f"{weights.dtype}",
                 )
         return None
 

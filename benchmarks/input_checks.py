@@ -24,7 +24,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 import warnings
 from typing import Callable, Optional
 
@@ -37,6 +36,7 @@ import torch.multiprocessing as mp  # noqa: E402
 # The same tables, plans and batches as the step-time benchmark (its helpers read only the
 # config fields both Configs have).
 from benchmarks.step_time import PLANS, Model, _batches, _make_ebc, add_workload_args, free_port  # noqa: E402
+from benchmarks.step_time import _max_over_ranks, _time_block  # noqa: E402
 from benchmarks.step_time import _our_plan as _plan  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
@@ -80,22 +80,6 @@ def _contenders(cfg: Config, plan: str, ebc) -> dict[str, tuple[Callable, bool]]
             raise RuntimeError(rejection.message)
 
     return {"step": (step, False), "checks": (checks, False), "shuffled": (checks, True)}
-
-
-def _time_block(fn: Callable, kjts, n: int, start: int) -> list[float]:
-    times = []
-    for i in range(n):
-        kjt = kjts[(start + i) % len(kjts)]
-        t0 = time.perf_counter()
-        fn(kjt)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _max_over_ranks(times: list[float]) -> list[float]:
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def _run_plan(cfg: Config, plan: str, kjts) -> dict[str, list[float]]:

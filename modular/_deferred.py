@@ -43,9 +43,7 @@ class DeferredFusedKernel(FusedKernel):
     ) -> None:
         """Records what the update at the end of backward needs (the owning module runs it after
         its collectives)."""
-        self.pending.append(
-            Lookup(grad_out.contiguous(), indices, offsets.to(indices.dtype), weights)
-        )
+        self.pending.append(Lookup.of(grad_out, indices, offsets, weights))
 
     def take_batch(self) -> Optional[Lookup]:
         """The lookups since the last update as one batch (several are merged, so their

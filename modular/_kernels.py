@@ -255,7 +255,7 @@ class DenseKernel:
     ) -> None:
         """Adds this lookup's gradient into the kept buffer (Note [dense gradient buffer]); for a
         replica, the mean over ranks (Note [dense replicas])."""
-        batch = Lookup(grad_out.contiguous(), indices, offsets.to(indices.dtype), weights)
+        batch = Lookup.of(grad_out, indices, offsets, weights)
         reduce = False
         if self._replicas is not None:
             group, world = self._replicas

@@ -24,6 +24,12 @@ class Lookup(NamedTuple):
     offsets: torch.Tensor  # routes * bags + 1, the indices' dtype
     weights: Optional[torch.Tensor]
 
+    @classmethod
+    def of(cls, grad_out, indices, offsets, weights) -> Lookup:
+        """What a kernel's backward receives, as fbgemm's backward ops take it: a contiguous
+        gradient and offsets of the ids' dtype."""
+        return cls(grad_out.contiguous(), indices, offsets.to(indices.dtype), weights)
+
 
 def merge_lookups(pending: list[Lookup], routes: int) -> Lookup:
     """One TBE batch holding several lookups' bags: feature by feature, the first lookup's bags,

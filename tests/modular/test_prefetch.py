@@ -134,7 +134,7 @@ def test_prefetch_starts_no_collective_until_the_module_waits() -> None:
 
 
 def _too_many_pending() -> str:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     ref = make_ebc(False)
     ebc = modular.shard(copy.deepcopy(ref), plan_for("table_wise", ref, world))
     batches = [make_batch(ref, seed=s) for s in range(MAX_PENDING + 1)]

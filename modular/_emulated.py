@@ -195,6 +195,6 @@ class EmulatedFusedKernel:
 
 
 def _coalesce(ids: torch.Tensor, grads: torch.Tensor, cols: int) -> RowGrad:
-    rows, inverse = torch.unique(ids, return_inverse=True)
+    rows, inverse = torch.unique(ids.long(), return_inverse=True)
     summed = torch.zeros(rows.numel(), cols, dtype=grads.dtype, device=grads.device)
     return RowGrad(rows, summed.index_add_(0, inverse, grads))

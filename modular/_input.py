@@ -59,6 +59,26 @@ class Routed(NamedTuple):
     values_per_rank: list[int]
 
 
+INT32_MAX = 2**31 - 1
+
+
+def wire_dtype(max_shard_rows: int) -> torch.dtype:
+    """The dtype routed ids and lengths travel and are looked up in.
+
+    # Note [ids on the wire]
+    Routed ids are rows of one shard (shifted to its first row), so while every shard has
+    fewer than 2**31 rows they fit in int32 whatever the batch's dtype: the input all-to-all
+    then moves half the bytes of int64 ids, and every copy after it (the arrival permutation,
+    the kernels' reads, a deferred kernel's kept batch) touches half the memory. fbgemm's
+    kernels take int32 ids and offsets. Lengths travel in the same buffer, so in the same
+    dtype; a rank whose batch has more than INT32_MAX ids (a bag that long could not be
+    represented) says so in the agreement all-to-all and every rank then sends int64 for
+    that step, and a rank that receives more than INT32_MAX ids in all looks them up with
+    int64 offsets. Tables with a larger shard send int64 always.
+    """
+    return torch.int32 if max_shard_rows <= INT32_MAX else torch.int64
+
+
 class Router:
     """Static routing tables of one sharded EBC, held as tensors on its device.
 
@@ -175,6 +195,8 @@ class Router:
         # A true permutation keeps every id: fbgemm needs no length sum then.
         self._route_source_is_permutation = sorted(source) == list(range(source_rows))
         self._zero_lengths = torch.zeros(0, **as_long)
+        # Note [ids on the wire]
+        self.ids_dtype = wire_dtype(max((r.shard.num_rows for r in layout.routes), default=0))
 
     # -- checking ---------------------------------------------------------------------------
 

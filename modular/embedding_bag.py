@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
 from modular._tables import ShardedTable, ShardingError, table_infos
-from modular._input import InputError, Problem, Rejection, Router, _permute
+from modular._input import INT32_MAX, InputError, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
 from modular._arrival import Arrival
@@ -48,7 +48,7 @@ class Received(NamedTuple):
 
     batch_size: int
     lengths: torch.Tensor  # (routes on this rank, world * batch_size), route-major
-    values: torch.Tensor
+    values: torch.Tensor  # rows of this rank's shards, int32 mostly (Note [ids on the wire])
     weights: Optional[torch.Tensor]
     local: Optional[KeyedJaggedTensor]  # this rank's own batch for data-parallel tables
     local_lengths: torch.Tensor  # (features, batch_size), for MEAN over row-split tables
@@ -282,11 +282,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
         problem = rejection.problem if rejection else Problem.NONE
         feature = rejection.feature if rejection else -1
+        # Whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).
+        wide = int(routed is not None and routed.values.numel() > INT32_MAX)
         meta = torch.tensor(
-            [[c, batch, int(problem), feature] for c in counts], dtype=torch.int64
+            [[c, batch, int(problem), feature, wide] for c in counts], dtype=torch.int64
         ).to(self._device)
-        meta = all_to_all(meta.view(-1), input_splits=[4] * world, output_splits=[4] * world,
-                          group=group).view(world, 4).cpu()
+        meta = all_to_all(meta.view(-1), input_splits=[5] * world, output_splits=[5] * world,
+                          group=group).view(world, 5).cpu()
         self._raise_if_rejected(meta, rejection)
         if rejection is not None:  # unreachable: _raise_if_rejected raised
             raise InputError(rejection.message)
@@ -297,12 +299,18 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         mine = routes[self._rank]
         send_lengths = routed.lengths.split([n * batch for n in routes])
         send_values = routed.values.split(counts)
-        send = torch.cat([t for pair in zip(send_lengths, send_values) for t in pair])
+        wire = torch.int64 if bool(meta[:, 4].any()) else self._router.ids_dtype
+        input_splits = [n * batch + c for n, c in zip(routes, counts)]
+        # The cast to the wire dtype happens in this one copy.
+        send = torch.cat(
+            [t for pair in zip(send_lengths, send_values) for t in pair],
+            out=buffers.empty("ids send", sum(input_splits), routed.values.new_empty(0, dtype=wire)),
+        )
         recv_counts = meta[:, 0].tolist()
         output_splits = [mine * batch + c for c in recv_counts]
         recv = all_to_all(
             send,
-            input_splits=[n * batch + c for n, c in zip(routes, counts)],
+            input_splits=input_splits,
             output_splits=output_splits,
             group=group,
             out=buffers.empty("ids", sum(output_splits), send),
@@ -362,8 +370,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         rows = self._world * received.batch_size
         remote = torch.zeros(rows, 0, device=self._device)
         if self._kernels:
-            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(received.lengths.reshape(-1))
-            remote = _pool(self._kernels, received.values, offsets, received.weights, rows)
+            lengths, values = received.lengths.reshape(-1), received.values
+            if values.numel() > INT32_MAX:  # offsets past int32 (Note [ids on the wire])
+                lengths, values = lengths.long(), values.long()
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+            remote = _pool(self._kernels, values, offsets, received.weights, rows)
         local = None
         if received.local is not None:
             kjt = received.local

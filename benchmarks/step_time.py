@@ -18,7 +18,7 @@ time, on the same synthetic batches, alternating blocks of steps:
             batch's input dist too (the counterpart of "prefetch")
   floor     fbgemm's table-batched kernel alone (SplitTableBatchedEmbeddingBagsCodegen with the
             fused update, or the dense TBE + SGD) on exactly the ids this rank looks up in our
-            step, with this rank's shard shapes: no input or output dist
+            step (as int32), with this rank's shard shapes: no input or output dist
   unsharded one process's plain torchrec EBC (nn.EmbeddingBag per table) + SGD on its own batch
             ("dense"), or the fused fbgemm TBE over the whole tables ("fused")
   dense     the "unsharded dense part": the loss and its backward on the pooled output
@@ -267,8 +267,11 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
             lengths = r.lengths.reshape(-1)
             values = r.values
             if r.local is not None:  # data-parallel tables look up this rank's own batch
-                lengths = torch.cat([lengths, r.local.lengths().long()])
-                values = torch.cat([values, r.local.values().long()])
+                lengths = torch.cat([lengths, r.local.lengths()])
+                values = torch.cat([values, r.local.values()])
+            # int32 ids and offsets whatever ours sends (Note [ids on the wire]): the floor is
+            # the kernel on its cheaper index type.
+            lengths, values = lengths.to(torch.int32), values.to(torch.int32)
             received.append((values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)))
     sizes = []
     for k in (*sebc._kernels, *sebc._local_kernels):

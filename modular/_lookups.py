@@ -14,6 +14,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from modular._comm import all_gather, all_gather_padded
+from modular._input import INT32_MAX
 
 
 class Lookup(NamedTuple):
@@ -47,7 +48,10 @@ def merge_lookups(pending: list[Lookup], routes: int) -> Lookup:
     merged_weights = (
         torch.cat([seg[f] for f in range(routes) for seg in weights]) if weighted else None
     )
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(torch.cat(lengths, dim=1).reshape(-1))
+    all_lengths = torch.cat(lengths, dim=1).reshape(-1)
+    if indices.numel() > INT32_MAX:  # int32 batches merged past int32 offsets
+        indices, all_lengths = indices.long(), all_lengths.long()  # (Note [ids on the wire])
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths)
     grad_out = torch.cat([p.grad_out for p in pending], dim=0)
     return Lookup(grad_out, indices, offsets.to(indices.dtype), merged_weights)
 

@@ -26,6 +26,23 @@ def test_ids_are_int32_up_to_shards_of_2_31_rows() -> None:
     assert wire_dtype(INT32_MAX + 1) == torch.int64
 
 
+def test_merged_int32_batches_past_int32_offsets_become_int64(monkeypatch) -> None:
+    import modular._lookups as lookups
+
+    def lookup(ids: list[int], lengths: list[int]) -> lookups.Lookup:
+        offsets = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        return lookups.Lookup.of(torch.randn(len(lengths), 4), torch.tensor(ids, dtype=torch.int32), offsets, None)
+
+    batches = [lookup([1, 2, 3], [2, 1]), lookup([4, 5], [0, 2])]  # one route, two bags each
+    narrow = lookups.merge_lookups(batches, routes=1)
+    monkeypatch.setattr(lookups, "INT32_MAX", 4)  # 5 merged ids are "past int32"
+    wide = lookups.merge_lookups(batches, routes=1)
+    assert narrow.indices.dtype == narrow.offsets.dtype == torch.int32
+    assert wide.indices.dtype == wide.offsets.dtype == torch.int64
+    assert wide.indices.tolist() == narrow.indices.tolist() == [1, 2, 3, 4, 5]
+    assert wide.offsets.tolist() == narrow.offsets.tolist() == [0, 2, 3, 3, 5]
+
+
 def _router(rows: int, placement: TablePlacement, world: int) -> Router:
     config = EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=rows, feature_names=["f"])
     tables = table_infos(EmbeddingBagCollection(tables=[config], device=torch.device("meta")), "m")

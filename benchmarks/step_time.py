@@ -508,6 +508,40 @@ def _print_summary(cfg: Config, results: dict) -> None:
     for (plan, opt_kind), r in results.items():
         for name, why in r["notes"].items():
             print(f"\n{PLANS[plan]}/{opt_kind}: {name} not run: {why}")
+    print()
+    for line in _target_lines(cfg, results):
+        print(line)
+
+
+# Issue 7's targets: ours / TorchRec <= 0.8 for every case; ours / (floor + dense) <= 1.5 on 2 ranks.
+TORCHREC_TARGET, FLOOR_TARGET = 0.8, 1.5
+
+
+def _target_lines(cfg: Config, results: dict) -> list[str]:
+    """Which cases of this run meet each target, for ours and ours + prefetch (medians)."""
+    med = statistics.median
+    checks = [("ours / TorchRec", TORCHREC_TARGET, lambda t: med(t["torchrec"]) if "torchrec" in t else None)]
+    if cfg.world_size == 2:
+        checks.append(
+            ("ours / (floor + dense)", FLOOR_TARGET, lambda t: med(t["floor"]) + med(t["dense"]))
+        )
+    lines = []
+    for what, target, denominator in checks:
+        for contender, label in (("ours", "ours"), ("prefetch", "ours + prefetch")):
+            met, missed = [], []
+            for (plan, opt_kind), r in results.items():
+                t = r["times"]
+                d = denominator(t)
+                if d is None:
+                    continue
+                value = med(t[contender]) / d
+                (met if value <= target else missed).append(f"{plan}/{opt_kind} {value:.2f}")
+            if met or missed:
+                lines.append(
+                    f"target {what.replace('ours', label, 1)} <= {target}: met by {len(met)} of "
+                    f"{len(met) + len(missed)}" + (f"; not by {', '.join(missed)}" if missed else "")
+                )
+    return lines
 
 
 def free_port() -> int:

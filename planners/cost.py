@@ -26,10 +26,17 @@ import numpy as np
 from planners.inputs import Optimizer, Table, Topology
 from planners.types import PlanError, ShardingType
 
-__all__ = ["CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WEIGHT_BYTES"]
+__all__ = [
+    "CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WIRE_ID_BYTES",
+    "WEIGHT_BYTES",
+]  # fmt: skip
 
 OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32
-ID_BYTES = 8  # ids are int64
+ID_BYTES = 8  # a batch's ids are int64
+# Routed ids travel as int32 while the table has fewer than 2**31 rows (modular's Note [ids on
+# the wire]); a taller table's ids stay int64.
+WIRE_ID_BYTES = 4
+INT32_ROWS = 2**31 - 1
 WEIGHT_BYTES = 4  # per-id weights of weighted features are fp32
 
 
@@ -41,7 +48,8 @@ class TableArrays(NamedTuple):
     elem: np.ndarray  # e, bytes per weight element
     ids: np.ndarray  # P, ids per sample (sum of the features' pooling factors)
     bags: np.ndarray  # F, bags per sample (number of features)
-    id_bytes: np.ndarray  # bytes moved per id (8, plus 4 for a weight)
+    id_bytes: np.ndarray  # bytes of the batch per id (8, plus 4 for a weight)
+    wire_id_bytes: np.ndarray  # bytes per routed id (4, or 8 past 2**31 rows; plus 4 for a weight)
 
     @classmethod
     def of(cls, tables: Sequence[Table]) -> TableArrays:
@@ -53,6 +61,14 @@ class TableArrays(NamedTuple):
             bags=np.array([len(t.features) for t in tables], dtype=np.float64),
             id_bytes=np.array(
                 [ID_BYTES + (WEIGHT_BYTES if t.weighted else 0) for t in tables], dtype=np.float64
+            ),
+            wire_id_bytes=np.array(
+                [
+                    (WIRE_ID_BYTES if t.num_embeddings <= INT32_ROWS else ID_BYTES)
+                    + (WEIGHT_BYTES if t.weighted else 0)
+                    for t in tables
+                ],
+                dtype=np.float64,
             ),
         )
 
@@ -145,7 +161,9 @@ class CostModel:
         fwd = ids_in * cols * t.elem + bags_out * out_cols * OUTPUT_BYTES
         bwd = bags_out * out_cols * OUTPUT_BYTES + ids_in * (2 * cols * t.elem + 2 * state)
         memory = rows * cols * t.elem + rows * state
-        memory = memory + ids_in * t.id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
+        # Received ids: routed (wire) ids, or a data-parallel table's own batch.
+        held_id_bytes = t.id_bytes if kind is ShardingType.DATA_PARALLEL else t.wire_id_bytes
+        memory = memory + ids_in * held_id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
         input_dist, output_dist, grad_sync = zero, zero, zero
         if kind is ShardingType.DATA_PARALLEL:
             # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
@@ -159,7 +177,7 @@ class CostModel:
             # Input dist: ids from the other ranks arrive (no backward: ids have no gradient).
             ids_from_each = b * t.ids if kind in (
                 ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE) else b * t.ids * frac
-            input_dist = ids_from_each * t.id_bytes * alpha + zero
+            input_dist = ids_from_each * t.wire_id_bytes * alpha + zero
             # Output dist: bags (or partial sums) leave in forward, their gradients come back.
             bag_bytes = b * t.bags * out_cols * OUTPUT_BYTES  # to each rank
             if kind is ShardingType.TABLE_ROW_WISE:

@@ -29,7 +29,7 @@ def test_alpha():
 
 def test_table_wise_shard():
     c = shard(T.TABLE_WISE, 1000, 64)
-    assert c["input_dist"] == pytest.approx(100 * 2 * 8 * ALPHA)  # B * P * 8 bytes * alpha
+    assert c["input_dist"] == pytest.approx(100 * 2 * 4 * ALPHA)  # B * P * 4 bytes (int32) * alpha
     assert c["output_dist"] == pytest.approx(2 * 100 * 1 * 64 * 4 * ALPHA)  # fwd + bwd
     ids, bags = 16 * 100 * 2, 16 * 100 * 1  # W * B * P ids in, W * B * F bags out
     fwd = ids * 64 * 4 + bags * 64 * 4
@@ -37,14 +37,34 @@ def test_table_wise_shard():
     assert c["lookup"] == pytest.approx((fwd + bwd) / 1e10)
     assert c["grad_sync"] == 0
     weights = 1000 * 64 * 4 + 1000 * 4
-    buffers = ids * 8 + 2 * bags * 64 * 4
+    buffers = ids * 4 + 2 * bags * 64 * 4  # routed ids are int32
     assert c["memory"] == pytest.approx(weights + buffers)
 
 
 def test_row_wise_shard_pays_full_output_and_a_share_of_input():
     c = shard(T.ROW_WISE, 250, 64, k=4)
-    assert c["input_dist"] == pytest.approx(100 * 2 * 0.25 * 8 * ALPHA)
+    assert c["input_dist"] == pytest.approx(100 * 2 * 0.25 * 4 * ALPHA)
     assert c["output_dist"] == pytest.approx(2 * 100 * 64 * 4 * ALPHA)
+
+
+def test_routed_ids_are_int32_below_2_31_rows_and_carry_their_weights():
+    def input_dist(table: Table) -> float:
+        arrays = TableArrays.of([table])
+        c = MODEL.shard(T.TABLE_WISE, arrays, float(table.num_embeddings), 64.0, 1.0)
+        return float(np.asarray(c.input_dist).ravel()[0])
+
+    B_P = 100 * 2  # ids each other rank sends per step
+    assert input_dist(Table("t", 2**31 - 1, 64, pooling_factor=2.0)) == pytest.approx(B_P * 4 * ALPHA)
+    assert input_dist(Table("t", 2**31, 64, pooling_factor=2.0)) == pytest.approx(B_P * 8 * ALPHA)
+    weighted = Table("t", 1000, 64, pooling_factor=2.0, weighted=True)
+    assert input_dist(weighted) == pytest.approx(B_P * (4 + 4) * ALPHA)
+
+
+def test_data_parallel_holds_its_own_batch_as_int64():
+    c = shard(T.DATA_PARALLEL, 1000, 64)
+    ids, bags = 100 * 2, 100 * 1
+    weights = 1000 * 64 * 4 + 1000 * 4 + 1000 * 64 * 4  # + the dense gradient
+    assert c["memory"] == pytest.approx(weights + ids * 8 + 2 * bags * 64 * 4)
 
 
 def test_table_row_wise_reduces_inside_the_host_first():

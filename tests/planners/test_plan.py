@@ -20,11 +20,11 @@ SMALL_TOPO = Topology(4, ranks_per_host=2, device_memory="48GiB")
 
 GOLDEN_SMALL = (
     '{"format": 1, "world_size": 4, "ranks_per_host": 2, "modules": {"": {'
-    '"t_user": {"sharding_type": "column_wise", "ranks": [1, 2], "sizes": [60, 68]}, '
-    '"t_item": {"sharding_type": "column_wise", "ranks": [2, 3], "sizes": [28, 36]}, '
+    '"t_user": {"sharding_type": "column_wise", "ranks": [1, 2], "sizes": [48, 80]}, '
+    '"t_item": {"sharding_type": "column_wise", "ranks": [2, 3], "sizes": [24, 40]}, '
     '"t_cat": {"sharding_type": "table_wise", "ranks": [3]}, '
-    '"t_big": {"sharding_type": "column_wise", "ranks": [0, 1, 3], "sizes": [156, 96, 4]}}}}'
-)
+    '"t_big": {"sharding_type": "column_wise", "ranks": [0, 1], "sizes": [152, 104]}}}}'
+)  # routed ids priced as int32 (planners/cost.py WIRE_ID_BYTES)
 
 
 def test_golden_small_plan():

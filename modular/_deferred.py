@@ -12,6 +12,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
 from modular._kernels import FusedKernel, KernelLookup, sum_weights
+from modular._input import INT32_MAX
 from modular._lookups import Lookup, merge_lookups
 from modular._layout import KernelGroup
 
@@ -100,16 +101,20 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     columns; a column shard alone sees only its own columns, which is the approximation TorchRec
     makes. Exact, with fbgemm's kernel doing the work, in two passes on CPU:
       1. at the end of backward, fbgemm's row-wise Adagrad backward with learning rate 0 into a
-         zeroed scratch state: each touched row gets s = mean over this shard's columns of g**2
-         (the weights are left as they are: w -= 0 * ...);
-      2. the owning module all-reduces cols * s per column-wise table, which gives every shard
+         scratch state that is zero: each touched row gets s = mean over this shard's columns
+         of g**2 (the weights are left as they are: w -= 0 * ...);
+      2. the owning module sums cols * s over the table's column shards, which gives every shard
          the whole row's mean m, adds m - s to the row's state, and runs the same backward with
          the real learning rate: fbgemm adds s back, so the state grows by m and the update
          divides by the exact statistic.
+    Every column shard of a table looks up the same ids (each id is routed to all of them), so
+    every holder finds the same touched rows, sorted: the statistics travel as one float per
+    touched row, only between the ranks that hold shards of the table (one all-to-all for all
+    column-wise tables), and pass 1's scratch is cleared on those rows only. A step costs
+    O(ids), never O(rows): no table-sized buffer is reduced or cleared.
     The result equals the unsharded table's update up to float rounding (tests/modular/
-    test_fused.py, atol 1e-5). Two fbgemm passes and one all-reduce of one float per row replace
-    a gradient scattered in torch (docs/benchmarks.md). Several lookups before one backward are
-    merged into one batch, so their gradients add up before one update, as in the emulation.
+    test_fused.py, atol 1e-5). Several lookups before one backward are merged into one batch,
+    so their gradients add up before one update, as in the emulation.
     """
 
     def __init__(
@@ -121,33 +126,60 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         self._batch: Optional[Lookup] = None
         rows = [r for r, _ in sizes]  # row-wise state: one value per row, tables back to back
         self._stats_offsets = [sum(rows[:t]) for t in range(len(rows))]
+        self._route_offsets = torch.tensor(
+            [self._stats_offsets[t] for t in group.feature_table_map], dtype=torch.int64,
+            device=device,
+        )  # fmt: skip
 
-    def row_stats(self) -> Optional[list[torch.Tensor]]:
-        """Pass 1 over the pending lookups: per kernel table, mean(g**2) over its columns for
-        each row (zero where untouched); None if nothing is pending."""
+    def row_stats(self) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Pass 1 over the pending lookups: per kernel table, its touched rows (sorted, int64)
+        and this shard's mean(g**2) over its columns on each; None if nothing is pending."""
         self._batch = self.take_batch()
         if self._batch is None:
             return None
-        # Kept across steps: a fresh buffer this size is fresh pages to fault in (Note [dense
-        # gradient buffer] in modular/_kernels.py); the caller is done with last step's statistics.
-        if self._scratch is None:
+        if self._scratch is None:  # zero once; afterwards only touched rows are cleared
             self._scratch = torch.zeros_like(self.tbe.momentum1_host.detach())
-        else:
-            self._scratch.zero_()
         self.run_backward(self._batch, state=self._scratch, lr=self._zero_lr)
+        touched = self._touched_rows(self._batch)  # in the scratch's (stacked tables) rows
+        stats = self._scratch.index_select(0, touched)
+        self._scratch.index_fill_(0, touched, 0.0)
+        bounds = torch.tensor(self._stats_offsets[1:], dtype=torch.int64, device=touched.device)
+        counts = torch.diff(
+            torch.searchsorted(touched, bounds), prepend=touched.new_zeros(1),
+            append=touched.new_full((1,), touched.numel()),
+        ).tolist()  # fmt: skip
         return [
-            self._scratch[off : off + rows]
-            for off, (rows, _) in zip(self._stats_offsets, self.sizes)
+            (rows - offset, s)
+            for rows, s, offset in zip(
+                touched.split(counts), stats.split(counts), self._stats_offsets
+            )
         ]
 
+    def _touched_rows(self, batch: Lookup) -> torch.Tensor:
+        """The distinct rows `batch` looks up, sorted, numbered like the stacked state."""
+        routes = len(self.group.routes)
+        per_route = (batch.offsets.numel() - 1) // routes
+        ids_per_route = torch.diff(batch.offsets[::per_route]) if per_route else None
+        if ids_per_route is None or batch.indices.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64, device=batch.indices.device)
+        # int32 when the stacked rows fit: sorting int32 keys is ~3x faster than int64 on CPU.
+        narrow = self._scratch.numel() <= INT32_MAX
+        offsets = self._route_offsets.int() if narrow else self._route_offsets
+        shift = torch.repeat_interleave(
+            offsets, ids_per_route.long(), output_size=batch.indices.numel()
+        )
+        ids = batch.indices.int() if narrow else batch.indices.long()
+        return torch.unique(ids + shift).long()
+
     @torch.no_grad()
-    def update(self, adjust: list[Optional[torch.Tensor]]) -> None:
-        """Pass 2: adds `adjust[t]` (the whole row's mean minus this shard's) to the state of
-        kernel table t, then the real update."""
+    def update(self, adjust: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Pass 2: adds `adjust[t] = (rows, delta)` (the whole row's mean minus this shard's) to
+        the state of kernel table t, then the real update."""
         name = self.config.optimizer.state_name()
-        for t, delta in enumerate(adjust):
-            if delta is not None:
-                self.states[t][name].add_(delta)
+        for t, change in enumerate(adjust):
+            if change is not None:
+                rows, delta = change
+                self.states[t][name].index_add_(0, rows, delta)
         batch, self._batch = self._batch, None
         if batch is not None:
             self.run_backward(batch)

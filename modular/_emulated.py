@@ -166,8 +166,9 @@ class EmulatedFusedKernel:
     ) -> None:
         """One optimizer step on the touched rows of each table.
 
-        `row_means[t]`, when given, is row-wise Adagrad's per-row mean of grad**2 over all of a
-        column-wise table's shards (indexed by row), replacing this shard's own mean.
+        `row_means[t]`, when given, is row-wise Adagrad's mean of grad**2 over all of a
+        column-wise table's shards, one per touched row (`grads[t].rows`, the same sorted rows
+        on every shard), replacing this shard's own mean.
         """
         cfg = self.config
         name = cfg.optimizer.state_name()
@@ -183,7 +184,12 @@ class EmulatedFusedKernel:
             state = self.states[t][name]
             if cfg.optimizer.rowwise():
                 given = row_means[t] if row_means else None
-                mean_sq = given.index_select(0, rows) if given is not None else (grad * grad).mean(1)
+                if given is not None and given.numel() != rows.numel():
+                    raise RuntimeError(
+                        f"kernel table {t}: {given.numel()} row means for {rows.numel()} "
+                        "touched rows; every column shard must touch the same rows"
+                    )
+                mean_sq = given if given is not None else (grad * grad).mean(1)
                 total = state.index_select(0, rows) + mean_sq
                 state.index_copy_(0, rows, total)
                 step = grad / (total.sqrt() + cfg.eps)[:, None]

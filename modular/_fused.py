@@ -18,6 +18,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from modular._deferred import DeferredFusedKernel, ReplicaFusedKernel, RowStatsFusedKernel
 from modular._emulated import EmulatedFusedKernel
 from modular._kernels import FusedKernel
+from modular._comm import all_to_all
 from modular._lookups import Lookup, gather_batch, gather_lengths
 from planners.types import ShardingType, ShardSpec
 
@@ -60,7 +61,6 @@ class FusedTables:
         """Records the fused config and which kernels update at the end of backward."""
         self.fused = config
         self._cw_rowwise = cw_rowwise
-        self._row_sums: Optional[torch.Tensor] = None
         self._emulated = [  # kernels with work at the end of backward
             k
             for k in (*self._kernels, *self._local_kernels)
@@ -221,38 +221,22 @@ class FusedTables:
         two_pass = [k for k in self._emulated if isinstance(k, RowStatsFusedKernel)]
         grads = {id(k): k.take_pending() for k in emulated}
         stats = {id(k): k.row_stats() for k in two_pass}
-        row_means: dict[str, torch.Tensor] = {}
+        row_means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self._cw_rowwise:
-            sizes = [self.layout.table(name).num_embeddings for name in self._cw_rowwise]
-            sums = self._row_sums_buffer(sum(sizes))
-            for name, acc in zip(self._cw_rowwise, sums.split(sizes)):
-                for k in emulated:
-                    for t, ((table, _), g) in enumerate(zip(k.group.shards, grads[id(k)])):
-                        if table == name and g is not None:
-                            decayed = k.decayed(t, g)
-                            acc.index_add_(0, g.rows, (decayed * decayed).sum(1))
-                for k in two_pass:
-                    if stats[id(k)] is None:
-                        continue
-                    for (table, _), s, (_, cols) in zip(k.group.shards, stats[id(k)], k.sizes):
-                        if table == name:
-                            acc.add_(s, alpha=cols)  # s is a mean over this shard's columns
-            if not self._local_only:
-                dist.all_reduce(sums, group=self._pg)
-            for name, acc in zip(self._cw_rowwise, sums.split(sizes)):
-                row_means[name] = acc.div_(self.layout.table(name).embedding_dim)
+            row_means = self._column_row_means(emulated, grads, two_pass, stats)
         for k in emulated:
             g = grads[id(k)]
             if k in self._local_kernels and self._world > 1:
                 g = k.all_gather_mean(g, world=self._world, group=self._pg)
-            k.apply(g, [row_means.get(name) for name, _ in k.group.shards])
+            means = [row_means.get(name) for name, _ in k.group.shards]
+            k.apply(g, [None if m is None else m[1] for m in means])
         for k in two_pass:
             if stats[id(k)] is None:
                 continue
             k.update(
                 [
-                    row_means[table] - s if table in row_means else None
-                    for (table, _), s in zip(k.group.shards, stats[id(k)])
+                    (rows, row_means[table][1] - s) if table in row_means else None
+                    for (table, _), (rows, s) in zip(k.group.shards, stats[id(k)])
                 ]
             )
         for k in self._emulated:
@@ -269,14 +253,66 @@ class FusedTables:
         lengths = gather_lengths(mine, self._pg, self._world)
         return gather_batch(mine, lengths, len(k.group.routes), self._pg, self._world)
 
-    def _row_sums_buffer(self, n: int) -> torch.Tensor:
-        """A zeroed buffer for the column-wise row sums, kept across steps (a fresh one per step
-        is fresh pages to fault in, Note [dense gradient buffer] in modular/_kernels.py)."""
-        buf = self._row_sums
-        if buf is None or buf.numel() != n:
-            self._row_sums = torch.zeros(n, device=self._device)
-            return self._row_sums
-        return buf.zero_()
+    def _column_row_means(self, emulated, grads, two_pass, stats):
+        """Per column-wise table this rank holds, its touched rows and the whole row's mean of
+        grad**2 on each (Note [row statistics across column shards]): this rank's shards' sums
+        of g**2, plus those of the other ranks holding the table, exchanged in one all-to-all
+        (every rank calls it; a rank sends a peer one float per touched row of each table both
+        hold, tables in `_cw_rowwise` order)."""
+        local: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for k in emulated:
+            for t, ((table, _), g) in enumerate(zip(k.group.shards, grads[id(k)])):
+                if table in self._cw_rowwise:
+                    if g is None:
+                        rows = torch.zeros(0, dtype=torch.int64, device=self._device)
+                        local.setdefault(table, []).append((rows, rows.float()))
+                    else:
+                        decayed = k.decayed(t, g)
+                        local.setdefault(table, []).append((g.rows, (decayed * decayed).sum(1)))
+        for k in two_pass:
+            pieces = stats[id(k)]
+            for (table, _), (_, cols), piece in zip(k.group.shards, k.sizes, pieces or ()):
+                if table in self._cw_rowwise:
+                    rows, s = piece
+                    local.setdefault(table, []).append((rows, s * cols))  # s: mean over cols
+        mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for table, parts in local.items():
+            rows, total = parts[0][0], parts[0][1].clone()
+            for other_rows, part in parts[1:]:  # this rank's other shards: the same rows
+                if other_rows.numel() != rows.numel():
+                    raise RuntimeError(
+                        f"column shards of table {table!r} on rank {self._rank} touched "
+                        f"{rows.numel()} and {other_rows.numel()} rows in one step; they look "
+                        "up the same ids and must agree"
+                    )
+                total += part
+            mine[table] = (rows, total)
+        holders = {
+            name: {spec.rank for spec in self.layout.shards[self.layout.table_index(name)]}
+            for name in self._cw_rowwise
+        }
+        shared = [  # per peer, the tables both hold, in _cw_rowwise order
+            [n for n in self._cw_rowwise if n in mine and p in holders[n]] if p != self._rank
+            else []
+            for p in range(self._world)
+        ]
+        splits = [sum(mine[n][0].numel() for n in names) for names in shared]
+        if any(splits):
+            send = torch.cat([mine[n][1] for names in shared for n in names])
+        else:
+            send = torch.zeros(0, device=self._device)
+        if not self._local_only:
+            received = all_to_all(
+                send, input_splits=splits, output_splits=splits, group=self._pg,
+                what="the all-to-all of column-wise row statistics",
+            )  # fmt: skip
+            for names, chunk in zip(shared, received.split(splits)):
+                for n, piece in zip(names, chunk.split([mine[n][0].numel() for n in names])):
+                    mine[n][1].add_(piece)
+        return {
+            n: (rows, total.div_(self.layout.table(n).embedding_dim))
+            for n, (rows, total) in mine.items()
+        }
 
 
 def _frozen(metadata: ShardedTensorMetadata) -> ShardedTensorMetadata:

@@ -77,12 +77,12 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc()
     ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
     hyper = {"lr": LR, "eps": EPS, "weight_decay": weight_decay}
-    plan = ShardingPlan(world_size=world, modules={"": placements_for(case, ebc, world)})
+    plan = ShardingPlan(world_size=world, modules={"": placements or placements_for(case, ebc, world)})
     keys_before = [n for n, _ in ebc.named_parameters()]
     if fuse_first:
         opt = modular.fuse_optimizer(ebc, optimizer, **hyper)
@@ -181,6 +181,49 @@ def test_column_wise_rowwise_adagrad_sums_two_lookups_into_one_update() -> None:
     # across column shards]), which merges the two lookups' batches; widths 3/4 and 2/3 the torch
     # emulation, which sums their gradients. Both must equal one update of the summed gradient.
     run_on_ranks(2, _train_column_wise_twice_per_step, timeout=100)
+
+
+def _train_column_wise_on_some_ranks() -> tuple[float, list[int]]:
+    """Column-wise tables on subsets of 3 ranks, one rank holding two shards of a table; returns
+    the worst difference and this rank's per-peer floats in the row statistics' all-to-all."""
+    import modular._fused as fused
+
+    CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE
+    placements = {
+        "t_sum": TablePlacement(CW, ranks=(0, 1)),  # widths 4/4 (fbgemm, two passes); not on 2
+        "t_mean": TablePlacement(TW, ranks=(0,)),
+        "t_small": TablePlacement(CW, ranks=(1, 2), sizes=(3, 2)),  # emulated widths
+        "t_big": TablePlacement(CW, ranks=(2, 2, 1), sizes=(8, 4, 4)),  # rank 2 holds two
+    }
+    sent: list[list[int]] = []
+    original = fused.all_to_all
+
+    def spy(tensor, *, input_splits, output_splits, group, what="", **kw):
+        if "row statistics" in what:
+            sent.append(list(input_splits))
+            assert input_splits == output_splits
+        return original(tensor, input_splits=input_splits, output_splits=output_splits, group=group, what=what, **kw)
+
+    fused.all_to_all = spy
+    try:
+        worst = _train("", "exact_rowwise_adagrad", fuse_first=False, placements=placements)["worst"]
+    finally:
+        fused.all_to_all = original
+    assert len(sent) == STEPS, sent  # one exchange per step, on every rank
+    return worst, [max(s[p] for s in sent) for p in range(3)]
+
+
+@pytest.mark.timeout(120)
+def test_column_row_statistics_travel_only_between_the_ranks_holding_the_table() -> None:
+    results = run_on_ranks(3, _train_column_wise_on_some_ranks, timeout=100)
+    (_, to0), (_, to1), (_, to2) = [r for r in results]
+    # Ranks 0 and 2 share no column-wise table: nothing travels between them.
+    assert to0[2] == 0 and to2[0] == 0, results
+    # t_sum (13 rows) between 0 and 1; t_small (7) and t_big (29) between 1 and 2: at most one
+    # float per row of each (touched rows only), and something each step.
+    assert 0 < to0[1] <= 13 and 0 < to1[0] <= 13, results
+    assert 0 < to1[2] <= 7 + 29 and 0 < to2[1] <= 7 + 29, results
+    assert to0[0] == to1[1] == to2[2] == 0  # never to itself
 
 
 def _fuse_order(optimizer: str, fuse_first: bool) -> dict[str, torch.Tensor]:

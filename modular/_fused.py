@@ -214,7 +214,7 @@ class FusedTables:
 
     def _apply_emulated_updates(self) -> None:
         """End of backward (Note [emulated fused kernels], Note [row statistics across column
-        shards]): one all-reduce of the column-wise tables' row statistics, then the data-parallel
+        shards]): one all-to-all of the column-wise tables' row statistics, then the data-parallel
         gradients kernel by kernel (the same collectives in the same order on every rank), then
         each kernel's update on the rows it touched."""
         emulated = [k for k in self._emulated if isinstance(k, EmulatedFusedKernel)]

@@ -5,8 +5,9 @@ Fusing is a compute choice, separate from where tables live: `fuse_optimizer` wo
 unsharded EBC (it becomes a single-process module with fused kernels), on one sharded by
 `modular.shard`, and `modular.shard` keeps a fused EBC fused. Shards whose width is a multiple of
 4 use fbgemm's fused kernel. Column-wise shards under row-wise Adagrad use it in two passes, with
-the per-row statistic all-reduced over the column shards in between, so the result equals the
-unsharded table's (`RowStatsFusedKernel`, Note [row statistics across column shards]; on CPU).
+the per-row statistic exchanged between the column shards' ranks in between (one float per
+touched row), so the result equals the unsharded table's (`RowStatsFusedKernel`, Note [row
+statistics across column shards]; on CPU).
 The other cases compute a sparse gradient and apply the identical update in torch at the end of
 backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so
 replicas stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU

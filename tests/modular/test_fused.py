@@ -77,7 +77,7 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc()
     ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
@@ -97,7 +97,7 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
     for step in range(STEPS):
         loss, ref_loss = 0.0, 0.0
         for lookup in range(lookups):  # several lookups before one backward: one update
-            batches = [make_batch(ebc, seed=1000 * step + 100 * lookup + r) for r in range(world)]
+            batches = [make_batch(ebc, seed=1000 * step + 100 * lookup + r, empty_feature=(empty or {}).get(step)) for r in range(world)]
             out = model(batches[rank]).values()
             expected = ref.ebc(global_batch(batches)).values()
             target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step + 50 * lookup))
@@ -224,6 +224,17 @@ def test_column_row_statistics_travel_only_between_the_ranks_holding_the_table()
     assert 0 < to0[1] <= 13 and 0 < to1[0] <= 13, results
     assert 0 < to1[2] <= 7 + 29 and 0 < to2[1] <= 7 + 29, results
     assert to0[0] == to1[1] == to2[2] == 0  # never to itself
+
+
+def _train_column_wise_with_a_table_unused_in_a_step() -> float:
+    # Step 1 looks up nothing in t_mean (widths 4/3: the emulation) and step 2 nothing in t_big
+    # (8/8: fbgemm in two passes), on every rank: no touched rows, nothing to exchange.
+    return _train("column_wise", "exact_rowwise_adagrad", fuse_first=False, empty={1: "f_c", 2: "f_e"})["worst"]
+
+
+@pytest.mark.timeout(120)
+def test_column_wise_table_with_no_ids_in_a_step() -> None:
+    run_on_ranks(2, _train_column_wise_with_a_table_unused_in_a_step, timeout=100)
 
 
 def _fuse_order(optimizer: str, fuse_first: bool) -> dict[str, torch.Tensor]:

@@ -348,8 +348,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     def _raise_if_rejected(self, meta: torch.Tensor, mine: Optional[Rejection]) -> None:
         if mine is not None:
             raise InputError(mine.message)
-        for src in range(self._world):
-            problem = Problem(int(meta[src, 2]))
+        codes = meta[:, 2].tolist()  # one conversion, not two tensor reads per rank
+        for src, code in enumerate(codes):
+            problem = Problem(code)
             if problem is not Problem.NONE:
                 f = int(meta[src, 3])
                 where = f" in feature {self.layout.features[f]!r}" if f >= 0 else ""

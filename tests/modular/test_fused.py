@@ -33,9 +33,19 @@ def _tables() -> list[EmbeddingBagConfig]:
     ]
 
 
-def _ebc() -> EmbeddingBagCollection:
+def _ebc(weighted: bool = False) -> EmbeddingBagCollection:
     torch.manual_seed(0)
-    return EmbeddingBagCollection(tables=_tables())
+    if not weighted:
+        return EmbeddingBagCollection(tables=_tables())
+    # Per-sample weights take SUM pooling only (as in torchrec): the same tables, summed, with
+    # widths that fbgemm's kernels take whole and in column halves (8 and 16: a kernel group
+    # with one odd width is emulated as a whole, which the unweighted tables cover).
+    tables = [
+        EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=dim,
+                           feature_names=c.feature_names)
+        for c, dim in zip(_tables(), (8, 16, 8, 16))
+    ]  # fmt: skip
+    return EmbeddingBagCollection(tables=tables, is_weighted=True)
 
 
 class _Reference:
@@ -77,9 +87,9 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    ebc = _ebc()
+    ebc = _ebc(weighted)
     ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
     hyper = {"lr": LR, "eps": EPS, "weight_decay": weight_decay}
     plan = ShardingPlan(world_size=world, modules={"": placements or placements_for(case, ebc, world)})
@@ -224,6 +234,25 @@ def test_column_row_statistics_travel_only_between_the_ranks_holding_the_table()
     assert 0 < to0[1] <= 13 and 0 < to1[0] <= 13, results
     assert 0 < to1[2] <= 7 + 29 and 0 < to2[1] <= 7 + 29, results
     assert to0[0] == to1[1] == to2[2] == 0  # never to itself
+
+
+def _train_weighted(optimizer: str) -> dict[str, float]:
+    world = dist.get_world_size()
+    return {
+        # The same plans as unweighted (cases' weighted "mixed" plan names other tables).
+        c: _train(c, optimizer, fuse_first=c != "row_wise", weighted=True,
+                  placements=placements_for(c, _ebc(), world))["worst"]
+        for c in CASES
+    }  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["exact_sgd", "exact_rowwise_adagrad"])
+def test_per_sample_weights_train_like_the_reference(optimizer: str) -> None:
+    # fbgemm's kernel with weights in each form: plain (table-, row-wise), two passes
+    # (column-wise) and the replayed data-parallel replicas.
+    results = run_on_ranks(2, _train_weighted, optimizer, timeout=100)
+    assert set(results[0]) == set(CASES)
 
 
 def _train_column_wise_with_a_table_unused_in_a_step() -> float:

@@ -75,7 +75,8 @@ class Layout:
     shards: tuple[tuple[ShardSpec, ...], ...]  # aligned with tables
     features: tuple[str, ...]  # the KJT keys the EBC consumes, in first-use order
     outputs: tuple[Output, ...]
-    routes: tuple[Route, ...]  # global, ordered by (destination rank, pooling, output, shard)
+    # global, ordered by (destination rank, pooling, odd width, output, shard): see kernel_groups
+    routes: tuple[Route, ...]
     local: tuple[Route, ...]  # data-parallel lookups, done on every rank from its own batch
 
     @property
@@ -179,8 +180,10 @@ def build_layout(
             else:
                 routes.append(route)
     pooling_order = {p: k for k, p in enumerate(Pooling)}
-    routes.sort(key=lambda r: (r.shard.rank, pooling_order[r.pooling], r.output, r.shard_index))
-    local.sort(key=lambda r: (pooling_order[r.pooling], r.output))
+    routes.sort(
+        key=lambda r: (r.shard.rank, pooling_order[r.pooling], _odd_width(r), r.output, r.shard_index)
+    )
+    local.sort(key=lambda r: (pooling_order[r.pooling], _odd_width(r), r.output))
     return Layout(
         world_size=world_size,
         rank=rank,
@@ -208,13 +211,26 @@ class KernelGroup:
         return sum(r.shard.num_cols for r in self.routes)
 
 
+def _odd_width(route: Route) -> bool:
+    """A shard width fbgemm's fused kernels cannot take (not a multiple of 4)."""
+    return route.shard.num_cols % 4 != 0
+
+
 def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
-    """Splits a rank's routes (already ordered by pooling) into one group per pooling mode."""
+    """Splits a rank's routes (already ordered by pooling, then odd width) into one group per
+    pooling mode and width class: a shard whose width fbgemm's fused kernels cannot take is
+    emulated with the rest of its group (modular/optim.py), so it gets a group of its own
+    instead of taking every table of its pooling mode with it."""
     groups = []
     start = 0
     while start < len(routes):
         end = start
-        while end < len(routes) and routes[end].pooling is routes[start].pooling:
+        head = routes[start]
+        while (
+            end < len(routes)
+            and routes[end].pooling is head.pooling
+            and _odd_width(routes[end]) == _odd_width(head)
+        ):
             end += 1
         members = routes[start:end]
         shards: list[tuple[str, int]] = []

@@ -4,7 +4,8 @@
 Fusing is a compute choice, separate from where tables live: `fuse_optimizer` works on an
 unsharded EBC (it becomes a single-process module with fused kernels), on one sharded by
 `modular.shard`, and `modular.shard` keeps a fused EBC fused. Shards whose width is a multiple of
-4 use fbgemm's fused kernel. Column-wise shards under row-wise Adagrad use it in two passes, with
+4 use fbgemm's fused kernel (the others form kernel groups of their own, `kernel_groups` in
+modular/_layout.py, so they never take a table fbgemm could run into the emulation). Column-wise shards under row-wise Adagrad use it in two passes, with
 the per-row statistic exchanged between the column shards' ranks in between (one float per
 touched row), so the result equals the unsharded table's (`RowStatsFusedKernel`, Note [row
 statistics across column shards]; on CPU).

@@ -1,0 +1,60 @@
+"""Kernel groups (modular/_layout.py `kernel_groups`): one per pooling mode and width class, so a
+shard width fbgemm's fused kernels cannot take (not a multiple of 4) is emulated alone, not with
+every table of its pooling mode. Pure: one process."""
+
+from __future__ import annotations
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import modular
+from modular._emulated import EmulatedFusedKernel
+from modular._kernels import FusedKernel
+from tests.modular.cases import close, make_batch
+
+
+def _ebc(dims: dict[str, tuple[int, PoolingType]]) -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=11, embedding_dim=d, feature_names=[f"f_{n}"], pooling=p)
+        for n, (d, p) in dims.items()
+    ]  # fmt: skip
+    return EmbeddingBagCollection(tables=tables)
+
+
+def _kernels(model) -> list[tuple[str, tuple[str, ...]]]:
+    return [
+        (type(k).__name__, tuple(t for t, _ in k.group.shards))
+        for k in (*model._kernels, *model._local_kernels)
+    ]
+
+
+def test_an_odd_width_is_emulated_alone() -> None:
+    S, M = PoolingType.SUM, PoolingType.MEAN
+    ebc = _ebc({"a": (8, S), "odd": (7, S), "b": (16, S), "c": (12, M)})
+    ref = EmbeddingBagCollection(tables=ebc.embedding_bag_configs())
+    ref.load_state_dict(ebc.state_dict())
+    modular.fuse_optimizer(ebc, "exact_sgd", lr=0.5)
+    assert _kernels(ebc) == [
+        ("FusedKernel", ("a", "b")),
+        ("EmulatedFusedKernel", ("odd",)),
+        ("FusedKernel", ("c",)),
+    ]
+    assert all(isinstance(k, (FusedKernel, EmulatedFusedKernel)) for k in ebc._local_kernels)
+    # The split changes nothing a user sees: outputs and one SGD step match the plain EBC.
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        kjt = make_batch(ref, seed=step)
+        out, want = ebc(kjt).values(), ref(kjt).values()
+        close(out, want, f"step {step} output")
+        out.sum().backward()
+        want.sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_widths_fbgemm_takes_stay_in_one_group() -> None:
+    ebc = _ebc({"a": (8, PoolingType.SUM), "b": (4, PoolingType.SUM), "c": (16, PoolingType.SUM)})
+    modular.fuse_optimizer(ebc, "exact_sgd", lr=0.5)
+    assert _kernels(ebc) == [("FusedKernel", ("a", "b", "c"))]

@@ -19,6 +19,7 @@ from modular._deferred import DeferredFusedKernel, ReplicaFusedKernel, RowStatsF
 from modular._emulated import EmulatedFusedKernel
 from modular._kernels import FusedKernel
 from modular._comm import all_to_all
+from modular._layout import odd_width
 from modular._lookups import Lookup, gather_batch, gather_lengths
 from planners.types import ShardingType, ShardSpec
 
@@ -100,7 +101,7 @@ class FusedTables:
         emulate = (
             # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
             (config.weight_decay > 0 and on_cpu)
-            or any(cols % 4 for _, cols in sizes)
+            or any(odd_width(cols) for _, cols in sizes)
             # Note [row statistics across column shards] and Note [fused replicas] run
             # fbgemm's CPU backward ops directly; other devices take the torch emulation.
             or ((column_rows or replica) and not on_cpu)

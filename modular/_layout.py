@@ -211,9 +211,13 @@ class KernelGroup:
         return sum(r.shard.num_cols for r in self.routes)
 
 
-def _odd_width(route: Route) -> bool:
+def odd_width(cols: int) -> bool:
     """A shard width fbgemm's fused kernels cannot take (not a multiple of 4)."""
-    return route.shard.num_cols % 4 != 0
+    return cols % 4 != 0
+
+
+def _odd_width(route: Route) -> bool:
+    return odd_width(route.shard.num_cols)
 
 
 def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:

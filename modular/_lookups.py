@@ -32,6 +32,15 @@ class Lookup(NamedTuple):
         return cls(grad_out.contiguous(), indices, offsets.to(indices.dtype), weights)
 
 
+def batch_offsets(lengths: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TBE batch's ids and its bags' offsets, in one dtype: the ids' (int32 mostly), or int64
+    for both once the batch holds more than INT32_MAX ids (Note [ids on the wire])."""
+    if indices.numel() > INT32_MAX:
+        indices, lengths = indices.long(), lengths.long()
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    return indices, offsets.to(indices.dtype)
+
+
 def merge_lookups(pending: list[Lookup], routes: int) -> Lookup:
     """One TBE batch holding several lookups' bags: feature by feature, the first lookup's bags,
     then the next's (TBE batches are feature-major), with their output gradients stacked."""
@@ -48,12 +57,9 @@ def merge_lookups(pending: list[Lookup], routes: int) -> Lookup:
     merged_weights = (
         torch.cat([seg[f] for f in range(routes) for seg in weights]) if weighted else None
     )
-    all_lengths = torch.cat(lengths, dim=1).reshape(-1)
-    if indices.numel() > INT32_MAX:  # int32 batches merged past int32 offsets
-        indices, all_lengths = indices.long(), all_lengths.long()  # (Note [ids on the wire])
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths)
+    indices, offsets = batch_offsets(torch.cat(lengths, dim=1).reshape(-1), indices)
     grad_out = torch.cat([p.grad_out for p in pending], dim=0)
-    return Lookup(grad_out, indices, offsets.to(indices.dtype), merged_weights)
+    return Lookup(grad_out, indices, offsets, merged_weights)
 
 
 def gather_lengths(mine: Lookup, group: Optional[ProcessGroup], world: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from modular._emulated import EmulatedFusedKernel
 from modular._arrival import Arrival
 from modular._kernels import DenseKernel, ShardView
 from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups
+from modular._lookups import batch_offsets
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
 __all__ = [
@@ -371,10 +372,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         rows = self._world * received.batch_size
         remote = torch.zeros(rows, 0, device=self._device)
         if self._kernels:
-            lengths, values = received.lengths.reshape(-1), received.values
-            if values.numel() > INT32_MAX:  # offsets past int32 (Note [ids on the wire])
-                lengths, values = lengths.long(), values.long()
-            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+            values, offsets = batch_offsets(received.lengths.reshape(-1), received.values)
             remote = _pool(self._kernels, values, offsets, received.weights, rows)
         local = None
         if received.local is not None:

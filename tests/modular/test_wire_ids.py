@@ -69,6 +69,8 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
     """Trains `case`; records the dtype of the ids each lookup receives and of the offsets the
     kernels get. mode "wide_rank0": rank 0 counts any batch as too large for int32; "promote":
     every lookup counts its received ids as too many for int32 offsets."""
+    import modular._lookups as lookups
+
     received, offsets = [], []
     lookup, pool, saved = eb.ShardedEmbeddingBagCollection.lookup, eb._pool, eb.INT32_MAX
 
@@ -76,11 +78,11 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
         received.append(r.values.dtype)
         if mode != "promote":
             return lookup(self, r)
-        eb.INT32_MAX = 0
+        lookups.INT32_MAX = 0  # batch_offsets: "more ids than int32 offsets can count"
         try:
             return lookup(self, r)
         finally:
-            eb.INT32_MAX = saved
+            lookups.INT32_MAX = saved
 
     def spy_pool(kernels, values, offs, weights, bags):
         offsets.append(offs.dtype)

@@ -12,9 +12,14 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
 from modular._kernels import FusedKernel, KernelLookup, sum_weights
-from modular._input import INT32_MAX
 from modular._lookups import Lookup, merge_lookups
 from modular._layout import KernelGroup
+
+
+# How a RowStatsFusedKernel reports a table's row statistics (Note [row statistics across column
+# shards]): one per id of the step, in the order the ids arrived, or one per touched row, sorted.
+ROW_FORM_IDS = "ids"
+ROW_FORM_ROWS = "rows"
 
 
 class DeferredFusedKernel(FusedKernel):
@@ -104,83 +109,94 @@ class RowStatsFusedKernel(DeferredFusedKernel):
          scratch state that is zero: each touched row gets s = mean over this shard's columns
          of g**2 (the weights are left as they are: w -= 0 * ...);
       2. the owning module sums cols * s over the table's column shards, which gives every shard
-         the whole row's mean m, adds m - s to the row's state, and runs the same backward with
-         the real learning rate: fbgemm adds s back, so the state grows by m and the update
-         divides by the exact statistic.
-    Every column shard of a table looks up the same ids (each id is routed to all of them), so
-    every holder finds the same touched rows, sorted: the statistics travel as one float per
-    touched row, only between the ranks that hold shards of the table (one all-to-all for all
-    column-wise tables), and pass 1's scratch is cleared on those rows only. A step costs
-    O(ids), never O(rows): no table-sized buffer is reduced or cleared.
+         the whole row's mean m, sets the row's state to state + m - s, and runs the same
+         backward with the real learning rate: fbgemm adds s back, so the state grows by m and
+         the update divides by the exact statistic.
+    Every column shard of a table looks up the same ids in the same order (each id is routed to
+    all of them, and they arrive source rank by source rank, feature by feature), so the holders
+    agree on the statistics' order without sorting anything: s travels as one float per id of
+    the step (`ROW_FORM_IDS`), read from the scratch at the id's row, only between the ranks
+    that hold shards of the table (one all-to-all for all column-wise tables). A row looked up
+    twice carries the same s, m and state twice, so setting the state (not adding to it) is
+    right whichever copy lands. A table with a shard on the torch emulation (widths fbgemm
+    cannot take, weight decay; Note [emulated fused kernels]) uses the emulation's form instead,
+    its touched rows sorted and unique (`ROW_FORM_ROWS`: one sort of its ids). Pass 1's scratch
+    is cleared on the rows it touched. A step costs O(ids), never O(rows): no table-sized buffer
+    is reduced, cleared or scanned.
     The result equals the unsharded table's update up to float rounding (tests/modular/
     test_fused.py, atol 1e-5). Several lookups before one backward are merged into one batch,
     so their gradients add up before one update, as in the emulation.
     """
 
     def __init__(
-        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+        self,
+        group: KernelGroup,
+        sizes: list[tuple[int, int]],
+        device: torch.device,
+        config,
+        forms: tuple[Optional[str], ...],
     ) -> None:
+        """`forms[t]`: how kernel table t reports its statistics (`ROW_FORM_IDS` or
+        `ROW_FORM_ROWS`), or None for a table that is not column-wise (none needed)."""
         super().__init__(group, sizes, device, config)
+        if len(forms) != len(sizes):
+            raise ValueError(f"{len(forms)} statistics forms for {len(sizes)} kernel tables")
+        self._forms = forms
         self._zero_lr = torch.tensor(0.0, device=device)
-        self._scratch: Optional[torch.Tensor] = None
+        self._scratch: Optional[list[torch.Tensor]] = None
         self._batch: Optional[Lookup] = None
-        rows = [r for r, _ in sizes]  # row-wise state: one value per row, tables back to back
-        self._stats_offsets = [sum(rows[:t]) for t in range(len(rows))]
-        # Touched rows are found in the stacked numbering, as int32 keys when they fit: a stable
-        # sort (a radix sort on CPU) of 327,680 int32 ids takes 2.3 ms, against 4.3 for
-        # torch.unique and 3-4x that for int64 keys.
-        self._key_type = torch.int32 if sum(rows) <= INT32_MAX else torch.int64
-        self._route_offsets = torch.tensor(
-            [self._stats_offsets[t] for t in group.feature_table_map], dtype=self._key_type,
-            device=device,
-        )  # fmt: skip
-        self._table_starts = torch.tensor(self._stats_offsets[1:], dtype=torch.int64, device=device)
+        # Each kernel table's routes (a table read by two features has two).
+        self._routes_of = [
+            [r for r, t in enumerate(group.feature_table_map) if t == table]
+            for table in range(len(sizes))
+        ]
 
-    def row_stats(self) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Pass 1 over the pending lookups: per kernel table, its touched rows (sorted, int64)
-        and this shard's mean(g**2) over its columns on each; None if nothing is pending."""
+    def row_stats(self) -> Optional[list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
+        """Pass 1 over the pending lookups: per kernel table, its rows (int64: one per id, or
+        sorted and unique, as its form says) and this shard's mean(g**2) over its columns on
+        each; None for tables without a form, or in place of the list if nothing is pending."""
         self._batch = self.take_batch()
         if self._batch is None:
             return None
         if self._scratch is None:  # zero once; afterwards only touched rows are cleared
-            self._scratch = torch.zeros_like(self.tbe.momentum1_host.detach())
-        self.run_backward(self._batch, state=self._scratch, lr=self._zero_lr)
-        touched = self._touched_rows(self._batch)  # in the scratch's (stacked tables) rows
-        stats = self._scratch.index_select(0, touched)
-        self._scratch.index_fill_(0, touched, 0.0)
-        counts = torch.diff(
-            torch.searchsorted(touched, self._table_starts), prepend=touched.new_zeros(1),
-            append=touched.new_full((1,), touched.numel()),
-        ).tolist()  # fmt: skip
-        return [
-            (rows - offset, s)
-            for rows, s, offset in zip(
-                touched.split(counts), stats.split(counts), self._stats_offsets
-            )
-        ]
+            scratch = torch.zeros_like(self.tbe.momentum1_host.detach())
+            self._scratch = list(scratch.split([rows for rows, _ in self.sizes]))
+            self._scratch_flat = scratch
+        self.run_backward(self._batch, state=self._scratch_flat, lr=self._zero_lr)
+        out: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
+        for form, ids, scratch in zip(self._forms, self._table_ids(self._batch), self._scratch):
+            if form == ROW_FORM_ROWS:
+                rows = torch.sort(ids, stable=True).values.unique_consecutive().long()
+            else:
+                rows = ids.long()
+            out.append(None if form is None else (rows, scratch.index_select(0, rows)))
+            scratch.index_fill_(0, rows, 0.0)
+        return out
 
-    def _touched_rows(self, batch: Lookup) -> torch.Tensor:
-        """The distinct rows `batch` looks up, sorted, numbered like the stacked state."""
+    def _table_ids(self, batch: Lookup) -> list[torch.Tensor]:
+        """Each kernel table's ids in `batch`, route after route."""
         routes = len(self.group.routes)
         per_route = (batch.offsets.numel() - 1) // routes
-        ids_per_route = torch.diff(batch.offsets[::per_route]) if per_route else None
-        if ids_per_route is None or batch.indices.numel() == 0:
-            return torch.zeros(0, dtype=torch.int64, device=batch.indices.device)
-        shift = torch.repeat_interleave(
-            self._route_offsets, ids_per_route.long(), output_size=batch.indices.numel()
-        )
-        ids = batch.indices.to(self._key_type) + shift
-        return torch.sort(ids, stable=True).values.unique_consecutive().long()
+        if per_route == 0:  # no bags: no ids
+            return [batch.indices[:0]] * len(self.sizes)
+        bounds = batch.offsets[::per_route].tolist()
+        out = []
+        for mine in self._routes_of:
+            pieces = [batch.indices[bounds[r] : bounds[r + 1]] for r in mine]
+            out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        return out
 
     @torch.no_grad()
     def update(self, adjust: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Pass 2: adds `adjust[t] = (rows, delta)` (the whole row's mean minus this shard's) to
-        the state of kernel table t, then the real update."""
+        """Pass 2: sets the state of kernel table t to state + delta on `adjust[t] = (rows,
+        delta)` (the whole row's mean minus this shard's; rows as `row_stats` gave them, a row
+        repeated with the same delta), then the real update."""
         name = self.config.optimizer.state_name()
         for t, change in enumerate(adjust):
             if change is not None:
                 rows, delta = change
-                self.states[t][name].index_add_(0, rows, delta)
+                state = self.states[t][name]
+                state.index_copy_(0, rows, state.index_select(0, rows).add_(delta))
         batch, self._batch = self._batch, None
         if batch is not None:
             self.run_backward(batch)

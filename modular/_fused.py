@@ -15,7 +15,13 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
-from modular._deferred import DeferredFusedKernel, ReplicaFusedKernel, RowStatsFusedKernel
+from modular._deferred import (
+    ROW_FORM_IDS,
+    ROW_FORM_ROWS,
+    DeferredFusedKernel,
+    ReplicaFusedKernel,
+    RowStatsFusedKernel,
+)
 from modular._emulated import EmulatedFusedKernel
 from modular._kernels import FusedKernel
 from modular._comm import all_to_all
@@ -94,25 +100,41 @@ class FusedTables:
             if p.sharding_type is ShardingType.COLUMN_WISE and len(shards) > 1
         )
 
-    def _fused_kernel(self, group, sizes, config, cw_rowwise, is_local: bool):
+    def _emulates(self, config, widths, deferred: bool) -> bool:
+        """Whether a fused kernel over shards of these widths takes the torch emulation (Note
+        [fused tables] in modular/optim.py); `deferred`: it must run fbgemm's backward ops
+        itself (column-wise row statistics, replicas)."""
         on_cpu = self._device.type == "cpu"
-        column_rows = any(table in cw_rowwise for table, _ in group.shards)
-        replica = is_local and self._world > 1
-        emulate = (
+        return (
             # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
             (config.weight_decay > 0 and on_cpu)
-            or any(odd_width(cols) for _, cols in sizes)
+            or any(odd_width(cols) for cols in widths)
             # Note [row statistics across column shards] and Note [fused replicas] run
             # fbgemm's CPU backward ops directly; other devices take the torch emulation.
-            or ((column_rows or replica) and not on_cpu)
+            or (deferred and not on_cpu)
         )
-        if emulate:
+
+    def _fused_kernel(self, group, sizes, config, cw_rowwise, is_local: bool):
+        column_rows = any(table in cw_rowwise for table, _ in group.shards)
+        replica = is_local and self._world > 1
+        if self._emulates(config, [cols for _, cols in sizes], column_rows or replica):
             return EmulatedFusedKernel(group, sizes, self._device, config)
         if replica:
             return ReplicaFusedKernel(group, sizes, self._device, config)
         if column_rows:
-            return RowStatsFusedKernel(group, sizes, self._device, config)
+            forms = tuple(
+                None if table not in cw_rowwise else self._row_form(table, config)
+                for table, _ in group.shards
+            )
+            return RowStatsFusedKernel(group, sizes, self._device, config, forms)
         return FusedKernel(group, sizes, self._device, config)
+
+    def _row_form(self, table: str, config) -> str:
+        """How every holder of column-wise `table` exchanges its row statistics: per id, unless
+        one of its shards is emulated, whose statistics come per unique row (Note [row
+        statistics across column shards])."""
+        widths = [s.num_cols for s in self.layout.shards[self.layout.table_index(table)]]
+        return ROW_FORM_ROWS if self._emulates(config, widths, True) else ROW_FORM_IDS
 
     def _local_shard_metadata(self, t: int, weight: ShardedTensor):
         out = []
@@ -236,10 +258,11 @@ class FusedTables:
                 continue
             k.update(
                 [
-                    (rows, row_means[table][1] - s) if table in row_means else None
-                    for (table, _), (rows, s) in zip(k.group.shards, stats[id(k)])
+                    None if piece is None or table not in row_means
+                    else (piece[0], row_means[table][1] - piece[1])
+                    for (table, _), piece in zip(k.group.shards, stats[id(k)])
                 ]
-            )
+            )  # fmt: skip
         for k in self._emulated:
             if isinstance(k, ReplicaFusedKernel):
                 batch = self._global_batch(k, k.take_batch())
@@ -255,11 +278,11 @@ class FusedTables:
         return gather_batch(mine, lengths, len(k.group.routes), self._pg, self._world)
 
     def _column_row_means(self, emulated, grads, two_pass, stats):
-        """Per column-wise table this rank holds, its touched rows and the whole row's mean of
-        grad**2 on each (Note [row statistics across column shards]): this rank's shards' sums
-        of g**2, plus those of the other ranks holding the table, exchanged in one all-to-all
-        (every rank calls it; a rank sends a peer one float per touched row of each table both
-        hold, tables in `_cw_rowwise` order)."""
+        """Per column-wise table this rank holds, its rows (one per id, or per touched row) and
+        the whole row's mean of grad**2 on each (Note [row statistics across column shards]):
+        this rank's shards' sums of g**2, plus those of the other ranks holding the table,
+        exchanged in one all-to-all (every rank calls it; a rank sends a peer one float per row
+        of each table both hold, tables in `_cw_rowwise` order)."""
         local: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for k in emulated:
             for t, ((table, _), g) in enumerate(zip(k.group.shards, grads[id(k)])):
@@ -273,7 +296,7 @@ class FusedTables:
         for k in two_pass:
             pieces = stats[id(k)]
             for (table, _), (_, cols), piece in zip(k.group.shards, k.sizes, pieces or ()):
-                if table in self._cw_rowwise:
+                if piece is not None:  # a column-wise table's (rows, s): one per id or per row
                     rows, s = piece
                     local.setdefault(table, []).append((rows, s * cols))  # s: mean over cols
         mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -282,9 +305,9 @@ class FusedTables:
             for other_rows, part in parts[1:]:  # this rank's other shards: the same rows
                 if other_rows.numel() != rows.numel():
                     raise RuntimeError(
-                        f"column shards of table {table!r} on rank {self._rank} touched "
-                        f"{rows.numel()} and {other_rows.numel()} rows in one step; they look "
-                        "up the same ids and must agree"
+                        f"column shards of table {table!r} on rank {self._rank} reported "
+                        f"{rows.numel()} and {other_rows.numel()} row statistics in one step; "
+                        "they look up the same ids and must agree"
                     )
                 total += part
             mine[table] = (rows, total)

@@ -64,6 +64,7 @@ class Route:
     shard: ShardSpec
     shard_index: int  # index among the table's shards
     pooling: Pooling  # the kernel's pooling (SUM for row-split MEAN tables, divided on arrival)
+    column_piece: bool = False  # one of several column-wise shards of its table
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class Layout:
     shards: tuple[tuple[ShardSpec, ...], ...]  # aligned with tables
     features: tuple[str, ...]  # the KJT keys the EBC consumes, in first-use order
     outputs: tuple[Output, ...]
-    # global, ordered by (destination rank, pooling, odd width, output, shard): see kernel_groups
+    # global, ordered by (destination rank, pooling, odd width, column piece, output, shard): see
+    # kernel_groups
     routes: tuple[Route, ...]
     local: tuple[Route, ...]  # data-parallel lookups, done on every rank from its own batch
 
@@ -165,6 +167,7 @@ def build_layout(
         pooling = tables[t].pooling
         if kind in ROW_SPLIT:
             pooling = Pooling.SUM
+        column_piece = kind is ShardingType.COLUMN_WISE and len(shards[t]) > 1
         for j, spec in enumerate(shards[t]):
             route = Route(
                 output=i,
@@ -173,6 +176,7 @@ def build_layout(
                 shard=spec,
                 shard_index=j,
                 pooling=pooling,
+                column_piece=column_piece,
             )
             if kind is ShardingType.DATA_PARALLEL:
                 if spec.rank == rank:
@@ -181,8 +185,11 @@ def build_layout(
                 routes.append(route)
     pooling_order = {p: k for k, p in enumerate(Pooling)}
     routes.sort(
-        key=lambda r: (r.shard.rank, pooling_order[r.pooling], _odd_width(r), r.output, r.shard_index)
-    )
+        key=lambda r: (
+            r.shard.rank, pooling_order[r.pooling], _odd_width(r), r.column_piece, r.output,
+            r.shard_index,
+        )
+    )  # fmt: skip
     local.sort(key=lambda r: (pooling_order[r.pooling], _odd_width(r), r.output))
     return Layout(
         world_size=world_size,
@@ -221,10 +228,15 @@ def _odd_width(route: Route) -> bool:
 
 
 def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
-    """Splits a rank's routes (already ordered by pooling, then odd width) into one group per
-    pooling mode and width class: a shard whose width fbgemm's fused kernels cannot take is
-    emulated with the rest of its group (modular/optim.py), so it gets a group of its own
-    instead of taking every table of its pooling mode with it."""
+    """Splits a rank's routes (already ordered by pooling, odd width, then column piece) into one
+    group per pooling mode, width class and column piece or not:
+    - a shard whose width fbgemm's fused kernels cannot take is emulated with the rest of its
+      group (modular/optim.py), so it gets a group of its own instead of taking every table of
+      its pooling mode with it;
+    - under row-wise Adagrad a group with a column piece runs fbgemm's backward twice (Note [row
+      statistics across column shards] in modular/_deferred.py), so column pieces get a group
+      of their own instead of doubling the backward of the whole tables beside them (planned
+      plans mix them on one rank). Otherwise the split costs one more kernel call."""
     groups = []
     start = 0
     while start < len(routes):
@@ -234,6 +246,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
             end < len(routes)
             and routes[end].pooling is head.pooling
             and _odd_width(routes[end]) == _odd_width(head)
+            and routes[end].column_piece == head.column_piece
         ):
             end += 1
         members = routes[start:end]

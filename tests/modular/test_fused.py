@@ -87,7 +87,7 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False, kernels: dict | None = None) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc(weighted)
     ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
@@ -102,6 +102,9 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
         opt = modular.fuse_optimizer(model, optimizer, **hyper)
     assert [n for n, _ in model.named_parameters()] == keys_before
     assert modular.local_parameters(model) == [], "fused tables must not reach a dense optimizer"
+    if kernels is not None:  # each table this rank holds: the kernel class that looks it up
+        for k in (*model._kernels, *model._local_kernels):
+            kernels.update({table: type(k).__name__ for table, _ in k.group.shards})
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if halve_lr else None
     worst = 0.0
     for step in range(STEPS):
@@ -279,6 +282,29 @@ def _train_column_wise_with_a_table_unused_in_a_step() -> float:
 @pytest.mark.timeout(120)
 def test_column_wise_table_with_no_ids_in_a_step() -> None:
     run_on_ranks(2, _train_column_wise_with_a_table_unused_in_a_step, timeout=100)
+
+
+def _train_column_piece_beside_whole_tables() -> tuple[float, dict]:
+    CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE
+    placements = {
+        "t_sum": TablePlacement(TW, ranks=(0,)),  # SUM, 8 wide: t_big's pieces' kernel group once
+        "t_mean": TablePlacement(TW, ranks=(1,)),
+        "t_small": TablePlacement(TW, ranks=(0,)),
+        "t_big": TablePlacement(CW, ranks=(0, 1), sizes=(8, 8)),
+    }
+    kernels: dict = {}
+    worst = _train("", "exact_rowwise_adagrad", fuse_first=False, placements=placements, kernels=kernels)["worst"]
+    return worst, kernels
+
+
+@pytest.mark.timeout(120)
+def test_column_pieces_get_a_kernel_of_their_own() -> None:
+    # Planned plans put a column piece beside whole tables on one rank (the example's DLRM on 4
+    # and 8 ranks does); under row-wise Adagrad only the piece may take the two passes of Note
+    # [row statistics across column shards], the whole tables keep fbgemm's single fused pass.
+    results = run_on_ranks(2, _train_column_piece_beside_whole_tables, timeout=100)
+    assert results[0][1] == {"t_sum": "FusedKernel", "t_big": "RowStatsFusedKernel", "t_small": "EmulatedFusedKernel"}, results
+    assert results[1][1] == {"t_mean": "EmulatedFusedKernel", "t_big": "RowStatsFusedKernel"}, results
 
 
 def _fuse_order(optimizer: str, fuse_first: bool) -> dict[str, torch.Tensor]:

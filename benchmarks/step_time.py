@@ -3,6 +3,7 @@
     python benchmarks/step_time.py                                  # the default config (issue 7)
     python benchmarks/step_time.py --plans rw --optimizers fused --steps 10
     python benchmarks/step_time.py --profile rw:fused               # where our step spends time
+    python benchmarks/step_time.py --plans mix --optimizers fused   # column pieces beside tables
 
 For each (plan, optimizer) the ranks build one model per contender from the same weights and
 time, on the same synthetic batches, alternating blocks of steps:
@@ -55,7 +56,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
-PLANS = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel"}
+PLANS = {
+    "tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel",
+    # A quarter of the tables column-wise over every rank, the rest table-wise: the shape of
+    # planned plans (the example's DLRM on 4 and 8 ranks puts one column piece beside whole
+    # tables on each rank).
+    "mix": "mixed",
+}  # fmt: skip
 OPTIMIZERS = ("dense", "fused")
 LR, EPS = 0.01, 1e-8
 
@@ -106,8 +113,19 @@ def _make_ebc(cfg: Config, device: str = "cpu"):
 def _our_plan(cfg: Config, plan: str):
     from planners.types import ShardingPlan, ShardingType, TablePlacement
 
-    kind = ShardingType.parse(PLANS[plan])
     placements = {}
+    if plan == "mix":
+        for i in range(cfg.tables):
+            if i < max(1, cfg.tables // 4):
+                placements[f"t{i}"] = TablePlacement(
+                    ShardingType.COLUMN_WISE, ranks=tuple(range(cfg.world_size))
+                )
+            else:
+                placements[f"t{i}"] = TablePlacement(
+                    ShardingType.TABLE_WISE, ranks=(i % cfg.world_size,)
+                )
+        return ShardingPlan(world_size=cfg.world_size, modules={"ebc": placements})
+    kind = ShardingType.parse(PLANS[plan])
     for i in range(cfg.tables):
         if kind is ShardingType.TABLE_WISE:
             placements[f"t{i}"] = TablePlacement(kind, ranks=(i % cfg.world_size,))

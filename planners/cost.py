@@ -28,7 +28,7 @@ from planners.types import PlanError, ShardingType
 
 __all__ = [
     "CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WIRE_ID_BYTES",
-    "WEIGHT_BYTES",
+    "WEIGHT_BYTES", "STAT_BYTES",
 ]  # fmt: skip
 
 OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32
@@ -38,6 +38,7 @@ ID_BYTES = 8  # a batch's ids are int64
 WIRE_ID_BYTES = 4
 INT32_ROWS = 2**31 - 1
 WEIGHT_BYTES = 4  # per-id weights of weighted features are fp32
+STAT_BYTES = 4  # a column piece's row statistic (row-wise Adagrad), one fp32 per id
 
 
 class TableArrays(NamedTuple):
@@ -165,6 +166,17 @@ class CostModel:
         held_id_bytes = t.id_bytes if kind is ShardingType.DATA_PARALLEL else t.wire_id_bytes
         memory = memory + ids_in * held_id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
         input_dist, output_dist, grad_sync = zero, zero, zero
+        if kind is ShardingType.COLUMN_WISE and self.optimizer is Optimizer.ROWWISE_ADAGRAD:
+            # Column pieces of one table (k > 1) under row-wise Adagrad: the row's statistic is
+            # the mean of g**2 over all its columns, so each piece runs its backward a second
+            # time (pass 1 finds its share, into a scratch statistic per row) and sends one
+            # float per id to the table's other pieces (modular's Note [row statistics across
+            # column shards]); priced as one peer's worth. One piece (table-wise) does neither.
+            piece = (k > 1).astype(np.float64)
+            bwd = bwd + piece * bwd
+            memory = memory + piece * rows * state
+            bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
+            grad_sync = piece * ids_in * STAT_BYTES / bw + zero
         if kind is ShardingType.DATA_PARALLEL:
             # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
             # steps over the whole table (read gradient, read and write weights and state).

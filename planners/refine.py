@@ -110,9 +110,10 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
 
     def peel(i: int, j: int, r2: int, dx: int) -> None:
         r = s.ranks[i][j]
+        add(i, j, r, -1.0)
         if s.kinds[i] is _T.TABLE_WISE:
             s.kinds[i] = _T.COLUMN_WISE
-        add(i, j, r, -1.0)
+        s.fits[i] = _grown_fit(p, s, i)  # a column piece may cost more than the table whole
         s.sizes[i][j] -= dx
         add(i, j, r, +1.0)
         s.ranks[i].append(r2)
@@ -126,8 +127,10 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
             on_rank[rr].remove((i, jj))
         s.sizes[i][j2] += s.sizes[i][j]
         del s.sizes[i][j], s.ranks[i][j]
-        if len(s.ranks[i]) == 1 and s.kinds[i] is _T.COLUMN_WISE and _allows(p, i, _T.TABLE_WISE):
-            s.kinds[i] = _T.TABLE_WISE
+        if len(s.ranks[i]) == 1 and s.kinds[i] is _T.COLUMN_WISE:
+            s.fits[i] = p.affine(p, i, _T.COLUMN_WISE, 1)  # whole again
+            if _allows(p, i, _T.TABLE_WISE):
+                s.kinds[i] = _T.TABLE_WISE
         for jj, rr in enumerate(s.ranks[i]):
             add(i, jj, rr, +1.0)
             on_rank[rr].append((i, jj))
@@ -180,18 +183,31 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
                         offer(max(top - f.b * dx, s.load[r2] + f.b * dx), ("resize", i, j, j2, dx))
             # merge the shard into another shard of the same table (saves its fixed cost)
             if len(s.ranks[i]) > 1 and _may_merge(p, s, i):
+                # the last two column pieces merge into the table whole, at its own price
+                whole = (p.affine(p, i, _T.COLUMN_WISE, 1)
+                         if len(s.ranks[i]) == 2 and s.kinds[i] is _T.COLUMN_WISE else None)  # fmt: skip
                 for j2, r2 in enumerate(s.ranks[i]):
-                    if j2 != j and free[r2] >= f.bm * x:
-                        offer(max(top - c, s.load[r2] + f.b * x), ("merge", i, j, j2))
-            # peel part of the shard off onto a new rank
+                    if j2 == j:
+                        continue
+                    if whole is None:
+                        grow, room = f.b * x, f.bm * x
+                    else:
+                        x2 = s.sizes[i][j2]
+                        grow = whole.a + whole.b * (x + x2) - (f.a + f.b * x2)
+                        room = whole.am + whole.bm * (x + x2) - (f.am + f.bm * x2)
+                    if free[r2] >= room:
+                        offer(max(top - c, s.load[r2] + grow), ("merge", i, j, j2))
+            # peel part of the shard off onto a new rank (both parts priced as pieces: g)
             if f.b > 0 and x >= 2 * f.step and _may_split(p, s, i):
                 okp = allowed(i, None)
-                if okp.any():
+                g = _grown_fit(p, s, i)
+                if okp.any() and g.b > 0:
                     r2 = int(np.argmin(np.where(okp, s.load, np.inf)))
-                    dx = _floor((top - s.load[r2] - f.a) / (2 * f.b), f.step)
-                    dx = max(f.step, min(dx, x - f.step))
-                    if free[r2] >= f.am + f.bm * dx:
-                        new = max(top - f.b * dx, s.load[r2] + f.a + f.b * dx)
+                    rest = top - c + g.a + g.b * x  # this rank, with the whole shard a piece
+                    dx = _floor((rest - s.load[r2] - g.a) / (2 * g.b), g.step)
+                    dx = max(g.step, min(dx, x - g.step))
+                    if free[r2] >= g.am + g.bm * dx and free[r] >= (g.am - f.am) + (g.bm - f.bm) * x:
+                        new = max(rest - g.b * dx, s.load[r2] + g.a + g.b * dx)
                         offer(new, ("peel", i, j, r2, dx))
         action = best[1]
         if action is None:
@@ -217,6 +233,14 @@ def _may_take(p: Problem, s: State, i2: int, j2: int, r: int, host: int) -> bool
     if r in s.ranks[i2]:
         return False
     return not (s.kinds[i2] is _T.TABLE_ROW_WISE and r // host != s.ranks[i2][j2] // host)
+
+
+def _grown_fit(p: Problem, s: State, i: int) -> Affine:
+    """The shard price of table i once it has one more shard: a column-wise piece's for a
+    table- or column-wise table (Note [how the search works]), else its own."""
+    if s.kinds[i] in (_T.TABLE_WISE, _T.COLUMN_WISE):
+        return p.affine(p, i, _T.COLUMN_WISE, 2)
+    return s.fits[i]
 
 
 def _may_split(p: Problem, s: State, i: int) -> bool:

@@ -68,8 +68,11 @@ def shard_sizes(table: Table, kind: ShardingType, k: int) -> tuple[int, ...]:
 
 def affine(p: Problem, index: int, kind: ShardingType, k: int) -> Affine:
     """Seconds and bytes of one shard of table `index` as a + b * size (size: its rows or
-    columns); exact, because every formula of the cost model is affine in a shard's size."""
-    key = (index, kind, k if kind is _T.TABLE_ROW_WISE else 0)
+    columns); exact, because every formula of the cost model is affine in a shard's size.
+    A column-wise shard's price depends on k only through k > 1 (a piece of a split table:
+    the cost model's row statistics), so `affine(p, i, COLUMN_WISE, 1)` is the table whole."""
+    pieces = min(k, 2) if kind is _T.COLUMN_WISE else 1
+    key = (index, kind, k if kind is _T.TABLE_ROW_WISE else pieces)
     if key in p.prices:
         return p.prices[key]
     table = p.tables[index]
@@ -82,8 +85,8 @@ def affine(p: Problem, index: int, kind: ShardingType, k: int) -> Affine:
         if kind in (_T.TABLE_WISE, _T.COLUMN_WISE):
             # a table-wise table is a column-wise table with one shard: same formulas
             step, full = column_unit(d), d
-            lo = p.model.shard(_T.COLUMN_WISE, t, n, float(step), 1)
-            hi = p.model.shard(_T.COLUMN_WISE, t, n, float(full), 1)
+            lo = p.model.shard(_T.COLUMN_WISE, t, n, float(step), pieces)
+            hi = p.model.shard(_T.COLUMN_WISE, t, n, float(full), pieces)
         else:
             step, full = 1, n
             lo = p.model.shard(kind, t, 1.0, d, k)
@@ -148,16 +151,22 @@ def _wrap(p: Problem, s: State, items: list[int], cap: float) -> list | None:
     order = [int(r) for r in np.lexsort((np.arange(len(s.load)), s.load))]
     load, mem = s.load.copy(), s.mem.copy()
     pos, out = 0, []
+
+    def room(f, r: int) -> float:
+        return min((cap - load[r] - f.a) / f.b if f.b > 0 else np.inf,
+                   (p.capacity - mem[r] - f.am) / f.bm if f.bm > 0 else np.inf)  # fmt: skip
+
     for i in items:
-        f = affine(p, i, _T.COLUMN_WISE, 1)
+        whole, piece = affine(p, i, _T.COLUMN_WISE, 1), affine(p, i, _T.COLUMN_WISE, 2)
         left, pieces = p.tables[i].embedding_dim, []
         while left > 0:
             if pos >= len(order):
                 return None
             r = order[pos]
-            room = min((cap - load[r] - f.a) / f.b if f.b > 0 else np.inf,
-                       (p.capacity - mem[r] - f.am) / f.bm if f.bm > 0 else np.inf)  # fmt: skip
-            take = left if room >= left else max(0, int(room // f.step) * f.step)
+            # Whole where it fits; once cut, every piece pays the price of a piece.
+            f = whole if not pieces and room(whole, r) >= left else piece
+            free = room(f, r)
+            take = left if free >= left else max(0, int(free // f.step) * f.step)
             if take > 0:
                 pieces.append((r, take))
                 load[r] += f.a + f.b * take
@@ -193,7 +202,7 @@ def _fill(p: Problem, s: State, items: list[int], bound: float) -> bool:
         else:
             high, best = mid, trial
     for i, pieces in best:
-        f = affine(p, i, _T.COLUMN_WISE, 1)
+        f = affine(p, i, _T.COLUMN_WISE, len(pieces))
         s.kinds[i] = _T.TABLE_WISE if len(pieces) == 1 else _T.COLUMN_WISE
         s.ranks[i] = [r for r, _ in pieces]
         s.sizes[i] = [x for _, x in pieces]

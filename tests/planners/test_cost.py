@@ -90,5 +90,25 @@ def test_column_shards_sum_to_the_table_plus_one_input_per_extra_shard():
     assert sum(h["input_dist"] for h in halves) == pytest.approx(2 * whole["input_dist"])
 
 
+def test_column_pieces_under_rowwise_adagrad_run_backward_twice_and_exchange_statistics():
+    # modular's Note [row statistics across column shards]: a piece of a split table (k > 1)
+    # runs its backward a second time, keeps a scratch statistic per row and sends one fp32 per
+    # id to the other pieces; a table-wise table (one piece) does not.
+    whole, piece = shard(T.COLUMN_WISE, 1000, 32, k=1), shard(T.COLUMN_WISE, 1000, 32, k=2)
+    ids, bags = 16 * 100 * 2, 16 * 100 * 1
+    bwd = bags * 32 * 4 + ids * (2 * 32 * 4 + 2 * 4)
+    assert piece["lookup"] == pytest.approx(whole["lookup"] + bwd / 1e10)
+    assert whole["grad_sync"] == 0
+    assert piece["grad_sync"] == pytest.approx(ids * 4 / 1e8)  # W > H: cross-host bandwidth
+    assert piece["memory"] == pytest.approx(whole["memory"] + 1000 * 4)
+    assert shard(T.COLUMN_WISE, 1000, 32, k=4) == piece  # whether split, not how finely
+    assert shard(T.TABLE_WISE, 1000, 32, k=1) == whole
+    for other in (Optimizer.SGD, Optimizer.ADAGRAD):  # one pass whatever the split
+        model = CostModel(TOPO, batch_size=100, optimizer=other)
+        one, two = (model.shard(T.COLUMN_WISE, TABLE, 1000.0, 32.0, float(k)) for k in (1, 2))
+        assert float(one.total[0]) == pytest.approx(float(two.total[0]))
+        assert float(one.memory[0]) == pytest.approx(float(two.memory[0]))
+
+
 def test_batch_buffers_are_every_ranks_own_ids_and_bags():
     assert MODEL.batch_buffer_bytes(TABLE) == pytest.approx(100 * 2 * 8 + 2 * 100 * 64 * 4)

@@ -20,11 +20,11 @@ SMALL_TOPO = Topology(4, ranks_per_host=2, device_memory="48GiB")
 
 GOLDEN_SMALL = (
     '{"format": 1, "world_size": 4, "ranks_per_host": 2, "modules": {"": {'
-    '"t_user": {"sharding_type": "column_wise", "ranks": [1, 2], "sizes": [48, 80]}, '
-    '"t_item": {"sharding_type": "column_wise", "ranks": [2, 3], "sizes": [24, 40]}, '
+    '"t_user": {"sharding_type": "column_wise", "ranks": [2, 3, 0, 1], "sizes": [60, 24, 24, 20]}, '
+    '"t_item": {"sharding_type": "table_row_wise", "ranks": [2, 3], "sizes": [244457, 255543]}, '
     '"t_cat": {"sharding_type": "table_wise", "ranks": [3]}, '
-    '"t_big": {"sharding_type": "column_wise", "ranks": [0, 1], "sizes": [152, 104]}}}}'
-)  # routed ids priced as int32 (planners/cost.py WIRE_ID_BYTES)
+    '"t_big": {"sharding_type": "column_wise", "ranks": [0, 1]}}}}'
+)  # routed ids priced as int32 (WIRE_ID_BYTES); column pieces pay row-wise Adagrad's second pass
 
 
 def test_golden_small_plan():
@@ -71,12 +71,35 @@ def test_plan_is_deterministic():
 
 
 @pytest.mark.parametrize("n,world", [(10, 8), (100, 64), (1000, 256)])
-def test_close_to_the_lower_bound(n, world):
+@pytest.mark.parametrize("optimizer,within", [("sgd", 1.05), ("rowwise_adagrad", 1.10)])
+def test_close_to_the_lower_bound(n, world, optimizer, within):
+    # With sgd a table cut into column pieces costs what it costs whole, so the search can
+    # balance ranks almost exactly. Under row-wise Adagrad every piece of a cut table pays a
+    # second backward (planners/cost.py), while the bound still assumes each table's work can be
+    # spread at its cheapest: plans sit further above it (1.02-1.08 on these inputs).
     tables = synthetic(n, seed=1)
-    result = planners.plan_with_stats(tables, Topology(world), batch_size=512)
+    result = planners.plan_with_stats(tables, Topology(world), batch_size=512, optimizer=optimizer)
     assert result.stats.lower_bound > 0
-    assert result.stats.bound_ratio <= 1.05
+    assert result.stats.bound_ratio <= within
     assert result.seconds < 5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_the_search_prices_its_plan_as_the_stats_do(monkeypatch, optimizer):
+    # The search keeps per-rank loads as it cuts, moves, peels and merges shards (a column piece
+    # priced differently from the table whole under row-wise Adagrad); the plan it returns must
+    # cost what plan_stats says, or it compared plans by the wrong numbers.
+    import planners.api as api
+
+    found = []
+    original = api.search
+    monkeypatch.setattr(api, "search", lambda *a, **k: found.append(original(*a, **k)) or found[-1])
+    for n, world, per_host in [(10, 8, 8), (30, 16, 4), (100, 64, 8)]:
+        topo = Topology(world, ranks_per_host=per_host)
+        result = planners.plan_with_stats(synthetic(n, seed=1), topo, batch_size=512, optimizer=optimizer)
+        kinds = {p.sharding_type for p in result.plan.modules[""].values()}
+        assert found[-1].max_load == pytest.approx(result.stats.max_cost, rel=1e-9), (n, world)
+    assert T.COLUMN_WISE in kinds  # pieces were priced (100 tables on 64 ranks cut some)
 
 
 def test_stats_report_the_slowest_rank_and_its_tables():

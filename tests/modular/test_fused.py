@@ -87,7 +87,7 @@ class _Reference:
         return self.row_sums[name]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False, kernels: dict | None = None) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False, kernels: dict | None = None, prefetch: bool = False) -> dict[str, float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc(weighted)
     ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
@@ -107,10 +107,21 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
             kernels.update({table: type(k).__name__ for table, _ in k.group.shards})
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if halve_lr else None
     worst = 0.0
+    every = [
+        [make_batch(ebc, seed=1000 * step + 100 * lookup + r, empty_feature=(empty or {}).get(step)) for r in range(world)]
+        for step in range(STEPS) for lookup in range(lookups)
+    ]  # fmt: skip
+    if prefetch:  # each forward's input dist runs in the background during the step before
+        modular.prefetch(model, every[0][rank])
     for step in range(STEPS):
         loss, ref_loss = 0.0, 0.0
         for lookup in range(lookups):  # several lookups before one backward: one update
-            batches = [make_batch(ebc, seed=1000 * step + 100 * lookup + r, empty_feature=(empty or {}).get(step)) for r in range(world)]
+            n = step * lookups + lookup
+            batches = every[n]
+            if prefetch and n + 1 < len(every):
+                modular.prefetch(model, every[n + 1][rank])
+            if prefetch:
+                assert id(batches[rank]) in model._prefetcher._pending, "this batch was not prefetched"
             out = model(batches[rank]).values()
             expected = ref.ebc(global_batch(batches)).values()
             target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step + 50 * lookup))
@@ -305,6 +316,19 @@ def test_column_pieces_get_a_kernel_of_their_own() -> None:
     results = run_on_ranks(2, _train_column_piece_beside_whole_tables, timeout=100)
     assert results[0][1] == {"t_sum": "FusedKernel", "t_big": "RowStatsFusedKernel", "t_small": "EmulatedFusedKernel"}, results
     assert results[1][1] == {"t_mean": "EmulatedFusedKernel", "t_big": "RowStatsFusedKernel"}, results
+
+
+def _train_prefetching() -> dict[str, float]:
+    # The end-of-backward collectives (column statistics, replicas' gathers) run while the next
+    # batch's input dist is in flight on the prefetch group (Note [prefetched input dist]).
+    return {c: _train(c, "exact_rowwise_adagrad", fuse_first=False, prefetch=True, lookups=1 + (c == "column_wise"))["worst"]
+            for c in ("column_wise", "mixed", "data_parallel")}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_prefetched_fused_training_matches_the_reference() -> None:
+    results = run_on_ranks(2, _train_prefetching, timeout=100)
+    assert set(results[0]) == {"column_wise", "mixed", "data_parallel"}
 
 
 def _fuse_order(optimizer: str, fuse_first: bool) -> dict[str, torch.Tensor]:

@@ -143,7 +143,8 @@ class RowStatsFusedKernel(DeferredFusedKernel):
             raise ValueError(f"{len(forms)} statistics forms for {len(sizes)} kernel tables")
         self._forms = forms
         self._zero_lr = torch.tensor(0.0, device=device)
-        self._scratch: Optional[list[torch.Tensor]] = None
+        self._scratch_flat: Optional[torch.Tensor] = None  # pass 1's state, made on first use
+        self._scratch: list[torch.Tensor] = []  # its view per kernel table
         self._batch: Optional[Lookup] = None
         # Each kernel table's routes (a table read by two features has two).
         self._routes_of = [
@@ -158,10 +159,9 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         self._batch = self.take_batch()
         if self._batch is None:
             return None
-        if self._scratch is None:  # zero once; afterwards only touched rows are cleared
-            scratch = torch.zeros_like(self.tbe.momentum1_host.detach())
-            self._scratch = list(scratch.split([rows for rows, _ in self.sizes]))
-            self._scratch_flat = scratch
+        if self._scratch_flat is None:  # zero once; afterwards only touched rows are cleared
+            self._scratch_flat = torch.zeros_like(self.tbe.momentum1_host.detach())
+            self._scratch = list(self._scratch_flat.split([rows for rows, _ in self.sizes]))
         self.run_backward(self._batch, state=self._scratch_flat, lr=self._zero_lr)
         out: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
         for form, ids, scratch in zip(self._forms, self._table_ids(self._batch), self._scratch):

@@ -197,14 +197,10 @@ def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup
     """Gathers a fixed-width byte string from every rank (one small collective)."""
     if len(payload) != width:
         raise ValueError(f"payload must be {width} bytes, got {len(payload)}")
-    world = dist.get_world_size(group)
-    device = _collective_device(group)
-    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    out = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(world)]
-    try:
-        dist.all_gather(out, mine, group=group)
-    except RuntimeError as e:
-        raise_failed(f"an all_gather of {width} bytes", group, e)
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_collective_device(group))
+    out = all_gather(
+        mine, group=group, world=dist.get_world_size(group), what=f"an all_gather of {width} bytes"
+    )
     return [bytes(t.cpu().tolist()) for t in out]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from modular._comm import all_gather_padded
+from modular._comm import all_gather, all_gather_padded
 from modular._kernels import KernelLookup, dense_tbe
 from modular._layout import KernelGroup, Pooling
 
@@ -137,7 +137,7 @@ class EmulatedFusedKernel:
         per kernel, the same order on every rank). Sends only the touched rows, not the table."""
         device = self._placeholder.device
         counts = torch.tensor([0 if g is None else g.rows.numel() for g in grads], device=device)
-        all_counts = all_gather_padded([counts], counts.numel(), group, world, torch.int64, device)
+        all_counts = all_gather(counts, group=group, world=world, what="a replica's row counts")
         rows_mine = [g.rows for g in grads if g is not None]
         vals_mine = [g.grad.reshape(-1) for g in grads if g is not None]
         cols = torch.tensor([c for _, c in self.sizes], device=device)

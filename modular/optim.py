@@ -5,9 +5,10 @@ Fusing is a compute choice, separate from where tables live: `fuse_optimizer` wo
 unsharded EBC (it becomes a single-process module with fused kernels), on one sharded by
 `modular.shard`, and `modular.shard` keeps a fused EBC fused. Shards whose width is a multiple of
 4 use fbgemm's fused kernel (the others form kernel groups of their own, `kernel_groups` in
-modular/_layout.py, so they never take a table fbgemm could run into the emulation). Column-wise shards under row-wise Adagrad use it in two passes, with
-the per-row statistic exchanged between the column shards' ranks in between (one float per
-id of the step), so the result equals the unsharded table's (`RowStatsFusedKernel`, Note [row
+modular/_layout.py, so they never take a table fbgemm could run into the emulation). Column-wise
+shards under row-wise Adagrad (in kernel groups of their own too) use it in two passes, with the
+per-row statistic exchanged between the column shards' ranks in between (one float per id of
+the step), so the result equals the unsharded table's (`RowStatsFusedKernel`, Note [row
 statistics across column shards]; on CPU).
 The other cases compute a sparse gradient and apply the identical update in torch at the end of
 backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so

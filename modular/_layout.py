@@ -76,8 +76,8 @@ class Layout:
     shards: tuple[tuple[ShardSpec, ...], ...]  # aligned with tables
     features: tuple[str, ...]  # the KJT keys the EBC consumes, in first-use order
     outputs: tuple[Output, ...]
-    # global, ordered by (destination rank, pooling, odd width, column piece, output, shard): see
-    # kernel_groups
+    # global, ordered by (destination rank, pooling, odd width, column piece, table, shard,
+    # output): see build_layout and kernel_groups
     routes: tuple[Route, ...]
     local: tuple[Route, ...]  # data-parallel lookups, done on every rank from its own batch
 
@@ -184,10 +184,18 @@ def build_layout(
             else:
                 routes.append(route)
     pooling_order = {p: k for k, p in enumerate(Pooling)}
+    # A table's outputs are consecutive (`output_keys`), so ordering by the table's first output,
+    # then shard, then output keeps each kernel table's routes together, also for a rank holding
+    # two column pieces of a table read by two features: fbgemm's CPU backward takes a kernel
+    # table's rows as the step of `hash_size_cumsum` between consecutive routes, which interleaved
+    # routes (tables 0, 1, 0, 1) make negative (rows skipped, or a wrong update).
+    first_output = {}
+    for r in routes:
+        first_output.setdefault(r.table, r.output)
     routes.sort(
         key=lambda r: (
-            r.shard.rank, pooling_order[r.pooling], _odd_width(r), r.column_piece, r.output,
-            r.shard_index,
+            r.shard.rank, pooling_order[r.pooling], _odd_width(r), r.column_piece,
+            first_output[r.table], r.shard_index, r.output,
         )
     )  # fmt: skip
     local.sort(key=lambda r: (pooling_order[r.pooling], _odd_width(r), r.output))
@@ -257,6 +265,8 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
             if key not in shards:
                 shards.append(key)
             ftm.append(shards.index(key))
+        if ftm != sorted(ftm):  # see build_layout: fbgemm's CPU backward would skip rows
+            raise AssertionError(f"kernel group interleaves its tables' routes: {ftm}")
         groups.append(
             KernelGroup(
                 pooling=routes[start].pooling,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular._input import Router
-from modular._layout import ROW_SPLIT, Layout, Pooling, TableInfo, build_layout
+from modular._layout import ROW_SPLIT, Layout, Pooling, TableInfo, build_layout, kernel_groups
 from planners.types import ShardingType, TablePlacement
 from tests.test_plan_types import placements
 
@@ -116,3 +116,17 @@ def test_every_id_goes_to_the_route_that_holds_its_row(ebc, batch: int, data) ->
     for i, r in enumerate(lay.routes):
         per_rank[r.shard.rank] += sum(lengths[i])
     assert routed.values_per_rank == [per_rank[k] for k in range(world)]
+
+
+@PROPERTY
+@given(sharded_ebcs())
+def test_each_kernel_tables_routes_are_consecutive(ebc) -> None:
+    """fbgemm's CPU backward takes a kernel table's rows as the step of `hash_size_cumsum` from
+    one route to the next: routes of two tables interleaved (a rank holding two column pieces of
+    a table that two features read) skip rows or update them wrongly."""
+    world, tables, chosen = ebc
+    for lay in _layouts(world, tables, chosen):
+        for routes in (lay.routes_to(lay.rank), lay.local):
+            for group in kernel_groups(routes):
+                ftm = list(group.feature_table_map)
+                assert ftm == sorted(ftm), (lay.rank, group)

@@ -318,6 +318,26 @@ def test_column_pieces_get_a_kernel_of_their_own() -> None:
     assert results[1][1] == {"t_mean": "EmulatedFusedKernel", "t_big": "RowStatsFusedKernel"}, results
 
 
+def _train_two_pieces_on_one_rank() -> dict[str, float]:
+    last = dist.get_world_size() - 1
+    placements = {
+        "t_sum": TablePlacement(ShardingType.COLUMN_WISE, ranks=(last, last)),  # f_a and f_b read it
+        "t_mean": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
+        "t_small": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
+        "t_big": TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, last)),
+    }
+    return {o: _train("column_wise", o, o != "exact_sgd", placements=placements)["worst"] for o in OPTIMIZERS}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_two_column_pieces_of_a_table_two_features_read_on_one_rank(world: int) -> None:
+    # Both pieces of t_sum (width 8: fbgemm's kernel) on one rank, each looked up by two features:
+    # the kernel group's routes must keep each piece's together (fbgemm's CPU backward crashed
+    # under row-wise Adagrad and updated Adagrad wrongly when they interleaved).
+    for worst in run_on_ranks(world, _train_two_pieces_on_one_rank):
+        assert all(w <= 1e-5 for w in worst.values()), worst
+
+
 def _train_prefetching() -> dict[str, float]:
     # The end-of-backward collectives (column statistics, replicas' gathers) run while the next
     # batch's input dist is in flight on the prefetch group (Note [prefetched input dist]).

@@ -73,6 +73,9 @@ class FusedTables:
             for k in (*self._kernels, *self._local_kernels)
             if isinstance(k, (EmulatedFusedKernel, DeferredFusedKernel))
         ]
+        # A rank holding no shard of the column-wise tables still joins their statistics'
+        # all-to-all (with nothing to send), or the ranks that hold them wait on it forever.
+        self._end_of_backward = bool(self._emulated) or (bool(cw_rowwise) and not self._local_only)
 
     def _become_fused(self, config, cw_rowwise, layouts) -> None:
         """Points the tables at the fused kernels' weights (no collective: layouts are known)."""

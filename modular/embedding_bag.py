@@ -89,6 +89,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         )
         self.fused = None  # a FusedConfig once modular.fuse_optimizer ran (Note [fused tables])
         self._emulated: list[EmulatedFusedKernel] = []
+        # Whether backward ends with the fused module's own work (and collectives) on this rank.
+        self._end_of_backward = False
         self._device = device
         self._is_weighted = ebc.is_weighted()
         self._configs = ebc.embedding_bag_configs()
@@ -412,7 +414,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             counts = received.local_lengths.index_select(0, self._mean_features).t()
             means = out.index_select(1, self._mean_columns) / counts.clamp(min=1).to(out.dtype)
             out = out.index_copy(1, self._mean_columns, means)
-        if self._emulated and out.requires_grad:
+        if self._end_of_backward and out.requires_grad:
             out.register_hook(self._queue_emulated_updates)
         return KeyedTensor(
             keys=[o.key for o in self.layout.outputs],

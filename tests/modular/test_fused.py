@@ -338,6 +338,22 @@ def test_two_column_pieces_of_a_table_two_features_read_on_one_rank(world: int) 
         assert all(w <= 1e-5 for w in worst.values()), worst
 
 
+def _train_column_pieces_on_one_rank_only() -> float:
+    # Rank 1 holds only t_sum, whole and in fbgemm's plain fused kernel: nothing of its own to
+    # do at the end of backward, yet it must join the column statistics' all-to-all.
+    placements = {
+        "t_sum": TablePlacement(ShardingType.TABLE_WISE, ranks=(1,)),
+        "t_mean": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
+        "t_small": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
+        "t_big": TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 0)),
+    }
+    return _train("column_wise", "exact_rowwise_adagrad", False, placements=placements)["worst"]
+
+
+def test_a_rank_without_column_pieces_joins_their_statistics_exchange() -> None:
+    assert all(w <= 1e-5 for w in run_on_ranks(2, _train_column_pieces_on_one_rank_only, timeout=60))
+
+
 def _train_prefetching() -> dict[str, float]:
     # The end-of-backward collectives (column statistics, replicas' gathers) run while the next
     # batch's input dist is in flight on the prefetch group (Note [prefetched input dist]).

@@ -197,15 +197,17 @@ def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup
     """Gathers a fixed-width byte string from every rank (one small collective)."""
     if len(payload) != width:
         raise ValueError(f"payload must be {width} bytes, got {len(payload)}")
-    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_collective_device(group))
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(collective_device(group))
     out = all_gather(
         mine, group=group, world=dist.get_world_size(group), what=f"an all_gather of {width} bytes"
     )
     return [bytes(t.cpu().tolist()) for t in out]
 
 
-def _collective_device(group: Optional[ProcessGroup]) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
+def collective_device(group: Optional[ProcessGroup]) -> torch.device:
+    """The device of the tensors `group`'s collectives take: the current CUDA device where the
+    group runs NCCL ("nccl", or "cpu:gloo,cuda:nccl" from `init_process_group()` with no
+    backend on a GPU machine), else the CPU (gloo)."""
+    if "nccl" in dist.get_backend_config(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

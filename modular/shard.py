@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from modular._comm import all_gather_bytes
+from modular._comm import all_gather_bytes, collective_device
 from modular.optim import PENDING_FUSE
 from modular.embedding_bag import (
     ShardedEmbeddingBagCollection,
@@ -58,7 +58,9 @@ def shard(
     if not isinstance(plan, ShardingPlan):
         raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
     world = dist.get_world_size(process_group)
-    device = torch.device(device) if device is not None else _default_device(process_group)
+    device = torch.device(device) if device is not None else collective_device(process_group)
+    if device.type == "cuda" and device.index is None:  # shards name their device exactly
+        device = torch.device("cuda", torch.cuda.current_device())
     targets, resolved, problem = [], {}, None
     try:
         if plan.world_size != world:
@@ -84,12 +86,6 @@ def shard(
             sharded.load_fused_state(ebc.fused_state())
         replace_module(model, fqn, sharded)
     return model
-
-
-def _default_device(group: Optional[ProcessGroup]) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, EmbeddingBagCollection]]:

@@ -21,6 +21,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from modular._comm import collective_device
 from modular.checkpoint._files import CheckpointError, agree
 from modular.checkpoint._state import apply_model, describe, global_shape
 
@@ -56,12 +57,11 @@ def gather(value: Any, dst: int) -> Any:
 def _gather_sharded(st: ShardedTensor, dst: int) -> Optional[torch.Tensor]:
     me = dist.get_rank()
     meta = st.metadata()
-    group = st._process_group
-    device = _comm_device(group)
+    device = collective_device(None)  # send / recv below run on the world group
     full = torch.empty(tuple(st.size()), dtype=meta.tensor_properties.dtype) if me == dst else None
     local = {tuple(s.metadata.shard_offsets): s.tensor for s in st.local_shards()}
     for shard in meta.shards_metadata:  # the global shard list: the same order on every rank
-        owner = dist.get_global_rank(group, shard.placement.rank())
+        owner = shard.placement.rank()  # placements name global ranks, also over a subgroup
         (r0, c0), (rows, cols) = shard.shard_offsets, shard.shard_sizes
         if me == owner == dst:
             full[r0 : r0 + rows, c0 : c0 + cols].copy_(local[(r0, c0)])
@@ -76,12 +76,6 @@ def _gather_sharded(st: ShardedTensor, dst: int) -> Optional[torch.Tensor]:
                 dist.recv(buf, owner)
                 region.copy_(buf)
     return full
-
-
-def _comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def load_unsharded(

@@ -300,6 +300,15 @@ def _shard_over_a_subgroup() -> str:
         for name, param in ebc.named_parameters():
             for tensor, rows, cols in local_blocks(param):
                 close(tensor.grad, ref_params[name].grad[rows, cols], f"group rank {rank}: grad of {name}")
+        # Export to global rank 2 (group rank 1): shards travel between global ranks.
+        full = modular.checkpoint.export(ebc, rank=GROUP[1])
+        if dist.get_rank() == GROUP[1]:
+            want = ref.state_dict()
+            assert full.keys() == want.keys()
+            for key, value in want.items():
+                torch.testing.assert_close(full[key], value, atol=0, rtol=0, msg=key)
+        else:
+            assert full is None
     return "checked"
 
 

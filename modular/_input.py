@@ -28,6 +28,7 @@ class Problem(enum.IntEnum):
     ID_RANGE = 4
     WEIGHTS = 5
     BATCH_SIZE = 6
+    DEVICE = 7
 
     def summary(self) -> str:
         return {
@@ -37,6 +38,7 @@ class Problem(enum.IntEnum):
             Problem.ID_RANGE: "ids out of range",
             Problem.WEIGHTS: "bad per-sample weights",
             Problem.BATCH_SIZE: "a batch size that differs from the other ranks'",
+            Problem.DEVICE: "a batch on another device than the module",
         }.get(self, "no problem")
 
 
@@ -277,6 +279,14 @@ class Router:
         """Dtypes, and lengths and weights that agree with the values; in any feature order."""
         values, lengths = kjt.values(), kjt.lengths()
         nf = len(self.features)
+        if values.device != self.id_bound.device or lengths.device != self.id_bound.device:
+            return Rejection(
+                Problem.DEVICE,
+                -1,
+                f"module {self.module!r} is on {self.id_bound.device} but the batch's ids are on "
+                f"{values.device} and its lengths on {lengths.device}; move the batch with "
+                f"kjt.to({str(self.id_bound.device)!r})",
+            )
         if values.dtype not in (torch.int32, torch.int64) or lengths.dtype not in (
             torch.int32,
             torch.int64,

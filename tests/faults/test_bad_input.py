@@ -42,6 +42,8 @@ def _corrupt(kjt: KeyedJaggedTensor, problem: str, shuffled: bool) -> KeyedJagge
         lengths[kjt.keys().index("f_c") * BATCH + 1] = -1
     elif problem == "too_few_weights":
         weights = weights[:-1]
+    elif problem == "ids_on_meta":  # another device than the module's (no GPU here)
+        values = values.to("meta")
     else:
         raise ValueError(problem)
     return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths, weights=weights)
@@ -75,6 +77,7 @@ OWN_AND_PEER = {
     "too_few_ids": (r"module '': lengths sum to (\d+) but there are (\d+) ids; lengths must count the ids of each bag", "lengths that do not match the values"),
     "too_many_lengths": (r"module '': lengths sum to \d+ but there are \d+ ids", "lengths that do not match the values"),
     "negative_length": (r"feature 'f_c' \(table 't_mean'\) of module '' has length -1 for sample 1; lengths must count the ids of each bag", "lengths that do not match the values in feature 'f_c'"),
+    "ids_on_meta": (r"module '' is on cpu but the batch's ids are on meta and its lengths on cpu; move the batch with kjt\.to\('cpu'\)", "a batch on another device than the module"),
     "too_few_weights": (r"module '': (\d+) per-sample weights for (\d+) ids; a batch with weights needs one weight per id", "bad per-sample weights"),
 }
 

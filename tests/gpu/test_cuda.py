@@ -9,10 +9,12 @@ rank where there are enough GPUs, else gloo with every rank on GPU 0 (gloo moves
 through host memory, NCCL refuses two ranks on one GPU). `MODULAR_GPU_TEST_DEVICE=cpu` runs the
 same bodies on CPU gloo ranks, to check this file itself on a machine with no GPU.
 
-The bodies are those of tests/modular/test_fused.py with the device made explicit: fbgemm's CUDA
-kernels (fused SGD, Adagrad, row-wise Adagrad; dense gradients), the torch emulation of the odd
-widths fbgemm's CUDA kernels refuse (5 and 7), column pieces under row-wise Adagrad, data-parallel
-replicas, prefetch and a checkpoint round trip, against a torch reference in the same rank.
+The bodies are those of tests/modular/test_fused.py with the device made explicit and widths of
+16 and 32 (off CPU every shard must be a multiple of 4 columns, `_check_widths_off_cpu`): fbgemm's
+CUDA kernels (fused SGD, Adagrad, row-wise Adagrad; dense gradients), the torch emulation of
+column pieces under row-wise Adagrad and of data-parallel replicas (which must stay identical on
+every rank: CUDA's atomic adds make sums order-dependent), prefetch and a checkpoint round trip,
+against a torch reference in the same rank.
 Not yet run on a GPU (none has been lent to the project); on CPU they pass (83 s), and writing
 them found the interleaved kernel routes fixed in modular/_layout.py `build_layout`.
 """
@@ -33,10 +35,13 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.modular.cases import CASES, global_batch, local_blocks, make_batch, placements_for
-from tests.modular.test_fused import EPS, LR, STEPS, _ebc
+from tests.modular.test_fused import EPS, LR, STEPS, _tables
 
 DEVICE_KIND = os.environ.get("MODULAR_GPU_TEST_DEVICE", "cuda")
 ATOL = 1e-4  # GPU reductions reorder sums; the CPU tests hold 1e-5
@@ -104,6 +109,16 @@ def run_spawned(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
 
 
 # -- bodies ----------------------------------------------------------------------------------------
+
+
+def _ebc(weighted: bool = False, dims: tuple[int, ...] = (16, 32, 16, 32)) -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=dim,
+                           feature_names=c.feature_names, pooling=PoolingType.SUM if weighted else c.pooling)
+        for c, dim in zip(_tables(), dims)
+    ]  # fmt: skip
+    return EmbeddingBagCollection(tables=tables, is_weighted=weighted)
 
 
 class _Reference:
@@ -182,6 +197,11 @@ def _train(device: torch.device, case: str, optimizer: str, placements: dict | N
         if checkpoint is not None and step == 1:  # save, train on, then load: back to step 1's state
             modular.checkpoint.save(checkpoint, model, opt)
             saved = {n: [t.clone() for t, _, _ in local_blocks(p)] for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():  # replicas: the same bits on every rank
+        if not isinstance(p, ShardedTensor) and world > 1:
+            copies = [torch.empty_like(p) for _ in range(world)]
+            dist.all_gather(copies, p.detach().contiguous())
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{name}: replicas differ across ranks"
     full = dict(ref.ebc.named_parameters())
     state = opt.state_dict()["state"] if not optimizer.startswith("dense_") else {}
     for name, p in model.named_parameters():
@@ -253,3 +273,19 @@ def test_column_pieces_under_rowwise_adagrad_on_the_device(world: int) -> None:
 def test_weighted_prefetched_and_checkpointed_training_on_the_device(world: int, tmp_path: Path) -> None:
     results = run_spawned(world, _extras, str(tmp_path / "ckpt"))
     assert all(v["worst"] <= ATOL for r in results for v in r.values())
+
+
+def _odd_width(device: torch.device) -> str:
+    ebc = _ebc(dims=(16, 7, 16, 32))
+    plan = ShardingPlan(world_size=dist.get_world_size(), modules={"": placements_for("table_wise", ebc, dist.get_world_size())})
+    try:
+        modular.shard(ebc, plan, device=device)
+    except modular.ShardingError as e:
+        return str(e)
+    return "sharded"
+
+
+@pytest.mark.skipif(DEVICE_KIND != "cuda", reason="CPU kernels take any width")
+def test_a_width_fbgemm_cannot_take_is_refused_on_the_device() -> None:
+    for message in run_spawned(2, _odd_width):
+        assert "table 't_mean' of module '' has shards [7] columns wide" in message, message

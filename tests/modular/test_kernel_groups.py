@@ -4,6 +4,7 @@ every table of its pooling mode. Pure: one process."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -11,6 +12,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 import modular
 from modular._emulated import EmulatedFusedKernel
 from modular._kernels import FusedKernel
+from modular._layout import Layout, Pooling, TableInfo, build_layout
+from modular.embedding_bag import ShardingError, _check_widths_off_cpu
+from planners.types import ShardingType, TablePlacement
 from tests.modular.cases import close, make_batch
 
 
@@ -58,3 +62,20 @@ def test_widths_fbgemm_takes_stay_in_one_group() -> None:
     ebc = _ebc({"a": (8, PoolingType.SUM), "b": (4, PoolingType.SUM), "c": (16, PoolingType.SUM)})
     modular.fuse_optimizer(ebc, "exact_sgd", lr=0.5)
     assert _kernels(ebc) == [("FusedKernel", ("a", "b", "c"))]
+
+
+def _layout(dim: int, placement: TablePlacement) -> Layout:
+    tables = (TableInfo("t", 10, dim, ("f",), Pooling.SUM),)
+    shards = (placement.shards(num_embeddings=10, embedding_dim=dim, world_size=2, table="t"),)
+    return build_layout(tables, (placement,), shards, world_size=2, rank=0)
+
+
+def test_widths_fbgemm_cannot_take_are_refused_off_cpu() -> None:
+    # fbgemm's CUDA kernels read rows in blocks of 4 floats; on CPU modular emulates other widths.
+    cuda = torch.device("cuda")  # a device object needs no GPU
+    with pytest.raises(ShardingError, match=r"table 't' of module 'm' has shards \[7\] columns wide.*embedding_dim that is a multiple of 4"):
+        _check_widths_off_cpu(_layout(7, TablePlacement(ShardingType.TABLE_WISE, ranks=(1,))), "m", cuda)
+    cw = TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 1), sizes=(6, 10))
+    with pytest.raises(ShardingError, match=r"shards \[6, 10\] columns wide.*column sizes that are multiples of 4"):
+        _check_widths_off_cpu(_layout(16, cw), "m", cuda)
+    _check_widths_off_cpu(_layout(16, TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 1))), "m", cuda)

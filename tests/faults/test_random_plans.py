@@ -20,14 +20,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.cases import global_batch, local_blocks, make_batch
+from tests.modular.cases import global_batch, local_blocks, make_batch, state_error
 from tests.modular.test_fused import EPS, LR, _Reference
 
 CASES = int(os.environ.get("MODULAR_FUZZ_CASES", "25"))
@@ -148,13 +147,7 @@ def _train(case: Case) -> float:
         want = ref.state(name) if fused else None
         if want is None:
             continue
-        got = next(iter(state[name].values()))
-        if isinstance(got, ShardedTensor):
-            for s in got.local_shards():
-                where = tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))
-                worst = max(worst, close(s.tensor, want[where], f"{name} state"))
-        else:
-            worst = max(worst, close(got, want, f"{name} state"))
+        worst = max(worst, state_error(next(iter(state[name].values())), want, f"{name} state", close))
     return worst
 
 

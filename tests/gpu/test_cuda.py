@@ -40,8 +40,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
-from tests.modular.cases import CASES, global_batch, local_blocks, make_batch, placements_for
-from tests.modular.test_fused import EPS, LR, STEPS, _tables
+from tests.modular.cases import CASES, global_batch, local_blocks, make_batch, placements_for, state_error
+from tests.modular.test_fused import EPS, LR, STEPS, _Reference, _tables
 
 DEVICE_KIND = os.environ.get("MODULAR_GPU_TEST_DEVICE", "cuda")
 ATOL = 1e-4  # GPU reductions reorder sums; the CPU tests hold 1e-5
@@ -121,41 +121,6 @@ def _ebc(weighted: bool = False, dims: tuple[int, ...] = (16, 32, 16, 32)) -> Em
     return EmbeddingBagCollection(tables=tables, is_weighted=weighted)
 
 
-class _Reference:
-    """The unsharded EBC on `device` under the torch form of each optimizer."""
-
-    def __init__(self, ebc, optimizer: str, device: torch.device) -> None:
-        self.ebc = ebc
-        self.kind = optimizer
-        params = list(ebc.parameters())
-        self.opt = None
-        if optimizer in ("dense_sgd", "exact_sgd"):
-            self.opt = torch.optim.SGD(params, lr=LR)
-        elif optimizer in ("dense_adagrad", "exact_adagrad"):
-            self.opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
-        else:
-            self.row_sums = {n: torch.zeros(p.shape[0], device=device) for n, p in ebc.named_parameters()}
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if self.opt is not None:
-            self.opt.step()
-            self.opt.zero_grad()
-            return
-        for name, p in self.ebc.named_parameters():
-            g = p.grad
-            self.row_sums[name] += (g * g).mean(1)
-            p -= LR * g / (self.row_sums[name].sqrt() + EPS)[:, None]
-            p.grad = None
-
-    def state(self, name: str) -> torch.Tensor | None:
-        if self.kind.endswith("sgd"):
-            return None
-        if self.kind.endswith("adagrad") and self.kind != "exact_rowwise_adagrad":
-            return self.opt.state[dict(self.ebc.named_parameters())[name]]["sum"]
-        return self.row_sums[name]
-
-
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> float:
     assert actual.device == expected.device, f"{what}: on {actual.device}, expected {expected.device}"
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
@@ -166,7 +131,7 @@ def _train(device: torch.device, case: str, optimizer: str, placements: dict | N
            weighted: bool = False, prefetch: bool = False, checkpoint: str | None = None) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc(weighted)
-    ref = _Reference(copy.deepcopy(ebc).to(device), optimizer, device)
+    ref = _Reference(copy.deepcopy(ebc).to(device), optimizer.replace("dense_", "exact_"), device=device)
     plan = ShardingPlan(world_size=world, modules={"": placements or placements_for(case, ebc, world)})
     model = modular.shard(ebc, plan, device=device)
     if optimizer.startswith("dense_"):
@@ -211,13 +176,7 @@ def _train(device: torch.device, case: str, optimizer: str, placements: dict | N
         want = ref.state(name)
         if want is None or optimizer.startswith("dense_"):
             continue
-        got = next(iter(state[name].values()))
-        if isinstance(got, ShardedTensor):
-            for s in got.local_shards():
-                where = tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))
-                worst = max(worst, _close(s.tensor, want[where], f"{case} {name} state"))
-        else:
-            worst = max(worst, _close(got, want, f"{case} {name} state"))
+        worst = max(worst, state_error(next(iter(state[name].values())), want, f"{case} {name} state", _close))
     if checkpoint is not None:
         modular.checkpoint.load(checkpoint, model, opt)
         for name, p in model.named_parameters():

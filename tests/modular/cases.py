@@ -210,6 +210,18 @@ def close(actual: torch.Tensor | None, expected: torch.Tensor, what: str) -> flo
     return float((actual - expected).detach().abs().max()) if expected.numel() else 0.0
 
 
+def state_error(got: torch.Tensor, want: torch.Tensor, what: str, compare: Callable[..., float] = close) -> float:
+    """`compare`s one optimizer state entry (a ShardedTensor's local shards, or a plain tensor)
+    with the unsharded model's state `want`; returns the largest difference."""
+    if not isinstance(got, ShardedTensor):
+        return compare(got, want, what)
+    worst = 0.0
+    for s in got.local_shards():
+        where = tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))
+        worst = max(worst, compare(s.tensor, want[where], what))
+    return worst
+
+
 def local_blocks(param: torch.Tensor) -> list[tuple[torch.Tensor, slice, slice]]:
     """(tensor, rows, cols) of each piece of a table this rank holds: shards, or a full replica."""
     if isinstance(param, ShardedTensor):

@@ -18,7 +18,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.cases import CASES, close, global_batch, local_blocks, make_batch, placements_for
+from tests.modular.cases import CASES, close, global_batch, local_blocks, make_batch, placements_for, state_error
 
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
 LR, EPS, STEPS = 0.3, 1e-3, 5
@@ -51,7 +51,7 @@ def _ebc(weighted: bool = False) -> EmbeddingBagCollection:
 class _Reference:
     """The unsharded EBC trained with the torch equivalent of each fused optimizer."""
 
-    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str, weight_decay: float = 0.0) -> None:
+    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str, weight_decay: float = 0.0, device: torch.device | None = None) -> None:
         self.ebc = ebc
         self.kind = optimizer
         self.weight_decay = weight_decay
@@ -63,7 +63,7 @@ class _Reference:
             self.opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
         else:
             self.opt = None
-            self.row_sums = {n: torch.zeros(p.shape[0]) for n, p in ebc.named_parameters()}
+            self.row_sums = {n: torch.zeros(p.shape[0], device=device) for n, p in ebc.named_parameters()}
 
     @torch.no_grad()
     def step(self) -> None:
@@ -148,13 +148,7 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
         if want is None:
             assert state.get(name, {}) == {}
             continue
-        got = next(iter(state[name].values()))
-        pieces = got.local_shards() if isinstance(got, ShardedTensor) else None
-        if pieces is None:
-            worst = max(worst, close(got, want, f"{case} {name} state"))
-        for s in pieces or []:
-            where = tuple(slice(o, o + n) for o, n in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))
-            worst = max(worst, close(s.tensor, want[where], f"{case} {name} state"))
+        worst = max(worst, state_error(next(iter(state[name].values())), want, f"{case} {name} state"))
     return {"worst": worst}
 
 

@@ -1,6 +1,7 @@
 """One table of a sharded EBC, as the model sees it: its `weight` under the unsharded name.
 
-Also reads a torchrec EBC's tables (`table_infos`) and defines `ShardingError`.
+Also reads a torchrec EBC's tables (`table_infos`), refuses shard widths the device cannot
+take (`check_widths_off_cpu`) and defines `ShardingError`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from modular._layout import Pooling, TableInfo
+from modular._layout import Layout, Pooling, TableInfo, odd_width
+from planners.types import ShardingType
 
-__all__ = ["ShardedTable", "ShardingError", "table_infos"]
+__all__ = ["ShardedTable", "ShardingError", "check_widths_off_cpu", "table_infos"]
 
 
 class ShardingError(ValueError):
@@ -53,6 +55,29 @@ def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ..
             )
         )
     return tuple(infos)
+
+
+def check_widths_off_cpu(layout: Layout, module: str, device: torch.device) -> None:
+    """fbgemm's CUDA kernels read rows in blocks of 4 floats, so off CPU every shard must be a
+    multiple of 4 columns wide. On CPU, modular runs other widths through fbgemm's CPU kernel or
+    the torch emulation (Note [fused tables]); off CPU it has no kernel for them yet."""
+    for table, placement, shards in zip(layout.tables, layout.placements, layout.shards):
+        odd = sorted({s.num_cols for s in shards if odd_width(s.num_cols)})
+        if odd:
+            split_badly = placement.sharding_type is ShardingType.COLUMN_WISE and not odd_width(
+                table.embedding_dim
+            )
+            how = (
+                "choose column sizes that are multiples of 4 (TablePlacement(sizes=...); the "
+                "planner's are when the dim is)"
+                if split_badly
+                else "give the table an embedding_dim that is a multiple of 4"
+            )
+            raise ShardingError(
+                f"table {table.name!r} of module {module!r} has shards {odd} columns wide, which "
+                f"fbgemm's kernels on {device.type} cannot take (widths must be multiples of 4); "
+                f"{how}"
+            )
 
 
 class ShardedTable(nn.Module):

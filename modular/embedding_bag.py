@@ -25,13 +25,13 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
-from modular._tables import ShardedTable, ShardingError, table_infos
+from modular._tables import ShardedTable, ShardingError, check_widths_off_cpu, table_infos
 from modular._input import INT32_MAX, InputError, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
 from modular._arrival import Arrival
 from modular._kernels import DenseKernel, ShardView
-from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups, odd_width
+from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups
 from modular._lookups import batch_offsets
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
@@ -102,7 +102,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             rank=self._rank,
         )
         if device.type != "cpu":  # every rank raises alike, before any collective
-            _check_widths_off_cpu(self.layout, module, device)
+            check_widths_off_cpu(self.layout, module, device)
         self._router = Router(
             self.layout, module=module, is_weighted=self._is_weighted, device=device
         )
@@ -494,22 +494,3 @@ def _pool(
         start = end
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-
-def _check_widths_off_cpu(layout: Layout, module: str, device: torch.device) -> None:
-    """fbgemm's CUDA kernels read rows in blocks of 4 floats, so off CPU every shard must be a
-    multiple of 4 columns wide. On CPU, modular runs other widths through fbgemm's CPU kernel or
-    the torch emulation (Note [fused tables]); off CPU it has no kernel for them yet."""
-    for table, placement, shards in zip(layout.tables, layout.placements, layout.shards):
-        odd = sorted({s.num_cols for s in shards if odd_width(s.num_cols)})
-        if odd:
-            how = (
-                "choose column sizes that are multiples of 4 (TablePlacement(sizes=...); the "
-                "planner's are when the dim is)"
-                if placement.sharding_type is ShardingType.COLUMN_WISE and table.embedding_dim % 4 == 0
-                else "give the table an embedding_dim that is a multiple of 4"
-            )
-            raise ShardingError(
-                f"table {table.name!r} of module {module!r} has shards {odd} columns wide, which "
-                f"fbgemm's kernels on {device.type} cannot take (widths must be multiples of 4); "
-                f"{how}"
-            )

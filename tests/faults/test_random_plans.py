@@ -123,8 +123,10 @@ def _train(case: Case) -> float:
             opt = modular.fuse_optimizer(model, case.optimizer, lr=LR, eps=EPS)
         else:  # a rank holding no table has no parameter, which torch's optimizers refuse
             params = modular.local_parameters(model) or [torch.nn.Parameter(torch.zeros(0))]
-            kind = torch.optim.SGD if case.optimizer == "dense_sgd" else torch.optim.Adagrad
-            opt = kind(params, lr=LR) if kind is torch.optim.SGD else kind(params, lr=LR, eps=EPS)
+            if case.optimizer == "dense_sgd":
+                opt = torch.optim.SGD(params, lr=LR)
+            else:
+                opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
     worst = 0.0
     for step in range(STEPS):
         size = 1 + (case.seed + step) % 4  # every rank the same (modular needs it), steps differ

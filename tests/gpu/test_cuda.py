@@ -10,11 +10,12 @@ through host memory, NCCL refuses two ranks on one GPU). `MODULAR_GPU_TEST_DEVIC
 same bodies on CPU gloo ranks, to check this file itself on a machine with no GPU.
 
 The bodies are those of tests/modular/test_fused.py with the device made explicit and widths of
-16 and 32 (off CPU every shard must be a multiple of 4 columns, `_check_widths_off_cpu`): fbgemm's
-CUDA kernels (fused SGD, Adagrad, row-wise Adagrad; dense gradients), the torch emulation of
-column pieces under row-wise Adagrad and of data-parallel replicas (which must stay identical on
-every rank: CUDA's atomic adds make sums order-dependent), prefetch and a checkpoint round trip,
-against a torch reference in the same rank.
+16 and 32 (off CPU every shard must be a multiple of 4 columns: `check_widths_off_cpu` in
+modular/_tables.py): fbgemm's CUDA kernels (fused SGD, Adagrad, row-wise Adagrad; dense
+gradients), the torch emulation of column pieces under row-wise Adagrad and of data-parallel
+replicas (which must stay identical on every rank: CUDA's atomic adds make sums
+order-dependent), prefetch and a checkpoint round trip, against a torch reference in the same
+rank.
 Not yet run on a GPU (none has been lent to the project); on CPU they pass (83 s), and writing
 them found the interleaved kernel routes fixed in modular/_layout.py `build_layout`.
 """

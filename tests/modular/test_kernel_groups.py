@@ -13,7 +13,7 @@ import modular
 from modular._emulated import EmulatedFusedKernel
 from modular._kernels import FusedKernel
 from modular._layout import Layout, Pooling, TableInfo, build_layout
-from modular.embedding_bag import ShardingError, _check_widths_off_cpu
+from modular._tables import ShardingError, check_widths_off_cpu
 from planners.types import ShardingType, TablePlacement
 from tests.modular.cases import close, make_batch
 
@@ -74,8 +74,8 @@ def test_widths_fbgemm_cannot_take_are_refused_off_cpu() -> None:
     # fbgemm's CUDA kernels read rows in blocks of 4 floats; on CPU modular emulates other widths.
     cuda = torch.device("cuda")  # a device object needs no GPU
     with pytest.raises(ShardingError, match=r"table 't' of module 'm' has shards \[7\] columns wide.*embedding_dim that is a multiple of 4"):
-        _check_widths_off_cpu(_layout(7, TablePlacement(ShardingType.TABLE_WISE, ranks=(1,))), "m", cuda)
+        check_widths_off_cpu(_layout(7, TablePlacement(ShardingType.TABLE_WISE, ranks=(1,))), "m", cuda)
     cw = TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 1), sizes=(6, 10))
     with pytest.raises(ShardingError, match=r"shards \[6, 10\] columns wide.*column sizes that are multiples of 4"):
-        _check_widths_off_cpu(_layout(16, cw), "m", cuda)
-    _check_widths_off_cpu(_layout(16, TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 1))), "m", cuda)
+        check_widths_off_cpu(_layout(16, cw), "m", cuda)
+    check_widths_off_cpu(_layout(16, TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 1))), "m", cuda)

@@ -137,19 +137,20 @@ class EmulatedFusedKernel:
         per kernel, the same order on every rank). Sends only the touched rows, not the table."""
         device = self._placeholder.device
         counts = torch.tensor([0 if g is None else g.rows.numel() for g in grads], device=device)
-        all_counts = all_gather(counts, group=group, world=world, what="a replica's row counts")
+        # The only read back from the device: every rank's row counts, once.
+        all_counts = all_gather(counts, group=group, world=world, what="a replica's row counts").tolist()
         rows_mine = [g.rows for g in grads if g is not None]
         vals_mine = [g.grad.reshape(-1) for g in grads if g is not None]
-        cols = torch.tensor([c for _, c in self.sizes], device=device)
-        row_total = all_counts.sum(1)
-        val_total = (all_counts * cols).sum(1)
-        rows_all = all_gather_padded(rows_mine, int(row_total.max()), group, world, torch.int64, device)
-        vals_all = all_gather_padded(vals_mine, int(val_total.max()), group, world, torch.float32, device)
+        cols = [c for _, c in self.sizes]
+        row_splits = all_counts  # per rank, per table
+        val_splits = [[n * c for n, c in zip(per_table, cols)] for per_table in all_counts]
+        row_total = [sum(x) for x in row_splits]
+        val_total = [sum(x) for x in val_splits]
+        rows_all = all_gather_padded(rows_mine, max(row_total), group, world, torch.int64, device)
+        vals_all = all_gather_padded(vals_mine, max(val_total), group, world, torch.float32, device)
         out: list[Optional[RowGrad]] = []
-        per_rank_rows = [r[: int(n)].split(c.tolist()) for r, n, c in zip(rows_all, row_total, all_counts)]
-        per_rank_vals = [
-            v[: int(n)].split((c * cols).tolist()) for v, n, c in zip(vals_all, val_total, all_counts)
-        ]
+        per_rank_rows = [r[:n].split(c) for r, n, c in zip(rows_all, row_total, row_splits)]
+        per_rank_vals = [v[:n].split(c) for v, n, c in zip(vals_all, val_total, val_splits)]
         for t, (_, width) in enumerate(self.sizes):
             ids = torch.cat([per_rank_rows[r][t] for r in range(world)])
             if ids.numel() == 0:

@@ -125,7 +125,7 @@ class Router:
         for n in self.routes_per_rank:
             ends.append(ends[-1] + n)
         self.rank_route_ends = torch.tensor(ends, **as_long)
-        self._permutations: dict[tuple[str, ...], torch.Tensor] = {}
+        self._permutations: dict[tuple[str, ...], Permutation] = {}
 
         # Row-split outputs ("bucketed slots"), each with its shards in row order.
         slot_of_output: dict[int, int] = {}
@@ -236,9 +236,8 @@ class Router:
             return rejection, None
         perm = self._permutations.get(keys)
         if perm is None:
-            perm = torch.tensor([keys.index(f) for f in self.features], dtype=torch.int32)
-            self._permutations[keys] = perm
-        return None, _permute(kjt, perm.to(kjt.values().device))
+            perm = self._permutations[keys] = Permutation([keys.index(f) for f in self.features])
+        return None, _permute(kjt, perm)
 
     def check_and_route(
         self, kjt: KeyedJaggedTensor
@@ -466,18 +465,34 @@ class Router:
         )
 
 
-def _permute(kjt: KeyedJaggedTensor, perm: torch.Tensor) -> KeyedJaggedTensor:
+class Permutation:
+    """A feature order for `_permute`: the host list, and its int32 tensor per device, made once,
+    so that permuting a batch off the CPU reads nothing back from the device and copies nothing
+    to it."""
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = list(order)
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = torch.tensor(self.order, dtype=torch.int32, device=device)
+        return t
+
+
+def _permute(kjt: KeyedJaggedTensor, perm: Permutation) -> KeyedJaggedTensor:
     """Selects a KJT's features in the order of `perm` (fbgemm's segment permutation, weights
     included). `perm` may repeat a feature: a feature read by two data-parallel tables is looked
     up once per table."""
     batch = kjt.stride()
     lengths = kjt.lengths().view(len(kjt.keys()), batch)
-    order = perm.tolist()
+    order = perm.order
     # The output has as many ids as the input only for a true permutation; otherwise fbgemm must
     # sum the selected lengths (telling it the input's count overruns its output buffer).
     total = kjt.values().numel() if sorted(order) == list(range(len(kjt.keys()))) else None
     new_lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-        perm, lengths, kjt.values(), kjt.weights_or_none(), total
+        perm.on(lengths.device), lengths, kjt.values(), kjt.weights_or_none(), total
     )
     keys = [kjt.keys()[i] for i in order]
     return KeyedJaggedTensor(

@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
 from modular._tables import ShardedTable, ShardingError, check_widths_off_cpu, table_infos
-from modular._input import INT32_MAX, InputError, Problem, Rejection, Router, _permute
+from modular._input import INT32_MAX, InputError, Permutation, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
 from modular._arrival import Arrival
@@ -115,9 +115,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self._local_kernels = [
             self._make_kernel(g, fused, cw_rowwise, True) for g in self._local_groups
         ]
-        self._local_features = torch.tensor(
-            [r.feature for r in self.layout.local], dtype=torch.int32, device=device
-        )
+        self._local_features = Permutation([r.feature for r in self.layout.local])
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
         self._recv_buffers = KeptBuffers()  # Note [kept receive buffers]
@@ -346,7 +344,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     def _received(self, kjt, lengths, values, weights, batch) -> Received:
         local = None
         if self.layout.local:
-            local = _permute(kjt, self._local_features.to(kjt.values().device))
+            local = _permute(kjt, self._local_features)
         return Received(
             batch_size=batch,
             lengths=lengths.reshape(-1, self._world * batch),
@@ -479,11 +477,15 @@ def _pool(
 ) -> torch.Tensor:
     """Runs each kernel on its consecutive routes' slice of one (values, offsets) batch, where
     every route holds `bags_per_route` bags; the kernels' pooled outputs side by side."""
-    outs, start = [], 0
+    if len(kernels) == 1:  # the whole batch (its offsets start at 0 and end at its last id)
+        return kernels[0](values, offsets, weights)
+    ends = [0]
     for kernel in kernels:
-        end = start + len(kernel.group.routes)
-        lo, hi = start * bags_per_route, end * bags_per_route
-        v0, v1 = int(offsets[lo]), int(offsets[hi])
+        ends.append(ends[-1] + len(kernel.group.routes) * bags_per_route)
+    # Where each kernel's ids start and end: one read from the device for all kernels.
+    cuts = offsets[torch.tensor(ends, device=offsets.device)].tolist()
+    outs = []
+    for kernel, lo, hi, v0, v1 in zip(kernels, ends, ends[1:], cuts, cuts[1:]):
         outs.append(
             kernel(
                 values[v0:v1],
@@ -491,6 +493,5 @@ def _pool(
                 None if weights is None else weights[v0:v1],
             )
         )
-        start = end
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=1)
 

@@ -208,6 +208,19 @@ def collective_device(group: Optional[ProcessGroup]) -> torch.device:
     """The device of the tensors `group`'s collectives take: the current CUDA device where the
     group runs NCCL ("nccl", or "cpu:gloo,cuda:nccl" from `init_process_group()` with no
     backend on a GPU machine), else the CPU (gloo)."""
-    if "nccl" in dist.get_backend_config(group):
+    if backend_for("cuda", dist.get_backend_config(group)) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def backend_for(device_type: str, config: str) -> Optional[str]:
+    """The backend a process group runs `device_type`'s collectives on, from its backend config:
+    "gloo" (every device), or "cpu:gloo,cuda:nccl" as `init_process_group()` with no backend
+    makes; None if it has none for that device."""
+    if ":" not in config:
+        return config
+    for pair in config.split(","):
+        device, _, backend = pair.partition(":")
+        if device.strip() == device_type:
+            return backend.strip()
+    return None

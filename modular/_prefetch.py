@@ -25,7 +25,8 @@ runs input dist itself. The batch is the prefetching rank's own: each rank prefe
 batch, every rank in the same order (prefetch is collective, like forward). Do not change a KJT's
 tensors after prefetching it.
 
-The background thread overlaps on CPU modules over a gloo group that spans the world; elsewhere
+The background thread overlaps on CPU modules over a group that spans the world and runs its CPU
+collectives on gloo ("gloo", or `init_process_group()` with no backend); elsewhere
 (NCCL on CUDA, where a second stream would be needed, or a module on a subgroup) `prefetch` runs
 the input dist at once on the module's group, which is correct but does not overlap. On CPU it
 pays when each rank is pinned to its own cores: unpinned, the background thread and gloo's threads
@@ -43,7 +44,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular._comm import KeptBuffers
+from modular._comm import KeptBuffers, backend_for
 
 if TYPE_CHECKING:
     from modular.embedding_bag import Received, ShardedEmbeddingBagCollection
@@ -143,12 +144,13 @@ def _side_group(
 ) -> Optional[tuple[ProcessGroup, ThreadPoolExecutor]]:
     """The background group and thread for `module`'s process group, made on first use; None
     where prefetching does not overlap: a one-process module, a device other than the CPU, a
-    backend other than gloo, or a process group smaller than the world (a new group is a
-    collective of the whole world, which the ranks outside it would not join)."""
+    group whose CPU collectives do not run on gloo, or a process group smaller than the world (a
+    new group is a collective of the whole world, which the ranks outside it would not join)."""
     if module.is_local or module.device.type != "cpu":
         return None
     pg = module.process_group if module.process_group is not None else dist.group.WORLD
-    if dist.get_backend(pg) != dist.Backend.GLOO or dist.get_world_size(pg) != dist.get_world_size():
+    cpu_backend = backend_for("cpu", dist.get_backend_config(pg))
+    if cpu_backend != dist.Backend.GLOO or dist.get_world_size(pg) != dist.get_world_size():
         return None
     side = _SIDE_GROUPS.get(pg)
     if side is None:

@@ -173,3 +173,53 @@ def test_prefetch_needs_a_sharded_model_and_a_kjt() -> None:
     ebc = modular.ShardedEmbeddingBagCollection.unsharded(make_ebc(False), module="")
     with pytest.raises(TypeError, match="takes a KeyedJaggedTensor, got dict"):
         modular.prefetch(ebc, {})
+
+
+@pytest.mark.parametrize(
+    "config, device_type, backend",
+    [
+        ("gloo", "cpu", "gloo"),
+        ("nccl", "cuda", "nccl"),
+        ("cpu:gloo,cuda:nccl", "cpu", "gloo"),  # init_process_group() with no backend, on a GPU machine
+        ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+        ("cpu:gloo", "cpu", "gloo"),  # ... on a CPU-only machine
+        ("cpu:gloo", "cuda", None),
+    ],
+)
+def test_backend_for_reads_the_groups_backend_config(config: str, device_type: str, backend) -> None:
+    from modular._comm import backend_for
+
+    assert backend_for(device_type, config) == backend
+
+
+def _overlaps_under_config(config: str) -> bool:
+    """Whether prefetch overlaps for a module whose group reports `config` as its backend config
+    (what `init_process_group()` with no backend reports), and one prefetched step still matches."""
+    import modular._prefetch as prefetch_module
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world))
+    real = prefetch_module.dist.get_backend_config, prefetch_module.dist.get_backend
+    # What torch reports for such a group: its backend "undefined" when the config names one
+    # per device.
+    prefetch_module.dist.get_backend_config = lambda group=None: config
+    prefetch_module.dist.get_backend = lambda group=None: "undefined" if ":" in config else config
+    try:
+        batches = rank_batches(ref, world, 0)
+        modular.prefetch(ebc, batches[rank])
+        overlaps = ebc._prefetcher.overlaps
+    finally:
+        prefetch_module.dist.get_backend_config, prefetch_module.dist.get_backend = real
+    out = ebc(batches[rank]).values()
+    close(out, ref(global_batch(batches)).values()[rank * BATCH : (rank + 1) * BATCH], f"{config}: output")
+    return overlaps
+
+
+@pytest.mark.timeout(60)
+def test_a_world_made_without_a_backend_prefetches_in_the_background() -> None:
+    # `init_process_group()` with no backend reports "undefined" from get_backend but runs CPU
+    # collectives on gloo: prefetch must overlap there as it does for "gloo", and not for NCCL.
+    assert run_on_ranks(2, _overlaps_under_config, "cpu:gloo,cuda:nccl", timeout=TIMEOUT_S) == [True, True]
+    assert run_on_ranks(2, _overlaps_under_config, "cpu:gloo", timeout=TIMEOUT_S) == [True, True]
+    assert run_on_ranks(2, _overlaps_under_config, "nccl", timeout=TIMEOUT_S) == [False, False]

@@ -4,6 +4,7 @@
     python benchmarks/step_time.py --plans rw --optimizers fused --steps 10
     python benchmarks/step_time.py --profile rw:fused               # where our step spends time
     python benchmarks/step_time.py --plans mix --optimizers fused   # column pieces beside tables
+    python benchmarks/step_time.py --plans tw --optimizers fused --cpu  # CPU time per thread kind
 
 For each (plan, optimizer) the ranks build one model per contender from the same weights and
 time, on the same synthetic batches, alternating blocks of steps:
@@ -82,6 +83,7 @@ class Config:
     warmup: int
     profile: Optional[str]
     torchrec: bool
+    cpu: bool = False
     pin: bool = True
 
 
@@ -416,6 +418,8 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
         _time_block(step, kjts, cfg.warmup, 0)
     if cfg.profile == f"{plan}:{opt_kind}":
         _profile(rank, contenders["ours"], kjts, cfg)
+    if cfg.cpu:
+        _cpu_breakdown(rank, contenders, kjts, cfg, f"{plan}/{opt_kind}")
     times: dict[str, list[float]] = {name: [] for name in contenders}
     per_block = max(1, cfg.steps // cfg.blocks)
     for b in range(cfg.blocks):
@@ -443,6 +447,61 @@ def _profile(rank: int, step: Callable, kjts, cfg: Config) -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(35)
         print(f"\n== cProfile, ours, {cfg.profile}, 5 steps, rank 0 ==\n{s.getvalue()}", flush=True)
+
+
+def _thread_cpu() -> dict[int, tuple[str, int]]:
+    """Per thread of this process: its name and the CPU time it has run, in ns (Linux
+    schedstat, exact, unlike the tick-sampled utime/stime)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = (name, int(f.read().split()[0]))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def _cpu_breakdown(rank: int, contenders: dict, kjts, cfg: Config, case: str) -> None:
+    """Where each sharded contender's CPU goes, per step on rank 0: its main thread, its other
+    Python threads (our prefetch thread, TorchRec's pipeline), gloo's threads (the TCP loop and
+    the process group's work threads) and anything else; busy = CPU / wall. With one core per
+    rank, a step whose busy share is near 100% can only get faster by doing less work."""
+    if not os.path.isdir("/proc/self/task"):
+        if rank == 0:
+            print("--cpu needs Linux's /proc/self/task; skipped", flush=True)
+        return
+    main = __import__("threading").get_native_id()
+    n = max(cfg.steps, 10)
+    rows = []
+    for name in ("ours", "prefetch", "torchrec", "pipeline"):
+        if name not in contenders:
+            continue
+        dist.barrier()
+        before, t0 = _thread_cpu(), time.perf_counter()
+        _time_block(contenders[name], kjts, n, 0)
+        wall, after = time.perf_counter() - t0, _thread_cpu()
+        kinds = {"main": 0, "python threads": 0, "gloo": 0, "other": 0}
+        for tid, (thread, ns) in after.items():
+            used = ns - before.get(tid, (thread, 0))[1]
+            if tid == main:
+                kinds["main"] += used
+            elif thread.startswith(("python", "modular")):
+                kinds["python threads"] += used
+            elif "gloo" in thread:
+                kinds["gloo"] += used
+            else:
+                kinds["other"] += used
+        total = sum(kinds.values())
+        rows.append((name, wall / n * 1e3, total / n / 1e6, total / 1e9 / wall, kinds))
+    if rank == 0:
+        print(f"\n{case}: CPU per step on rank 0, ms ({n} steps; busy = CPU / wall)", flush=True)
+        print(f"  {'':10} {'wall':>6} {'cpu':>6} {'busy':>5} " + " ".join(f"{k:>14}" for k in rows[0][4]))
+        for name, wall_ms, cpu_ms, busy, kinds in rows:
+            cells = " ".join(f"{v / n / 1e6:14.2f}" for v in kinds.values())
+            print(f"  {name:10} {wall_ms:6.1f} {cpu_ms:6.1f} {busy:5.0%} {cells}", flush=True)
 
 
 def _worker(rank: int, cfg: Config, port: int) -> None:
@@ -589,12 +648,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--profile", default=None, help="plan:optimizer to profile ours on, e.g. rw:fused")
     p.add_argument("--no-torchrec", action="store_true")
     p.add_argument("--no-pin", action="store_true", help="let the OS move ranks between cores")
+    p.add_argument("--cpu", action="store_true", help="print each sharded contender's CPU per step by thread kind")
     a = p.parse_args(argv)
     cfg = Config(
         tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
         world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
-        torchrec=not a.no_torchrec, pin=not a.no_pin,
+        torchrec=not a.no_torchrec, pin=not a.no_pin, cpu=a.cpu,
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 

@@ -1,4 +1,4 @@
-"""benchmarks/step_time.py's target lines: which cases meet issue 7's ratios (pure, no ranks)."""
+"""benchmarks/step_time.py's pure helpers: which cases meet issue 7's ratios, per-thread CPU (no ranks)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import importlib.util
 import os
 import pathlib
 import sys
+import threading
+import time
 from types import SimpleNamespace
+
+import pytest
 
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
 _spec = importlib.util.spec_from_file_location("step_time", _PATH)
@@ -43,3 +47,16 @@ def test_without_torchrec_or_on_other_world_sizes_only_what_applies() -> None:
         "target ours / (floor + dense) <= 1.5: met by 1 of 1",
         "target ours + prefetch / (floor + dense) <= 1.5: met by 1 of 1",
     ]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux's per-thread schedstat")
+def test_thread_cpu_charges_a_busy_thread_and_names_it() -> None:
+    me = threading.get_native_id()
+    before = step_time._thread_cpu()
+    start = time.thread_time()
+    while time.thread_time() - start < 0.03:  # 30 ms of this thread's own CPU
+        pass
+    after = step_time._thread_cpu()
+    used_ms = (after[me][1] - before[me][1]) / 1e6
+    assert 25 <= used_ms < 1000, used_ms
+    assert after[me][0]  # the thread's name (/proc comm), which --cpu groups threads by

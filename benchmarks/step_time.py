@@ -45,6 +45,7 @@ import pstats
 import socket
 import statistics
 import sys
+import threading
 import time
 import warnings
 from typing import Callable, Optional
@@ -473,7 +474,7 @@ def _cpu_breakdown(rank: int, contenders: dict, kjts, cfg: Config, case: str) ->
         if rank == 0:
             print("--cpu needs Linux's /proc/self/task; skipped", flush=True)
         return
-    main = __import__("threading").get_native_id()
+    main = threading.get_native_id()
     n = max(cfg.steps, 10)
     rows = []
     for name in ("ours", "prefetch", "torchrec", "pipeline"):

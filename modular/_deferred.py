@@ -175,14 +175,10 @@ class RowStatsFusedKernel(DeferredFusedKernel):
 
     def _table_ids(self, batch: Lookup) -> list[torch.Tensor]:
         """Each kernel table's ids in `batch`, route after route."""
-        routes = len(self.group.routes)
-        per_route = (batch.offsets.numel() - 1) // routes
-        if per_route == 0:  # no bags: no ids
-            return [batch.indices[:0]] * len(self.sizes)
-        bounds = batch.offsets[::per_route].tolist()
+        cuts = batch.route_slices(len(self.group.routes))
         out = []
         for mine in self._routes_of:
-            pieces = [batch.indices[bounds[r] : bounds[r + 1]] for r in mine]
+            pieces = [batch.indices[cuts[r]] for r in mine]
             out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
         return out
 

@@ -31,6 +31,13 @@ class Lookup(NamedTuple):
         gradient and offsets of the ids' dtype."""
         return cls(grad_out.contiguous(), indices, offsets.to(indices.dtype), weights)
 
+    def route_slices(self, routes: int) -> list[slice]:
+        """Where each of the batch's `routes` routes (equal bag counts, route-major) has its ids
+        in `indices` (and `weights`): one read of the offsets."""
+        bags = (self.offsets.numel() - 1) // routes
+        bounds = self.offsets[::bags].tolist() if bags else [0] * (routes + 1)
+        return [slice(bounds[r], bounds[r + 1]) for r in range(routes)]
+
 
 def batch_offsets(lengths: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A TBE batch's ids and its bags' offsets, in one dtype: the ids' (int32 mostly), or int64
@@ -47,12 +54,12 @@ def merge_lookups(pending: list[Lookup], routes: int) -> Lookup:
     weighted = pending[0].weights is not None
     ids, weights, lengths = [], [], []
     for p in pending:
+        cuts = p.route_slices(routes)
         bags = (p.offsets.numel() - 1) // routes
-        bounds = p.offsets[::bags].tolist() if bags else [0] * (routes + 1)
         lengths.append((p.offsets[1:] - p.offsets[:-1]).view(routes, bags))
-        ids.append([p.indices[bounds[f] : bounds[f + 1]] for f in range(routes)])
+        ids.append([p.indices[c] for c in cuts])
         if weighted:
-            weights.append([p.weights[bounds[f] : bounds[f + 1]] for f in range(routes)])
+            weights.append([p.weights[c] for c in cuts])
     indices = torch.cat([seg[f] for f in range(routes) for seg in ids])
     merged_weights = (
         torch.cat([seg[f] for f in range(routes) for seg in weights]) if weighted else None

@@ -494,4 +494,3 @@ def _pool(
             )
         )
     return torch.cat(outs, dim=1)
-

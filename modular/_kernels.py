@@ -46,6 +46,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     DenseTableBatchedEmbeddingBagsCodegen,
 )
 from torch.distributed import ProcessGroup
+from torch.optim.optimizer import _foreach_supported_types as optimizer_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as utils_foreach_types
 
 from modular._comm import raise_failed
 from modular._layout import KernelGroup, Pooling
@@ -115,6 +117,20 @@ class ShardView(torch.nn.Parameter):
 
 def _rebuild_plain(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+# Note [ShardView and foreach]
+# torch's optimizers take their multi-tensor (foreach) or fused kernels only when every parameter's
+# type is in a registry, and fall back to one kernel launch per tensor per op otherwise, for the
+# whole optimizer: one ShardView among an Adam's dense parameters would make the dense tower's
+# update on a GPU the slow loop too. A ShardView's data is a plain strided slice of its kernel's
+# buffer (no __torch_function__ of its own) and its `.grad` a plain slice of the gradient, so the
+# foreach and fused kernels treat it as the tensor it is. It is registered the way torch registers
+# DTensor (torch/distributed/tensor/__init__.py). tests/modular/test_dense_grads.py checks that a
+# foreach Adam over shard views updates them exactly like the per-tensor loop.
+for _registry in (optimizer_foreach_types, utils_foreach_types):
+    if ShardView not in _registry:
+        _registry.append(ShardView)
 
 
 def dense_tbe(

@@ -15,7 +15,16 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.cases import BATCH, close, global_batch, local_blocks, make_ebc, plan_for, rank_batches
+from tests.modular.cases import (
+    BATCH,
+    close,
+    global_batch,
+    local_blocks,
+    make_batch,
+    make_ebc,
+    plan_for,
+    rank_batches,
+)
 
 
 def _backward(ebc, ref, step: int) -> None:
@@ -115,3 +124,36 @@ def test_setting_one_shard_gradient_keeps_its_kernel_neighbours_consistent() -> 
     assert torch.equal(views[0].grad, torch.full_like(views[0], 2.0))
     assert all(not v.grad.any() for v in views[1:])
     assert all(v.grad is None for v in others)  # another kernel's buffer is untouched
+
+
+def test_foreach_adam_updates_shard_views_like_the_per_tensor_loop(monkeypatch) -> None:
+    # Note [ShardView and foreach]: one process, no process group. Two copies of one model, the
+    # same two steps, Adam with foreach on one and the per-tensor loop on the other.
+    import torch.optim.optimizer as optimizer_module
+
+    def trained(foreach: bool) -> list[torch.Tensor]:
+        ebc = modular.ShardedEmbeddingBagCollection.unsharded(make_ebc(False), module="")
+        params = modular.local_parameters(ebc)
+        opt = torch.optim.Adam(params, lr=0.1, foreach=foreach)
+        for step in range(2):
+            opt.zero_grad()
+            pooled = ebc(make_batch(ebc, seed=step)).values()
+            (pooled * torch.linspace(-1, 1, pooled.shape[1])).square().sum().backward()
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    before = [p.detach().clone() for p in modular.local_parameters(
+        modular.ShardedEmbeddingBagCollection.unsharded(make_ebc(False), module="")
+    )]
+    looped, fast = trained(False), trained(True)
+    assert len(looped) == len(fast) == len(before) > 1
+    assert all(not torch.equal(a, b) for a, b in zip(looped, before))  # every table trained
+    for a, b in zip(fast, looped):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), float((a - b).abs().max())
+    # Where a device has foreach kernels (CUDA), shard views no longer turn them off.
+    monkeypatch.setattr(optimizer_module, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    views = modular.local_parameters(
+        modular.ShardedEmbeddingBagCollection.unsharded(make_ebc(False), module="")
+    )
+    mixed = views + [torch.nn.Parameter(torch.ones(2))]
+    assert optimizer_module._default_to_fused_or_foreach(mixed, False) == (False, True)

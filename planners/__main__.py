@@ -33,11 +33,17 @@ Exit codes: 0 ok, 1 no plan fits (the message names the tables and the ways out)
 
 
 def _bandwidth(text: str) -> float:
-    return float(parse_bytes(text, "bandwidth"))
+    try:
+        return float(parse_bytes(text, "bandwidth"))
+    except PlanError as e:  # argparse shows an ArgumentTypeError's own text, not the type's name
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _bytes(text: str) -> int:
-    return parse_bytes(text, "memory size")
+    try:
+        return parse_bytes(text, "memory size")
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:

@@ -30,10 +30,12 @@ def tables_from_model(
         tables = tables_from_model(model, pooling_factors={"user_history": 40.0})
 
     The model may live on `meta`: only the EBC configs are read. Pooling factors are not in the
-    configs, so each feature gets `pooling_factors[feature]` or 1.0.
+    configs, so each feature gets `pooling_factors[feature]` or 1.0; a key that is no feature of
+    the model raises PlanError (a typo would otherwise price the feature at 1.0).
     """
     pooling_factors = dict(pooling_factors or {})
     found: dict[str, tuple[Table, ...]] = {}
+    features: set[str] = set()
     for fqn, module in model.named_modules():
         inside_found = any(not f or fqn.startswith(f + ".") for f in found)  # an EBC's children
         if not _is_ebc(module) or (fqn and inside_found):
@@ -51,12 +53,24 @@ def tables_from_model(
             )
             for cfg in module.embedding_bag_configs()
         )
+        features.update(f for table in found[fqn] for f in table.features)
+    unknown = sorted(set(pooling_factors) - features)
+    if found and unknown:
+        raise PlanError(
+            f"pooling_factors names feature(s) {unknown} that no EmbeddingBagCollection of "
+            f"{type(model).__name__} looks up; its features are {_some(sorted(features))}"
+        )
     if not found:
         raise PlanError(
             f"{type(model).__name__} has no EmbeddingBagCollection (no submodule with "
             "embedding_bag_configs()); pass a list of planners.Table instead"
         )
     return found
+
+
+def _some(names: list[str], shown: int = 12) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(repr(n) for n in names[:shown]) + more
 
 
 def as_table_set(tables: TablesLike, module_fqn: str = "") -> TableSet:

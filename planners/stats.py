@@ -146,12 +146,20 @@ def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.3f} ms"
 
 
-def validate_plan(plan: ShardingPlan, table_set: TableSet, topology: Topology) -> None:
+def validate_plan(
+    plan: ShardingPlan, tables: TablesLike, topology: Topology, *, module_fqn: str = ""
+) -> None:
     """Raises PlanError unless `plan` places every table exactly once on this topology.
+
+        validate_plan(plan, tables, Topology(8))   # tables: as `plan` takes them, or a model
 
     Checks: world sizes agree; every table has a placement and the plan has no others; shards
     cover every row and column exactly (TablePlacement.shards); table-row-wise stays on a host.
     """
+    _validate(plan, as_table_set(tables, module_fqn), topology)
+
+
+def _validate(plan: ShardingPlan, table_set: TableSet, topology: Topology) -> None:
     if plan.world_size != topology.world_size:
         raise PlanError(
             f"the plan is for {plan.world_size} ranks but the topology has "
@@ -248,7 +256,7 @@ def stats_for(
 ) -> PlanStats:
     """`plan_stats` for callers that already hold the flattened tables and the bound."""
     topology = model.topology
-    validate_plan(plan, table_set, topology)
+    _validate(plan, table_set, topology)
     comp, mem, held = evaluate(plan, table_set, model)
     ranks = tuple(
         RankStats(

@@ -111,6 +111,17 @@ def test_missing_file_and_bad_constraints(tmp_path, capsys):
     assert code == 2 and "c.yaml:2: constraint for 't_cat_0': unknown sharding type 'sideways'" in err
 
 
+@pytest.mark.parametrize("flag,value,what", [("--device-memory", "lots", "memory size"),
+                                             ("--memory-bandwidth", "-1", "bandwidth")])  # fmt: skip
+def test_bad_byte_flags_say_what_a_byte_count_looks_like(capsys, flag, value, what):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", CRITEO, "--world-size", "2", "--batch-size", "8", flag, value])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert f"argument {flag}: {what} must be a byte count like '80GiB'" in err, err
+    assert f"got {value!r}" in err and "invalid" not in err
+
+
 def test_no_plan_exits_1_with_the_explanation(capsys):
     code, out, err = run(capsys, "plan", CRITEO, "--world-size", "1", "--device-memory", "16GiB",
                          "--batch-size", "512")  # fmt: skip

@@ -182,6 +182,10 @@ def test_model_on_meta_is_read_by_ebc_fqn():
             self.dense = torch.nn.Linear(4, 4, device="meta")
 
     model = Model()
+    with pytest.raises(PlanError, match=r"pooling_factors names feature\(s\) \['cat'\] that no "
+                       r"EmbeddingBagCollection of Model looks up; its features are 'item_cat', "
+                       r"'item_id', 'user_id'"):  # fmt: skip
+        planners.tables_from_model(model, pooling_factors={"cat": 5.0, "item_id": 2.0})
     tables = planners.tables_from_model(model, pooling_factors={"item_cat": 5.0})
     assert list(tables) == ["sparse.ebc"]
     assert tables["sparse.ebc"][1].features == ("item_id", "item_cat")
@@ -192,3 +196,11 @@ def test_model_on_meta_is_read_by_ebc_fqn():
     assert set(plan.modules["sparse.ebc"]) == {"t_user", "t_item"}
     stats = planners.plan_stats(plan, model, topo, batch_size=128)
     assert stats.num_tables == 2 and not stats.over_capacity
+    # validate_plan takes the tables in any form plan() does: the model, a mapping, a list
+    planners.validate_plan(plan, model, topo)
+    planners.validate_plan(plan, tables, topo)
+    planners.validate_plan(plan, list(tables["sparse.ebc"]), topo, module_fqn="sparse.ebc")
+    with pytest.raises(PlanError, match="not among the tables given"):
+        planners.validate_plan(plan, list(tables["sparse.ebc"]), topo)  # module "" has none
+    with pytest.raises(PlanError, match="the plan is for 4 ranks but the topology has 2"):
+        planners.validate_plan(plan, model, Topology(2))

@@ -255,6 +255,11 @@ class Topology:
         r = self.reserved_fraction
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
             raise PlanError(f"reserved_fraction must be in [0, 1), got {r!r}")
+        if self.capacity < 1:  # found by the fuzzer: a 1-byte device left 0 and divided by it
+            raise PlanError(
+                f"device_memory {self.device_memory} B less the reserved {r:.0%} leaves no memory "
+                "for tables; give the device's memory, e.g. '80GiB'"
+            )
 
     @property
     def hosts(self) -> int:

@@ -48,6 +48,12 @@ def test_topology_defaults_and_capacity():
     assert Topology(64, ranks_per_host=8, device_memory="40GiB").hosts == 8
 
 
+def test_topology_must_leave_memory_for_tables():
+    with pytest.raises(PlanError, match=r"device_memory 1 B less the reserved 10% leaves no memory for tables"):
+        Topology(2, device_memory=1)
+    assert Topology(2, device_memory=2, reserved_fraction=0).capacity == 2
+
+
 def test_topology_world_must_be_whole_hosts():
     with pytest.raises(PlanError, match="world_size 12 is not a multiple of ranks_per_host 8"):
         Topology(12, ranks_per_host=8)

@@ -36,6 +36,7 @@ from modular.checkpoint._files import (
     new_token,
     read_manifest,
     read_metadata,
+    refuse_save_target,
     resolve,
     tmp_dir,
     verify_file,
@@ -62,7 +63,9 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     Sharded tables, data-parallel replicas, FSDP2 params and optimizer state are written by DCP
     under plan-independent keys (Note [checkpoint keys]), so `load` accepts any later plan and
     world size. `path` is replaced only once every rank has written everything; an interrupted
-    save leaves the previous checkpoint at `path` intact (Note [checkpoint layout]). `optimizer`
+    save leaves the previous checkpoint at `path` intact (Note [checkpoint layout]). `path` must be
+    new, an empty directory or a checkpoint: anything else (a directory of other files, a file)
+    raises `CheckpointError` on every rank before anything is written. `optimizer`
     may be any optimizer with torch's `state_dict()`/`load_state_dict()` over
     `modular.local_parameters(model)`, or one whose state is keyed by parameter FQN.
     """
@@ -75,6 +78,8 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
             state.update(optimizer_state(model, optimizer))
     except TypeError as e:
         error = str(e)
+    if error is None and rank == 0:  # the filesystem is shared: rank 0 looks for all of them
+        error = refuse_save_target(path)
     agree(error)
     tmp = tmp_dir(path, new_token())
     if rank == 0:

@@ -10,6 +10,11 @@ size of every file, `.metadata` included) and then swaps the directories:
     rename <path>.tmp-<token> -> <path>
     remove <path>.prev-<token>
 
+`<path>` may be absent, an empty directory or a checkpoint (it has `checkpoint.json`): the swap
+replaces `<path>` whole, so rank 0 refuses anything else before a byte is written
+(`refuse_save_target`), and every rank raises. A checkpoint root holding `step_*` checkpoints and
+the user's own files, or a file, is never swapped out and deleted.
+
 A rank killed before the swap leaves `<path>` untouched (the half-written `.tmp-*` is removed by
 the next successful save). A crash between the two renames leaves no `<path>` but a complete
 `<path>.prev-<token>`, which `load` finds and uses. `checkpoint.json` is what makes a directory a
@@ -81,6 +86,25 @@ def sha256_of(path: Path) -> dict[str, Any]:
             h.update(block)
             size += len(block)
     return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def refuse_save_target(path: Path) -> Optional[str]:
+    """Why `save` must not replace `path`, or None (Note [checkpoint layout])."""
+    if not path.exists() or (path / MANIFEST).is_file():
+        return None
+    if not path.is_dir():
+        return (
+            f"cannot save a checkpoint to {str(path)!r}: it is a file, and saving would replace "
+            "it; choose a new directory path (nothing was written)"
+        )
+    if any(path.iterdir()):
+        return (
+            f"cannot save a checkpoint to {str(path)!r}: it exists and is not a modular "
+            f"checkpoint (it has no {MANIFEST}), and saving would replace it with everything it "
+            f"holds; save to a new path inside it, e.g. {str(path / 'step_1000')!r}, or remove it "
+            "first (nothing was written)"
+        )
+    return None  # an empty directory: nothing is lost
 
 
 def hash_rank_files(directory: Path, rank: int) -> dict[str, dict[str, Any]]:

@@ -260,3 +260,43 @@ def test_corrupted_or_malicious_files_fail_naming_the_file(tmp_path: Path) -> No
     with pytest.raises(Exception, match="posix.system|refusing to unpickle"):
         run_on_ranks(2, _load_and_snapshot, str(evil), "A", "adagrad", timeout=TIMEOUT)
     assert not marker.exists()
+
+
+def _save_over(root: str) -> list[str]:
+    """Saves onto a directory and a file that are not checkpoints (refused), then into an empty
+    directory twice (a new checkpoint, then one that replaces it)."""
+    model = H.sharded("A", seed=0)
+    messages = []
+    for target in ("runs", "notes.txt"):
+        with pytest.raises(CheckpointError) as info:
+            modular.checkpoint.save(os.path.join(root, target), model)
+        messages.append(str(info.value))
+    for _ in range(2):
+        modular.checkpoint.save(os.path.join(root, "empty"), model)
+    return messages
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(root.rglob("*"))}
+
+
+def test_save_refuses_a_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint root holding the user's files (or a file) is refused before anything is
+    written, on every rank; it used to be swapped out and deleted by the commit."""
+    (tmp_path / "runs" / "step_00000100").mkdir(parents=True)
+    (tmp_path / "runs" / "step_00000100" / "weights.bin").write_bytes(b"step 100")
+    (tmp_path / "runs" / "metrics.csv").write_text("step,loss\n100,0.5\n")
+    (tmp_path / "notes.txt").write_text("a file the user saved\n")
+    (tmp_path / "empty").mkdir()
+    before = _tree(tmp_path)
+    messages = run_on_ranks(2, _save_over, str(tmp_path), timeout=TIMEOUT)
+    for runs, notes in messages:
+        assert f"to {str(tmp_path / 'runs')!r}: it exists and is not a modular checkpoint" in runs, runs
+        assert f"to {str(tmp_path / 'notes.txt')!r}: it is a file" in notes, notes
+        assert "nothing was written" in runs and "nothing was written" in notes
+    after = _tree(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("empty")} == {
+        k: v for k, v in before.items() if k != "empty"
+    }
+    assert (tmp_path / "empty" / MANIFEST).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt", "runs"]

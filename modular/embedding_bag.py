@@ -24,7 +24,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
+from modular._comm import KeptBuffers, all_gather_bytes, all_to_all, pooled_all_to_all
 from modular._tables import ShardedTable, ShardingError, check_widths_off_cpu, table_infos
 from modular._input import INT32_MAX, InputError, Permutation, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables
@@ -179,7 +179,24 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
 
     @torch.no_grad()
     def _init_weights(self, ebc: EmbeddingBagCollection, views: dict) -> None:
-        """Copies the unsharded weights into the local shards, or runs init_fn on meta tables."""
+        """Copies the unsharded weights into the local shards, or runs init_fn on meta tables;
+        a failure on any rank is raised on every rank (Note [agreeing on the shards' init])."""
+        failure: Optional[BaseException] = None
+        try:
+            self._init_local_shards(ebc, views)
+        except Exception as e:
+            failure = e
+        if self._local_only:
+            if failure is not None:
+                raise failure
+            return
+        _agree_on_init(failure, self._module_fqn, self._pg)
+        source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
+        for k in self._local_kernels:  # replicas start equal everywhere
+            for view in k.views:
+                dist.broadcast(view.data, src=source, group=self._pg)
+
+    def _init_local_shards(self, ebc: EmbeddingBagCollection, views: dict) -> None:
         for (table, j), view in views.items():
             t = self.layout.table_index(table)
             spec = self.layout.shards[t][j]
@@ -196,7 +213,17 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                     torch.random.default_generator.manual_seed(seed)
                     if on_cuda:
                         torch.cuda.default_generators[view.device.index].manual_seed(seed)
-                    init_fn(view)
+                    try:
+                        init_fn(view)
+                    except Exception as e:
+                        raise ShardingError(
+                            f"init_fn of table {table!r} of module {self._module_fqn!r} failed on "
+                            f"the shard of rows {spec.row_offset}:{spec.row_offset + spec.num_rows}"
+                            f", columns {spec.col_offset}:{spec.col_offset + spec.num_cols} "
+                            f"(shape {tuple(view.shape)}): {type(e).__name__}: {e}. init_fn is "
+                            "called once per shard, with that shard's (rows, columns) tensor, "
+                            "never the whole table"
+                        ) from e
             else:
                 view.copy_(
                     source[
@@ -204,12 +231,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                         spec.col_offset : spec.col_offset + spec.num_cols,
                     ]
                 )
-        if self._local_only:
-            return
-        source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
-        for k in self._local_kernels:  # replicas start equal everywhere
-            for view in k.views:
-                dist.broadcast(view.data, src=source, group=self._pg)
 
     def _table_weight(self, table: TableInfo, views: dict) -> torch.Tensor:
         t = self.layout.table_index(table.name)
@@ -460,6 +481,31 @@ def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
     parent, _, name = fqn.rpartition(".")
     setattr(model.get_submodule(parent), name, new)
     return new
+
+
+def _agree_on_init(
+    failure: Optional[BaseException], module: str, group: Optional[ProcessGroup]
+) -> None:
+    """# Note [agreeing on the shards' init]
+    Each rank fills its own shards (a user's `init_fn` on a meta table, or a copy of the
+    materialised weights), then the tables become ShardedTensors, which is collective. A rank
+    whose init_fn raised would leave the others waiting there until the process group's timeout,
+    so every rank first joins one all-gather of a flag; if any rank failed, a second gather
+    shares the messages and every rank raises (its own error, or the failing rank's). Nothing has
+    been replaced in the model by then (`modular.shard` swaps modules in after building all)."""
+    payloads = all_gather_bytes(b"\x00" if failure is None else b"\x01", width=1, group=group)
+    failed = [r for r, p in enumerate(payloads) if p[0] == 1]
+    if not failed:
+        return
+    messages: list = [None] * len(payloads)
+    text = None if failure is None else f"{type(failure).__name__}: {failure}"
+    dist.all_gather_object(messages, text, group=group)
+    if failure is not None:
+        raise failure
+    raise ShardingError(
+        f"module {module!r}: rank {failed[0]} could not initialise its shards: {messages[failed[0]]}"
+        f" (ranks {failed} failed; this rank stops too so that no rank hangs)"
+    )
 
 
 def _shard_seed(table: str, spec: ShardSpec) -> int:

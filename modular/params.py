@@ -9,8 +9,10 @@ the wrapper, e.g. through `model.parameters()`, would skip it on every step and 
 silently never train. So `local_parameters` hands out the local shards instead, and importing
 `modular` installs a global optimizer step pre-hook (`torch.optim.optimizer.
 register_optimizer_step_pre_hook`) that raises on the first `step()` of any optimizer holding a
-ShardedTensor, before anything is updated. The check is one isinstance test per parameter per
-step, and a ShardedTensor in an optimizer is always a bug, so it cannot fire on a correct program.
+ShardedTensor, before anything is updated. The same hook catches an optimizer built before
+`shard`: `shard` marks the parameters it replaces (`REPLACED`), which no forward reads any more.
+The check is an isinstance test and an attribute lookup per parameter per step, and either
+finding is always a bug, so it cannot fire on a correct program.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 from modular.embedding_bag import ShardedEmbeddingBagCollection
 
 __all__ = ["ignored_params", "local_parameters"]
+
+# The attribute `modular.shard` sets on each parameter it replaces: which table it was.
+REPLACED = "_modular_replaced"
 
 
 def _sharded(model: nn.Module) -> list[ShardedEmbeddingBagCollection]:
@@ -78,6 +83,14 @@ def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> Non
     """Global step pre-hook; see Note [sharded tables and torch optimizers]."""
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
+            replaced = getattr(p, REPLACED, None)
+            if replaced is not None:
+                raise TypeError(
+                    f"{type(optimizer).__name__} param group {g}, parameter {i} is table "
+                    f"{replaced}, which modular.shard has since replaced: this optimizer was "
+                    "built before sharding and would silently never update the sharded table. "
+                    "Build optimizers after modular.shard, from modular.local_parameters(model)"
+                )
             if isinstance(p, ShardedTensor):
                 raise TypeError(
                     f"{type(optimizer).__name__} param group {g}, parameter {i} is a ShardedTensor "

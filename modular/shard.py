@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular._comm import all_gather_bytes, collective_device
@@ -21,7 +23,7 @@ from modular.embedding_bag import (
     replace_module,
     table_infos,
 )
-from modular.params import ignored_params, local_parameters  # re-exported: they lived here
+from modular.params import REPLACED, ignored_params, local_parameters  # re-exported: they lived here
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
 __all__ = ["ShardingError", "ignored_params", "local_parameters", "shard", "sharded_modules"]
@@ -74,6 +76,7 @@ def shard(
         problem = e
     _agree_on_every_rank(plan, targets, process_group, problem)
 
+    built = []
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
         placements, shards = resolved[fqn]
         # A fused EBC stays fused (Note [fused tables]): unsharded and fused, or fused on meta.
@@ -84,19 +87,49 @@ def shard(
         )
         if getattr(ebc, "fused", None) is not None:
             sharded.load_fused_state(ebc.fused_state())
+        built.append((fqn, ebc, sharded))
+    # Swapped in only once all are built: a failure above leaves the model as it was.
+    for fqn, ebc, sharded in built:
+        _retire(ebc, fqn)
         replace_module(model, fqn, sharded)
     return model
+
+
+def _retire(ebc: nn.Module, fqn: str) -> None:
+    """Marks the parameters `shard` replaces, so that an optimizer built on them before sharding
+    raises at its first step instead of training tensors no forward reads any more
+    (Note [sharded tables and torch optimizers] in modular/params.py)."""
+    for name, p in ebc.named_parameters():
+        tensors = [s.tensor for s in p.local_shards()] if isinstance(p, ShardedTensor) else [p]
+        for t in tensors:
+            setattr(t, REPLACED, f"{name!r} of module {fqn!r}")
 
 
 def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, EmbeddingBagCollection]]:
     found = {
         name: m
-        for name, m in model.named_modules()
+        for name, m in model.named_modules(remove_duplicate=False)
         if isinstance(m, (EmbeddingBagCollection, ShardedEmbeddingBagCollection))
     }
+    names_of: dict[int, list[str]] = {}
+    for name, m in found.items():
+        names_of.setdefault(id(m), []).append(name)
     targets = []
     for fqn in sorted(plan.modules):
         module = found.get(fqn)
+        if module is not None and len(names_of[id(module)]) > 1:
+            raise ShardingError(
+                f"module {fqn!r} is one EmbeddingBagCollection registered under several names "
+                f"{names_of[id(module)]}; shard replaces the module at one name and the others "
+                "would keep the unsharded tables. Register it once, shard it, then share the "
+                "sharded module (e.g. model.b = model.a after modular.shard)"
+            )
+        if module is not None and any(isinstance(p, DTensor) for p in module.parameters()):
+            raise ShardingError(
+                f"module {fqn!r}'s tables are DTensors: fully_shard (or apply_fully_shard) ran on "
+                "them before modular.shard. Call modular.shard first, then "
+                "modular.apply_fully_shard, which leaves the sharded tables to modular"
+            )
         if module is None:
             try:
                 other = type(model.get_submodule(fqn)).__name__

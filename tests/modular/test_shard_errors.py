@@ -73,6 +73,14 @@ def _bad_plan(problem: str) -> None:
     elif problem == "already_sharded":
         plan = ShardingPlan(world_size=world, modules={"ebc": good})
         modular.shard(model, plan)
+    elif problem == "aliased":  # two towers sharing one EBC; named_modules() lists only 'ebc'
+        model.twin = model.ebc
+        plan = ShardingPlan(world_size=world, modules={"twin": good})
+    elif problem == "after_fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        plan = ShardingPlan(world_size=world, modules={"ebc": good})
     else:
         raise ValueError(problem)
     with no_collectives(allow=AGREEMENT):
@@ -93,6 +101,8 @@ PLAN_ERRORS = {
     "column_sizes_do_not_sum": r"module 'ebc': column_wise shards of 't_mean' \(7 columns\) over ranks \(0, 0\) must sum to 7, got 3 \+ 3 = 6",
     "more_shards_than_columns": r"module 'ebc': table 't_small' has 5 columns but is column_wise over 6 ranks \(0, 0, 0, 0, 0, 0\); use at most 5 ranks",
     "already_sharded": r"module 'ebc' is already sharded; shard a model only once",
+    "aliased": r"module 'twin' is one EmbeddingBagCollection registered under several names \['ebc', 'twin'\]; shard replaces the module at one name",
+    "after_fully_shard": r"module 'ebc'.s tables are DTensors: fully_shard \(or apply_fully_shard\) ran on them before modular\.shard\. Call modular\.shard first",
 }
 
 
@@ -105,6 +115,60 @@ def test_bad_plan_raises_the_same_error_on_every_rank_before_building_tables(wor
     assert re.search(PLAN_ERRORS[problem], messages[0]), messages[0]
     if problem in ("rank_out_of_range", "plan_for_bigger_world"):
         assert str(world_size) in messages[0]
+
+
+def _init_fn_fails_on_rank_1() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    def init(shard: torch.Tensor) -> None:
+        if dist.get_rank() == 1:
+            raise ValueError("pretrained rows do not fit")
+        shard.fill_(1.0)
+
+    def ebc(name: str, init_fn) -> EmbeddingBagCollection:
+        cfg = EmbeddingBagConfig(name=name, num_embeddings=8, embedding_dim=4, feature_names=[f"f_{name}"], init_fn=init_fn)
+        return EmbeddingBagCollection(tables=[cfg], device=torch.device("meta"))
+
+    model = nn.Module()
+    model.a = ebc("t_a", lambda t: t.fill_(2.0))  # built first, fine everywhere
+    model.b = ebc("t_b", init)
+    cw = {"t_b": TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 1))}
+    plan = ShardingPlan(world_size=2, modules={"a": {"t_a": TablePlacement(ShardingType.ROW_WISE, ranks=(0, 1))}, "b": cw})
+    try:
+        modular.shard(model, plan)
+    finally:  # nothing was swapped in: 'a' was built, but the model keeps both originals
+        assert type(model.a) is EmbeddingBagCollection and type(model.b) is EmbeddingBagCollection
+
+
+@pytest.mark.timeout(120)
+def test_init_fn_failing_on_one_rank_raises_on_every_rank_and_leaves_the_model() -> None:
+    messages = expect_errors_on_all_ranks(2, _init_fn_fails_on_rank_1, timeout=TIMEOUT_S)
+    own = (
+        r"init_fn of table 't_b' of module 'b' failed on the shard of rows 0:8, columns 2:4 \(shape \(8, 2\)\): "
+        r"ValueError: pretrained rows do not fit\. init_fn is called once per shard"
+    )
+    assert re.fullmatch(own + ".*", messages[1]), messages[1]
+    assert re.fullmatch(r"module 'b': rank 1 could not initialise its shards: ShardingError: " + own + r".* \(ranks \[1\] failed; this rank stops too so that no rank hangs\)", messages[0]), messages[0]
+
+
+def _optimizer_built_before_shard() -> None:
+    world = dist.get_world_size()
+    model = _Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # holds the unsharded tables
+    modular.shard(model, plan_for("row_wise", model.ebc, world, module="ebc"))
+    model.ebc(make_batch(model.ebc, seed=dist.get_rank())).values().sum().backward()
+    opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_built_before_shard_raises_at_its_first_step() -> None:
+    messages = expect_errors_on_all_ranks(2, _optimizer_built_before_shard, timeout=TIMEOUT_S)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(
+        "SGD param group 0, parameter 0 is table 'embedding_bags.t_sum.weight' of module 'ebc', which modular.shard has since replaced: "
+        "this optimizer was built before sharding"
+    ), messages[0]
 
 
 def _good_plan_under_no_collectives() -> None:

@@ -258,7 +258,9 @@ class ShardingPlan:
         ):
             raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
         if self.ranks_per_host is not None and (
-            not isinstance(self.ranks_per_host, int) or self.ranks_per_host < 1
+            isinstance(self.ranks_per_host, bool)
+            or not isinstance(self.ranks_per_host, int)
+            or self.ranks_per_host < 1
         ):
             raise PlanError(f"ranks_per_host must be a positive integer, got {self.ranks_per_host!r}")
         object.__setattr__(self, "modules", _freeze_modules(self.modules))
@@ -304,6 +306,14 @@ class ShardingPlan:
         version = data.get("format", _FORMAT_VERSION)
         if version != _FORMAT_VERSION:
             raise PlanError(f"plan format {version!r} is not supported (expected {_FORMAT_VERSION})")
+        # 'planner': the settings block `planners.files.save_plan` adds. Anything else is a typo
+        # (a misspelt 'ranks_per_host' would otherwise drop the host check silently).
+        unknown = sorted(set(data) - {"format", "world_size", "ranks_per_host", "modules", "planner"})
+        if unknown:
+            raise PlanError(
+                f"unknown fields {unknown} in the plan; a plan has 'format', 'world_size', "
+                "'ranks_per_host', 'modules' (and 'planner' settings)"
+            )
         modules = data.get("modules", {})
         if not isinstance(modules, Mapping):
             raise PlanError(f"plan 'modules' must be an object, got {type(modules).__name__}")

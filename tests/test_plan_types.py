@@ -314,6 +314,8 @@ BAD_PLACEMENTS = [
     (lambda: ShardingPlan(world_size=True), r"world_size must be a positive integer, got True"),
     (lambda: ShardingPlan(world_size="2"), r"world_size must be a positive integer, got '2'"),
     (lambda: ShardingPlan(world_size=2, ranks_per_host=0), r"ranks_per_host must be a positive integer, got 0"),
+    (lambda: ShardingPlan(world_size=2, ranks_per_host=True), r"ranks_per_host must be a positive integer, got True"),
+    (lambda: ShardingPlan.from_dict({"world_size": 2, "ranks_per_hosts": 1, "modules": {}}), r"unknown fields \['ranks_per_hosts'\] in the plan"),
     (lambda: ShardingPlan(world_size=2, modules={"": {"t": "row_wise"}}), r"table 't' of module '' must be a TablePlacement, got str"),
     (lambda: ShardingPlan(world_size=2, modules={1: {}}), r"module FQNs must be strings, got 1"),
     (lambda: ShardingPlan(world_size=2).placement("ebc", "t"), r"the plan has no placement for table 't' of 'ebc'"),

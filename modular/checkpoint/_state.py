@@ -40,9 +40,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from modular.optim import FusedOptimizerKind
+
 MODEL = "model."
 OPTIM = "optim."
 PARAM_GROUPS = "param_groups"  # after the optimizer's prefix
+
+# Keys torch's LR schedulers add to param groups: a checkpoint saved with a scheduler attached
+# loads into an optimizer that has none yet, and the other way round.
+SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
 
 
 def describe(fqn: str) -> str:
@@ -202,6 +208,7 @@ class PartPlan(NamedTuple):
     optimizer: Any
     keyed_by_fqn: bool
     entries: list[Any]  # (fqn, name) if keyed by FQN, else (slot, state names) per param index
+    group_keys: list[frozenset[str]]  # each live param group's hyperparameter names
 
 
 class Staged(NamedTuple):
@@ -265,21 +272,31 @@ def stage(
     return Staged(buffers, [k for k in live if k in buffers], plans), None
 
 
+def part_name(prefix: str, optimizer: Any) -> str:
+    """How an error names one optimizer part: `optimizer 'dense' (Adam)`."""
+    name = f"optimizer {prefix[len(OPTIM):-1]!r}" if prefix != OPTIM else "optimizer"
+    return f"{name} ({type(optimizer).__name__})"
+
+
 def _stage_optimizer(saved, prefix, model, optimizer, buffers, check) -> tuple[Any, list[str]]:
     problems: list[str] = []
     if not isinstance(saved.get(prefix + PARAM_GROUPS), BytesStorageMetadata):
-        where = f"optimizer {prefix[len(OPTIM):-1]!r}" if prefix != OPTIM else "optimizer"
+        where = part_name(prefix, optimizer)
         return None, [f"{where}: the checkpoint holds no state for it; load without it"]
     sd = optimizer.state_dict()
     buffers[prefix + PARAM_GROUPS] = sd["param_groups"]
+    group_keys = [frozenset(g) - {"params"} for g in sd["param_groups"]]
     if _keyed_by_fqn(sd):
+        other_kind = _other_fused_kind(saved, prefix, optimizer, sd)
+        if other_kind is not None:
+            return None, [other_kind]
         keys = []
         for fqn, states in sd["state"].items():
             for name, value in states.items():
                 key = state_key(prefix, fqn, name)
                 check(key, value, f"optimizer state {name!r} of {describe(fqn)}")
                 keys.append((fqn, name))
-        return PartPlan(prefix, optimizer, True, keys), problems
+        return PartPlan(prefix, optimizer, True, keys, group_keys), problems
     names_of: dict[str, list[str]] = {}
     for key in saved:
         if key.startswith(prefix + "state."):
@@ -303,7 +320,35 @@ def _stage_optimizer(saved, prefix, model, optimizer, buffers, check) -> tuple[A
             else:
                 buffers[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         per_index.append((slot, names))
-    return PartPlan(prefix, optimizer, False, per_index), problems
+    return PartPlan(prefix, optimizer, False, per_index, group_keys), problems
+
+
+def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) -> Optional[str]:
+    """Why a checkpoint of another fused optimizer kind cannot load into this one, or None.
+
+    Each kind keeps its own state per table (Note [fused tables] in modular/optim.py: none for
+    SGD, `sum`, `row_sum`), so the state names in the metadata tell the kind it was saved with
+    before anything is read. Adagrad's state loaded into SGD (which has none to look for) would
+    otherwise pass every check here and fail in `load_state_dict`, after the weights were copied;
+    the other mismatches would be reported as missing state, without the reason."""
+    mine = {name for states in sd["state"].values() for name in states}
+    theirs = {key.rpartition(".")[2] for key in saved if key.startswith(prefix + "state.")}
+    if mine == theirs:
+        return None
+    kind = sd["param_groups"][0].get("optimizer")
+    this = f"fused {kind!r}" if kind else "this optimizer"
+    saved_by = [k.value for k in FusedOptimizerKind if {k.state_name()} - {None} == theirs]
+    that = f"fused {saved_by[0]!r}" if saved_by else "another optimizer"
+    modules = ", ".join(
+        f"module {m!r}" if m else "the root module"
+        for m in sorted({fqn.rpartition("embedding_bags.")[0].rstrip(".") for fqn in sd["state"]})
+    )
+    fix = f"fuse with {saved_by[0]!r} to load it" if saved_by else "use the one it was saved with"
+    return (
+        f"{part_name(prefix, optimizer)}: the checkpoint was saved by {that} (state "
+        f"{sorted(theirs)} per table), but the fused tables of {modules} are updated by {this} "
+        f"(state {sorted(mine)}); {fix}, or load without the optimizer"
+    )
 
 
 # -- putting staged values into the model -------------------------------------------------------
@@ -337,13 +382,27 @@ def check_loaded(staged: Staged) -> Optional[str]:
     """What can only be checked once read (the hyperparameters are not in the metadata)."""
     for plan in staged.optimizer_parts:
         saved = staged.buffers[plan.prefix + PARAM_GROUPS]
-        current = plan.optimizer.param_groups
+        current = plan.group_keys
         if not isinstance(saved, list) or len(saved) != len(current):
             count = len(saved) if isinstance(saved, list) else type(saved).__name__
             return (
                 f"the checkpoint's optimizer has {count} param groups, this one has "
                 f"{len(current)}; build the optimizer with the same groups. Nothing was loaded"
             )
+        for i, (group, mine) in enumerate(zip(saved, current)):
+            # Optimizers that create their state at the first step (SGD's momentum, Adam) pass
+            # every check of the metadata; their hyperparameters tell them apart.
+            lack = sorted(mine - set(group) - SCHEDULER_KEYS)
+            have = sorted(set(group) - mine - SCHEDULER_KEYS)
+            if lack or have:
+                differences = [f"lack {lack}, which this optimizer's have"] if lack else []
+                differences += [f"have {have}, which this optimizer's lack"] if have else []
+                return (
+                    f"{part_name(plan.prefix, plan.optimizer)}: the checkpoint's param group {i} "
+                    f"was saved by another optimizer (or torch version): its keys "
+                    f"{', and '.join(differences)}; build the optimizer it was saved with, or load "
+                    "without it. Nothing was loaded"
+                )
     return None
 
 

@@ -32,9 +32,14 @@ from tests.modular import checkpoint_helpers as H
 TIMEOUT = 90.0
 
 
-def _model_and_optimizer(seed: int) -> tuple[H.Model, Any]:
+def _model_and_optimizer(seed: int, optimizer: str = "adagrad") -> tuple[H.Model, Any]:
     model = H.sharded("A", seed=seed)
-    return model, torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
+    params = modular.local_parameters(model)
+    if optimizer == "sgd_momentum":
+        return model, torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if optimizer == "adam":
+        return model, torch.optim.Adam(params, lr=0.01)
+    return model, torch.optim.Adagrad(params, lr=0.1)
 
 
 def _train_and_save(path: str, steps: int = 2) -> dict[str, Any]:
@@ -113,9 +118,9 @@ def test_a_save_that_fails_leaves_a_checkpoint_that_loads(tmp_path: Path, where:
 # -- damaged directories ---------------------------------------------------------------------------
 
 
-def _load_fails(path: str) -> tuple[str, str]:
+def _load_fails(path: str, optimizer: str = "adagrad") -> tuple[str, str]:
     """Loads a damaged checkpoint; (error type, message), after checking that nothing changed."""
-    model, opt = _model_and_optimizer(1)
+    model, opt = _model_and_optimizer(1, optimizer)
     before = H.local_snapshot(model, opt)
     result = survive(lambda: modular.checkpoint.load(path, model, opt))
     assert result is not None, f"rank {dist.get_rank()}: loading a damaged checkpoint succeeded"
@@ -170,3 +175,36 @@ def test_a_damaged_checkpoint_fails_to_load_by_name_and_changes_nothing(tmp_path
     errors = run_on_ranks(2, _load_fails, str(target), timeout=TIMEOUT)
     for exc_type, message in errors:
         assert exc_type == "CheckpointError" and expected in message, (exc_type, message)
+
+
+# -- another optimizer ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer, missing, extra", [
+    ("sgd_momentum", "['dampening', 'momentum', 'nesterov']", "['eps', 'initial_accumulator_value', 'lr_decay']"),
+    ("adam", "['amsgrad', 'betas', 'capturable', 'decoupled_weight_decay']", "['initial_accumulator_value', 'lr_decay']"),
+])  # fmt: skip
+def test_another_torch_optimizer_fails_before_loading(two_checkpoints, optimizer: str, missing: str, extra: str) -> None:
+    """Adagrad's checkpoint into SGD or Adam, whose state appears only at their first step: the
+    param groups' keys differ, so the load is refused (it used to install Adagrad's groups, and
+    SGD's first step raised KeyError 'momentum' inside torch)."""
+    good, _ = two_checkpoints
+    for exc_type, message in run_on_ranks(2, _load_fails, str(good), optimizer, timeout=TIMEOUT):
+        assert exc_type == "CheckpointError", (exc_type, message)
+        assert f"lack {missing}" in message and f"have {extra}" in message, message
+
+
+def _load_with_scheduler(path: str) -> tuple[float, float]:
+    model, opt = _model_and_optimizer(1)
+    opt.param_groups[0]["lr"] = 0.5
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # adds 'initial_lr' to the param groups
+    modular.checkpoint.load(path, model, opt)
+    return opt.param_groups[0]["lr"], opt.state_dict()["state"][0]["step"].item()
+
+
+@pytest.mark.timeout(120)
+def test_a_param_group_key_of_an_lr_scheduler_is_no_mismatch(two_checkpoints) -> None:
+    good, _ = two_checkpoints
+    for lr, step in run_on_ranks(2, _load_with_scheduler, str(good), timeout=TIMEOUT):
+        assert (lr, step) == (0.1, 2.0)

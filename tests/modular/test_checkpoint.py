@@ -32,8 +32,9 @@ def _optimizer(model: torch.nn.Module, name: str) -> Any:
         return torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
     if name == "adam":
         return torch.optim.Adam(modular.local_parameters(model), lr=0.01)
-    if name == "fused":  # fused row-wise Adagrad on the tables, Adam on the dense layer
-        fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
+    if name in ("fused", "fused_sgd"):  # a fused optimizer on the tables, Adam on the dense layer
+        kind = "exact_rowwise_adagrad" if name == "fused" else "exact_sgd"
+        fused = modular.fuse_optimizer(model, kind, lr=0.1)
         dense = torch.optim.Adam(modular.local_parameters(model), lr=0.01)
         return modular.CombinedOptimizer({"tables": fused, "dense": dense})
     raise ValueError(name)
@@ -199,10 +200,10 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
-def _load_expecting_error(path: str, kind: str, table_kwargs: dict[str, Any]) -> str:
+def _load_expecting_error(path: str, kind: str, table_kwargs: dict[str, Any], optimizer: str = "adagrad") -> str:
     """Loads into a model that may not match; returns the error after checking nothing changed."""
     model = H.sharded(kind, seed=1, **table_kwargs)
-    opt = _optimizer(model, "adagrad")
+    opt = _optimizer(model, optimizer)
     before = H.local_snapshot(model, opt)
     with pytest.raises(CheckpointError) as info:
         modular.checkpoint.load(path, model, opt)
@@ -260,6 +261,18 @@ def test_corrupted_or_malicious_files_fail_naming_the_file(tmp_path: Path) -> No
     with pytest.raises(Exception, match="posix.system|refusing to unpickle"):
         run_on_ranks(2, _load_and_snapshot, str(evil), "A", "adagrad", timeout=TIMEOUT)
     assert not marker.exists()
+
+
+def test_a_fused_optimizer_of_another_kind_fails_before_loading(tmp_path: Path) -> None:
+    """Fused row-wise Adagrad state loaded with fused SGD: refused before the weights are copied."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, _train_and_save, path, "A", "fused", 1, timeout=TIMEOUT)
+    messages = run_on_ranks(2, _load_expecting_error, path, "A", {}, "fused_sgd", timeout=TIMEOUT)
+    for message in messages:
+        assert "optimizer 'tables' (FusedOptimizer)" in message, message
+        assert "the fused tables of module 'ebc'" in message, message
+        assert "fused 'exact_rowwise_adagrad'" in message and "fused 'exact_sgd'" in message, message
+        assert "nothing was loaded" in message, message
 
 
 def _save_over(root: str) -> list[str]:

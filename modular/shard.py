@@ -59,6 +59,12 @@ def shard(
         )
     if not isinstance(plan, ShardingPlan):
         raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
+    if process_group is not None and dist.get_rank(process_group) < 0:
+        raise ShardingError(
+            f"rank {dist.get_rank()} is not in the process group given to modular.shard; call "
+            "it only on the group's members (every rank must call dist.new_group, only members "
+            "shard)"
+        )
     world = dist.get_world_size(process_group)
     device = torch.device(device) if device is not None else collective_device(process_group)
     if device.type == "cuda" and device.index is None:  # shards name their device exactly

@@ -285,6 +285,8 @@ GROUP = [1, 2]  # of a world of 3: group rank 0 is global rank 1
 def _shard_over_a_subgroup() -> str:
     group = dist.new_group(ranks=GROUP)
     if dist.get_rank() not in GROUP:
+        with pytest.raises(modular.ShardingError, match=r"rank 0 is not in the process group given to modular\.shard"):
+            modular.shard(make_ebc(False), plan_for("mixed", make_ebc(False), len(GROUP)), process_group=group)
         return "not in the group"
     rank, world = dist.get_rank(group), len(GROUP)
     for weighted in (False, True):

@@ -202,10 +202,11 @@ class FusedTables:
         name = self.fused.optimizer.state_name() if self.fused is not None else None
         if name is None:
             return
+        rowwise = self.fused.optimizer.rowwise()
+        self._check_fused_state(per_table, name, rowwise)  # every table before any is copied
         states = self._kernel_states()
         for t, table in enumerate(self.layout.tables):
             source = per_table[table.name][name]
-            rowwise = self.fused.optimizer.rowwise()
             for j, spec in enumerate(self.layout.shards[t]):
                 if spec.rank != self._rank:
                     continue
@@ -223,6 +224,28 @@ class FusedTables:
             if rowwise and table.name in self._cw_rowwise and isinstance(source, ShardedTensor):
                 # every column shard needs the first one's row state
                 self._sync_column_shard_rows(t, name, states)
+
+    def _check_fused_state(self, per_table, name: str, rowwise: bool) -> None:
+        """Every table's state has the whole table's shape (one value per row for row-wise
+        Adagrad), whatever this rank copies of it: a slice of a wrong-shaped tensor would copy."""
+        where = f" in module {self._module_fqn!r}" if self._module_fqn else ""
+        for table in self.layout.tables:
+            rows, dim = table.num_embeddings, table.embedding_dim
+            if name not in per_table[table.name]:
+                raise ValueError(
+                    f"the optimizer state of table {table.name!r}{where} has no {name!r}, which "
+                    f"fused {self.fused.optimizer.value!r} keeps; load the state this optimizer "
+                    "saved"
+                )
+            got = tuple(per_table[table.name][name].size())
+            expected = (rows,) if rowwise else (rows, dim)
+            if got != expected:
+                per = "one value per row" if rowwise else "one value per weight"
+                raise ValueError(
+                    f"optimizer state {name!r} of table {table.name!r}{where} has shape {got}, "
+                    f"but this optimizer keeps {expected} ({per} of the {rows} x {dim} table); "
+                    "load the state saved for this table by the same fused optimizer"
+                )
 
     def _sync_column_shard_rows(self, t: int, name: str, states) -> None:
         table = self.layout.tables[t]

@@ -86,3 +86,27 @@ def _wrong_shape() -> None:
 def test_wrong_table_shape_names_the_table_and_both_shapes() -> None:
     for message in expect_errors_on_all_ranks(2, _wrong_shape, timeout=100):
         assert "table weight 'embedding_bags.t_big.weight': the state holds shape (30, 7), the model (29, 7)" in message
+
+
+@pytest.mark.parametrize("kind, good_shape, bad_shape", [
+    ("exact_adagrad", (9, 8), (40, 9)),
+    ("exact_rowwise_adagrad", (9,), (9, 8)),
+])  # fmt: skip
+def test_fused_optimizer_state_of_the_wrong_shape_is_refused(kind: str, good_shape: tuple, bad_shape: tuple) -> None:
+    """One process, no process group: a fused, unsharded model. It used to copy in a slice."""
+    from tests.modular.checkpoint_helpers import build
+
+    opt = modular.fuse_optimizer(build(seed=0), kind, lr=0.1)
+    sd = opt.state_dict()
+    name = "sum" if kind == "exact_adagrad" else "row_sum"
+    before = {fqn: states[name].clone() for fqn, states in sd["state"].items()}
+    wrong = {fqn: {name: torch.full_like(s, 3.0)} for fqn, s in before.items()}
+    wrong["ebc.embedding_bags.t2.weight"] = {name: torch.full(bad_shape, 3.0)}
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict({"state": wrong, "param_groups": sd["param_groups"]})
+    assert (
+        f"optimizer state {name!r} of table 't2' in module 'ebc' has shape {bad_shape}, but "
+        f"this optimizer keeps {good_shape}"
+    ) in str(info.value)
+    for fqn, states in opt.state_dict()["state"].items():
+        assert torch.equal(states[name], before[fqn]), f"{fqn} changed by a refused load"

@@ -24,14 +24,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from modular._comm import collective_device
 from modular.checkpoint._files import CheckpointError, agree
 from modular.checkpoint._state import apply_model, describe, global_shape
+from modular.shard import sharded_modules
 
 
 def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:
     """The whole model as an unsharded state dict of CPU tensors on `rank`; None on other ranks.
 
     Collective: every rank calls it. The result has the unsharded model's keys and loads with
-    `load_state_dict(strict=True)` into it. See Note [export memory].
+    `load_state_dict(strict=True)` into it. `rank` is a global rank, and in the process group of
+    every sharded module (which holds a subgroup's shards); anything else raises `CheckpointError`
+    on every rank before a shard is sent. See Note [export memory].
     """
+    _check_destination(model, rank)
     me = dist.get_rank()
     out: Optional[dict[str, Any]] = {} if me == rank else None
     for fqn, value in get_model_state_dict(model).items():
@@ -39,6 +43,28 @@ def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:
         if out is not None:
             out[fqn] = full
     return out
+
+
+def _check_destination(model: nn.Module, rank: int) -> None:
+    """Raises unless `rank` receives every shard. Each rank checks alone, before its first send,
+    and all reach the same verdict: a destination that never receives would leave every sender
+    waiting in the collective until its timeout."""
+    world = dist.get_world_size()
+    if not (isinstance(rank, int) and 0 <= rank < world):
+        raise CheckpointError(
+            f"export(model, rank={rank!r}): rank must be a global rank from 0 to {world - 1} "
+            f"(world size {world}); pass the rank that should receive the state dict"
+        )
+    for fqn, module in sharded_modules(model):
+        if module._local_only:  # an unsharded (fused) module: every rank holds all of it
+            continue
+        group = range(world) if module._pg is None else dist.get_process_group_ranks(module._pg)
+        if rank not in group:
+            raise CheckpointError(
+                f"export(model, rank={rank}): rank {rank} is not in the process group of module "
+                f"{fqn!r} (global ranks {list(group)}), so it would never receive that module's "
+                "shards; export to one of those ranks"
+            )
 
 
 def gather(value: Any, dst: int) -> Any:

@@ -313,3 +313,36 @@ def test_save_refuses_a_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     }
     assert (tmp_path / "empty" / MANIFEST).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt", "runs"]
+
+
+def _export_to(rank: int) -> str:
+    model = H.sharded("A", seed=0)
+    with pytest.raises(CheckpointError) as info:
+        modular.checkpoint.export(model, rank=rank)
+    return str(info.value)
+
+
+def _export_outside_the_group() -> str:
+    """A model sharded over global ranks [1, 2] of 3, exported to rank 0, which holds none of it."""
+    import torch.distributed as dist
+    from planners.types import ShardingPlan
+
+    group = dist.new_group(ranks=[1, 2])
+    if dist.get_rank() == 0:
+        return "not in the group"
+    plan = ShardingPlan(world_size=2, modules={"ebc": H.placements("A", 2)})
+    model = modular.shard(H.build(0), plan, process_group=group)
+    with pytest.raises(CheckpointError) as info:
+        modular.checkpoint.export(model, rank=0)
+    return str(info.value)
+
+
+def test_export_to_a_rank_that_cannot_receive_fails_on_every_rank() -> None:
+    """It used to send shards to a rank that never receives: every rank hung in the store."""
+    for rank in (2, -1):
+        for message in run_on_ranks(2, _export_to, rank, timeout=30):
+            assert f"export(model, rank={rank})" in message and "world size 2" in message, message
+    outcome = run_on_ranks(3, _export_outside_the_group, timeout=30)
+    assert outcome[0] == "not in the group"
+    for message in outcome[1:]:
+        assert "rank 0 is not in the process group of module 'ebc' (global ranks [1, 2])" in message, message

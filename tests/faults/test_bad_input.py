@@ -1,24 +1,28 @@
 """Bad batches the id/feature/weight tests of tests/modular/test_shard_errors.py do not cover.
 
 One rank feeds a batch with a wrong dtype, lengths that disagree with the values, or weights that
-disagree with the ids, in module order or with its features shuffled (the shuffle runs fbgemm's
-permutation, which trusts lengths and values: before the structure check it corrupted the heap).
+disagree with the ids or require grad, in module order or with its features shuffled (the shuffle
+runs fbgemm's permutation, which trusts lengths and values: before the structure check it corrupted
+the heap).
 That rank gets the detailed error, its peers an error naming it, and the next good batch is right.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM
-from tests.modular.cases import BATCH, close, global_batch, make_batch, make_ebc, plan_for, rank_batches
+from tests.modular.cases import BATCH, CASES, close, global_batch, make_batch, make_ebc, plan_for, rank_batches, weighted_tables
 
 TIMEOUT_S = 60
 
@@ -44,6 +48,8 @@ def _corrupt(kjt: KeyedJaggedTensor, problem: str, shuffled: bool) -> KeyedJagge
         weights = weights[:-1]
     elif problem == "ids_on_meta":  # another device than the module's (no GPU here)
         values = values.to("meta")
+    elif problem == "weights_require_grad":  # as when a dense layer computes them
+        weights = weights.detach().clone().requires_grad_()
     else:
         raise ValueError(problem)
     return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths, weights=weights)
@@ -69,6 +75,12 @@ def _bad_batch(problem: str, shuffled: bool) -> str:
     return message
 
 
+LEARNABLE_WEIGHTS = (
+    r"per-sample weights for module '' require grad, but a sharded module does not back-propagate "
+    r"into its per-sample weights \(only into its tables\), so their gradient would be lost: pass "
+    r"weights that do not require grad \(weights\.detach\(\)\)"
+)
+
 # problem -> (the victim's message, what its peers are told)
 OWN_AND_PEER = {
     "float_ids": (r"ids and lengths for module '' must be int32 or int64, got values torch\.float32 and lengths torch\.int64", "a wrong dtype"),
@@ -79,6 +91,7 @@ OWN_AND_PEER = {
     "negative_length": (r"feature 'f_c' \(table 't_mean'\) of module '' has length -1 for sample 1; lengths must count the ids of each bag", "lengths that do not match the values in feature 'f_c'"),
     "ids_on_meta": (r"module '' is on cpu but the batch's ids are on meta and its lengths on cpu; move the batch with kjt\.to\('cpu'\)", "a batch on another device than the module"),
     "too_few_weights": (r"module '': (\d+) per-sample weights for (\d+) ids; a batch with weights needs one weight per id", "bad per-sample weights"),
+    "weights_require_grad": (LEARNABLE_WEIGHTS, "bad per-sample weights"),
 }
 
 
@@ -95,3 +108,47 @@ def test_bad_batch_on_one_rank_names_the_problem_there_and_stops_its_peers(probl
     for rank, message in enumerate(messages):
         if rank != VICTIM:
             assert message.startswith(f"rank {VICTIM} rejected its batch for module '' ({peer}"), message
+
+
+def _learnable_weights_under_every_plan() -> dict[str, str]:
+    """Weights that require grad on rank VICTIM, under every sharding type, with dense kernels and
+    fused ones (fbgemm's, at width 8): the forward raises on every rank from input dist, so no
+    lookup ran, and the next good batch is right."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    messages = {}
+    for kernel in ("dense", "fused"):
+        ref = make_ebc(True)
+        if kernel == "fused":  # the same tables at a width fbgemm's fused kernel takes
+            torch.manual_seed(0)
+            tables = [dataclasses.replace(c, embedding_dim=8) for c in weighted_tables()]
+            ref = EmbeddingBagCollection(tables=tables, is_weighted=True)
+        for case in CASES:
+            ebc = modular.shard(copy.deepcopy(ref), plan_for(case, ref, world))
+            if kernel == "fused":
+                modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
+            batch = make_batch(ref, seed=rank)
+            if rank == VICTIM:
+                batch = _corrupt(batch, "weights_require_grad", shuffled=False)
+            try:
+                ebc(batch)
+            except modular.InputError as e:
+                messages[f"{case}, {kernel}"] = str(e)
+            else:
+                raise AssertionError(f"rank {rank}: {case}, {kernel}: learnable weights on rank {VICTIM} were accepted")
+            batches = rank_batches(ref, world, step=1)
+            mine = slice(rank * BATCH, (rank + 1) * BATCH)
+            close(ebc(batches[rank]).values(), ref(global_batch(batches)).values()[mine], f"rank {rank}: {case}, {kernel}: the next good batch")
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_learnable_weights_are_refused_on_every_rank_under_every_plan_and_kernel() -> None:
+    # The unsharded EBC back-propagates into per-sample weights; sharded, their gradient was lost
+    # (weights.grad stayed None) and data-parallel tables corrupted memory in fbgemm's backward.
+    messages = run_on_ranks(2, _learnable_weights_under_every_plan, timeout=TIMEOUT_S)
+    assert len(messages[VICTIM]) == 2 * len(CASES), messages[VICTIM]
+    for where, message in messages[VICTIM].items():
+        assert re.search(LEARNABLE_WEIGHTS, message), (where, message)
+    for where, message in messages[1 - VICTIM].items():
+        assert message.startswith(f"rank {VICTIM} rejected its batch for module '' (bad per-sample weights)"), (where, message)
+

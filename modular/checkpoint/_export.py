@@ -12,6 +12,7 @@ allocate. FSDP2 params are all-gathered with `full_tensor()`, one parameter at a
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, Optional, Union
 
 import torch
@@ -110,35 +111,13 @@ def load_unsharded(
     """Initialises a sharded model from a single-process `state_dict` (or a `torch.save` file).
 
     Every rank calls it with the same source; each copies only its own slices (a file is memory-
-    mapped, so a rank reads just the pages of its shards). Names and shapes are checked strictly,
-    on every rank, before any weight changes.
+    mapped, so a rank reads just the pages of its shards). The file is read, and names, shapes
+    and types checked strictly, on every rank before any weight changes; a file that cannot be
+    read or does not match raises `CheckpointError` on every rank naming the file and the table.
     """
-    source = state_dict_or_path
-    if isinstance(source, (str, os.PathLike)):
-        source = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
     live = get_model_state_dict(model)
-    problems = []
-    for fqn, target in live.items():
-        if fqn not in source:
-            problems.append(f"{describe(fqn)}: missing from the state dict")
-        elif isinstance(target, (torch.Tensor, ShardedTensor)):
-            if tuple(source[fqn].shape) != global_shape(target):
-                problems.append(
-                    f"{describe(fqn)}: the state dict holds shape {tuple(source[fqn].shape)}, "
-                    f"the model {global_shape(target)}"
-                )
-    unexpected = [k for k in source if k not in live]
-    if unexpected:
-        problems.append(
-            "the state dict holds " + ", ".join(describe(k) for k in unexpected)
-            + ", which the model does not have"
-        )
-    agree(
-        "the unsharded state dict does not match the model; nothing was loaded:\n  "
-        + "\n  ".join(problems)
-        if problems
-        else None
-    )
+    source, error = _read_unsharded(state_dict_or_path, live)
+    agree(error)
     values = {}
     for fqn, target in live.items():
         full = source[fqn]
@@ -155,6 +134,53 @@ def load_unsharded(
         else:
             values[fqn] = full
     apply_model(model, values)
+
+
+def _read_unsharded(
+    state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike], live: dict[str, Any]
+) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """(the state dict, None) if it matches the model's state `live`, else (None, why not)."""
+    source, what = state_dict_or_path, "the unsharded state dict"
+    if isinstance(source, (str, os.PathLike)):
+        what = f"the unsharded state dict {str(source)!r}"
+        try:
+            source = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, RuntimeError, pickle.UnpicklingError) as e:
+            return None, (
+                f"cannot read {str(state_dict_or_path)!r} as a torch.save file of the unsharded "
+                f"model's state dict: {e}; nothing was loaded"
+            )
+    if not isinstance(source, dict):
+        return None, (
+            f"{what} is a {type(source).__name__}, not a dict of the unsharded model's tensors by "
+            "name (as state_dict() returns); nothing was loaded"
+        )
+    problems = []
+    for fqn, target in live.items():
+        if fqn not in source:
+            problems.append(f"{describe(fqn)}: missing from the state dict")
+        elif isinstance(target, (torch.Tensor, ShardedTensor)):
+            value = source[fqn]
+            if not isinstance(value, torch.Tensor):
+                problems.append(
+                    f"{describe(fqn)}: the state dict holds a {type(value).__name__}, not a tensor"
+                )
+            elif tuple(value.shape) != global_shape(target):
+                problems.append(
+                    f"{describe(fqn)}: the state dict holds shape {tuple(value.shape)}, "
+                    f"the model {global_shape(target)}"
+                )
+    unexpected = [k for k in source if k not in live]
+    if unexpected:
+        problems.append(
+            "the state dict holds " + ", ".join(describe(k) for k in unexpected)
+            + ", which the model does not have"
+        )
+    if problems:
+        return None, (
+            f"{what} does not match the model; nothing was loaded:\n  " + "\n  ".join(problems)
+        )
+    return source, None
 
 
 __all__ = ["CheckpointError", "export", "load_unsharded"]

@@ -346,3 +346,27 @@ def test_export_to_a_rank_that_cannot_receive_fails_on_every_rank() -> None:
     assert outcome[0] == "not in the group"
     for message in outcome[1:]:
         assert "rank 0 is not in the process group of module 'ebc' (global ranks [1, 2])" in message, message
+
+
+def _load_unsharded_fails(files: list[str]) -> list[str]:
+    model = H.sharded("A", seed=1)
+    before = H.local_snapshot(model)
+    messages = []
+    for file in files:
+        with pytest.raises(CheckpointError) as info:
+            modular.checkpoint.load_unsharded(model, file)
+        messages.append(str(info.value))
+    H.assert_unchanged(before, H.local_snapshot(model), "a failed load_unsharded")
+    return messages
+
+
+def test_load_unsharded_names_a_damaged_file_and_a_value_that_is_not_a_tensor(tmp_path: Path) -> None:
+    state = H.build(seed=7).state_dict()
+    good, truncated, listed = (tmp_path / n for n in ("good.pt", "truncated.pt", "listed.pt"))
+    torch.save(state, good)
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    torch.save({**state, "ebc.embedding_bags.t1.weight": state["ebc.embedding_bags.t1.weight"].tolist()}, listed)
+    for damaged, listed_message in run_on_ranks(2, _load_unsharded_fails, [str(truncated), str(listed)], timeout=TIMEOUT):
+        assert f"cannot read {str(truncated)!r}" in damaged, damaged
+        assert f"{str(listed)!r}" in listed_message, listed_message
+        assert "table 't1' (ebc.embedding_bags.t1.weight): the state dict holds a list, not a tensor" in listed_message

@@ -29,6 +29,7 @@ class Problem(enum.IntEnum):
     WEIGHTS = 5
     BATCH_SIZE = 6
     DEVICE = 7
+    EMPTY_BATCH = 8
 
     def summary(self) -> str:
         return {
@@ -39,6 +40,7 @@ class Problem(enum.IntEnum):
             Problem.WEIGHTS: "bad per-sample weights",
             Problem.BATCH_SIZE: "a batch size that differs from the other ranks'",
             Problem.DEVICE: "a batch on another device than the module",
+            Problem.EMPTY_BATCH: "an empty batch: batch size 0",
         }.get(self, "no problem")
 
 
@@ -309,6 +311,16 @@ class Router:
                 -1,
                 f"module {self.module!r}: {lengths.numel()} lengths for {nf} features is not a "
                 f"whole batch (batch size {kjt.stride()} x {nf} = {nf * kjt.stride()})",
+            )
+        if kjt.stride() == 0:
+            # Routing cannot shape the lengths of 0 samples (nor does torchrec's EBC take them):
+            # refused here, so that every rank hears of it in the agreement, not one crashing.
+            return Rejection(
+                Problem.EMPTY_BATCH,
+                -1,
+                f"module {self.module!r} got an empty batch (batch size 0) on this rank; it "
+                "needs the same batch size, at least 1, on every rank: give this rank as many "
+                "samples as the others (a sample may have no ids), or skip the step on every rank",
             )
         negative = lengths < 0
         if bool(negative.any()):

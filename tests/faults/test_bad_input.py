@@ -1,9 +1,9 @@
 """Bad batches the id/feature/weight tests of tests/modular/test_shard_errors.py do not cover.
 
-One rank feeds a batch with a wrong dtype, lengths that disagree with the values, or weights that
-disagree with the ids or require grad, in module order or with its features shuffled (the shuffle
-runs fbgemm's permutation, which trusts lengths and values: before the structure check it corrupted
-the heap).
+One rank feeds a batch with a wrong dtype, lengths that disagree with the values, weights that
+disagree with the ids or require grad, or no samples at all, in module order or with its features
+shuffled (the shuffle runs fbgemm's permutation, which trusts lengths and values: before the
+structure check it corrupted the heap).
 That rank gets the detailed error, its peers an error naming it, and the next good batch is right.
 """
 
@@ -50,6 +50,8 @@ def _corrupt(kjt: KeyedJaggedTensor, problem: str, shuffled: bool) -> KeyedJagge
         values = values.to("meta")
     elif problem == "weights_require_grad":  # as when a dense layer computes them
         weights = weights.detach().clone().requires_grad_()
+    elif problem == "empty_batch":  # no samples at all: batch size 0
+        return KeyedJaggedTensor(keys=kjt.keys(), values=values[:0], lengths=lengths[:0], stride=0)
     else:
         raise ValueError(problem)
     return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths, weights=weights)
@@ -80,6 +82,10 @@ LEARNABLE_WEIGHTS = (
     r"into its per-sample weights \(only into its tables\), so their gradient would be lost: pass "
     r"weights that do not require grad \(weights\.detach\(\)\)"
 )
+EMPTY_BATCH = (
+    r"module '' got an empty batch \(batch size 0\) on this rank; it needs the same batch size, at "
+    r"least 1, on every rank"
+)
 
 # problem -> (the victim's message, what its peers are told)
 OWN_AND_PEER = {
@@ -92,6 +98,7 @@ OWN_AND_PEER = {
     "ids_on_meta": (r"module '' is on cpu but the batch's ids are on meta and its lengths on cpu; move the batch with kjt\.to\('cpu'\)", "a batch on another device than the module"),
     "too_few_weights": (r"module '': (\d+) per-sample weights for (\d+) ids; a batch with weights needs one weight per id", "bad per-sample weights"),
     "weights_require_grad": (LEARNABLE_WEIGHTS, "bad per-sample weights"),
+    "empty_batch": (EMPTY_BATCH, "an empty batch: batch size 0"),
 }
 
 
@@ -152,3 +159,20 @@ def test_learnable_weights_are_refused_on_every_rank_under_every_plan_and_kernel
     for where, message in messages[1 - VICTIM].items():
         assert message.startswith(f"rank {VICTIM} rejected its batch for module '' (bad per-sample weights)"), (where, message)
 
+
+def _every_rank_empty() -> str:
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, dist.get_world_size()))
+    try:
+        ebc(_corrupt(make_batch(ref, seed=0), "empty_batch", shuffled=False))
+    except modular.InputError as e:
+        return str(e)
+    raise AssertionError(f"rank {dist.get_rank()}: an empty batch was accepted")
+
+
+@pytest.mark.timeout(120)
+def test_an_empty_batch_on_every_rank_is_refused_on_every_rank() -> None:
+    # torchrec's EBC takes no empty batch either; before the check each rank failed in routing
+    # with "cannot reshape tensor of 0 elements".
+    for message in run_on_ranks(2, _every_rank_empty, timeout=TIMEOUT_S):
+        assert re.search(EMPTY_BATCH, message), message

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from modular._prefetch import MAX_PENDING
@@ -105,6 +106,47 @@ def test_prefetched_bad_batch_raises_at_its_forward_on_every_rank() -> None:
     messages = run_on_ranks(2, _out_of_order_and_bad_batches, timeout=TIMEOUT_S)
     assert "has id 7, outside table" in messages[1][0], messages
     assert messages[0][0].startswith("rank 1 rejected its batch for module ''"), messages
+
+
+def _prefetched_misuse() -> list[str]:
+    """Rank 1 prefetches a batch whose weights require grad, then an empty batch: each raises at
+    its forward on every rank (the background input dist runs the same checks), and the module
+    still works afterwards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    messages = []
+    for weighted in (True, False):
+        ref = make_ebc(weighted)
+        ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world))
+        bad = make_batch(ref, seed=rank)
+        if rank == 1 and weighted:
+            bad = KeyedJaggedTensor(keys=bad.keys(), values=bad.values(), lengths=bad.lengths(), weights=bad.weights().clone().requires_grad_())
+        elif rank == 1:
+            bad = KeyedJaggedTensor(keys=bad.keys(), values=bad.values()[:0], lengths=bad.lengths()[:0], stride=0)
+        modular.prefetch(ebc, bad)
+        assert ebc._prefetcher.overlaps
+        try:
+            ebc(bad)
+        except modular.InputError as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"rank {rank}: a prefetched bad batch on rank 1 was accepted")
+        good = rank_batches(ref, world, 1)
+        modular.prefetch(ebc, good[rank])
+        close(ebc(good[rank]).values(), ref(global_batch(good)).values()[mine], "after a bad batch")
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_prefetched_learnable_weights_and_empty_batch_raise_on_every_rank() -> None:
+    messages = run_on_ranks(2, _prefetched_misuse, timeout=TIMEOUT_S)
+    learnable, empty = messages[1]
+    assert "per-sample weights for module '' require grad" in learnable and "weights.detach()" in learnable, learnable
+    assert "module '' got an empty batch (batch size 0) on this rank" in empty, empty
+    assert messages[0] == [
+        "rank 1 rejected its batch for module '' (bad per-sample weights); this rank stops too so that no rank hangs. See rank 1's error for the details",
+        "rank 1 rejected its batch for module '' (an empty batch: batch size 0); this rank stops too so that no rank hangs. See rank 1's error for the details",
+    ], messages[0]
 
 
 def _armed_until_the_module_waits() -> int:

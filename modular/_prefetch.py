@@ -96,8 +96,10 @@ class Prefetcher:
         if len(self._pending) >= MAX_PENDING:
             raise RuntimeError(
                 f"module {self._module.module_fqn!r} has {len(self._pending)} prefetched batches "
-                "that no forward has used; prefetch a batch only shortly before the forward "
-                "that takes it (Note [prefetched input dist] in modular/_prefetch.py)"
+                "that no forward has used. A forward uses a prefetched batch only when given that "
+                "same KeyedJaggedTensor object, not a copy (kjt.to(device), a rebuilt or "
+                "re-collated KJT are new objects): prefetch the object the forward will get, "
+                "shortly before that forward (Note [prefetched input dist] in modular/_prefetch.py)"
             )
         future: Future = Future()
         if self._side is not None:

@@ -143,6 +143,16 @@ def _read_unsharded(
     source, what = state_dict_or_path, "the unsharded state dict"
     if isinstance(source, (str, os.PathLike)):
         what = f"the unsharded state dict {str(source)!r}"
+        if os.path.isdir(source):
+            hint = (
+                "it is a checkpoint directory: load it with modular.checkpoint.load"
+                if os.path.exists(os.path.join(source, "checkpoint.json"))
+                else "it is a directory"
+            )
+            return None, (
+                f"cannot read {str(state_dict_or_path)!r} as a torch.save file of the unsharded "
+                f"model's state dict: {hint}; nothing was loaded"
+            )
         try:
             source = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
         except (OSError, RuntimeError, pickle.UnpicklingError) as e:

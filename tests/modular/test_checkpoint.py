@@ -366,7 +366,12 @@ def test_load_unsharded_names_a_damaged_file_and_a_value_that_is_not_a_tensor(tm
     torch.save(state, good)
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     torch.save({**state, "ebc.embedding_bags.t1.weight": state["ebc.embedding_bags.t1.weight"].tolist()}, listed)
-    for damaged, listed_message in run_on_ranks(2, _load_unsharded_fails, [str(truncated), str(listed)], timeout=TIMEOUT):
+    checkpoint = tmp_path / "step_100"  # what a user may pass by mistake: a sharded checkpoint
+    checkpoint.mkdir()
+    (checkpoint / "checkpoint.json").write_text("{}")
+    files = [str(truncated), str(listed), str(checkpoint)]
+    for damaged, listed_message, directory in run_on_ranks(2, _load_unsharded_fails, files, timeout=TIMEOUT):
+        assert directory.endswith("it is a checkpoint directory: load it with modular.checkpoint.load; nothing was loaded"), directory
         assert f"cannot read {str(truncated)!r}" in damaged, damaged
         assert f"{str(listed)!r}" in listed_message, listed_message
         assert "table 't1' (ebc.embedding_bags.t1.weight): the state dict holds a list, not a tensor" in listed_message

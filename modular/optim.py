@@ -199,6 +199,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads state saved by `state_dict()`: every module's is checked before anything (the
+        learning rate included) changes, so a refused load leaves this optimizer as it was."""
         groups = state_dict.get("param_groups", [])
         if groups:
             saved = groups[0].get("optimizer", self._config.optimizer.value)
@@ -207,10 +209,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"the state is for fused {saved!r} but this optimizer is "
                     f"{self._config.optimizer.value!r}"
                 )
-            for key in ("lr", "eps"):
-                if key in groups[0]:
-                    self._config.param_group[key] = groups[0][key]
         state = state_dict.get("state", {})
+        name = self._config.optimizer.state_name()
+        loads = []
         for fqn, m in self._fused_modules():
             prefix = f"{fqn}." if fqn else ""
             per_table = {}
@@ -218,8 +219,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                 key = f"{prefix}embedding_bags.{table}.weight"
                 if key in state:
                     per_table[table] = state[key]
-                elif self._config.optimizer.state_name() is not None:
+                elif name is not None:
                     raise KeyError(f"the optimizer state has no entry for table weight {key!r}")
+            if name is not None:
+                m._check_fused_state(per_table, name, self._config.optimizer.rowwise())
+            loads.append((m, per_table))
+        if groups:
+            for key in ("lr", "eps"):
+                if key in groups[0]:
+                    self._config.param_group[key] = groups[0][key]
+        for m, per_table in loads:
             m.load_fused_state(per_table)
 
 

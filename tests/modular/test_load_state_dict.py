@@ -110,3 +110,31 @@ def test_fused_optimizer_state_of_the_wrong_shape_is_refused(kind: str, good_sha
     ) in str(info.value)
     for fqn, states in opt.state_dict()["state"].items():
         assert torch.equal(states[name], before[fqn]), f"{fqn} changed by a refused load"
+
+
+def test_a_fused_state_refused_in_one_module_leaves_every_module_and_the_lr() -> None:
+    """One process: two fused EBCs; the second's state is wrong, so nothing may change, not the
+    first module's state (loaded first) nor the learning rate."""
+    from torch import nn
+
+    from tests.modular.cases import make_ebc
+
+    model = nn.Module()
+    model.a, model.b = make_ebc(False, seed=0), make_ebc(False, seed=1)
+    opt = modular.fuse_optimizer(model, "exact_adagrad", lr=0.1)
+    sd = opt.state_dict()
+    before = {fqn: states["sum"].clone() for fqn, states in sd["state"].items()}
+    wrong = {fqn: {"sum": torch.full_like(s, 3.0)} for fqn, s in before.items()}
+    wrong["b.embedding_bags.t_big.weight"] = {"sum": torch.full((30, 7), 3.0)}
+    groups = [{**sd["param_groups"][0], "lr": 0.5}]
+    with pytest.raises(ValueError, match=r"table 't_big' in module 'b' has shape \(30, 7\)"):
+        opt.load_state_dict({"state": wrong, "param_groups": groups})
+    after = opt.state_dict()
+    assert after["param_groups"][0]["lr"] == 0.1
+    assert {k[0] for k in before} == {"a", "b"}
+    for fqn, states in after["state"].items():
+        assert torch.equal(states["sum"], before[fqn]), f"{fqn} changed by a refused load"
+    good = {**wrong, "b.embedding_bags.t_big.weight": {"sum": torch.full((29, 7), 3.0)}}
+    opt.load_state_dict({"state": good, "param_groups": groups})
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.5  # a good load still takes both
+    assert all(bool((s["sum"] == 3.0).all()) for s in opt.state_dict()["state"].values())

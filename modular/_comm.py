@@ -6,7 +6,7 @@ Everything goes through `all_to_all_single` with explicit splits (gloo has no un
 
 from __future__ import annotations
 
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -202,6 +202,25 @@ def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup
         mine, group=group, world=dist.get_world_size(group), what=f"an all_gather of {width} bytes"
     )
     return [bytes(t.cpu().tolist()) for t in out]
+
+
+def raise_shared_failure(
+    failure: Optional[BaseException],
+    failed: list[int],
+    group: Optional[ProcessGroup],
+    text: Callable[[BaseException], str] = str,
+) -> Optional[tuple[int, str]]:
+    """After a gather every rank joined showed which ranks `failed` (none: returns None at once),
+    a second gather shares their messages (`text(failure)`): a rank that failed raises its own
+    `failure`, the others get the first failing rank and its message back, to raise in their
+    own words."""
+    if not failed:
+        return None
+    messages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if failure is None else text(failure), group=group)
+    if failure is not None:
+        raise failure
+    return failed[0], messages[failed[0]]
 
 
 def collective_device(group: Optional[ProcessGroup]) -> torch.device:

@@ -24,7 +24,13 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from modular._comm import KeptBuffers, all_gather_bytes, all_to_all, pooled_all_to_all
+from modular._comm import (
+    KeptBuffers,
+    all_gather_bytes,
+    all_to_all,
+    pooled_all_to_all,
+    raise_shared_failure,
+)
 from modular._tables import ShardedTable, ShardingError, check_widths_off_cpu, table_infos
 from modular._input import INT32_MAX, InputError, Permutation, Problem, Rejection, Router, _permute
 from modular._fused import FusedTables
@@ -495,17 +501,13 @@ def _agree_on_init(
     been replaced in the model by then (`modular.shard` swaps modules in after building all)."""
     payloads = all_gather_bytes(b"\x00" if failure is None else b"\x01", width=1, group=group)
     failed = [r for r, p in enumerate(payloads) if p[0] == 1]
-    if not failed:
-        return
-    messages: list = [None] * len(payloads)
-    text = None if failure is None else f"{type(failure).__name__}: {failure}"
-    dist.all_gather_object(messages, text, group=group)
-    if failure is not None:
-        raise failure
-    raise ShardingError(
-        f"module {module!r}: rank {failed[0]} could not initialise its shards: {messages[failed[0]]}"
-        f" (ranks {failed} failed; this rank stops too so that no rank hangs)"
-    )
+    shared = raise_shared_failure(failure, failed, group, lambda e: f"{type(e).__name__}: {e}")
+    if shared is not None:
+        first, message = shared
+        raise ShardingError(
+            f"module {module!r}: rank {first} could not initialise its shards: {message} (ranks "
+            f"{failed} failed; this rank stops too so that no rank hangs)"
+        )
 
 
 def _shard_seed(table: str, spec: ShardSpec) -> int:

@@ -15,7 +15,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from modular._comm import all_gather_bytes, collective_device
+from modular._comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.optim import PENDING_FUSE
 from modular.embedding_bag import (
     ShardedEmbeddingBagCollection,
@@ -123,19 +123,6 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
     targets = []
     for fqn in sorted(plan.modules):
         module = found.get(fqn)
-        if module is not None and len(names_of[id(module)]) > 1:
-            raise ShardingError(
-                f"module {fqn!r} is one EmbeddingBagCollection registered under several names "
-                f"{names_of[id(module)]}; shard replaces the module at one name and the others "
-                "would keep the unsharded tables. Register it once, shard it, then share the "
-                "sharded module (e.g. model.b = model.a after modular.shard)"
-            )
-        if module is not None and any(isinstance(p, DTensor) for p in module.parameters()):
-            raise ShardingError(
-                f"module {fqn!r}'s tables are DTensors: fully_shard (or apply_fully_shard) ran on "
-                "them before modular.shard. Call modular.shard first, then "
-                "modular.apply_fully_shard, which leaves the sharded tables to modular"
-            )
         if module is None:
             try:
                 other = type(model.get_submodule(fqn)).__name__
@@ -146,6 +133,19 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
             raise ShardingError(
                 f"the plan names module {fqn!r}, which {why}; the model's "
                 f"EmbeddingBagCollections are {ebcs} (use '' for the model itself)"
+            )
+        if len(names_of[id(module)]) > 1:
+            raise ShardingError(
+                f"module {fqn!r} is one EmbeddingBagCollection registered under several names "
+                f"{names_of[id(module)]}; shard replaces the module at one name and the others "
+                "would keep the unsharded tables. Register it once, shard it, then share the "
+                "sharded module (e.g. model.b = model.a after modular.shard)"
+            )
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            raise ShardingError(
+                f"module {fqn!r}'s tables are DTensors: fully_shard (or apply_fully_shard) ran on "
+                "them before modular.shard. Call modular.shard first, then "
+                "modular.apply_fully_shard, which leaves the sharded tables to modular"
             )
         if isinstance(module, ShardedEmbeddingBagCollection) and not module.is_local:
             raise ShardingError(f"module {fqn!r} is already sharded; shard a model only once")
@@ -220,14 +220,11 @@ def _agree_on_every_rank(
         payload = b"\x01" + bytes(32)
     payloads = all_gather_bytes(payload, width=len(payload), group=group)
     rejecting = [r for r, p in enumerate(payloads) if p[0] == 1]
-    if rejecting:
-        messages: list = [None] * len(payloads)
-        dist.all_gather_object(messages, None if problem is None else str(problem), group=group)
-        if problem is not None:
-            raise problem
-        first = rejecting[0]
+    shared = raise_shared_failure(problem, rejecting, group)
+    if shared is not None:
+        first, message = shared
         raise ShardingError(
-            f"rank {first} rejected the plan: {messages[first]} (ranks {rejecting} rejected it; "
+            f"rank {first} rejected the plan: {message} (ranks {rejecting} rejected it; "
             "this rank stops too so that no rank hangs)"
         )
     if len(set(payloads)) > 1:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modular._comm import collective_device
-from modular.checkpoint._files import CheckpointError, agree
+from modular.checkpoint._files import MANIFEST, CheckpointError, agree
 from modular.checkpoint._state import apply_model, describe, global_shape
 from modular.shard import sharded_modules
 
@@ -57,9 +57,10 @@ def _check_destination(model: nn.Module, rank: int) -> None:
             f"(world size {world}); pass the rank that should receive the state dict"
         )
     for fqn, module in sharded_modules(model):
-        if module._local_only:  # an unsharded (fused) module: every rank holds all of it
+        if module.is_local:  # an unsharded (fused) module: every rank holds all of it
             continue
-        group = range(world) if module._pg is None else dist.get_process_group_ranks(module._pg)
+        pg = module.process_group
+        group = range(world) if pg is None else dist.get_process_group_ranks(pg)
         if rank not in group:
             raise CheckpointError(
                 f"export(model, rank={rank}): rank {rank} is not in the process group of module "
@@ -143,22 +144,20 @@ def _read_unsharded(
     source, what = state_dict_or_path, "the unsharded state dict"
     if isinstance(source, (str, os.PathLike)):
         what = f"the unsharded state dict {str(source)!r}"
-        if os.path.isdir(source):
-            hint = (
-                "it is a checkpoint directory: load it with modular.checkpoint.load"
-                if os.path.exists(os.path.join(source, "checkpoint.json"))
-                else "it is a directory"
-            )
+        why = None
+        if os.path.exists(os.path.join(source, MANIFEST)):
+            why = "it is a checkpoint directory: load it with modular.checkpoint.load"
+        elif os.path.isdir(source):
+            why = "it is a directory"
+        else:
+            try:
+                source = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+            except (OSError, RuntimeError, pickle.UnpicklingError) as e:
+                why = str(e)
+        if why is not None:
             return None, (
                 f"cannot read {str(state_dict_or_path)!r} as a torch.save file of the unsharded "
-                f"model's state dict: {hint}; nothing was loaded"
-            )
-        try:
-            source = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-        except (OSError, RuntimeError, pickle.UnpicklingError) as e:
-            return None, (
-                f"cannot read {str(state_dict_or_path)!r} as a torch.save file of the unsharded "
-                f"model's state dict: {e}; nothing was loaded"
+                f"model's state dict: {why}; nothing was loaded"
             )
     if not isinstance(source, dict):
         return None, (

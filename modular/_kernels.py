@@ -396,3 +396,27 @@ def _weight_decay_args(config) -> dict:
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
     return {"weight_decay": config.weight_decay, "weight_decay_mode": WeightDecayMode.L2}
+
+
+def pool(
+    kernels: list, values: torch.Tensor, offsets: torch.Tensor, weights, bags_per_route: int
+) -> torch.Tensor:
+    """Runs each kernel on its consecutive routes' slice of one (values, offsets) batch, where
+    every route holds `bags_per_route` bags; the kernels' pooled outputs side by side."""
+    if len(kernels) == 1:  # the whole batch (its offsets start at 0 and end at its last id)
+        return kernels[0](values, offsets, weights)
+    ends = [0]
+    for kernel in kernels:
+        ends.append(ends[-1] + len(kernel.group.routes) * bags_per_route)
+    # Where each kernel's ids start and end: one read from the device for all kernels.
+    cuts = offsets[torch.tensor(ends, device=offsets.device)].tolist()
+    outs = []
+    for kernel, lo, hi, v0, v1 in zip(kernels, ends, ends[1:], cuts, cuts[1:]):
+        outs.append(
+            kernel(
+                values[v0:v1],
+                offsets[lo : hi + 1] - v0,
+                None if weights is None else weights[v0:v1],
+            )
+        )
+    return torch.cat(outs, dim=1)

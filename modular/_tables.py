@@ -1,21 +1,34 @@
 """One table of a sharded EBC, as the model sees it: its `weight` under the unsharded name.
 
 Also reads a torchrec EBC's tables (`table_infos`), refuses shard widths the device cannot
-take (`check_widths_off_cpu`) and defines `ShardingError`.
+take (`check_widths_off_cpu`), seeds a meta table's shards (`shard_seed`), makes every rank
+raise when one could not fill its shards (`agree_on_init`) and defines `ShardingError`.
 """
 
 from __future__ import annotations
 
+import hashlib
+from typing import Optional
+
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from modular._comm import all_gather_bytes, raise_shared_failure
 from modular._layout import Layout, Pooling, TableInfo, odd_width
-from planners.types import ShardingType
+from planners.types import ShardingType, ShardSpec
 
-__all__ = ["ShardedTable", "ShardingError", "check_widths_off_cpu", "table_infos"]
+__all__ = [
+    "ShardedTable",
+    "ShardingError",
+    "agree_on_init",
+    "check_widths_off_cpu",
+    "shard_seed",
+    "table_infos",
+]
 
 
 class ShardingError(ValueError):
@@ -144,3 +157,34 @@ class ShardedTable(nn.Module):
         w = self._parameters["weight"]
         kind = "sharded" if isinstance(w, ShardedTensor) else "replicated"
         return f"{kind}, size={tuple(w.size())}"
+
+
+def agree_on_init(
+    failure: Optional[BaseException], module: str, group: Optional[ProcessGroup]
+) -> None:
+    """# Note [agreeing on the shards' init]
+    Each rank fills its own shards (a user's `init_fn` on a meta table, or a copy of the
+    materialised weights), then the tables become ShardedTensors, which is collective. A rank
+    whose init_fn raised would leave the others waiting there until the process group's timeout,
+    so every rank first joins one all-gather of a flag; if any rank failed, a second gather
+    shares the messages and every rank raises (its own error, or the failing rank's). Nothing has
+    been replaced in the model by then (`modular.shard` swaps modules in after building all)."""
+    payloads = all_gather_bytes(b"\x00" if failure is None else b"\x01", width=1, group=group)
+    failed = [r for r, p in enumerate(payloads) if p[0] == 1]
+    shared = raise_shared_failure(failure, failed, group, lambda e: f"{type(e).__name__}: {e}")
+    if shared is not None:
+        first, message = shared
+        raise ShardingError(
+            f"module {module!r}: rank {first} could not initialise its shards: {message} (ranks "
+            f"{failed} failed; this rank stops too so that no rank hangs)"
+        )
+
+
+def shard_seed(table: str, spec: ShardSpec) -> int:
+    """# Note [shard init]
+    A meta table's shards are initialised on different ranks, usually all seeded alike (SPMD).
+    Drawing each from the global RNG would repeat one stream in every shard; instead each shard
+    draws from a stream seeded by the base seed, the table and the shard's offsets, so shards are
+    independent and a shard gets the same values whichever rank (or plan size) holds it."""
+    text = f"{torch.initial_seed()}/{table}/{spec.row_offset}/{spec.col_offset}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1

@@ -8,7 +8,6 @@ plain replicated parameters that average their own gradients over ranks.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from typing import NamedTuple, Optional
 
@@ -24,20 +23,22 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from modular._comm import (
-    KeptBuffers,
-    all_gather_bytes,
-    all_to_all,
-    pooled_all_to_all,
-    raise_shared_failure,
+from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
+from modular._tables import (
+    ShardedTable,
+    ShardingError,
+    agree_on_init,
+    check_widths_off_cpu,
+    shard_seed,
+    table_infos,
 )
-from modular._tables import ShardedTable, ShardingError, check_widths_off_cpu, table_infos
-from modular._input import INT32_MAX, InputError, Permutation, Problem, Rejection, Router, _permute
+from modular._input import INT32_MAX, InputError, Problem, Rejection, Router
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
 from modular._arrival import Arrival
-from modular._kernels import DenseKernel, ShardView
+from modular._kernels import DenseKernel, ShardView, pool
 from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups
+from modular._permute import Permutation, _permute
 from modular._lookups import batch_offsets
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
@@ -196,7 +197,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             if failure is not None:
                 raise failure
             return
-        _agree_on_init(failure, self._module_fqn, self._pg)
+        agree_on_init(failure, self._module_fqn, self._pg)
         source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
         for k in self._local_kernels:  # replicas start equal everywhere
             for view in k.views:
@@ -213,7 +214,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                     raise ShardingError(f"table {table!r} of {self._module_fqn!r} has no init_fn")
                 # Seeded per shard, then the caller's generators are restored: only the CPU's,
                 # and the shard's CUDA device's (torch.manual_seed would reseed every GPU).
-                seed = _shard_seed(table, spec)
+                seed = shard_seed(table, spec)
                 on_cuda = view.device.type == "cuda"
                 with torch.random.fork_rng(devices=[view.device] if on_cuda else [], device_type="cuda"):
                     torch.random.default_generator.manual_seed(seed)
@@ -408,11 +409,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         remote = torch.zeros(rows, 0, device=self._device)
         if self._kernels:
             values, offsets = batch_offsets(received.lengths.reshape(-1), received.values)
-            remote = _pool(self._kernels, values, offsets, received.weights, rows)
+            remote = pool(self._kernels, values, offsets, received.weights, rows)
         local = None
         if received.local is not None:
             kjt = received.local
-            local = _pool(
+            local = pool(
                 self._local_kernels,
                 kjt.values().long(),
                 kjt.offsets().long(),
@@ -487,58 +488,3 @@ def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
     parent, _, name = fqn.rpartition(".")
     setattr(model.get_submodule(parent), name, new)
     return new
-
-
-def _agree_on_init(
-    failure: Optional[BaseException], module: str, group: Optional[ProcessGroup]
-) -> None:
-    """# Note [agreeing on the shards' init]
-    Each rank fills its own shards (a user's `init_fn` on a meta table, or a copy of the
-    materialised weights), then the tables become ShardedTensors, which is collective. A rank
-    whose init_fn raised would leave the others waiting there until the process group's timeout,
-    so every rank first joins one all-gather of a flag; if any rank failed, a second gather
-    shares the messages and every rank raises (its own error, or the failing rank's). Nothing has
-    been replaced in the model by then (`modular.shard` swaps modules in after building all)."""
-    payloads = all_gather_bytes(b"\x00" if failure is None else b"\x01", width=1, group=group)
-    failed = [r for r, p in enumerate(payloads) if p[0] == 1]
-    shared = raise_shared_failure(failure, failed, group, lambda e: f"{type(e).__name__}: {e}")
-    if shared is not None:
-        first, message = shared
-        raise ShardingError(
-            f"module {module!r}: rank {first} could not initialise its shards: {message} (ranks "
-            f"{failed} failed; this rank stops too so that no rank hangs)"
-        )
-
-
-def _shard_seed(table: str, spec: ShardSpec) -> int:
-    """# Note [shard init]
-    A meta table's shards are initialised on different ranks, usually all seeded alike (SPMD).
-    Drawing each from the global RNG would repeat one stream in every shard; instead each shard
-    draws from a stream seeded by the base seed, the table and the shard's offsets, so shards are
-    independent and a shard gets the same values whichever rank (or plan size) holds it."""
-    text = f"{torch.initial_seed()}/{table}/{spec.row_offset}/{spec.col_offset}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def _pool(
-    kernels: list, values: torch.Tensor, offsets: torch.Tensor, weights, bags_per_route: int
-) -> torch.Tensor:
-    """Runs each kernel on its consecutive routes' slice of one (values, offsets) batch, where
-    every route holds `bags_per_route` bags; the kernels' pooled outputs side by side."""
-    if len(kernels) == 1:  # the whole batch (its offsets start at 0 and end at its last id)
-        return kernels[0](values, offsets, weights)
-    ends = [0]
-    for kernel in kernels:
-        ends.append(ends[-1] + len(kernel.group.routes) * bags_per_route)
-    # Where each kernel's ids start and end: one read from the device for all kernels.
-    cuts = offsets[torch.tensor(ends, device=offsets.device)].tolist()
-    outs = []
-    for kernel, lo, hi, v0, v1 in zip(kernels, ends, ends[1:], cuts, cuts[1:]):
-        outs.append(
-            kernel(
-                values[v0:v1],
-                offsets[lo : hi + 1] - v0,
-                None if weights is None else weights[v0:v1],
-            )
-        )
-    return torch.cat(outs, dim=1)

@@ -72,7 +72,7 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
     import modular._lookups as lookups
 
     received, offsets = [], []
-    lookup, pool, saved = eb.ShardedEmbeddingBagCollection.lookup, eb._pool, eb.INT32_MAX
+    lookup, pool, saved = eb.ShardedEmbeddingBagCollection.lookup, eb.pool, eb.INT32_MAX
 
     def spy_lookup(self, r):
         received.append(r.values.dtype)
@@ -89,13 +89,13 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
         assert values.dtype == offs.dtype
         return pool(kernels, values, offs, weights, bags)
 
-    eb.ShardedEmbeddingBagCollection.lookup, eb._pool = spy_lookup, spy_pool
+    eb.ShardedEmbeddingBagCollection.lookup, eb.pool = spy_lookup, spy_pool
     if mode == "wide_rank0" and dist.get_rank() == 0:
         eb.INT32_MAX = 0
     try:
         worst = _train(case, "exact_rowwise_adagrad", fuse_first=False)["worst"]
     finally:
-        eb.ShardedEmbeddingBagCollection.lookup, eb._pool, eb.INT32_MAX = lookup, pool, saved
+        eb.ShardedEmbeddingBagCollection.lookup, eb.pool, eb.INT32_MAX = lookup, pool, saved
     return worst, received, offsets
 
 

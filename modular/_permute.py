@@ -1,0 +1,45 @@
+"""Selecting a KeyedJaggedTensor's features in a given order, with fbgemm's segment permutation.
+
+Used by input dist to put a batch's features in the module's order, and by data-parallel tables
+to take their own features out of a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+class Permutation:
+    """A feature order for `_permute`: the host list, and its int32 tensor per device, made once,
+    so that permuting a batch off the CPU reads nothing back from the device and copies nothing
+    to it."""
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = list(order)
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = torch.tensor(self.order, dtype=torch.int32, device=device)
+        return t
+
+
+def _permute(kjt: KeyedJaggedTensor, perm: Permutation) -> KeyedJaggedTensor:
+    """Selects a KJT's features in the order of `perm` (fbgemm's segment permutation, weights
+    included). `perm` may repeat a feature: a feature read by two data-parallel tables is looked
+    up once per table."""
+    batch = kjt.stride()
+    lengths = kjt.lengths().view(len(kjt.keys()), batch)
+    order = perm.order
+    # The output has as many ids as the input only for a true permutation; otherwise fbgemm must
+    # sum the selected lengths (telling it the input's count overruns its output buffer).
+    total = kjt.values().numel() if sorted(order) == list(range(len(kjt.keys()))) else None
+    new_lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+        perm.on(lengths.device), lengths, kjt.values(), kjt.weights_or_none(), total
+    )
+    keys = [kjt.keys()[i] for i in order]
+    return KeyedJaggedTensor(
+        keys=keys, values=values, weights=weights, lengths=new_lengths.reshape(-1), stride=batch
+    )

@@ -203,7 +203,7 @@ class FusedTables:
         if name is None:
             return
         rowwise = self.fused.optimizer.rowwise()
-        self._check_fused_state(per_table, name, rowwise)  # every table before any is copied
+        self.check_fused_state(per_table, name, rowwise)  # every table before any is copied
         states = self._kernel_states()
         for t, table in enumerate(self.layout.tables):
             source = per_table[table.name][name]
@@ -225,7 +225,7 @@ class FusedTables:
                 # every column shard needs the first one's row state
                 self._sync_column_shard_rows(t, name, states)
 
-    def _check_fused_state(self, per_table, name: str, rowwise: bool) -> None:
+    def check_fused_state(self, per_table, name: str, rowwise: bool) -> None:
         """Every table's state has the whole table's shape (one value per row for row-wise
         Adagrad), whatever this rank copies of it: a slice of a wrong-shaped tensor would copy."""
         where = f" in module {self._module_fqn!r}" if self._module_fqn else ""

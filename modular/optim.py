@@ -222,7 +222,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 elif name is not None:
                     raise KeyError(f"the optimizer state has no entry for table weight {key!r}")
             if name is not None:
-                m._check_fused_state(per_table, name, self._config.optimizer.rowwise())
+                m.check_fused_state(per_table, name, self._config.optimizer.rowwise())
             loads.append((m, per_table))
         if groups:
             for key in ("lr", "eps"):

@@ -5,6 +5,7 @@
     python benchmarks/step_time.py --profile rw:fused               # where our step spends time
     python benchmarks/step_time.py --plans mix --optimizers fused   # column pieces beside tables
     python benchmarks/step_time.py --plans tw --optimizers fused --cpu  # CPU time per thread kind
+    python benchmarks/step_time.py --device cuda --world-size 1     # one rank per GPU, NCCL
 
 For each (plan, optimizer) the ranks build one model per contender from the same weights and
 time, on the same synthetic batches, alternating blocks of steps:
@@ -29,6 +30,8 @@ A step is forward + backward + optimizer; its time is the max over ranks of that
 time. Each rank runs with one thread (OMP_NUM_THREADS=1) and, unless --no-pin, is pinned to its
 own share of the cores (with gloo's threads: a rank's background work then fills its own core's
 idle time instead of preempting another rank); all contenders run on all ranks at once.
+With --device cuda each rank takes its own GPU (NCCL; at most as many ranks as GPUs), everything
+above lives on it, and a step's time ends with torch.cuda.synchronize().
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class Config:
     torchrec: bool
     cpu: bool = False
     pin: bool = True
+    device: str = "cpu"  # "cuda": one GPU per rank, NCCL
 
 
 class Model(nn.Module):
@@ -111,6 +115,10 @@ def _make_ebc(cfg: Config, device: str = "cpu"):
         for i in range(cfg.tables)
     ]  # fmt: skip
     return EmbeddingBagCollection(tables=tables, device=torch.device(device))
+
+
+def _device(cfg: Config) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
 
 
 def _our_plan(cfg: Config, plan: str):
@@ -166,7 +174,7 @@ def _loss(pooled: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
 def _ours(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
     import modular
 
-    model = modular.shard(Model(copy.deepcopy(ebc)), _our_plan(cfg, plan))
+    model = modular.shard(Model(copy.deepcopy(ebc)), _our_plan(cfg, plan), device=_device(cfg))
     if opt_kind == "fused":
         opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
     else:
@@ -205,7 +213,7 @@ def _dmp(cfg: Config, module: nn.Module, plan: str, opt_kind: str):
     from planners.torchrec_interop import to_torchrec
 
     kernel = "fused" if opt_kind == "fused" else "dense"
-    tr_plan = to_torchrec(_our_plan(cfg, plan), Model(module.ebc), device_type="cpu")
+    tr_plan = to_torchrec(_our_plan(cfg, plan), Model(module.ebc), device_type=cfg.device)
     for ps_by_table in tr_plan.plan.values():
         for name, ps in ps_by_table.items():
             if ps.sharding_type != "data_parallel":
@@ -214,7 +222,7 @@ def _dmp(cfg: Config, module: nn.Module, plan: str, opt_kind: str):
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     model = DistributedModelParallel(
         module, env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"), plan=tr_plan, sharders=[sharder],
+        device=_device(cfg), plan=tr_plan, sharders=[sharder],
     )  # fmt: skip
     # Fused tables update in backward; everything else (dense tables, data-parallel replicas,
     # whose gradients DDP all-reduces) takes the torch SGD, like ours.
@@ -258,7 +266,7 @@ def _torchrec_pipeline(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) 
     model, opt = _dmp(cfg, _LossModel(copy.deepcopy(ebc), probe), plan, opt_kind)
     # The pipeline always steps an optimizer; with every table fused there is nothing to step.
     opt = opt or torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
-    pipeline = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+    pipeline = TrainPipelineSparseDist(model, opt, _device(cfg))
     batches = itertools.cycle(kjts)
 
     def step(_kjt) -> None:
@@ -270,12 +278,8 @@ def _torchrec_pipeline(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) 
 def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
     """The TBE on this rank's shard shapes and on exactly the ids our input dist gives it."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        EmbeddingLocation,
-        PoolingMode,
-    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
         DenseTableBatchedEmbeddingBagsCodegen,
         SplitTableBatchedEmbeddingBagsCodegen,
     )
@@ -299,19 +303,20 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
         sizes.extend(k.sizes)
     bags = [int(o.numel() - 1) for _, o in received]
     per_table = bags[0] // len(sizes)
+    where, compute = _tbe_placement(cfg)
     if opt_kind == "fused":
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(r, c, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, c in sizes],
+            embedding_specs=[(r, c, where, compute) for r, c in sizes],
             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
-            pooling_mode=PoolingMode.SUM,
+            pooling_mode=PoolingMode.SUM, device=_device(cfg),
         )  # fmt: skip
         opt = None
     else:
         tbe = DenseTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=sizes, pooling_mode=PoolingMode.SUM, use_cpu=True
-        )
+            embedding_specs=sizes, pooling_mode=PoolingMode.SUM, use_cpu=cfg.device == "cpu"
+        ).to(_device(cfg))
         opt = torch.optim.SGD(tbe.parameters(), lr=LR)
-    grad = torch.randn(per_table, sum(c for _, c in sizes))
+    grad = torch.randn(per_table, sum(c for _, c in sizes)).to(_device(cfg))
     state = {"i": 0}
 
     def step(_kjt) -> None:
@@ -326,6 +331,15 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
     return step
 
 
+def _tbe_placement(cfg: Config):
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice
+
+    if cfg.device == "cuda":
+        return EmbeddingLocation.DEVICE, ComputeDevice.CUDA
+    return EmbeddingLocation.HOST, ComputeDevice.CPU
+
+
 def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
     if opt_kind == "dense":
         model = Model(copy.deepcopy(ebc))
@@ -338,19 +352,15 @@ def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
 
         return step
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        EmbeddingLocation,
-        PoolingMode,
-    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(cfg.rows, cfg.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * cfg.tables,
+        embedding_specs=[(cfg.rows, cfg.dim, *_tbe_placement(cfg))] * cfg.tables,
         optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
-        pooling_mode=PoolingMode.SUM,
+        pooling_mode=PoolingMode.SUM, device=_device(cfg),
     )  # fmt: skip
 
     def step(kjt) -> None:
@@ -361,7 +371,7 @@ def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
 
 
 def _dense_part(probe) -> Callable:
-    pooled = torch.randn(probe.shape, requires_grad=True)
+    pooled = torch.randn(probe.shape).to(probe.device).requires_grad_()
 
     def step(_kjt) -> None:
         pooled.grad = None
@@ -374,17 +384,22 @@ def _dense_part(probe) -> Callable:
 
 
 def _time_block(step: Callable, kjts, n: int, start: int) -> list[float]:
+    # A step on a GPU is done when its kernels are: wait for them (a no-op on CPU).
+    sync = torch.cuda.synchronize if kjts[0].values().is_cuda else (lambda: None)
     times = []
+    sync()
     for i in range(n):
         kjt = kjts[(start + i) % len(kjts)]
         t0 = time.perf_counter()
         step(kjt)
+        sync()
         times.append(time.perf_counter() - t0)
     return times
 
 
 def _max_over_ranks(times: list[float]) -> list[float]:
-    t = torch.tensor(times, dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -406,7 +421,7 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
             except Exception as e:  # reported in the table: TorchRec cannot run this case on CPU
                 notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             # A failure to build on one rank must skip it on all ranks.
-            ok = torch.tensor([int(name in contenders)])
+            ok = torch.tensor([int(name in contenders)], device=_device(cfg))
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             if not ok.item() and name in contenders:
                 del contenders[name]
@@ -513,11 +528,19 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     cores = _cores_of(rank, cfg)
     if cores:  # before the process group, so that gloo's threads stay on the rank's cores too
         os.sched_setaffinity(0, cores)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=cfg.world_size, device_id=torch.device("cuda", rank)
+        )
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
     torch.manual_seed(0)
-    ebc = _make_ebc(cfg)  # the same weights on every rank and for every contender
-    kjts = _batches(cfg, rank)
+    # the same weights on every rank and for every contender
+    ebc = _make_ebc(cfg).to(_device(cfg))
+    kjts = [kjt.to(_device(cfg)) for kjt in _batches(cfg, rank)]
     probe = torch.randn(cfg.batch, cfg.tables * cfg.dim, generator=torch.Generator().manual_seed(7))
+    probe = probe.to(_device(cfg))
     results = {}
     for plan in cfg.plans:
         for opt_kind in cfg.optimizers:
@@ -552,12 +575,15 @@ def _print_case(plan: str, opt_kind: str, result: dict) -> None:
 
 
 def _print_summary(cfg: Config, results: dict) -> None:
-    pinned = "each rank pinned to its own cores" if _cores_of(0, cfg) else "ranks not pinned"
+    if cfg.device == "cuda":
+        ranks = f"{cfg.world_size} x {torch.cuda.get_device_name()} (NCCL, one GPU per rank)"
+    else:
+        pinned = "each rank pinned to its own cores" if _cores_of(0, cfg) else "ranks not pinned"
+        ranks = f"{cfg.world_size} CPU ranks x 1 thread (gloo, {pinned})"
     print(
         f"\n## {cfg.tables} tables x {cfg.rows:,} rows x {cfg.dim} dims, batch {cfg.batch:,} per "
-        f"rank, pooling {cfg.pooling}, SUM, {cfg.world_size} CPU ranks x 1 thread (gloo, "
-        f"{pinned}), {cfg.steps} steps each in {cfg.blocks} alternating blocks, "
-        f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores\n"
+        f"rank, pooling {cfg.pooling}, SUM, {ranks}, {cfg.steps} steps each in {cfg.blocks} "
+        f"alternating blocks, {datetime.date.today().isoformat()}, {os.cpu_count()} cores\n"
     )
     print("| plan | optimizer | ours ms | ours + prefetch ms | TorchRec ms | TorchRec pipeline ms | "
           "ours / TorchRec | ours + prefetch / TorchRec | ours + prefetch / TorchRec pipeline | "
@@ -650,12 +676,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-torchrec", action="store_true")
     p.add_argument("--no-pin", action="store_true", help="let the OS move ranks between cores")
     p.add_argument("--cpu", action="store_true", help="print each sharded contender's CPU per step by thread kind")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank with NCCL (--world-size at most the GPUs)")
     a = p.parse_args(argv)
+    if a.device == "cuda" and a.world_size > torch.cuda.device_count():
+        p.error(f"--device cuda --world-size {a.world_size}: this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank")
     cfg = Config(
         tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
         world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
-        torchrec=not a.no_torchrec, pin=not a.no_pin, cpu=a.cpu,
+        torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu", cpu=a.cpu,
+        device=a.device,
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 

@@ -61,7 +61,23 @@ class Routed(NamedTuple):
     lengths: torch.Tensor  # (num_routes * batch_size,)
     values: torch.Tensor
     weights: Optional[torch.Tensor]
-    values_per_rank: list[int]
+    # ids for each rank, on the batch's device: the input dist reads it on the host together
+    # with the agreement all-to-all's answer, in one transfer (Note [host syncs per step])
+    counts: torch.Tensor
+
+    @property
+    def values_per_rank(self) -> list[int]:
+        return self.counts.tolist()
+
+
+class BatchStats(NamedTuple):
+    """What the checks read from a batch's tensors, read on the host in one transfer."""
+
+    negative_lengths: bool
+    total: int  # the lengths' sum
+    low: int  # the smallest id (0 without ids)
+    high: int  # the largest id (-1 without ids)
+    weights_sum_finite: bool  # True when the module is unweighted or the batch has no weights
 
 
 INT32_MAX = 2**31 - 1
@@ -200,6 +216,7 @@ class Router:
         # A true permutation keeps every id: fbgemm needs no length sum then.
         self._route_source_is_permutation = sorted(source) == list(range(source_rows))
         self._zero_lengths = torch.zeros(0, **as_long)
+        self.zero_counts = torch.zeros(len(self.routes_per_rank), **as_long)
         # Note [ids on the wire]
         self.ids_dtype = wire_dtype(max((r.shard.num_rows for r in layout.routes), default=0))
 
@@ -258,27 +275,67 @@ class Router:
         compare with each feature's bound) and a sum of its weights; only a bad one pays for
         finding and naming the first offender (each id's feature, as before).
         """
-        rejection = self._check_structure(kjt)
+        rejection = self._check_form(kjt)
+        if rejection is not None:
+            return rejection
+        stats = self.batch_stats(kjt)
+        rejection = self._check_counts(kjt, stats)
         if rejection is not None:
             return rejection
         values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
         if values.numel() == 0:
             return None
-        if not self._ids_in_range(values, lengths, kjt.stride()):
+        if not self._ids_in_range(values, lengths, kjt.stride(), stats):
             return self._id_range_rejection(values, lengths, kjt.stride())
         # A NaN or inf weight makes the sum non-finite (so may huge finite ones: test exactly
         # then); summing is several times faster than testing each weight.
         if (
             self.is_weighted
             and weights is not None
-            and not bool(torch.isfinite(weights.sum()))
+            and not stats.weights_sum_finite
             and not bool(torch.isfinite(weights).all())
         ):
             return self._weights_rejection(weights, lengths, kjt.stride())
         return None
 
+    def batch_stats(self, kjt: KeyedJaggedTensor) -> BatchStats:
+        """The lengths' sign and sum, the ids' range and whether the weights' sum is finite.
+
+        # Note [host syncs per step]
+        Every read of a device tensor's value on the host (`int(t)`, `bool(t)`, `.tolist()`)
+        waits for the GPU to finish all work queued before it: the host stops queueing and the
+        GPU then idles while the host catches up. The input dist needs two such reads, as
+        TorchRec's does: the checks' statistics here (one `tolist` of one small tensor; the
+        ids must be known good before routing), and the counts of ids for each rank, read
+        together with the agreement all-to-all's answer (`ShardedEmbeddingBagCollection.
+        _input_dist`). A bad batch, or features with different row counts whose largest id
+        reaches the smallest table's size, pays for more reads. On CPU the reads cost nothing
+        extra; on an H100 eight reads per step made a table-wise step 1.5x TorchRec's
+        (docs/benchmarks.md, "GPU").
+        """
+        values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
+        parts = [(lengths < 0).any().long(), lengths.sum().long()]
+        if values.numel():
+            low, high = torch.aminmax(values)
+            parts += [low.long(), high.long()]
+        else:
+            parts += [lengths.new_zeros((), dtype=torch.int64), lengths.new_full((), -1, dtype=torch.int64)]
+        if self.is_weighted and weights is not None and weights.is_floating_point():
+            parts.append(torch.isfinite(weights.sum()).long())
+        else:
+            parts.append(lengths.new_ones((), dtype=torch.int64))
+        negative, total, low, high, finite = torch.stack(parts).tolist()
+        return BatchStats(bool(negative), total, low, high, bool(finite))
+
     def _check_structure(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
         """Dtypes, and lengths and weights that agree with the values; in any feature order."""
+        rejection = self._check_form(kjt)
+        if rejection is not None:
+            return rejection
+        return self._check_counts(kjt, self.batch_stats(kjt))
+
+    def _check_form(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
+        """What the host knows without reading a tensor: devices, dtypes and sizes."""
         values, lengths = kjt.values(), kjt.lengths()
         nf = len(self.features)
         if values.device != self.id_bound.device or lengths.device != self.id_bound.device:
@@ -323,8 +380,13 @@ class Router:
                 "needs the same batch size, at least 1, on every rank: give this rank as many "
                 "samples as the others (a sample may have no ids), or skip the step on every rank",
             )
-        negative = lengths < 0
-        if bool(negative.any()):
+        return None
+
+    def _check_counts(self, kjt: KeyedJaggedTensor, stats: BatchStats) -> Optional[Rejection]:
+        """Lengths, and weights that agree with the values."""
+        values, lengths = kjt.values(), kjt.lengths()
+        if stats.negative_lengths:
+            negative = lengths < 0
             pos = int(negative.nonzero()[0, 0])
             f = self.features.index(kjt.keys()[pos // kjt.stride()])
             tables = self._tables_of(f)
@@ -335,12 +397,11 @@ class Router:
                 f"length {int(lengths[pos])} for sample {pos % kjt.stride()}; lengths must count "
                 "the ids of each bag",
             )
-        total = int(lengths.sum())
-        if total != values.numel():
+        if stats.total != values.numel():
             return Rejection(
                 Problem.LENGTHS,
                 -1,
-                f"module {self.module!r}: lengths sum to {total} but there are "
+                f"module {self.module!r}: lengths sum to {stats.total} but there are "
                 f"{values.numel()} ids; lengths must count the ids of each bag",
             )
         weights = kjt.weights_or_none()
@@ -381,12 +442,13 @@ class Router:
                 )
         return None
 
-    def _ids_in_range(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> bool:
-        low, high = torch.aminmax(values)
-        if int(low) < 0:
+    def _ids_in_range(
+        self, values: torch.Tensor, lengths: torch.Tensor, batch: int, stats: BatchStats
+    ) -> bool:
+        if stats.low < 0:
             return False
-        if int(high) < self._min_bound or self._uniform_bound:
-            return int(high) < self._min_bound
+        if stats.high < self._min_bound or self._uniform_bound:
+            return stats.high < self._min_bound
         # Features with different bounds: each id against its feature's bound (the bounds are
         # a fill, not a gather: the ids of a feature are one slice of the batch).
         per_feature = lengths.view(len(self.features), batch).sum(1)
@@ -449,7 +511,7 @@ class Router:
                 lengths=self._zero_lengths,
                 values=values.new_empty(0),
                 weights=None if weights is None else weights.new_empty(0),
-                values_per_rank=[0] * len(self.routes_per_rank),
+                counts=self.zero_counts,
             )
         lengths = lengths.view(nf, batch)
         if self._bucketize:
@@ -482,10 +544,9 @@ class Router:
             )
         per_route = r_lengths.sum(1)
         cumulative = torch.cat([per_route.new_zeros(1), torch.cumsum(per_route, 0)])
-        values_per_rank = torch.diff(cumulative[self.rank_route_ends]).tolist()
         return Routed(
             lengths=r_lengths.reshape(-1),
             values=r_values,
             weights=r_weights,
-            values_per_rank=values_per_rank,
+            counts=torch.diff(cumulative[self.rank_route_ends]),
         )

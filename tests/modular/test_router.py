@@ -176,12 +176,11 @@ class ReferenceRouter:
         )
         per_route = route_lengths.view(self.num_routes, batch).sum(1)
         cumulative = torch.cat([per_route.new_zeros(1), torch.cumsum(per_route, 0)])
-        values_per_rank = torch.diff(cumulative[self.rank_route_ends]).tolist()
         return Routed(
             lengths=route_lengths,
             values=ids[order],
             weights=None if weights is None else weights[order],
-            values_per_rank=values_per_rank,
+            counts=torch.diff(cumulative[self.rank_route_ends]),
         )
 
 

@@ -88,6 +88,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         # A local module (see `unsharded`) is a world of one that never communicates.
         self._local_only = local
         self._world = 1 if local else dist.get_world_size(process_group)
+        # A world of one sends nothing either: each all-to-all would copy a tensor onto itself
+        # (four a step; on a GPU each costs a NCCL launch), and no peer needs the agreement.
+        self._alone = self._world == 1
         self._rank = 0 if local else dist.get_rank(process_group)
         # ShardedTensor placements name global ranks, also when sharding over a subgroup.
         self._global_rank = (
@@ -310,22 +313,26 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             rejection, routed = self._router.check_and_route(kjt)
         batch = features.stride()
         world = self._world
-        counts = routed.values_per_rank if routed is not None else [0] * world
-        # One small all-to-all tells every rank how much is coming and whether anyone failed, so
-        # a bad batch on one rank raises on every rank instead of hanging the others.
-        if self._local_only:
+        if self._alone:
             if rejection is not None:
                 raise InputError(rejection.message)
             return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
+        # One small all-to-all tells every rank how much is coming and whether anyone failed, so
+        # a bad batch on one rank raises on every rank instead of hanging the others. It is
+        # built on the device from the counts routing left there, and read on the host with
+        # them, in one transfer (Note [host syncs per step] in modular/_input.py).
         problem = rejection.problem if rejection else Problem.NONE
         feature = rejection.feature if rejection else -1
         # Whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).
         wide = int(routed is not None and routed.values.numel() > INT32_MAX)
-        meta = torch.tensor(
-            [[c, batch, int(problem), feature, wide] for c in counts], dtype=torch.int64
-        ).to(self._device)
-        meta = all_to_all(meta.view(-1), input_splits=[5] * world, output_splits=[5] * world,
-                          group=group).view(world, 5).cpu()
+        sent = torch.empty(world, 5, dtype=torch.int64, device=self._device)
+        sent[:, 0] = routed.counts if routed is not None else self._router.zero_counts
+        for column, value in enumerate((batch, int(problem), feature, wide), start=1):
+            sent[:, column] = value
+        answer = all_to_all(sent.view(-1), input_splits=[5] * world, output_splits=[5] * world,
+                            group=group)
+        both = torch.cat([sent[:, 0], answer]).cpu()
+        counts, meta = both[:world].tolist(), both[world:].view(world, 5)
         self._raise_if_rejected(meta, rejection)
         if rejection is not None:  # unreachable: _raise_if_rejected raised
             raise InputError(rejection.message)
@@ -429,7 +436,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         batch = received.batch_size
         if self._prefetcher is not None:  # this thread waits next: the prefetched batch may go
             self._prefetcher.release()
-        if self._local_only or not self.layout.routes:  # nothing to send (every rank agrees)
+        if self._alone or not self.layout.routes:  # nothing to send (every rank agrees)
             arrived = remote.reshape(-1)
         else:
             arrived = pooled_all_to_all(

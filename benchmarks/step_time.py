@@ -6,12 +6,15 @@
     python benchmarks/step_time.py --plans mix --optimizers fused   # column pieces beside tables
     python benchmarks/step_time.py --plans tw --optimizers fused --cpu  # CPU time per thread kind
     python benchmarks/step_time.py --device cuda --world-size 1     # one rank per GPU, NCCL
+    python benchmarks/step_time.py --plans cw --optimizers fused --cw-statistic per_shard
 
 For each (plan, optimizer) the ranks build one model per contender from the same weights and
 time, on the same synthetic batches, alternating blocks of steps:
 
   ours      modular.shard + torch.optim.SGD over modular.local_parameters ("dense"), or
-            modular.fuse_optimizer(model, "exact_rowwise_adagrad") ("fused")
+            modular.fuse_optimizer(model, "exact_rowwise_adagrad") ("fused"); column pieces
+            keep the exact row statistic unless --cw-statistic per_shard gives each piece its own
+            (TorchRec's approximation, what the torchrec contender does)
   prefetch  ours, with each step first calling modular.prefetch(model, next batch), so the next
             batch's input dist overlaps this step (Note [prefetched input dist])
   torchrec  DistributedModelParallel with the equivalent ParameterShardings: compute kernel
@@ -90,6 +93,7 @@ class Config:
     cpu: bool = False
     pin: bool = True
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
+    cw_statistic: str = "exact"  # fuse_optimizer's column_wise_statistic for ours
 
 
 class Model(nn.Module):
@@ -176,7 +180,10 @@ def _ours(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module,
 
     model = modular.shard(Model(copy.deepcopy(ebc)), _our_plan(cfg, plan), device=_device(cfg))
     if opt_kind == "fused":
-        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+        opt = modular.fuse_optimizer(
+            model, "exact_rowwise_adagrad", lr=LR, eps=EPS,
+            column_wise_statistic=cfg.cw_statistic,
+        )  # fmt: skip
     else:
         opt = torch.optim.SGD(modular.local_parameters(model), lr=LR)
 
@@ -546,7 +553,7 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
         for opt_kind in cfg.optimizers:
             results[(plan, opt_kind)] = _run_case(cfg, rank, plan, opt_kind, ebc, kjts, probe)
             if rank == 0:
-                _print_case(plan, opt_kind, results[(plan, opt_kind)])
+                _print_case(plan, opt_kind, results[(plan, opt_kind)], cfg)
     if rank == 0:
         _print_summary(cfg, results)
     dist.barrier()
@@ -565,8 +572,11 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:8.1f} {min(xs) * 1e3:8.1f} {max(xs) * 1e3:8.1f}"
 
 
-def _print_case(plan: str, opt_kind: str, result: dict) -> None:
-    print(f"\n{plan}/{opt_kind}: step time, ms (max over ranks per step)", flush=True)
+def _print_case(plan: str, opt_kind: str, result: dict, cfg: Config) -> None:
+    statistic = ""
+    if opt_kind == "fused":
+        statistic = f", ours with column_wise_statistic={cfg.cw_statistic!r}"
+    print(f"\n{plan}/{opt_kind}: step time, ms (max over ranks per step{statistic})", flush=True)
     print(f"  {'':10} {'median':>8} {'min':>8} {'max':>8}")
     for name, xs in result["times"].items():
         print(f"  {name:10} {_ms(xs)}")
@@ -583,7 +593,8 @@ def _print_summary(cfg: Config, results: dict) -> None:
     print(
         f"\n## {cfg.tables} tables x {cfg.rows:,} rows x {cfg.dim} dims, batch {cfg.batch:,} per "
         f"rank, pooling {cfg.pooling}, SUM, {ranks}, {cfg.steps} steps each in {cfg.blocks} "
-        f"alternating blocks, {datetime.date.today().isoformat()}, {os.cpu_count()} cores\n"
+        f"alternating blocks, {datetime.date.today().isoformat()}, {os.cpu_count()} cores; "
+        f"ours' fused column pieces: column_wise_statistic={cfg.cw_statistic!r}\n"
     )
     print("| plan | optimizer | ours ms | ours + prefetch ms | TorchRec ms | TorchRec pipeline ms | "
           "ours / TorchRec | ours + prefetch / TorchRec | ours + prefetch / TorchRec pipeline | "
@@ -678,6 +689,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--cpu", action="store_true", help="print each sharded contender's CPU per step by thread kind")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank with NCCL (--world-size at most the GPUs)")
+    p.add_argument("--cw-statistic", choices=["exact", "per_shard"], default="exact",
+                   help="ours' row statistic on fused column pieces (fuse_optimizer's "
+                        "column_wise_statistic); per_shard is TorchRec's approximation")  # fmt: skip
     a = p.parse_args(argv)
     if a.device == "cuda" and a.world_size > torch.cuda.device_count():
         p.error(f"--device cuda --world-size {a.world_size}: this machine has "
@@ -687,7 +701,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
         torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu", cpu=a.cpu,
-        device=a.device,
+        device=a.device, cw_statistic=a.cw_statistic,
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 

@@ -126,6 +126,10 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     The result equals the unsharded table's update up to float rounding (tests/modular/
     test_fused.py, atol 1e-5). Several lookups before one backward are merged into one batch,
     so their gradients add up before one update, as in the emulation.
+    All of this is the default, `fuse_optimizer(..., column_wise_statistic="exact")`. With
+    "per_shard" each piece keeps the statistic of its own columns (TorchRec's approximation) and
+    runs fbgemm's plain fused kernel, with none of the above (Note [fused tables] in
+    modular/optim.py). The planner prices the two passes either way (planners/cost.py).
     """
 
     def __init__(

@@ -11,7 +11,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
@@ -23,6 +22,7 @@ from modular._deferred import (
     RowStatsFusedKernel,
 )
 from modular._emulated import EmulatedFusedKernel
+from modular._fused_state import StateForm, column_statistic_mismatch, local_piece
 from modular._kernels import FusedKernel
 from modular._comm import all_to_all
 from modular._layout import odd_width
@@ -68,6 +68,8 @@ class FusedTables:
         """Records the fused config and which kernels update at the end of backward."""
         self.fused = config
         self._cw_rowwise = cw_rowwise
+        # Column-cut tables whose pieces keep their own row statistic (Note [fused tables]).
+        self._per_piece = self._column_cut_tables(config) if config.per_shard_rows else ()
         self._emulated = [  # kernels with work at the end of backward
             k
             for k in (*self._kernels, *self._local_kernels)
@@ -95,6 +97,14 @@ class FusedTables:
         self._replicate_data_parallel_kernels()
 
     def _column_wise_rowwise_tables(self, config) -> tuple[str, ...]:
+        """The tables whose column pieces exchange row statistics (Note [row statistics across
+        column shards]): none unless row-wise Adagrad keeps the exact statistic."""
+        if config.per_shard_rows:
+            return ()
+        return self._column_cut_tables(config)
+
+    def _column_cut_tables(self, config) -> tuple[str, ...]:
+        """Tables cut into two or more column pieces, under row-wise Adagrad."""
         if not config.optimizer.rowwise():
             return ()
         return tuple(
@@ -159,8 +169,9 @@ class FusedTables:
         return states
 
     def fused_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per table, its optimizer state: ShardedTensors laid out like the weight (row-wise
-        state: one value per row), plain tensors for data-parallel tables."""
+        """Per table, its optimizer state: ShardedTensors laid out as Note [fused tables] says
+        (like the weight; row-wise: one value per row, or per row and column piece), plain
+        tensors for data-parallel tables."""
         if self.fused is None:
             return {}
         name = self.fused.optimizer.state_name()
@@ -173,27 +184,32 @@ class FusedTables:
             if not isinstance(weight, ShardedTensor):
                 out[table.name] = {name: states[(table.name, self._rank_shard(t))][name]}
                 continue
-            local, meta = [], _frozen(weight.metadata())
-            if self.fused.optimizer.rowwise():
-                shard_metas = [
-                    ShardMetadata([m.shard_offsets[0]], [m.shard_sizes[0]], m.placement)
-                    for m in meta.shards_metadata
-                    if m.shard_offsets[1] == 0
-                ]
-                meta = ShardedTensorMetadata(
-                    shard_metas, torch.Size([table.num_embeddings]), meta.tensor_properties
-                )
+            form, pieces = self._state_form(table.name), self._pieces(t)
+            meta = _frozen(weight.metadata())
+            meta = ShardedTensorMetadata(
+                [s for m in meta.shards_metadata if (s := form.shard(m, pieces)) is not None],
+                torch.Size(form.shape(table, len(pieces))),
+                meta.tensor_properties,
+            )
+            local = []
             for j, shard_meta in self._local_shard_metadata(t, weight):
-                if self.fused.optimizer.rowwise():
-                    if shard_meta.shard_offsets[1] != 0:
-                        continue  # column shards after the first hold copies of the same rows
-                    shard_meta = ShardMetadata(
-                        [shard_meta.shard_offsets[0]], [shard_meta.shard_sizes[0]],
-                        shard_meta.placement,
-                    )
-                local.append(Shard(tensor=states[(table.name, j)][name], metadata=shard_meta))
+                state_meta = form.shard(shard_meta, pieces)
+                if state_meta is None:
+                    continue  # column shards after the first hold copies of the same rows
+                tensor = states[(table.name, j)][name].view(state_meta.shard_sizes)
+                local.append(Shard(tensor=tensor, metadata=state_meta))
             out[table.name] = {name: _sharded(local, meta, self._pg)}
         return out
+
+    def _state_form(self, table: str) -> StateForm:
+        if not self.fused.optimizer.rowwise():
+            return StateForm.WEIGHT
+        return StateForm.PIECES if table in self._per_piece else StateForm.ROWS
+
+    def _pieces(self, t: int) -> dict[int, int]:
+        """Column offset -> index of each column piece of table `t`, left to right."""
+        offsets = sorted({s.col_offset for s in self.layout.shards[t]})
+        return {offset: i for i, offset in enumerate(offsets)}
 
     @torch.no_grad()
     def load_fused_state(self, per_table: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -202,34 +218,47 @@ class FusedTables:
         name = self.fused.optimizer.state_name() if self.fused is not None else None
         if name is None:
             return
-        rowwise = self.fused.optimizer.rowwise()
-        self.check_fused_state(per_table, name, rowwise)  # every table before any is copied
+        self.check_fused_state(per_table)  # every table before any is copied
         states = self._kernel_states()
         for t, table in enumerate(self.layout.tables):
             source = per_table[table.name][name]
+            form, pieces = self._state_form(table.name), self._pieces(t)
             for j, spec in enumerate(self.layout.shards[t]):
                 if spec.rank != self._rank:
                     continue
                 target = states[(table.name, j)][name]
                 if isinstance(source, ShardedTensor):
-                    piece = _local_piece(source, spec, rowwise)
+                    piece = local_piece(source, form, spec, pieces)
                     if piece is None:
                         target.zero_()  # filled by the all-reduce below
                         continue
                 else:
-                    rows = slice(spec.row_offset, spec.row_offset + spec.num_rows)
-                    cols = slice(spec.col_offset, spec.col_offset + spec.num_cols)
-                    piece = source[rows] if rowwise else source[rows, cols]
-                target.copy_(piece)
-            if rowwise and table.name in self._cw_rowwise and isinstance(source, ShardedTensor):
+                    piece = source[form.region(spec, pieces)]
+                target.copy_(piece.view(target.shape))
+            if table.name in self._cw_rowwise and isinstance(source, ShardedTensor):
                 # every column shard needs the first one's row state
                 self._sync_column_shard_rows(t, name, states)
 
-    def check_fused_state(self, per_table, name: str, rowwise: bool) -> None:
-        """Every table's state has the whole table's shape (one value per row for row-wise
-        Adagrad), whatever this rank copies of it: a slice of a wrong-shaped tensor would copy."""
+    @torch.no_grad()
+    def load_unsharded_fused_state(self, per_table: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Loads the state of this module's unsharded, fused twin (`modular.shard` after
+        `fuse_optimizer`). A table that keeps a statistic per column piece (Note [fused tables])
+        starts every piece from the whole row's, the only one an uncut table has (zero if it
+        never trained)."""
+        name = self.fused.optimizer.state_name()
+        per_table = dict(per_table)
+        for table in self._per_piece:
+            pieces = len(self.layout.shards[self.layout.table_index(table)])
+            rows = per_table[table][name]
+            per_table[table] = {**per_table[table], name: rows.unsqueeze(1).expand(-1, pieces)}
+        self.load_fused_state(per_table)
+
+    def check_fused_state(self, per_table) -> None:
+        """Every table's state has the whole table's shape as `fused_state()` lays it out,
+        whatever this rank copies of it: a slice of a wrong-shaped tensor would copy."""
         where = f" in module {self._module_fqn!r}" if self._module_fqn else ""
-        for table in self.layout.tables:
+        name = self.fused.optimizer.state_name()
+        for t, table in enumerate(self.layout.tables):
             rows, dim = table.num_embeddings, table.embedding_dim
             if name not in per_table[table.name]:
                 raise ValueError(
@@ -238,14 +267,27 @@ class FusedTables:
                     "saved"
                 )
             got = tuple(per_table[table.name][name].size())
-            expected = (rows,) if rowwise else (rows, dim)
-            if got != expected:
-                per = "one value per row" if rowwise else "one value per weight"
-                raise ValueError(
-                    f"optimizer state {name!r} of table {table.name!r}{where} has shape {got}, "
-                    f"but this optimizer keeps {expected} ({per} of the {rows} x {dim} table); "
-                    "load the state saved for this table by the same fused optimizer"
+            pieces = len(self._pieces(t))
+            expected = self._state_form(table.name).shape(table, pieces)
+            if got == expected:
+                continue
+            what = f"optimizer state {name!r} of table {table.name!r}{where}"
+            if self.fused.optimizer.rowwise():
+                why = column_statistic_mismatch(
+                    what, got, expected, self.fused.column_wise_statistic, dim
                 )
+                if why is not None:
+                    raise ValueError(why)
+            per = {
+                StateForm.WEIGHT: "one value per weight",
+                StateForm.ROWS: "one value per row",
+                StateForm.PIECES: f"one value per row of each of its {pieces} column pieces",
+            }[self._state_form(table.name)]
+            raise ValueError(
+                f"{what} has shape {got}, but this optimizer keeps {expected} ({per} of the "
+                f"{rows} x {dim} table); load the state saved for this table by the same fused "
+                "optimizer"
+            )
 
     def _sync_column_shard_rows(self, t: int, name: str, states) -> None:
         table = self.layout.tables[t]
@@ -378,21 +420,6 @@ def _sharded(local: list[Shard], metadata: ShardedTensorMetadata, group) -> Shar
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             local, metadata, process_group=group
         )
-
-
-def _local_piece(source: ShardedTensor, spec: ShardSpec, rowwise: bool) -> Optional[torch.Tensor]:
-    """The local shard of `source` that covers `spec` exactly, or None (rowwise column copies)."""
-    want = [spec.row_offset] if rowwise else [spec.row_offset, spec.col_offset]
-    for shard in source.local_shards():
-        if list(shard.metadata.shard_offsets) == want:
-            return shard.tensor
-    if rowwise and spec.col_offset != 0:
-        return None
-    raise ValueError(
-        f"optimizer state has no local shard at offsets {want}; load it through "
-        "modular.checkpoint (DCP reshards it to this plan)"
-    )
-
 
 
 def _index_of_rank(shards: tuple[ShardSpec, ...], rank: int) -> int:

@@ -9,7 +9,10 @@ modular/_layout.py, so they never take a table fbgemm could run into the emulati
 shards under row-wise Adagrad (in kernel groups of their own too) use it in two passes, with the
 per-row statistic exchanged between the column shards' ranks in between (one float per id of
 the step), so the result equals the unsharded table's (`RowStatsFusedKernel`, Note [row
-statistics across column shards]; on CPU).
+statistics across column shards]; on CPU). Unless `fuse_optimizer(...,
+column_wise_statistic="per_shard")` asks for TorchRec's approximation: then each column piece
+keeps the statistic of its own columns, as if it were a table of its own, and takes fbgemm's
+plain fused kernel like a whole table (one pass, no exchange; the result depends on the plan).
 The other cases compute a sparse gradient and apply the identical update in torch at the end of
 backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so
 replicas stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU
@@ -20,7 +23,19 @@ summed gradient (the two agree for SGD up to rounding, not for the Adagrads).
 Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
 "row_sum" for row-wise Adagrad), never by the sharding type; each state tensor is a ShardedTensor
 laid out like its weight (row-wise state: one entry per row), or a plain tensor for data-parallel
-tables, so DCP saves and reshards it like the weights.
+tables, so DCP saves and reshards it like the weights (`StateForm` in modular/_fused_state.py).
+One layout depends on the plan: with column_wise_statistic="per_shard", a table cut into k column
+pieces keeps "row_sum" of shape (rows, k), column j the statistic of piece j (pieces left to
+right; each piece's shard is (rows, 1) at offsets (0, j)). TorchRec keeps the same numbers as one
+(rows * k,) vector, piece j at offset j * rows. Such state loads only into k pieces again (DCP
+still moves pieces between ranks). Nothing records the pieces' widths, so k pieces of other
+widths would take it as it is (as in TorchRec); a state of one statistic per row loaded where per
+piece ones are kept, or per piece ones where one per row (exact, or a table not cut) or k' != k
+pieces are kept, is refused naming the table and the fix, by `FusedOptimizer.load_state_dict`
+and by `modular.checkpoint.load` before anything is read (`column_statistic_mismatch`). The
+exact layout never changes, and tables not cut into column pieces keep one value per row and
+train identically in both modes, so their state loads across modes. `modular.shard` of a fused
+unsharded model starts each piece from the whole row's statistic, the only one it had.
 """
 
 from __future__ import annotations
@@ -31,7 +46,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["CombinedOptimizer", "FusedOptimizer", "FusedOptimizerKind", "fuse_optimizer"]
+__all__ = [
+    "ColumnWiseStatistic",
+    "CombinedOptimizer",
+    "FusedOptimizer",
+    "FusedOptimizerKind",
+    "fuse_optimizer",
+]
 
 # A torchrec EBC on `meta` that fuse_optimizer saw: modular.shard builds it fused directly, so a
 # model too large for one rank is never materialised (the attribute holds the FusedConfig).
@@ -75,12 +96,47 @@ class FusedOptimizerKind(enum.Enum):
         return self is FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD
 
 
-class FusedConfig:
-    """What every fused kernel of a model reads: the kind, and the live param group (lr, eps)."""
+class ColumnWiseStatistic(enum.Enum):
+    """Row-wise Adagrad's per-row statistic on a table cut into column pieces (Note [fused
+    tables]): `EXACT`, the whole row's, as unsharded (two passes and an exchange per step), or
+    `PER_SHARD`, each piece's own columns' only (TorchRec's approximation: one plain pass)."""
 
-    def __init__(self, optimizer: FusedOptimizerKind, param_group: dict[str, Any]) -> None:
+    EXACT = "exact"
+    PER_SHARD = "per_shard"
+
+    @classmethod
+    def parse(cls, name: str | ColumnWiseStatistic) -> ColumnWiseStatistic:
+        if isinstance(name, cls):
+            return name
+        for statistic in cls:
+            if str(name).lower() == statistic.value:
+                return statistic
+        supported = ", ".join(repr(s.value) for s in cls)
+        raise ValueError(f"column_wise_statistic {name!r} is not one of {supported}")
+
+
+class FusedConfig:
+    """What every fused kernel of a model reads: the kind, the column-wise statistic and the
+    live param group (lr, eps). `modular.shard` and the meta path carry this object itself."""
+
+    def __init__(
+        self,
+        optimizer: FusedOptimizerKind,
+        param_group: dict[str, Any],
+        *,
+        column_wise_statistic: ColumnWiseStatistic = ColumnWiseStatistic.EXACT,
+    ) -> None:
         self.optimizer = optimizer
         self.param_group = param_group
+        self.column_wise_statistic = column_wise_statistic
+
+    @property
+    def per_shard_rows(self) -> bool:
+        """Whether each column piece keeps its own row statistic (row-wise Adagrad only)."""
+        return (
+            self.optimizer.rowwise()
+            and self.column_wise_statistic is ColumnWiseStatistic.PER_SHARD
+        )
 
     @property
     def lr(self) -> float:
@@ -102,6 +158,7 @@ def fuse_optimizer(
     lr: float,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    column_wise_statistic: str | ColumnWiseStatistic = "exact",
 ) -> FusedOptimizer:
     """Fuses `optimizer` into every EmbeddingBagCollection of `model`, in place.
 
@@ -111,10 +168,23 @@ def fuse_optimizer(
 
     Works before or after `modular.shard` (both orders train identically; see Note [fused
     tables]). An EBC on `meta` is not materialised: it is marked, and `modular.shard` builds its
-    shards fused directly, so each rank only ever allocates its own shards. `weight_decay` (row-wise Adagrad only) is fbgemm's L2 mode: it is added to the
-    gradient of the rows a step touched. fbgemm's CPU kernel ignores it (measured with
-    fbgemm-gpu-cpu 1.8.0), so on CPU a model with weight decay runs every table through the exact
-    emulated update instead. Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
+    shards fused directly, so each rank only ever allocates its own shards. `weight_decay`
+    (row-wise Adagrad only) is fbgemm's L2 mode: it is added to the gradient of the rows a step
+    touched. fbgemm's CPU kernel ignores it (measured with fbgemm-gpu-cpu 1.8.0), so on CPU a
+    model with weight decay runs every table through the exact emulated update instead.
+
+    `column_wise_statistic` (row-wise Adagrad only) says what row statistic a table cut into
+    column pieces keeps:
+      "exact" (the default): the whole row's mean of grad**2 over all its columns, so training
+          equals the unsharded table's whatever the plan; the pieces run fbgemm's backward twice
+          and exchange one float per id (Note [row statistics across column shards]).
+      "per_shard": each piece its own, over its own columns only, as if it were a table of its
+          own: TorchRec's approximation. One fused pass and no exchange (faster), but the result
+          and the optimizer state (one column per piece, Note [fused tables]) depend on the plan.
+    Tables not cut into column pieces train identically either way. Exact SGD and Adagrad keep
+    no row statistic, so for them only "exact" is accepted (a ValueError otherwise).
+
+    Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
     `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op). Supported:
     "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad".
     """
@@ -122,6 +192,7 @@ def fuse_optimizer(
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     kind = FusedOptimizerKind.parse(optimizer)
+    statistic = ColumnWiseStatistic.parse(column_wise_statistic)
     if not lr > 0:
         raise ValueError(f"fused {kind.value}: lr must be positive, got {lr}")
     if not eps > 0:
@@ -132,6 +203,12 @@ def fuse_optimizer(
         raise ValueError(
             f"fused {kind.value}: weight_decay={weight_decay} is not supported: fbgemm's "
             f"{kind.value} kernel has no weight decay (only exact_rowwise_adagrad has one)"
+        )
+    if statistic is not ColumnWiseStatistic.EXACT and not kind.rowwise():
+        raise ValueError(
+            f"fused {kind.value}: column_wise_statistic={statistic.value!r} applies to "
+            f"exact_rowwise_adagrad only: {kind.value} keeps no row statistic, so its column "
+            "pieces already train exactly and independently; leave it at 'exact'"
         )
     targets = [
         (name, m)
@@ -147,7 +224,11 @@ def fuse_optimizer(
     ]
     if fused:
         raise ValueError(f"modules {fused} are already fused; fuse a model only once")
-    config = FusedConfig(kind, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
+    config = FusedConfig(
+        kind,
+        {"lr": lr, "eps": eps, "weight_decay": weight_decay},
+        column_wise_statistic=statistic,
+    )
     for name, m in targets:
         if isinstance(m, EmbeddingBagCollection) and _on_meta(m):
             setattr(m, PENDING_FUSE, config)  # fused when modular.shard builds its shards
@@ -174,6 +255,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         config.param_group.setdefault("params", [])
         self._model = model
         self._config = config
+
+    @property
+    def kind(self) -> FusedOptimizerKind:
+        return self._config.optimizer
+
+    @property
+    def column_wise_statistic(self) -> ColumnWiseStatistic:
+        """The row statistic of column-cut tables under row-wise Adagrad (`fuse_optimizer`)."""
+        return self._config.column_wise_statistic
 
     def _fused_modules(self):
         from modular.shard import sharded_modules
@@ -222,7 +312,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 elif name is not None:
                     raise KeyError(f"the optimizer state has no entry for table weight {key!r}")
             if name is not None:
-                m.check_fused_state(per_table, name, self._config.optimizer.rowwise())
+                m.check_fused_state(per_table)
             loads.append((m, per_table))
         if groups:
             for key in ("lr", "eps"):

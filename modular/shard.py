@@ -92,7 +92,7 @@ def shard(
             fused=fused,
         )
         if getattr(ebc, "fused", None) is not None:
-            sharded.load_fused_state(ebc.fused_state())
+            sharded.load_unsharded_fused_state(ebc.fused_state())
         built.append((fqn, ebc, sharded))
     # Swapped in only once all are built: a failure above leaves the model as it was.
     for fqn, ebc, sharded in built:

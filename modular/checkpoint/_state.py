@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from modular.optim import FusedOptimizerKind
+from modular._fused_state import column_statistic_mismatch
+from modular.optim import FusedOptimizer, FusedOptimizerKind
 
 MODEL = "model."
 OPTIM = "optim."
@@ -258,7 +259,9 @@ def stage(
     plans = []
     if optimizer is not None:
         for prefix, part in optimizer_parts(optimizer):
-            plan, part_problems = _stage_optimizer(saved, prefix, model, part, buffers, check)
+            plan, part_problems = _stage_optimizer(
+                saved, prefix, model, part, buffers, check, live
+            )
             plans.append(plan)
             problems += part_problems
     if problems:
@@ -278,7 +281,9 @@ def part_name(prefix: str, optimizer: Any) -> str:
     return f"{name} ({type(optimizer).__name__})"
 
 
-def _stage_optimizer(saved, prefix, model, optimizer, buffers, check) -> tuple[Any, list[str]]:
+def _stage_optimizer(
+    saved, prefix, model, optimizer, buffers, check, live
+) -> tuple[Any, list[str]]:
     problems: list[str] = []
     if not isinstance(saved.get(prefix + PARAM_GROUPS), BytesStorageMetadata):
         where = part_name(prefix, optimizer)
@@ -294,7 +299,13 @@ def _stage_optimizer(saved, prefix, model, optimizer, buffers, check) -> tuple[A
         for fqn, states in sd["state"].items():
             for name, value in states.items():
                 key = state_key(prefix, fqn, name)
-                check(key, value, f"optimizer state {name!r} of {describe(fqn)}")
+                owner = f"optimizer state {name!r} of {describe(fqn)}"
+                weight = live.get(MODEL + fqn)
+                pieces = _other_column_pieces(saved.get(key), value, owner, optimizer, weight)
+                if pieces is not None:
+                    problems.append(pieces)
+                    continue
+                check(key, value, owner)
                 keys.append((fqn, name))
         return PartPlan(prefix, optimizer, True, keys, group_keys), problems
     names_of: dict[str, list[str]] = {}
@@ -321,6 +332,22 @@ def _stage_optimizer(saved, prefix, model, optimizer, buffers, check) -> tuple[A
                 buffers[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         per_index.append((slot, names))
     return PartPlan(prefix, optimizer, False, per_index, group_keys), problems
+
+
+def _other_column_pieces(
+    md: Any, value: Any, owner: str, optimizer: Any, weight: Any
+) -> Optional[str]:
+    """Why row-wise Adagrad state saved with another column-wise statistic (or for another cut
+    of the table into column pieces) cannot load, or None (Note [fused tables] in
+    modular/optim.py: its shape tells them apart before anything is read)."""
+    if not isinstance(optimizer, FusedOptimizer) or not isinstance(md, TensorStorageMetadata):
+        return None
+    if not optimizer.kind.rowwise() or weight is None:
+        return None
+    return column_statistic_mismatch(
+        owner, tuple(md.size), global_shape(value), optimizer.column_wise_statistic,
+        global_shape(weight)[-1],
+    )  # fmt: skip
 
 
 def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) -> Optional[str]:

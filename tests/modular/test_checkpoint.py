@@ -32,9 +32,10 @@ def _optimizer(model: torch.nn.Module, name: str) -> Any:
         return torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
     if name == "adam":
         return torch.optim.Adam(modular.local_parameters(model), lr=0.01)
-    if name in ("fused", "fused_sgd"):  # a fused optimizer on the tables, Adam on the dense layer
-        kind = "exact_rowwise_adagrad" if name == "fused" else "exact_sgd"
-        fused = modular.fuse_optimizer(model, kind, lr=0.1)
+    if name in ("fused", "fused_sgd", "fused_per_shard"):  # fused tables, Adam on the dense layer
+        kind = "exact_sgd" if name == "fused_sgd" else "exact_rowwise_adagrad"
+        statistic = "per_shard" if name == "fused_per_shard" else "exact"
+        fused = modular.fuse_optimizer(model, kind, lr=0.1, column_wise_statistic=statistic)
         dense = torch.optim.Adam(modular.local_parameters(model), lr=0.01)
         return modular.CombinedOptimizer({"tables": fused, "dense": dense})
     raise ValueError(name)
@@ -273,6 +274,32 @@ def test_a_fused_optimizer_of_another_kind_fails_before_loading(tmp_path: Path) 
         assert "the fused tables of module 'ebc'" in message, message
         assert "fused 'exact_rowwise_adagrad'" in message and "fused 'exact_sgd'" in message, message
         assert "nothing was loaded" in message, message
+
+
+def test_per_shard_column_statistics_round_trip_and_refuse_the_other_layout(tmp_path: Path) -> None:
+    """Per-piece row statistics (column_wise_statistic="per_shard") come back exactly under the
+    plan they were saved with; exact ones, or another cut of the table, are refused by name
+    before anything is read (Note [fused tables])."""
+    per_shard, exact = str(tmp_path / "per_shard"), str(tmp_path / "exact")
+    saved = H.assemble(run_on_ranks(2, _train_and_save, per_shard, "A", "fused_per_shard", timeout=TIMEOUT))
+    # Plan A cuts t2 into 3 column pieces (two on rank 0): one column of statistics each.
+    assert saved["optim.tables.state.ebc.embedding_bags.t2.weight.row_sum"].shape == (9, 3)
+    loaded = H.assemble(run_on_ranks(2, _load_and_snapshot, per_shard, "A", "fused_per_shard", timeout=TIMEOUT))
+    H.assert_same(saved, loaded, "per_shard, world 2 plan A -> the same")
+    messages = run_on_ranks(2, _load_expecting_error, per_shard, "A", {}, "fused", timeout=TIMEOUT)
+    for message in messages:
+        assert "optimizer state 'row_sum' of table 't2' (ebc.embedding_bags.t2.weight) has shape (9, 3)" in message, message
+        assert "fuse with column_wise_statistic='per_shard'" in message and "nothing was loaded" in message, message
+    run_on_ranks(2, _train_and_save, exact, "A", "fused", 1, timeout=TIMEOUT)
+    messages = run_on_ranks(2, _load_expecting_error, exact, "A", {}, "fused_per_shard", timeout=TIMEOUT)
+    for message in messages:
+        assert "optimizer state 'row_sum' of table 't2' (ebc.embedding_bags.t2.weight) has shape (9,)" in message, message
+        assert "fuse with column_wise_statistic='exact', or shard the table without cutting" in message, message
+    # Plan B cuts t1 into 2 pieces (saved whole, table-wise) and leaves t2 whole (saved in 3).
+    message = run_on_ranks(2, _load_expecting_error, per_shard, "B", {}, "fused_per_shard", timeout=TIMEOUT)[0]
+    assert "table 't1' (ebc.embedding_bags.t1.weight) has shape (7,)" in message, message
+    assert "table 't2' (ebc.embedding_bags.t2.weight) has shape (9, 3)" in message, message
+    assert "shard the table into 3 column pieces, as when it was saved" in message, message
 
 
 def _save_over(root: str) -> list[str]:

@@ -49,9 +49,14 @@ def _ebc(weighted: bool = False) -> EmbeddingBagCollection:
 
 
 class _Reference:
-    """The unsharded EBC trained with the torch equivalent of each fused optimizer."""
+    """The unsharded EBC trained with the torch equivalent of each fused optimizer.
 
-    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str, weight_decay: float = 0.0, device: torch.device | None = None) -> None:
+    `pieces`: per weight FQN, the (first, end) columns of each column piece that keeps its own
+    row-wise Adagrad (column_wise_statistic="per_shard"): each piece is trained as a table of its
+    own, whose gradient is its columns' slice of the table's; other tables are one piece.
+    """
+
+    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str, weight_decay: float = 0.0, device: torch.device | None = None, pieces: dict[str, list[tuple[int, int]]] | None = None) -> None:
         self.ebc = ebc
         self.kind = optimizer
         self.weight_decay = weight_decay
@@ -63,7 +68,8 @@ class _Reference:
             self.opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
         else:
             self.opt = None
-            self.row_sums = {n: torch.zeros(p.shape[0], device=device) for n, p in ebc.named_parameters()}
+            self.pieces = {n: (pieces or {}).get(n, [(0, p.shape[1])]) for n, p in ebc.named_parameters()}
+            self.row_sums = {n: torch.zeros(p.shape[0], len(self.pieces[n]), device=device) for n, p in ebc.named_parameters()}
 
     @torch.no_grad()
     def step(self) -> None:
@@ -75,8 +81,10 @@ class _Reference:
             g = p.grad
             touched = (g != 0).any(1, keepdim=True)
             g = g + self.weight_decay * p * touched  # fbgemm's L2 mode: rows the step touched
-            self.row_sums[name] += (g * g).mean(1)
-            p -= self.lr * g / (self.row_sums[name].sqrt() + EPS)[:, None]
+            for i, (lo, hi) in enumerate(self.pieces[name]):
+                piece = g[:, lo:hi]
+                self.row_sums[name][:, i] += (piece * piece).mean(1)
+                p[:, lo:hi] -= self.lr * piece / (self.row_sums[name][:, i].sqrt() + EPS)[:, None]
             p.grad = None
 
     def state(self, name: str) -> torch.Tensor | None:
@@ -84,15 +92,18 @@ class _Reference:
             return None
         if self.kind == "exact_adagrad":
             return self.opt.state[dict(self.ebc.named_parameters())[name]]["sum"]
-        return self.row_sums[name]
+        return self.row_sums[name] if len(self.pieces[name]) > 1 else self.row_sums[name][:, 0]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False, kernels: dict | None = None, prefetch: bool = False) -> dict[str, float]:
+def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False, kernels: dict | None = None, prefetch: bool = False, statistic: str = "exact", shapes: dict | None = None) -> dict[str, float]:
+    """Trains `case`'s plan (or `placements`) fused and the reference side by side, comparing
+    outputs, weights and state; `kernels` and `shapes` receive each table's kernel class and
+    the global shape of its optimizer state."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc(weighted)
-    ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay)
-    hyper = {"lr": LR, "eps": EPS, "weight_decay": weight_decay}
+    hyper = {"lr": LR, "eps": EPS, "weight_decay": weight_decay, "column_wise_statistic": statistic}
     plan = ShardingPlan(world_size=world, modules={"": placements or placements_for(case, ebc, world)})
+    ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay, pieces=_own_pieces(plan, ebc) if statistic == "per_shard" else None)
     keys_before = [n for n, _ in ebc.named_parameters()]
     if fuse_first:
         opt = modular.fuse_optimizer(ebc, optimizer, **hyper)
@@ -145,11 +156,25 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
         for tensor, rows, cols in local_blocks(p):
             worst = max(worst, close(tensor, full[rows, cols], f"{case} {name} weight"))
         want = ref.state(name)
+        if shapes is not None and name in state:
+            shapes[name] = tuple(next(iter(state[name].values())).size())
         if want is None:
             assert state.get(name, {}) == {}
             continue
         worst = max(worst, state_error(next(iter(state[name].values())), want, f"{case} {name} state"))
     return {"worst": worst}
+
+
+def _own_pieces(plan: ShardingPlan, ebc: EmbeddingBagCollection) -> dict[str, list[tuple[int, int]]]:
+    """The column ranges of every table the plan cuts into column pieces, by weight FQN."""
+    out = {}
+    world = plan.world_size
+    for c in ebc.embedding_bag_configs():
+        placement = plan.modules[""][c.name]
+        specs = placement.shards(num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim, world_size=world)
+        if placement.sharding_type is ShardingType.COLUMN_WISE and len(specs) > 1:
+            out[f"embedding_bags.{c.name}.weight"] = sorted((s.col_offset, s.col_offset + s.num_cols) for s in specs)
+    return out
 
 
 def _train_all_cases(optimizer: str) -> dict[str, float]:
@@ -475,29 +500,34 @@ def test_fusing_twice_is_an_error() -> None:
         modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
 
 
-def _meta_order(fuse_first: bool) -> dict[str, torch.Tensor]:
+def _meta_order(fuse_first: bool, statistic: str = "exact") -> dict[str, torch.Tensor]:
+    """Trains a meta EBC under the mixed plan (t_mean in column pieces), fused before or after
+    `shard`; returns this rank's weights and row-wise state, and the kernel class per table."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables=_tables(), device=torch.device("meta"))
     plan = ShardingPlan(world_size=world, modules={"": placements_for("mixed", ebc, world)})
+    hyper = {"lr": LR, "eps": EPS, "column_wise_statistic": statistic}
     if fuse_first:
-        opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+        opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", **hyper)
         assert all(p.is_meta for p in ebc.parameters()), "a meta EBC must not be materialised"
         assert opt.state_dict()["state"] == {}
         model = modular.shard(ebc, plan)
     else:
         model = modular.shard(ebc, plan)
-        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", **hyper)
     assert model.fused is not None
+    kernels = {f"kernel/{t}/{j}": type(k).__name__ for k in (*model._kernels, *model._local_kernels) for t, j in k.group.shards}
     for step in range(STEPS):
         model(make_batch(ebc, seed=31 * step + dist.get_rank())).values().square().sum().backward()
         opt.step()
     out = {n: t.clone() for n, p in model.named_parameters() for t, _, _ in local_blocks(p)}
     for key, value in opt.state_dict()["state"].items():
         row_sum = value["row_sum"]
+        out[f"{key}/state shape"] = tuple(row_sum.size())
         for s in row_sum.local_shards() if isinstance(row_sum, ShardedTensor) else []:
             out[f"{key}/state/{s.metadata.shard_offsets}"] = s.tensor.clone()
-    return out
+    return {**out, **kernels}
 
 
 @pytest.mark.timeout(120)
@@ -507,4 +537,8 @@ def test_fusing_a_meta_ebc_builds_fused_shards_directly_and_trains_like_the_othe
     for rank, (x, y) in enumerate(zip(a, b)):
         assert x.keys() == y.keys() and any("/state/" in k for k in x)
         for name in x:
-            assert torch.equal(x[name], y[name]), f"rank {rank} {name}"
+            assert _same(x[name], y[name]), f"rank {rank} {name}"
+
+
+def _same(x: object, y: object) -> bool:
+    return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y

@@ -56,7 +56,14 @@ class _Reference:
     own, whose gradient is its columns' slice of the table's; other tables are one piece.
     """
 
-    def __init__(self, ebc: EmbeddingBagCollection, optimizer: str, weight_decay: float = 0.0, device: torch.device | None = None, pieces: dict[str, list[tuple[int, int]]] | None = None) -> None:
+    def __init__(
+        self,
+        ebc: EmbeddingBagCollection,
+        optimizer: str,
+        weight_decay: float = 0.0,
+        device: torch.device | None = None,
+        pieces: dict[str, list[tuple[int, int]]] | None = None,
+    ) -> None:
         self.ebc = ebc
         self.kind = optimizer
         self.weight_decay = weight_decay
@@ -68,8 +75,12 @@ class _Reference:
             self.opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
         else:
             self.opt = None
-            self.pieces = {n: (pieces or {}).get(n, [(0, p.shape[1])]) for n, p in ebc.named_parameters()}
-            self.row_sums = {n: torch.zeros(p.shape[0], len(self.pieces[n]), device=device) for n, p in ebc.named_parameters()}
+            named = dict(ebc.named_parameters())
+            self.pieces = {n: (pieces or {}).get(n, [(0, p.shape[1])]) for n, p in named.items()}
+            self.row_sums = {
+                n: torch.zeros(p.shape[0], len(self.pieces[n]), device=device)
+                for n, p in named.items()
+            }
 
     @torch.no_grad()
     def step(self) -> None:
@@ -95,7 +106,21 @@ class _Reference:
         return self.row_sums[name] if len(self.pieces[name]) > 1 else self.row_sums[name][:, 0]
 
 
-def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.0, lookups: int = 1, halve_lr: bool = False, placements: dict | None = None, empty: dict | None = None, weighted: bool = False, kernels: dict | None = None, prefetch: bool = False, statistic: str = "exact", shapes: dict | None = None) -> dict[str, float]:
+def _train(
+    case: str,
+    optimizer: str,
+    fuse_first: bool,
+    weight_decay: float = 0.0,
+    lookups: int = 1,
+    halve_lr: bool = False,
+    placements: dict | None = None,
+    empty: dict | None = None,
+    weighted: bool = False,
+    kernels: dict | None = None,
+    prefetch: bool = False,
+    statistic: str = "exact",
+    shapes: dict | None = None,
+) -> dict[str, float]:
     """Trains `case`'s plan (or `placements`) fused and the reference side by side, comparing
     outputs, weights and state; `kernels` and `shapes` receive each table's kernel class and
     the global shape of its optimizer state."""
@@ -103,7 +128,8 @@ def _train(case: str, optimizer: str, fuse_first: bool, weight_decay: float = 0.
     ebc = _ebc(weighted)
     hyper = {"lr": LR, "eps": EPS, "weight_decay": weight_decay, "column_wise_statistic": statistic}
     plan = ShardingPlan(world_size=world, modules={"": placements or placements_for(case, ebc, world)})
-    ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay, pieces=_own_pieces(plan, ebc) if statistic == "per_shard" else None)
+    pieces = _own_pieces(plan, ebc) if statistic == "per_shard" else None
+    ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay, pieces=pieces)
     keys_before = [n for n, _ in ebc.named_parameters()]
     if fuse_first:
         opt = modular.fuse_optimizer(ebc, optimizer, **hyper)

@@ -420,13 +420,18 @@ def _quiet_known_warnings() -> None:
 def run_rank(config: TrainConfig) -> int:
     """One rank, from the env:// variables torchrun (or `launch`) sets; the exit status."""
     _quiet_known_warnings()
+    device_id = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device_id)
         backend = "nccl"
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout))
+    # device_id binds NCCL to this rank's GPU (torch warns at the first barrier without it)
+    dist.init_process_group(
+        backend, timeout=timedelta(seconds=config.collective_timeout), device_id=device_id
+    )
     try:
         result = train(config)
         return 130 if result.interrupted else 0

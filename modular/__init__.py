@@ -5,7 +5,7 @@
     opt = torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
 """
 
-from modular._input import InputError
+from modular._checks import InputError
 from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
 from modular._prefetch import prefetch

@@ -32,7 +32,8 @@ from modular._tables import (
     shard_seed,
     table_infos,
 )
-from modular._input import INT32_MAX, InputError, Problem, Rejection, Router
+from modular._checks import InputError, Problem, Rejection
+from modular._input import INT32_MAX, Router
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
 from modular._arrival import Arrival

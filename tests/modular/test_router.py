@@ -19,7 +19,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular._input import Problem, Rejection, Routed, Router
+from modular._checks import Problem, Rejection
+from modular._input import Routed, Router
 from modular._tables import table_infos
 from modular._layout import ROW_SPLIT, Layout, build_layout
 from planners.types import ShardingType, TablePlacement

@@ -18,7 +18,11 @@ def _count_all_to_alls(case: str, weighted: bool) -> tuple[int, int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = make_ebc(weighted)
     ebc = modular.shard(copy.deepcopy(ref), plan_for(case, ref, world))
-    batch = rank_batches(ref, world, 1)[rank]
+    return _count_all_to_alls_of(ebc, rank_batches(ref, world, 1)[rank])
+
+
+def _count_all_to_alls_of(ebc, batch) -> tuple[int, int]:
+    """All-to-alls in the forward and the backward of one step."""
     calls = {"n": 0}
     original = dist.all_to_all_single
 
@@ -48,3 +52,22 @@ def _count_all_to_alls(case: str, weighted: bool) -> tuple[int, int]:
 )
 def test_all_to_alls_per_step(case: str, weighted: bool, expected: tuple[int, int]) -> None:
     assert run_on_ranks(2, _count_all_to_alls, case, weighted, timeout=100) == [expected, expected]
+
+
+
+def _alone(case: str) -> tuple[tuple[int, int], float]:
+    """All-to-alls of one step in a world of one, and its output's distance from the EBC's."""
+    ref = make_ebc(True)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for(case, ref, 1))
+    batch = rank_batches(ref, 1, 1)[0]
+    counts = _count_all_to_alls_of(ebc, batch)
+    return counts, float((ebc(batch).values() - ref(batch).values()).abs().max())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["table_wise", "mixed", "data_parallel"])
+def test_a_world_of_one_sends_nothing(case: str) -> None:
+    # Each all-to-all would copy a tensor onto itself (on a GPU, a NCCL launch each).
+    [(counts, error)] = run_on_ranks(1, _alone, case, timeout=100)
+    assert counts == (0, 0)
+    assert error <= 1e-5

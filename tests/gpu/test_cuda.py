@@ -262,3 +262,39 @@ def _odd_width(device: torch.device) -> str:
 def test_a_width_fbgemm_cannot_take_is_refused_on_the_device() -> None:
     for message in run_spawned(2, _odd_width):
         assert "table 't_mean' of module '' has shards [7] columns wide" in message, message
+
+
+
+def _host_syncs_per_forward(device: torch.device, case: str) -> int:
+    """Host syncs of one forward after warm-up (Note [host syncs per step]), on tables of one
+    row count (features of different row counts may need one more read)."""
+    import warnings
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    configs = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=64, embedding_dim=16,
+                                  feature_names=[f"f{i}"]) for i in range(4)]  # fmt: skip
+    ebc = EmbeddingBagCollection(tables=configs)
+    model = modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements_for(case, ebc, world)}),
+                          device=device)
+    modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+    batch = make_batch(ebc, seed=rank).to(device)
+    for _ in range(2):
+        model(batch).values().sum().backward()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    # (set_sync_debug_mode itself warns that it is a prototype: not a sync)
+    return sum(str(w.message).startswith("called a synchronizing") for w in caught)
+
+
+@pytest.mark.skipif(DEVICE_KIND != "cuda", reason="counts CUDA host syncs")
+@pytest.mark.parametrize("case", ["table_wise", "row_wise"])
+def test_a_forward_reads_the_device_once_in_a_world_of_one(case: str) -> None:
+    # The checks' statistics, read in one transfer; a world of one needs no agreement (eight
+    # reads before, one per check). TorchRec's forward makes two at any world size.
+    assert run_spawned(1, _host_syncs_per_forward, case) == [1]

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repo root, after scripts/gpu/pack.sh here: the CUDA tests, the
+# example on one GPU (NCCL) with a resume, and step_time.py against TorchRec on one GPU.
+source scripts/gpu/setup.sh || exit 1
+export PYTHONWARNINGS=ignore
+OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
+python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider --timeout=150
+TR="python3 -m torch.distributed.run --standalone --nproc-per-node 1"
+$TR examples/train_dlrm.py --steps 200 --checkpoint-dir /tmp/ck --no-progress
+$TR examples/train_dlrm.py --steps 260 --checkpoint-dir /tmp/ck --resume --no-progress
+python3 benchmarks/step_time.py --device cuda --world-size 1 --steps 40 | tee "$OUT/step_time.txt"

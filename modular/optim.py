@@ -59,6 +59,13 @@ __all__ = [
 PENDING_FUSE = "_modular_pending_fuse"
 
 
+def _member(cls, name):
+    """The member of enum `cls` whose value is `name` in any case (or `name`, a member); None."""
+    if isinstance(name, cls):
+        return name
+    return next((m for m in cls if str(name).lower() == m.value), None)
+
+
 class FusedOptimizerKind(enum.Enum):
     EXACT_SGD = "exact_sgd"
     EXACT_ADAGRAD = "exact_adagrad"
@@ -66,11 +73,9 @@ class FusedOptimizerKind(enum.Enum):
 
     @classmethod
     def parse(cls, name: str | FusedOptimizerKind) -> FusedOptimizerKind:
-        if isinstance(name, cls):
-            return name
-        for kind in cls:
-            if str(name).lower() == kind.value:
-                return kind
+        kind = _member(cls, name)
+        if kind is not None:
+            return kind
         supported = ", ".join(repr(k.value) for k in cls)
         raise ValueError(
             f"fused optimizer {name!r} is not supported; fbgemm's CPU kernels support {supported}"
@@ -106,11 +111,9 @@ class ColumnWiseStatistic(enum.Enum):
 
     @classmethod
     def parse(cls, name: str | ColumnWiseStatistic) -> ColumnWiseStatistic:
-        if isinstance(name, cls):
-            return name
-        for statistic in cls:
-            if str(name).lower() == statistic.value:
-                return statistic
+        statistic = _member(cls, name)
+        if statistic is not None:
+            return statistic
         supported = ", ".join(repr(s.value) for s in cls)
         raise ValueError(f"column_wise_statistic {name!r} is not one of {supported}")
 

@@ -39,15 +39,10 @@ class ReferenceRouter:
         self.features = layout.features
         self.num_routes = len(layout.routes)
         self.routes_per_rank = layout.routes_per_rank()
-        self.feature_tables: list[list[str]] = [[] for _ in layout.features]
-        bound = [None] * len(layout.features)
-        for o in layout.outputs:
-            f = layout.features.index(o.feature)
-            self.feature_tables[f].append(o.table)
-            rows = layout.table(o.table).num_embeddings
-            bound[f] = rows if bound[f] is None else min(bound[f], rows)
-        self.id_bound = torch.tensor(bound, dtype=torch.int64, device=device)
+        # The checks' tables and bounds are shared with Router (its structure checks too).
         self._structure = Router(layout, module=module, is_weighted=is_weighted, device=device)
+        self.feature_tables = self._structure.feature_tables
+        self.id_bound = self._structure.id_bound
 
 
         # Each id of feature f is copied into one slot per (output, column shard); a slot holds

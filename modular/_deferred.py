@@ -129,7 +129,8 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     All of this is the default, `fuse_optimizer(..., column_wise_statistic="exact")`. With
     "per_shard" each piece keeps the statistic of its own columns (TorchRec's approximation) and
     runs fbgemm's plain fused kernel, with none of the above (Note [fused tables] in
-    modular/optim.py). The planner prices the two passes either way (planners/cost.py).
+    modular/optim.py). The planner prices the two passes unless it is told "per_shard" too
+    (`planners.plan(..., column_wise_statistic=...)`, planners/cost.py).
     """
 
     def __init__(

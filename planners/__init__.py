@@ -15,6 +15,7 @@ from planners.api import PlanResult, plan, plan_with_stats
 from planners.cost import CostModel
 from planners.explain import NoPlanError
 from planners.inputs import (
+    ColumnWiseStatistic,
     DataType,
     Optimizer,
     Table,
@@ -35,6 +36,7 @@ from planners.types import (
 )
 
 __all__ = [
+    "ColumnWiseStatistic",
     "CostModel",
     "DataType",
     "NoPlanError",

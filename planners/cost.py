@@ -18,12 +18,12 @@ bytes / cross-host bandwidth), which keeps a rank's cost a plain sum over its sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from planners.inputs import Optimizer, Table, Topology
+from planners.inputs import ColumnWiseStatistic, Optimizer, Table, Topology
 from planners.types import PlanError, ShardingType
 
 __all__ = [
@@ -38,7 +38,7 @@ ID_BYTES = 8  # a batch's ids are int64
 WIRE_ID_BYTES = 4
 INT32_ROWS = 2**31 - 1
 WEIGHT_BYTES = 4  # per-id weights of weighted features are fp32
-STAT_BYTES = 4  # a column piece's row statistic (row-wise Adagrad), one fp32 per id
+STAT_BYTES = 4  # a column piece's row statistic (row-wise Adagrad, exact), one fp32 per id
 
 
 class TableArrays(NamedTuple):
@@ -97,17 +97,35 @@ class CostModel:
 
         model = CostModel(topology, batch_size=512)
         cost = model.shard(ShardingType.TABLE_WISE, TableArrays.of(tables), rows, cols, shards)
+
+    `column_wise_statistic` (keyword-only; "exact" or "per_shard", as given to
+    `modular.fuse_optimizer`) decides what a column piece costs under row-wise Adagrad (see
+    `shard`); under the other optimizers it changes nothing.
     """
 
     topology: Topology
     batch_size: int
     optimizer: Optimizer = Optimizer.ROWWISE_ADAGRAD
+    column_wise_statistic: ColumnWiseStatistic = field(
+        default=ColumnWiseStatistic.EXACT, kw_only=True
+    )
 
     def __post_init__(self) -> None:
         b = self.batch_size
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise PlanError(f"batch_size must be a positive integer (per rank), got {b!r}")
         object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer))
+        statistic = ColumnWiseStatistic.parse(self.column_wise_statistic)
+        object.__setattr__(self, "column_wise_statistic", statistic)
+
+    @property
+    def exact_column_statistic(self) -> bool:
+        """Whether column pieces pay for the exact row statistic (Note [row statistics across
+        column shards] in modular/_deferred.py): row-wise Adagrad under "exact"."""
+        return (
+            self.optimizer is Optimizer.ROWWISE_ADAGRAD
+            and self.column_wise_statistic is ColumnWiseStatistic.EXACT
+        )
 
     @property
     def alpha(self) -> float:
@@ -166,12 +184,14 @@ class CostModel:
         held_id_bytes = t.id_bytes if kind is ShardingType.DATA_PARALLEL else t.wire_id_bytes
         memory = memory + ids_in * held_id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
         input_dist, output_dist, grad_sync = zero, zero, zero
-        if kind is ShardingType.COLUMN_WISE and self.optimizer is Optimizer.ROWWISE_ADAGRAD:
-            # Column pieces of one table (k > 1) under row-wise Adagrad: the row's statistic is
-            # the mean of g**2 over all its columns, so each piece runs its backward a second
-            # time (pass 1 finds its share, into a scratch statistic per row) and sends one
-            # float per id to the table's other pieces (modular's Note [row statistics across
-            # column shards]); priced as one peer's worth. One piece (table-wise) does neither.
+        if kind is ShardingType.COLUMN_WISE and self.exact_column_statistic:
+            # Column pieces of one table (k > 1) under row-wise Adagrad, exact: the row's
+            # statistic is the mean of g**2 over all its columns, so each piece runs its backward
+            # a second time (pass 1 finds its share, into a scratch statistic per row) and sends
+            # one float per id to the table's other pieces (modular's Note [row statistics
+            # across column shards]); priced as one peer's worth. One piece (table-wise) does
+            # neither, nor does a piece under "per_shard", which keeps its own columns'
+            # statistic (already in `state`) and runs one plain pass.
             piece = (k > 1).astype(np.float64)
             bwd = bwd + piece * bwd
             memory = memory + piece * rows * state

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 from planners.types import PlanError, ShardingType
 
 __all__ = [
+    "ColumnWiseStatistic",
     "DataType",
     "Optimizer",
     "Table",
@@ -87,6 +88,38 @@ class Optimizer(enum.Enum):
                 return member
         raise PlanError(
             f"unknown optimizer {value!r}; expected one of: {', '.join(m.value for m in cls)}"
+        )
+
+
+class ColumnWiseStatistic(enum.Enum):
+    """Which row statistic row-wise Adagrad keeps on a table cut into column pieces, as
+    `modular.fuse_optimizer(..., column_wise_statistic=...)` was told (Note [fused tables] in
+    modular/optim.py); the planner prices what that choice costs (docs/planner.md, "Column
+    pieces under row-wise Adagrad").
+
+    EXACT (the default): the whole row's, as unsharded; each piece runs its backward twice,
+    keeps a scratch statistic per row and exchanges one fp32 per id with the table's other
+    pieces. PER_SHARD: each piece its own columns' (TorchRec's approximation); one plain pass.
+    Only row-wise Adagrad keeps a row statistic: under the other optimizers both price the same.
+    The same values as modular's `ColumnWiseStatistic`, which the planner does not import.
+    """
+
+    EXACT = "exact"
+    PER_SHARD = "per_shard"
+
+    @classmethod
+    def parse(cls, value: str | ColumnWiseStatistic) -> ColumnWiseStatistic:
+        """Accepts a member, "exact"/"per_shard", or modular's `ColumnWiseStatistic` (by value,
+        e.g. `FusedOptimizer.column_wise_statistic`)."""
+        if isinstance(value, cls):
+            return value
+        text = str(getattr(value, "value", value)).strip().lower()
+        for member in cls:
+            if text == member.value:
+                return member
+        raise PlanError(
+            f"unknown column_wise_statistic {value!r}; expected one of: "
+            f"{', '.join(m.value for m in cls)}"
         )
 
 

@@ -6,13 +6,15 @@ model of planners/cost.py, so two plans of the same tables can be compared numbe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
 from planners.cost import CostModel, ShardCost, TableArrays
-from planners.inputs import Optimizer, Table, TableConstraint, Topology, format_bytes
+from planners.inputs import (
+    ColumnWiseStatistic, Optimizer, Table, TableConstraint, Topology, format_bytes,
+)  # fmt: skip
 from planners.model_tables import (
     TableSet, TablesLike, as_table_set, display_name, match_constraints,
 )  # fmt: skip
@@ -57,6 +59,10 @@ class PlanStats:
     optimizer: Optimizer
     num_tables: int
     plan_seconds: float | None = None  # wall time of the search, when the planner made the plan
+    # what the column pieces were priced with (CostModel); shown when it is not the default
+    column_wise_statistic: ColumnWiseStatistic = field(
+        default=ColumnWiseStatistic.EXACT, kw_only=True
+    )
 
     @property
     def max_cost(self) -> float:
@@ -91,10 +97,14 @@ class PlanStats:
         top = ", ".join(f"{name} ({_ms(sec)})" for name, sec in slow.tables[:5])
         more = f" and {len(slow.tables) - 5} more" if len(slow.tables) > 5 else ""
         mem = max(r.memory for r in self.ranks)
+        statistic = ""
+        if (self.optimizer is Optimizer.ROWWISE_ADAGRAD
+                and self.column_wise_statistic is not ColumnWiseStatistic.EXACT):  # fmt: skip
+            statistic = f" (column_wise_statistic {self.column_wise_statistic.value})"
         lines = [
             f"{self.num_tables} tables on {len(self.ranks)} ranks "
             f"({self.topology.ranks_per_host} per host), batch {self.batch_size} per rank, "
-            f"optimizer {self.optimizer.value}",
+            f"optimizer {self.optimizer.value}{statistic}",
             f"slowest rank {slow.rank}: {_ms(slow.cost)} per step; mean {_ms(self.mean_cost)}; "
             f"imbalance (max/mean) {self.imbalance:.3f}",
             f"lower bound {_ms(self.lower_bound)}; slowest rank / bound = {self.bound_ratio:.3f} "
@@ -229,17 +239,23 @@ def plan_stats(
     constraints: Mapping[str, TableConstraint] | None = None,
     module_fqn: str = "",
     plan_seconds: float | None = None,
+    column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
 ) -> PlanStats:
     """Prices `plan` for `tables` on `topology` and compares it with the lower bound.
 
         stats = plan_stats(plan, tables, topology, batch_size=512)
         stats.max_cost, stats.imbalance, stats.bound_ratio, stats.slowest_rank.tables
 
+    `optimizer` and `column_wise_statistic` as for `planners.plan`: price a plan under the
+    settings it will be trained with ("per_shard" makes column pieces under row-wise Adagrad
+    cheaper; under the other optimizers it changes nothing).
+
     Raises PlanError if the plan does not place exactly these tables (see `validate_plan`).
     A plan over memory capacity is reported (`over_capacity`), not rejected.
     """
     table_set = as_table_set(tables, module_fqn)
-    model = CostModel(topology, batch_size, Optimizer.parse(optimizer))
+    model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
+                      column_wise_statistic=ColumnWiseStatistic.parse(column_wise_statistic))
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))
@@ -268,5 +284,5 @@ def stats_for(
         for r in range(topology.world_size)
     )  # fmt: skip
     return PlanStats(ranks, bound, topology, model.batch_size, model.optimizer, len(table_set),
-                     plan_seconds)  # fmt: skip
+                     plan_seconds, column_wise_statistic=model.column_wise_statistic)  # fmt: skip
 

@@ -181,8 +181,9 @@ def test_plan_files_with_junk_in_show_and_compare(data) -> None:
     _check(*_run("compare", good, path, "--tables", _tables_file()), malformed=False)
 
 
-SETTINGS = ["batch_size", "optimizer", "module", "device_memory", "reserved_fraction",
-            "device_memory_bandwidth", "intra_host_bandwidth", "cross_host_bandwidth"]  # fmt: skip
+SETTINGS = ["batch_size", "optimizer", "column_wise_statistic", "module", "device_memory",
+            "reserved_fraction", "device_memory_bandwidth", "intra_host_bandwidth",
+            "cross_host_bandwidth"]  # fmt: skip
 
 
 @FUZZ

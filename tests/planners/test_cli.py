@@ -146,3 +146,76 @@ def test_module_entry_point_and_help():
                            "--world-size", "2", "--batch-size", "8"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+# Three equal tables on four ranks: kept whole under the exact row statistic, cut into column
+# pieces under per_shard (as in test_plan.py).
+THREE = "".join(f"- {{name: t{i}, num_embeddings: 100000, embedding_dim: 128, pooling_factor: 5}}\n"
+                for i in range(3))  # fmt: skip
+FOUR = ["--world-size", "4", "--batch-size", "128"]
+
+
+def _table_part(out: str) -> str:
+    return out.split("\n\n")[0]  # the per-rank table, before the summary
+
+
+def test_column_wise_statistic_is_recorded_and_priced_back(tmp_path, capsys):
+    tables = _write(tmp_path, "three.yaml", THREE)
+    exact, per_shard = str(tmp_path / "exact.json"), str(tmp_path / "per_shard.json")
+    code, out_exact, _ = run(capsys, "plan", tables, *FOUR, "-o", exact)
+    assert code == 0
+    code, out_per_shard, _ = run(capsys, "plan", tables, *FOUR, "--column-wise-statistic",
+                                 "per_shard", "-o", per_shard)  # fmt: skip
+    assert code == 0
+    assert "optimizer rowwise_adagrad (column_wise_statistic per_shard)" in out_per_shard
+    with open(exact) as f:
+        assert json.load(f)["planner"]["column_wise_statistic"] == "exact"
+    with open(per_shard) as f:
+        data = json.load(f)
+    assert data["planner"]["column_wise_statistic"] == "per_shard"
+    assert {p["sharding_type"] for p in data["modules"][""].values()} == {"column_wise"}
+
+    # show prices the plan as it was planned; the flag overrides the record, as --optimizer does
+    code, shown, _ = run(capsys, "show", per_shard, "--tables", tables)
+    planned = "".join(line for line in out_per_shard.splitlines(keepends=True)
+                      if not line.startswith(("planned in", "wrote")))  # fmt: skip
+    assert code == 0 and shown == planned  # the same numbers, the summary's statistic included
+    code, as_exact, _ = run(capsys, "show", per_shard, "--tables", tables,
+                            "--column-wise-statistic", "exact")  # fmt: skip
+    assert code == 0 and _table_part(as_exact) != _table_part(shown)
+    assert "column_wise_statistic" not in as_exact
+
+    # a plan file from before the setting: priced with the exact statistic
+    del data["planner"]["column_wise_statistic"]
+    old = _write(tmp_path, "old.json", json.dumps(data))
+    code, shown_old, _ = run(capsys, "show", old, "--tables", tables)
+    assert code == 0 and shown_old == as_exact
+
+    # compare prices each plan with its own record: per_shard's cut plan is the faster one
+    code, out, _ = run(capsys, "compare", exact, per_shard, "--tables", tables)
+    assert code == 0
+    ratio = float(out.rsplit(": ", 1)[1])
+    assert ratio < 0.8, out
+    code, out, _ = run(capsys, "compare", exact, per_shard, "--tables", tables,
+                       "--column-wise-statistic", "exact")  # fmt: skip
+    assert code == 0 and float(out.rsplit(": ", 1)[1]) > 1.0, out
+
+
+def test_bad_column_wise_statistic_in_a_flag_or_a_plan_file(tmp_path, capsys):
+    tables = _write(tmp_path, "three.yaml", THREE)
+    with pytest.raises(SystemExit) as done:
+        main(["plan", tables, *FOUR, "--column-wise-statistic", "approx"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert ("argument --column-wise-statistic: invalid choice: 'approx' "
+            "(choose from 'exact', 'per_shard')") in err, err  # fmt: skip
+    plan_path = str(tmp_path / "plan.json")
+    assert run(capsys, "plan", tables, *FOUR, "-o", plan_path)[0] == 0
+    with open(plan_path) as f:
+        data = json.load(f)
+    data["planner"]["column_wise_statistic"] = "approx"
+    bad = _write(tmp_path, "bad.json", json.dumps(data))
+    code, out, err = run(capsys, "show", bad, "--tables", tables)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert ("bad.json: unknown column_wise_statistic 'approx'; "
+            "expected one of: exact, per_shard") in err  # fmt: skip

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planners import CostModel, Optimizer, ShardingType, Table, Topology
+from planners import (
+    ColumnWiseStatistic, CostModel, Optimizer, PlanError, ShardingType, Table, Topology,
+)  # fmt: skip
 from planners.cost import TableArrays
 
 T = ShardingType
@@ -112,3 +114,60 @@ def test_column_pieces_under_rowwise_adagrad_run_backward_twice_and_exchange_sta
 
 def test_batch_buffers_are_every_ranks_own_ids_and_bags():
     assert MODEL.batch_buffer_bytes(TABLE) == pytest.approx(100 * 2 * 8 + 2 * 100 * 64 * 4)
+
+
+PER_SHARD = CostModel(TOPO, batch_size=100, optimizer=Optimizer.ROWWISE_ADAGRAD,
+                      column_wise_statistic="per_shard")  # fmt: skip
+
+
+def priced(model: CostModel, kind, rows, cols, k=1) -> dict[str, float]:
+    c = model.shard(kind, TABLE, float(rows), float(cols), float(k))
+    return {name: float(np.asarray(v).ravel()[0]) for name, v in c._asdict().items()}
+
+
+def test_per_shard_column_pieces_pay_no_second_pass_no_scratch_and_no_exchange():
+    # fuse_optimizer(..., column_wise_statistic="per_shard"): each piece keeps its own columns'
+    # statistic and runs one plain fused pass, so a piece costs exactly what the exact mode
+    # charges it less the second backward, the scratch statistic and the exchange.
+    exact = shard(T.COLUMN_WISE, 1000, 32, k=2)
+    per_shard = priced(PER_SHARD, T.COLUMN_WISE, 1000, 32, k=2)
+    ids, bags = 16 * 100 * 2, 16 * 100 * 1
+    second_pass = (bags * 32 * 4 + ids * (2 * 32 * 4 + 2 * 4)) / 1e10
+    exchange = ids * 4 / 1e8  # one fp32 per id over the cross-host link (W > H)
+    assert exact["lookup"] - per_shard["lookup"] == pytest.approx(second_pass)
+    assert exact["grad_sync"] == pytest.approx(exchange) and per_shard["grad_sync"] == 0
+    assert exact["memory"] - per_shard["memory"] == pytest.approx(1000 * 4)  # the scratch
+    for name in ("input_dist", "output_dist"):
+        assert per_shard[name] == exact[name]
+    # a piece is priced like a table of its own columns: whether cut or not, and how finely
+    whole = priced(PER_SHARD, T.COLUMN_WISE, 1000, 32, k=1)
+    assert priced(PER_SHARD, T.COLUMN_WISE, 1000, 32, k=4) == per_shard == whole
+    assert whole == shard(T.COLUMN_WISE, 1000, 32, k=1)
+
+
+@pytest.mark.parametrize("kind,rows,cols,k", [(T.TABLE_WISE, 1000, 64, 1), (T.ROW_WISE, 250, 64, 4),
+                                              (T.TABLE_ROW_WISE, 250, 64, 4),
+                                              (T.DATA_PARALLEL, 1000, 64, 1)])  # fmt: skip
+def test_the_column_statistic_changes_no_other_sharding_type(kind, rows, cols, k):
+    assert priced(PER_SHARD, kind, rows, cols, k) == shard(kind, rows, cols, k)
+
+
+def test_the_column_statistic_changes_nothing_under_other_optimizers():
+    for other in (Optimizer.SGD, Optimizer.ADAGRAD, Optimizer.ADAM):
+        exact = CostModel(TOPO, batch_size=100, optimizer=other)
+        per_shard = CostModel(TOPO, batch_size=100, optimizer=other,
+                              column_wise_statistic="per_shard")  # fmt: skip
+        for k in (1, 2):
+            one, two = (priced(m, T.COLUMN_WISE, 1000, 32, k) for m in (exact, per_shard))
+            assert one == two
+
+
+def test_column_statistic_is_keyword_only_parsed_and_checked():
+    assert MODEL.column_wise_statistic is ColumnWiseStatistic.EXACT  # the default
+    assert PER_SHARD.column_wise_statistic is ColumnWiseStatistic.PER_SHARD
+    assert CostModel(TOPO, 100, column_wise_statistic=" Per_Shard ") == PER_SHARD
+    with pytest.raises(TypeError):
+        CostModel(TOPO, 100, Optimizer.ROWWISE_ADAGRAD, "per_shard")  # type: ignore[misc]
+    with pytest.raises(PlanError, match=r"unknown column_wise_statistic 'approx'; "
+                                        r"expected one of: exact, per_shard$"):  # fmt: skip
+        CostModel(TOPO, 100, column_wise_statistic="approx")

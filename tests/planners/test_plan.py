@@ -71,21 +71,26 @@ def test_plan_is_deterministic():
 
 
 @pytest.mark.parametrize("n,world", [(10, 8), (100, 64), (1000, 256)])
-@pytest.mark.parametrize("optimizer,within", [("sgd", 1.05), ("rowwise_adagrad", 1.10)])
-def test_close_to_the_lower_bound(n, world, optimizer, within):
+@pytest.mark.parametrize("optimizer,statistic,within", [("sgd", "exact", 1.05),
+                                                        ("rowwise_adagrad", "exact", 1.10),
+                                                        ("rowwise_adagrad", "per_shard", 1.05)])  # fmt: skip
+def test_close_to_the_lower_bound(n, world, optimizer, statistic, within):
     # With sgd a table cut into column pieces costs what it costs whole, so the search can
     # balance ranks almost exactly. Under row-wise Adagrad every piece of a cut table pays a
     # second backward (planners/cost.py), while the bound still assumes each table's work can be
-    # spread at its cheapest: plans sit further above it (1.02-1.08 on these inputs).
+    # spread at its cheapest: plans sit further above it (1.02-1.08 on these inputs). With the
+    # per_shard statistic a piece pays no second pass, and plans sit as close as sgd's.
     tables = synthetic(n, seed=1)
-    result = planners.plan_with_stats(tables, Topology(world), batch_size=512, optimizer=optimizer)
+    result = planners.plan_with_stats(tables, Topology(world), batch_size=512, optimizer=optimizer,
+                                      column_wise_statistic=statistic)  # fmt: skip
     assert result.stats.lower_bound > 0
     assert result.stats.bound_ratio <= within
     assert result.seconds < 5
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_the_search_prices_its_plan_as_the_stats_do(monkeypatch, optimizer):
+@pytest.mark.parametrize("optimizer,statistic", [("sgd", "exact"), ("rowwise_adagrad", "exact"),
+                                                 ("rowwise_adagrad", "per_shard")])  # fmt: skip
+def test_the_search_prices_its_plan_as_the_stats_do(monkeypatch, optimizer, statistic):
     # The search keeps per-rank loads as it cuts, moves, peels and merges shards (a column piece
     # priced differently from the table whole under row-wise Adagrad); the plan it returns must
     # cost what plan_stats says, or it compared plans by the wrong numbers.
@@ -96,10 +101,66 @@ def test_the_search_prices_its_plan_as_the_stats_do(monkeypatch, optimizer):
     monkeypatch.setattr(api, "search", lambda *a, **k: found.append(original(*a, **k)) or found[-1])
     for n, world, per_host in [(10, 8, 8), (30, 16, 4), (100, 64, 8)]:
         topo = Topology(world, ranks_per_host=per_host)
-        result = planners.plan_with_stats(synthetic(n, seed=1), topo, batch_size=512, optimizer=optimizer)
+        result = planners.plan_with_stats(synthetic(n, seed=1), topo, batch_size=512,
+                                          optimizer=optimizer, column_wise_statistic=statistic)
         kinds = {p.sharding_type for p in result.plan.modules[""].values()}
         assert found[-1].max_load == pytest.approx(result.stats.max_cost, rel=1e-9), (n, world)
     assert T.COLUMN_WISE in kinds  # pieces were priced (100 tables on 64 ranks cut some)
+
+
+# Three equal tables on four ranks: whole, one rank stays idle; cut into column pieces, the four
+# ranks share the work, but under the exact row statistic every piece pays a second backward and
+# an exchange, which costs more than the idle rank saves.
+THREE = [Table(f"t{i}", 100_000, 128, pooling_factor=5.0) for i in range(3)]
+FOUR = Topology(4)
+
+
+def test_per_shard_statistic_lets_the_planner_cut_where_exact_does_not():
+    exact = planners.plan_with_stats(THREE, FOUR, batch_size=128)
+    per_shard = planners.plan_with_stats(THREE, FOUR, batch_size=128,
+                                         column_wise_statistic="per_shard")  # fmt: skip
+    assert {t: p.sharding_type for t, p in exact.plan.modules[""].items()} == dict.fromkeys(
+        ("t0", "t1", "t2"), T.TABLE_WISE)  # fmt: skip
+    assert exact.stats.bound_ratio == pytest.approx(1.0)  # whole tables are optimal under exact
+    assert {t: p.sharding_type for t, p in per_shard.plan.modules[""].items()} == dict.fromkeys(
+        ("t0", "t1", "t2"), T.COLUMN_WISE)  # fmt: skip
+    check_valid(per_shard.plan, THREE, FOUR, 128)
+
+    def cost(plan, statistic: str) -> float:
+        return planners.plan_stats(plan, THREE, FOUR, batch_size=128,
+                                   column_wise_statistic=statistic).max_cost  # fmt: skip
+
+    # each plan is priced as it was planned, and is the better one under its own statistic
+    assert per_shard.stats.max_cost == cost(per_shard.plan, "per_shard")
+    assert per_shard.stats.column_wise_statistic is planners.ColumnWiseStatistic.PER_SHARD
+    assert exact.stats.max_cost == cost(exact.plan, "exact")
+    assert cost(per_shard.plan, "per_shard") < 0.8 * cost(exact.plan, "per_shard")
+    assert cost(per_shard.plan, "exact") > cost(exact.plan, "exact")
+    assert "optimizer rowwise_adagrad (column_wise_statistic per_shard)" in per_shard.stats.summary()
+    assert "column_wise_statistic" not in exact.stats.summary()  # the default reads as before
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_column_statistic_changes_no_plan_under_other_optimizers(optimizer):
+    tables = synthetic(30, seed=2, max_rows=1e6)
+    topo = Topology(16, ranks_per_host=8)
+    exact, per_shard = (
+        planners.plan_with_stats(tables, topo, batch_size=512, optimizer=optimizer,
+                                 column_wise_statistic=statistic)
+        for statistic in ("exact", "per_shard")
+    )  # fmt: skip
+    assert per_shard.plan == exact.plan
+    assert per_shard.stats.max_cost == exact.stats.max_cost
+    assert "column_wise_statistic" not in per_shard.stats.summary()
+
+
+def test_bad_column_statistic_is_a_plan_error_naming_the_values():
+    expected = r"unknown column_wise_statistic 'approximate'; expected one of: exact, per_shard"
+    with pytest.raises(PlanError, match=expected):
+        planners.plan(THREE, FOUR, batch_size=128, column_wise_statistic="approximate")
+    plan = planners.plan(THREE, FOUR, batch_size=128)
+    with pytest.raises(PlanError, match=expected):
+        planners.plan_stats(plan, THREE, FOUR, batch_size=128, column_wise_statistic="approximate")
 
 
 def test_stats_report_the_slowest_rank_and_its_tables():

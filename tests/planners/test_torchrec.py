@@ -124,3 +124,15 @@ def test_torchrec_planner_plan_is_no_better_than_ours():
     their_stats = check_valid(theirs, tables, topo, 256)
     ours = planners.plan_stats(planners.plan(tables, topo, batch_size=256), tables, topo, batch_size=256)
     assert ours.max_cost <= their_stats.max_cost * (1 + 1e-9)
+
+
+def test_modulars_column_wise_statistic_is_accepted_by_value():
+    # planners does not import modular; the two enums must agree value for value, so that the
+    # statistic a model was fused with (FusedOptimizer.column_wise_statistic) can be planned for.
+    from modular import optim
+
+    assert [s.value for s in optim.ColumnWiseStatistic] == [
+        s.value for s in planners.ColumnWiseStatistic]  # fmt: skip
+    for theirs in optim.ColumnWiseStatistic:
+        ours = planners.ColumnWiseStatistic.parse(theirs)
+        assert ours.value == theirs.value

@@ -46,6 +46,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+# Row-wise Adagrad's per-row statistic on a table cut into column pieces (Note [fused tables]);
+# the planner's enum, so that a plan can be priced for what the model was fused with.
+from planners.inputs import ColumnWiseStatistic
+
 __all__ = [
     "ColumnWiseStatistic",
     "CombinedOptimizer",
@@ -59,13 +63,6 @@ __all__ = [
 PENDING_FUSE = "_modular_pending_fuse"
 
 
-def _member(cls, name):
-    """The member of enum `cls` whose value is `name` in any case (or `name`, a member); None."""
-    if isinstance(name, cls):
-        return name
-    return next((m for m in cls if str(name).lower() == m.value), None)
-
-
 class FusedOptimizerKind(enum.Enum):
     EXACT_SGD = "exact_sgd"
     EXACT_ADAGRAD = "exact_adagrad"
@@ -73,9 +70,11 @@ class FusedOptimizerKind(enum.Enum):
 
     @classmethod
     def parse(cls, name: str | FusedOptimizerKind) -> FusedOptimizerKind:
-        kind = _member(cls, name)
-        if kind is not None:
-            return kind
+        if isinstance(name, cls):
+            return name
+        for kind in cls:
+            if str(name).lower() == kind.value:
+                return kind
         supported = ", ".join(repr(k.value) for k in cls)
         raise ValueError(
             f"fused optimizer {name!r} is not supported; fbgemm's CPU kernels support {supported}"
@@ -99,23 +98,6 @@ class FusedOptimizerKind(enum.Enum):
 
     def rowwise(self) -> bool:
         return self is FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD
-
-
-class ColumnWiseStatistic(enum.Enum):
-    """Row-wise Adagrad's per-row statistic on a table cut into column pieces (Note [fused
-    tables]): `EXACT`, the whole row's, as unsharded (two passes and an exchange per step), or
-    `PER_SHARD`, each piece's own columns' only (TorchRec's approximation: one plain pass)."""
-
-    EXACT = "exact"
-    PER_SHARD = "per_shard"
-
-    @classmethod
-    def parse(cls, name: str | ColumnWiseStatistic) -> ColumnWiseStatistic:
-        statistic = _member(cls, name)
-        if statistic is not None:
-            return statistic
-        supported = ", ".join(repr(s.value) for s in cls)
-        raise ValueError(f"column_wise_statistic {name!r} is not one of {supported}")
 
 
 class FusedConfig:

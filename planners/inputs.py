@@ -101,7 +101,8 @@ class ColumnWiseStatistic(enum.Enum):
     keeps a scratch statistic per row and exchanges one fp32 per id with the table's other
     pieces. PER_SHARD: each piece its own columns' (TorchRec's approximation); one plain pass.
     Only row-wise Adagrad keeps a row statistic: under the other optimizers both price the same.
-    The same values as modular's `ColumnWiseStatistic`, which the planner does not import.
+    modular uses this enum itself (`modular.optim.ColumnWiseStatistic`): planners imports no
+    torch, modular imports planners.
     """
 
     EXACT = "exact"
@@ -109,11 +110,10 @@ class ColumnWiseStatistic(enum.Enum):
 
     @classmethod
     def parse(cls, value: str | ColumnWiseStatistic) -> ColumnWiseStatistic:
-        """Accepts a member, "exact"/"per_shard", or modular's `ColumnWiseStatistic` (by value,
-        e.g. `FusedOptimizer.column_wise_statistic`)."""
+        """Accepts a member or its value, "exact" or "per_shard" (any case)."""
         if isinstance(value, cls):
             return value
-        text = str(getattr(value, "value", value)).strip().lower()
+        text = str(value).strip().lower()
         for member in cls:
             if text == member.value:
                 return member

@@ -56,6 +56,17 @@ class DataType(enum.Enum):
         )
 
 
+def _parse_member(cls: Any, value: Any, what: str) -> Any:
+    """The member of enum `cls` named by `value` (a member, or its value in any case)."""
+    if isinstance(value, cls):
+        return value
+    text = str(value).strip().lower()
+    for member in cls:
+        if text == member.value:
+            return member
+    raise PlanError(f"unknown {what} {value!r}; expected one of: {', '.join(m.value for m in cls)}")
+
+
 class Optimizer(enum.Enum):
     """The fused embedding optimizer; it decides the optimizer state kept per row.
 
@@ -80,15 +91,7 @@ class Optimizer(enum.Enum):
 
     @classmethod
     def parse(cls, value: str | Optimizer) -> Optimizer:
-        if isinstance(value, cls):
-            return value
-        text = str(value).strip().lower()
-        for member in cls:
-            if text == member.value:
-                return member
-        raise PlanError(
-            f"unknown optimizer {value!r}; expected one of: {', '.join(m.value for m in cls)}"
-        )
+        return _parse_member(cls, value, "optimizer")
 
 
 class ColumnWiseStatistic(enum.Enum):
@@ -111,16 +114,7 @@ class ColumnWiseStatistic(enum.Enum):
     @classmethod
     def parse(cls, value: str | ColumnWiseStatistic) -> ColumnWiseStatistic:
         """Accepts a member or its value, "exact" or "per_shard" (any case)."""
-        if isinstance(value, cls):
-            return value
-        text = str(value).strip().lower()
-        for member in cls:
-            if text == member.value:
-                return member
-        raise PlanError(
-            f"unknown column_wise_statistic {value!r}; expected one of: "
-            f"{', '.join(m.value for m in cls)}"
-        )
+        return _parse_member(cls, value, "column_wise_statistic")
 
 
 _UNITS = {

@@ -5,6 +5,7 @@
     python examples/train_dlrm.py --world-size 2 --resume      # continue from the last checkpoint
     python examples/train_dlrm.py --world-size 2 --steps 0 --resume --export out/dlrm.pt
     python examples/train_dlrm.py --world-size 2 --no-prefetch # no overlap of the next input dist
+    python examples/train_dlrm.py --world-size 4 --column-wise-statistic per_shard  # TorchRec's
 
 One training setup, in the order Note [order of sharding calls] (modular/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` -> `modular.shard`
@@ -94,6 +95,10 @@ class TrainConfig:
     # A collective that waits longer fails (naming it) instead of hanging: a rank that died or
     # raised stops its peers within this many seconds (torch's own default is 30 minutes).
     collective_timeout: float = 300.0
+    # Row-wise Adagrad on tables the plan cuts into column pieces: the whole row's statistic
+    # ("exact", as unsharded) or each piece's own ("per_shard", TorchRec's approximation,
+    # cheaper); the planner prices the same choice (Note [fused tables] in modular/optim.py).
+    column_wise_statistic: str = "exact"
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -129,10 +134,15 @@ def build_model(device: str | torch.device) -> DLRM:
     return DLRM(table_configs(), bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP, device=device)
 
 
-def make_plan(model: nn.Module, *, world_size: int, batch_size: int, device_memory: str):
+def make_plan(
+    model: nn.Module, *, world_size: int, batch_size: int, device_memory: str,
+    column_wise_statistic: str = "exact",
+):  # fmt: skip
     """The planner's plan for this model (EBC at `sparse.ebc`) on `world_size` ranks of one host."""
     topology = planners.Topology(world_size, ranks_per_host=world_size, device_memory=device_memory)
-    result = planners.plan_with_stats(model, topology, batch_size=batch_size)
+    result = planners.plan_with_stats(
+        model, topology, batch_size=batch_size, column_wise_statistic=column_wise_statistic
+    )
     return result.plan, result.stats
 
 
@@ -146,7 +156,10 @@ def shard_model(
     towers, then the dense optimizer over what is left (FSDP's DTensors).
     """
     model = modular.shard(model, plan, device=device)
-    fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8)
+    fused = modular.fuse_optimizer(
+        model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8,
+        column_wise_statistic=config.column_wise_statistic,
+    )  # fmt: skip
     towers = (model.dense, model.over)
     for tower in towers:  # built on CPU by DLRM; the tables already live on `device`
         tower.to(device)
@@ -280,7 +293,10 @@ def train(config: TrainConfig) -> TrainResult:
 
     # 1. Plan on a meta model (no memory), for this world size.
     model = build_model("meta")
-    plan, stats = make_plan(model, world_size=world, batch_size=config.batch_size, device_memory=config.device_memory)
+    plan, stats = make_plan(
+        model, world_size=world, batch_size=config.batch_size, device_memory=config.device_memory,
+        column_wise_statistic=config.column_wise_statistic,
+    )  # fmt: skip
     kinds: dict[str, int] = {}
     for placement in plan.modules["sparse.ebc"].values():
         kinds[placement.sharding_type.value] = kinds.get(placement.sharding_type.value, 0) + 1
@@ -397,6 +413,10 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
     p.add_argument("--world-size", type=int, default=1, help="CPU ranks to launch (ignored under torchrun)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-prefetch", action="store_true", help="no overlap of the next batch's input dist")
+    p.add_argument("--column-wise-statistic", choices=("exact", "per_shard"),
+                   default=d.column_wise_statistic,
+                   help="row-wise Adagrad on column pieces: the whole row's statistic, or each "
+                        "piece's own (TorchRec's approximation)")  # fmt: skip
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                    help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
@@ -405,7 +425,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         data=a.data, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         resume=a.resume, export=a.export, eval_batches=a.eval_batches,
         device_memory=a.device_memory, progress=not a.no_progress, prefetch=not a.no_prefetch,
-        collective_timeout=a.collective_timeout,
+        collective_timeout=a.collective_timeout, column_wise_statistic=a.column_wise_statistic,
     )  # fmt: skip
     return config, a.world_size
 

@@ -46,6 +46,16 @@ def test_resume_continues_the_run_it_stopped(tmp_path: Path) -> None:
     assert rest[1][2] == tail  # ranks agree on the (all-reduced) losses
 
 
+def test_the_column_wise_statistic_reaches_the_planner_and_the_fused_optimizer() -> None:
+    # On 4 ranks the plan cuts t_cat_0 into 4 column pieces (in either mode). The first loss
+    # comes before any update: the same. After it, each piece's own statistic (per_shard)
+    # updates t_cat_0 differently from the whole row's (exact).
+    exact = run_on_ranks(4, _losses, dict(steps=3), timeout=120)[0][2]
+    per_shard = run_on_ranks(4, _losses, dict(steps=3, column_wise_statistic="per_shard"), timeout=120)[0][2]
+    assert per_shard[0] == exact[0]
+    assert per_shard[1:] != exact[1:], (exact, per_shard)
+
+
 def test_prefetching_the_next_batch_does_not_change_the_run() -> None:
     with_prefetch = run_on_ranks(2, _losses, dict(steps=6, prefetch=True), timeout=90)
     without = run_on_ranks(2, _losses, dict(steps=6, prefetch=False), timeout=90)

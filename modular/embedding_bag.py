@@ -321,7 +321,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         # One small all-to-all tells every rank how much is coming and whether anyone failed, so
         # a bad batch on one rank raises on every rank instead of hanging the others. It is
         # built on the device from the counts routing left there, and read on the host with
-        # them, in one transfer (Note [host syncs per step] in modular/_input.py).
+        # them, in one transfer (Note [host syncs per step] in modular/_checks.py).
         problem = rejection.problem if rejection else Problem.NONE
         feature = rejection.feature if rejection else -1
         # Whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).

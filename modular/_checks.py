@@ -155,15 +155,21 @@ class BatchChecks:
 
     def _check_form(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
         """What the host knows without reading a tensor: devices, dtypes and sizes."""
-        values, lengths = kjt.values(), kjt.lengths()
+        values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
         nf = len(self.features)
-        if values.device != self.id_bound.device or lengths.device != self.id_bound.device:
+        device = self.id_bound.device
+        devices = {values.device, lengths.device}
+        if weights is not None:
+            devices.add(weights.device)
+        if devices != {device}:
+            where = f"its ids are on {values.device} and its lengths on {lengths.device}"
+            if weights is not None:
+                where += f", its per-sample weights on {weights.device}"
             return Rejection(
                 Problem.DEVICE,
                 -1,
-                f"module {self.module!r} is on {self.id_bound.device} but the batch's ids are on "
-                f"{values.device} and its lengths on {lengths.device}; move the batch with "
-                f"kjt.to({str(self.id_bound.device)!r})",
+                f"module {self.module!r} is on {device} but {where}; move the batch with "
+                f"kjt.to({str(device)!r})",
             )
         if values.dtype not in (torch.int32, torch.int64) or lengths.dtype not in (
             torch.int32,

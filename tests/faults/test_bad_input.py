@@ -48,6 +48,8 @@ def _corrupt(kjt: KeyedJaggedTensor, problem: str, shuffled: bool) -> KeyedJagge
         weights = weights[:-1]
     elif problem == "ids_on_meta":  # another device than the module's (no GPU here)
         values = values.to("meta")
+    elif problem == "weights_on_meta":  # ids and lengths right, weights elsewhere
+        weights = weights.to("meta")
     elif problem == "weights_require_grad":  # as when a dense layer computes them
         weights = weights.detach().clone().requires_grad_()
     elif problem == "empty_batch":  # no samples at all: batch size 0
@@ -95,7 +97,8 @@ OWN_AND_PEER = {
     "too_few_ids": (r"module '': lengths sum to (\d+) but there are (\d+) ids; lengths must count the ids of each bag", "lengths that do not match the values"),
     "too_many_lengths": (r"module '': lengths sum to \d+ but there are \d+ ids", "lengths that do not match the values"),
     "negative_length": (r"feature 'f_c' \(table 't_mean'\) of module '' has length -1 for sample 1; lengths must count the ids of each bag", "lengths that do not match the values in feature 'f_c'"),
-    "ids_on_meta": (r"module '' is on cpu but the batch's ids are on meta and its lengths on cpu; move the batch with kjt\.to\('cpu'\)", "a batch on another device than the module"),
+    "ids_on_meta": (r"module '' is on cpu but its ids are on meta and its lengths on cpu; move the batch with kjt\.to\('cpu'\)", "a batch on another device than the module"),
+    "weights_on_meta": (r"module '' is on cpu but its ids are on cpu and its lengths on cpu, its per-sample weights on meta; move the batch", "a batch on another device than the module"),
     "too_few_weights": (r"module '': (\d+) per-sample weights for (\d+) ids; a batch with weights needs one weight per id", "bad per-sample weights"),
     "weights_require_grad": (LEARNABLE_WEIGHTS, "bad per-sample weights"),
     "empty_batch": (EMPTY_BATCH, "an empty batch: batch size 0"),

@@ -25,6 +25,13 @@ runs input dist itself. The batch is the prefetching rank's own: each rank prefe
 batch, every rank in the same order (prefetch is collective, like forward). Do not change a KJT's
 tensors after prefetching it.
 
+# Note [prefetch on every rank]
+A rank that prefetches a batch its peers did not (or skips one they prefetched) runs that input
+dist on the other group: each side then waits for a peer that is waiting elsewhere, and both fail
+at the group's timeout (the prefetch group takes the module group's). Telling this apart from a
+dead peer would cost a collective every step, so instead the input dist's agreement names
+prefetch as a likely cause whenever this module prefetches.
+
 The background thread overlaps on CPU modules over a group that spans the world and runs its CPU
 collectives on gloo ("gloo", or `init_process_group()` with no backend); elsewhere
 (NCCL on CUDA, where a second stream would be needed, or a module on a subgroup) `prefetch` runs
@@ -73,6 +80,20 @@ def prefetch(model: nn.Module, features: KeyedJaggedTensor) -> nn.Module:
     if not found:
         raise ValueError("prefetch: the model has no sharded EmbeddingBagCollection (call modular.shard first)")
     return model
+
+
+def agreement_name(module: ShardedEmbeddingBagCollection, group: Optional[ProcessGroup]) -> str:
+    """The input dist's first all-to-all on `group`, as its error names it (Note [a failed
+    peer]); with a hint at prefetch where the module prefetches (Note [prefetch on every rank])."""
+    what = f"the input-dist agreement of module {module.module_fqn!r}"
+    if module._prefetcher is None:
+        return what
+    batch = "a batch not prefetched" if group is module.process_group else "a prefetched batch"
+    return (
+        f"{what} (for {batch}; if the ranks did not all prefetch this batch, each waits on "
+        "another group: call modular.prefetch on every rank for the same batches, Note "
+        "[prefetch on every rank])"
+    )
 
 
 class Prefetcher:
@@ -156,6 +177,9 @@ def _side_group(
         return None
     side = _SIDE_GROUPS.get(pg)
     if side is None:
-        group = dist.new_group(backend=dist.Backend.GLOO)
+        # The module's group's timeout: a prefetch that waits on a peer fails when a forward on
+        # the module's group would (see Note [prefetch on every rank]).
+        timeout = pg._get_backend(module.device).options._timeout
+        group = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
         side = _SIDE_GROUPS[pg] = (group, ThreadPoolExecutor(1, "modular-input-dist"))
     return side

@@ -40,6 +40,7 @@ from modular._arrival import Arrival
 from modular._kernels import DenseKernel, ShardView, pool
 from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups
 from modular._permute import Permutation, _permute
+from modular._prefetch import agreement_name
 from modular._lookups import batch_offsets
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
@@ -331,7 +332,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         for column, value in enumerate((batch, int(problem), feature, wide), start=1):
             sent[:, column] = value
         answer = all_to_all(sent.view(-1), input_splits=[5] * world, output_splits=[5] * world,
-                            group=group)
+                            group=group, what=agreement_name(self, group))
         both = torch.cat([sent[:, 0], answer]).cpu()
         counts, meta = both[:world].tolist(), both[world:].view(world, 5)
         self._raise_if_rejected(meta, rejection)

@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from modular._prefetch import MAX_PENDING
-from tests.dist import run_on_ranks
+from tests.dist import expect_errors_on_all_ranks, run_on_ranks
 from tests.modular.cases import BATCH, close, global_batch, local_blocks, make_batch, make_ebc, no_collectives, plan_for, rank_batches
 
 TIMEOUT_S = 100
@@ -266,3 +266,30 @@ def test_a_world_made_without_a_backend_prefetches_in_the_background() -> None:
     assert run_on_ranks(2, _overlaps_under_config, "cpu:gloo,cuda:nccl", timeout=TIMEOUT_S) == [True, True]
     assert run_on_ranks(2, _overlaps_under_config, "cpu:gloo", timeout=TIMEOUT_S) == [True, True]
     assert run_on_ranks(2, _overlaps_under_config, "nccl", timeout=TIMEOUT_S) == [False, False]
+
+
+def _prefetch_skipped_on_rank_1() -> str:
+    """Both ranks prefetch step 0's batch; at step 1 rank 1 does not. The ranks then wait on
+    different groups (rank 0's background thread on the prefetch group, rank 1 on the module's),
+    so neither collective can complete: both time out after the module group's timeout."""
+    from datetime import timedelta
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world), process_group=group)
+    batches = [rank_batches(ref, world, step)[rank] for step in range(2)]
+    modular.prefetch(ebc, batches[0])
+    ebc(batches[0])
+    if rank == 0:
+        modular.prefetch(ebc, batches[1])
+    ebc(batches[1])
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_skipped_on_one_rank_times_out_naming_prefetch() -> None:
+    messages = expect_errors_on_all_ranks(2, _prefetch_skipped_on_rank_1, timeout=40)
+    for rank, message in enumerate(messages):
+        assert "CollectiveError" in message or "failed on rank" in message, (rank, message)
+        assert "modular.prefetch on every rank" in message, (rank, message)

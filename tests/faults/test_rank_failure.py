@@ -66,7 +66,7 @@ def test_peers_of_a_failed_rank_raise_within_the_collective_timeout(world_size: 
     survived = check_survivors(outcomes)
     assert len(survived) == world_size - 1
     # modular names the collective that failed and points at the peer (modular/_comm.py).
-    label = {"input_dist": "an all-to-all of a sharded EmbeddingBagCollection",
+    label = {"input_dist": "the input-dist agreement of module ''",
              "backward": "the backward all-to-all of pooled-embedding gradients"}[where]
     for s in survived:
         assert s.exc_type == "CollectiveError", s

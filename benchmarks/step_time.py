@@ -405,8 +405,9 @@ def _time_block(step: Callable, kjts, n: int, start: int) -> list[float]:
 
 
 def _max_over_ranks(times: list[float]) -> list[float]:
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    t = torch.tensor(times, dtype=torch.float64, device=device)
+    from modular._comm import collective_device
+
+    t = torch.tensor(times, dtype=torch.float64, device=collective_device(None))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -527,6 +528,17 @@ def _cpu_breakdown(rank: int, contenders: dict, kjts, cfg: Config, case: str) ->
             print(f"  {name:10} {wall_ms:6.1f} {cpu_ms:6.1f} {busy:5.0%} {cells}", flush=True)
 
 
+def workload(cfg: Config, rank: int):
+    """(EBC, this rank's batches, the loss probe) on the config's device: the same weights on
+    every rank and for every contender (also scripts/gpu/host_syncs.py's)."""
+    torch.manual_seed(0)
+    device = _device(cfg)
+    ebc = _make_ebc(cfg).to(device)
+    kjts = [kjt.to(device) for kjt in _batches(cfg, rank)]
+    probe = torch.randn(cfg.batch, cfg.tables * cfg.dim, generator=torch.Generator().manual_seed(7))
+    return ebc, kjts, probe.to(device)
+
+
 def _worker(rank: int, cfg: Config, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     logging.getLogger("torchrec").setLevel(logging.ERROR)
@@ -542,12 +554,7 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
         )
     else:
         dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
-    torch.manual_seed(0)
-    # the same weights on every rank and for every contender
-    ebc = _make_ebc(cfg).to(_device(cfg))
-    kjts = [kjt.to(_device(cfg)) for kjt in _batches(cfg, rank)]
-    probe = torch.randn(cfg.batch, cfg.tables * cfg.dim, generator=torch.Generator().manual_seed(7))
-    probe = probe.to(_device(cfg))
+    ebc, kjts, probe = workload(cfg, rank)
     results = {}
     for plan in cfg.plans:
         for opt_kind in cfg.optimizers:

@@ -59,9 +59,7 @@ def main() -> None:
     cfg = st.Config(tables=8, rows=100_000, dim=64, batch=1024, pooling=20, world_size=1,
                     plans=(plan,), optimizers=("fused",), steps=20, blocks=1, warmup=3,
                     profile=None, torchrec=True, device="cuda")  # fmt: skip
-    ebc = st._make_ebc(cfg).to("cuda")
-    kjts = [k.to("cuda") for k in st._batches(cfg, 0)]
-    probe = torch.randn(cfg.batch, cfg.tables * cfg.dim, device="cuda")
+    ebc, kjts, probe = st.workload(cfg, 0)
     steps = {"ours": st._ours(cfg, ebc, plan, "fused", probe)[1],
              "torchrec": st._torchrec(cfg, ebc, plan, "fused", probe)}  # fmt: skip
     for name, step in steps.items():

@@ -268,7 +268,8 @@ class FusedTables:
                 )
             got = tuple(per_table[table.name][name].size())
             pieces = len(self._pieces(t))
-            expected = self._state_form(table.name).shape(table, pieces)
+            form = self._state_form(table.name)
+            expected = form.shape(table, pieces)
             if got == expected:
                 continue
             what = f"optimizer state {name!r} of table {table.name!r}{where}"
@@ -282,7 +283,7 @@ class FusedTables:
                 StateForm.WEIGHT: "one value per weight",
                 StateForm.ROWS: "one value per row",
                 StateForm.PIECES: f"one value per row of each of its {pieces} column pieces",
-            }[self._state_form(table.name)]
+            }[form]
             raise ValueError(
                 f"{what} has shape {got}, but this optimizer keeps {expected} ({per} of the "
                 f"{rows} x {dim} table); load the state saved for this table by the same fused "

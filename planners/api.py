@@ -88,7 +88,7 @@ def plan_with_stats(
     start = time.perf_counter()
     table_set = as_table_set(tables, module_fqn)
     model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
-                      column_wise_statistic=ColumnWiseStatistic.parse(column_wise_statistic))
+                      column_wise_statistic=column_wise_statistic)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     base = model.batch_buffer_bytes(TableArrays.of(plain))

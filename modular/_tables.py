@@ -2,12 +2,14 @@
 
 Also reads a torchrec EBC's tables (`table_infos`), refuses shard widths the device cannot
 take (`check_widths_off_cpu`), seeds a meta table's shards (`shard_seed`), makes every rank
-raise when one could not fill its shards (`agree_on_init`) and defines `ShardingError`.
+raise when one could not fill its shards (`agree_on_init`), warns when ranks copied their shards
+from tables that differ (`weights_fingerprints`) and defines `ShardingError`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Optional
 
 import torch
@@ -22,12 +24,15 @@ from modular._layout import Layout, Pooling, TableInfo, odd_width
 from planners.types import ShardingType, ShardSpec
 
 __all__ = [
+    "FINGERPRINT_WIDTH",
     "ShardedTable",
     "ShardingError",
     "agree_on_init",
     "check_widths_off_cpu",
     "shard_seed",
     "table_infos",
+    "warn_if_weights_differ",
+    "weights_fingerprints",
 ]
 
 
@@ -160,16 +165,24 @@ class ShardedTable(nn.Module):
 
 
 def agree_on_init(
-    failure: Optional[BaseException], module: str, group: Optional[ProcessGroup]
-) -> None:
+    failure: Optional[BaseException],
+    module: str,
+    group: Optional[ProcessGroup],
+    fingerprints: bytes = b"",
+) -> list[bytes]:
     """# Note [agreeing on the shards' init]
     Each rank fills its own shards (a user's `init_fn` on a meta table, or a copy of the
     materialised weights), then the tables become ShardedTensors, which is collective. A rank
     whose init_fn raised would leave the others waiting there until the process group's timeout,
     so every rank first joins one all-gather of a flag; if any rank failed, a second gather
     shares the messages and every rank raises (its own error, or the failing rank's). Nothing has
-    been replaced in the model by then (`modular.shard` swaps modules in after building all)."""
-    payloads = all_gather_bytes(b"\x00" if failure is None else b"\x01", width=1, group=group)
+    been replaced in the model by then (`modular.shard` swaps modules in after building all).
+
+    The same gather carries each rank's `fingerprints` of the tables it copied from (the same
+    width on every rank) and returns every rank's, in rank order (Note [weights that differ
+    between ranks])."""
+    flag = b"\x00" if failure is None else b"\x01"
+    payloads = all_gather_bytes(flag + fingerprints, width=1 + len(fingerprints), group=group)
     failed = [r for r, p in enumerate(payloads) if p[0] == 1]
     shared = raise_shared_failure(failure, failed, group, lambda e: f"{type(e).__name__}: {e}")
     if shared is not None:
@@ -177,6 +190,75 @@ def agree_on_init(
         raise ShardingError(
             f"module {module!r}: rank {first} could not initialise its shards: {message} (ranks "
             f"{failed} failed; this rank stops too so that no rank hangs)"
+        )
+    return [p[1:] for p in payloads]
+
+
+# Rows of a table compared between ranks (Note [weights that differ between ranks]).
+FINGERPRINT_ROWS = 16
+FINGERPRINT_WIDTH = 1 + 2 * 8  # a flag (materialised), two float64 sums
+
+
+def weights_fingerprints(weights: list[torch.Tensor]) -> bytes:
+    """# Note [weights that differ between ranks]
+    A materialised table is copied into the shards from each rank's own copy of it, so ranks
+    whose copies differ (seeded differently, or pretrained weights loaded on one rank only) give
+    a sharded table that mixes them and equals no rank's unsharded model, silently. So each rank
+    sends, in the init agreement's gather, per sharded table: whether it is materialised, and
+    two float64 sums (plain and position-weighted) over `FINGERPRINT_ROWS` evenly spaced rows;
+    equal copies give equal sums bit for bit (the same ops on the same values), copies seeded
+    apart differ in every row. `warn_if_weights_differ` names the tables and ranks. A warning,
+    not an error: a model about to load a checkpoint may start from any weights. Data-parallel
+    tables need none of it (rank 0's replicas are broadcast), nor do meta tables (`init_fn`
+    runs per shard, seeded per shard: Note [shard init])."""
+    out = bytearray()
+    for w in weights:
+        if w.is_meta:
+            out += bytes(FINGERPRINT_WIDTH)
+            continue
+        rows = w.shape[0]
+        pick = torch.linspace(0, max(rows - 1, 0), min(FINGERPRINT_ROWS, rows), device=w.device)
+        sample = w.detach().index_select(0, pick.long()).double().reshape(-1)
+        ramp = torch.linspace(1.0, 2.0, sample.numel(), dtype=torch.float64, device=w.device)
+        sums = torch.stack([sample.sum(), (sample * ramp).sum()]).cpu()
+        out += b"\x01" + sums.numpy().tobytes()
+    return bytes(out)
+
+
+def warn_if_weights_differ(module: str, tables: list[str], payloads: list[bytes]) -> None:
+    """Warns, naming the tables and ranks, where the ranks' `weights_fingerprints` differ."""
+    problems = []
+    for i, table in enumerate(tables):
+        cut = slice(i * FINGERPRINT_WIDTH, (i + 1) * FINGERPRINT_WIDTH)
+        prints = [p[cut] for p in payloads]
+        meta = [r for r, p in enumerate(prints) if p[0] == 0]
+        if len(meta) == len(prints):
+            continue
+        if meta:
+            problems.append(
+                f"table {table!r} is on the meta device on ranks {meta} (their shards run "
+                f"init_fn) and materialised on ranks "
+                f"{[r for r in range(len(prints)) if r not in meta]} (their shards are copied)"
+            )
+            continue
+        groups: dict[bytes, list[int]] = {}
+        for r, p in enumerate(prints):
+            groups.setdefault(p, []).append(r)
+        if len(groups) > 1:
+            problems.append(
+                f"table {table!r} holds different weights on ranks "
+                + " and ".join(str(g) for g in groups.values())
+            )
+    if problems:
+        warnings.warn(
+            f"modular.shard of module {module!r}: " + "; ".join(problems) + f" (compared on "
+            f"{FINGERPRINT_ROWS} sampled rows). Each rank fills its shards from its own copy of "
+            "the model, so these sharded tables mix the ranks' copies and match no rank's "
+            "unsharded model. Seed every rank alike before building the model, load pretrained "
+            "weights on every rank, or build every rank's model on the meta device; nothing to "
+            "do if a checkpoint is loaded into the sharded model next "
+            "(Note [weights that differ between ranks])",
+            stacklevel=4,
         )
 
 

@@ -32,6 +32,7 @@ from tests.modular.cases import (
     placements_for,
     plan_for,
     rank_batches,
+    unweighted_tables,
 )
 
 TIMEOUT_S = 60
@@ -341,6 +342,67 @@ def test_weighted_ebc_without_weights_raises_on_every_rank() -> None:
     assert errors[0].message == "module '' is weighted (is_weighted=True) but the batch has no per-sample weights"
     assert errors[1].message.startswith("rank 0 rejected its batch for module '' (bad per-sample weights)")
 
+
+# -- materialised tables that differ between ranks (Note [weights that differ between ranks]) ----
+
+
+def _shard_with_weights(how: str) -> list[str]:
+    """Shards a mixed plan (t_small data-parallel) over EBCs built per `how`; the warnings."""
+    import warnings
+
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if how == "meta_on_rank_1":
+        tables = unweighted_tables()
+        for cfg in tables:
+            cfg.init_fn = torch.nn.init.ones_
+        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta" if rank == 1 else "cpu"))
+        if rank == 0:
+            for name in ("t_sum", "t_mean", "t_small"):  # only t_big, all-ones, matches init_fn
+                ebc.embedding_bags[name].weight.data.fill_(1.0)
+            ebc.embedding_bags["t_big"].weight.data.fill_(1.0)
+    else:
+        seed = {"seeded_alike": 0, "seeded_by_rank": rank, "one_row_differs": 0}[how]
+        ebc = make_ebc(False, seed=seed)
+        if how == "one_row_differs" and rank == 1:  # the last row: always among those compared
+            ebc.embedding_bags["t_big"].weight.data[-1, 0] += 1.0
+    placements = placements_for("mixed", ebc, world)
+    placements["t_small"] = TablePlacement(ShardingType.DATA_PARALLEL)  # replicas: broadcast
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements}))
+    return [str(w.message) for w in caught if "differ" in str(w.message) or "meta device" in str(w.message)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "how, named",
+    [
+        ("seeded_alike", None),
+        ("seeded_by_rank", ["t_sum", "t_mean", "t_big"]),
+        ("one_row_differs", ["t_big"]),
+        ("meta_on_rank_1", None),
+    ],
+)
+def test_tables_copied_from_copies_that_differ_warn_on_every_rank(how: str, named) -> None:
+    out = run_on_ranks(2, _shard_with_weights, how, timeout=TIMEOUT_S)
+    assert out[0] == out[1], out
+    if how == "meta_on_rank_1":
+        (message,) = out[0]
+        for name in ("t_sum", "t_mean", "t_big"):
+            assert f"table {name!r} is on the meta device on ranks [1] (their shards run init_fn) and materialised on ranks [0]" in message, message
+        assert "t_small" not in message
+        return
+    if named is None:
+        assert out[0] == [], out
+        return
+    (message,) = out[0]
+    assert message.startswith("modular.shard of module '': table "), message
+    for name in ("t_sum", "t_mean", "t_small", "t_big"):
+        said = f"table {name!r} holds different weights on ranks [0] and [1]" in message
+        assert said == (name in named), (name, message)
+    assert "Seed every rank alike before building the model" in message
 
 
 # -- tables sharding cannot take (one process: no collective involved) -------------------------

@@ -20,7 +20,11 @@ class InputError(ValueError):
 
 
 class Problem(enum.IntEnum):
-    """Why a rank rejected its batch; travels to the other ranks as (code, feature index)."""
+    """Why a rank rejected its batch; travels to the other ranks as (code, feature index).
+
+    Batch sizes that differ between ranks have no code: no rank can tell from its own batch, so
+    every rank compares the sizes the agreement brought
+    (`ShardedEmbeddingBagCollection._raise_if_rejected`)."""
 
     NONE = 0
     FEATURES = 1
@@ -28,7 +32,6 @@ class Problem(enum.IntEnum):
     LENGTHS = 3
     ID_RANGE = 4
     WEIGHTS = 5
-    BATCH_SIZE = 6
     DEVICE = 7
     EMPTY_BATCH = 8
 
@@ -39,7 +42,6 @@ class Problem(enum.IntEnum):
             Problem.LENGTHS: "lengths that do not match the values",
             Problem.ID_RANGE: "ids out of range",
             Problem.WEIGHTS: "bad per-sample weights",
-            Problem.BATCH_SIZE: "a batch size that differs from the other ranks'",
             Problem.DEVICE: "a batch on another device than the module",
             Problem.EMPTY_BATCH: "an empty batch: batch size 0",
         }.get(self, "no problem")

@@ -7,6 +7,8 @@
     python benchmarks/step_time.py --plans tw --optimizers fused --cpu  # CPU time per thread kind
     python benchmarks/step_time.py --device cuda --world-size 1     # one rank per GPU, NCCL
     python benchmarks/step_time.py --plans cw --optimizers fused --cw-statistic per_shard
+    perf record -g -D 20000 -- python benchmarks/step_time.py --plans tw --optimizers fused \
+        --only ours --steps 1500 --blocks 1                         # one contender, for perf
 
 For each (plan, optimizer) the ranks build one model per contender from the same weights and
 time, on the same synthetic batches, alternating blocks of steps:
@@ -24,7 +26,8 @@ time, on the same synthetic batches, alternating blocks of steps:
             batch's input dist too (the counterpart of "prefetch")
   floor     fbgemm's table-batched kernel alone (SplitTableBatchedEmbeddingBagsCodegen with the
             fused update, or the dense TBE + SGD) on exactly the ids this rank looks up in our
-            step (as int32), with this rank's shard shapes: no input or output dist
+            step (as int32), with this rank's shard shapes, without fbgemm's bounds check (ours
+            checks ids in its input dist instead): no input or output dist
   unsharded one process's plain torchrec EBC (nn.EmbeddingBag per table) + SGD on its own batch
             ("dense"), or the fused fbgemm TBE over the whole tables ("fused")
   dense     the "unsharded dense part": the loss and its backward on the pooled output
@@ -72,6 +75,7 @@ PLANS = {
     "mix": "mixed",
 }  # fmt: skip
 OPTIMIZERS = ("dense", "fused")
+CONTENDERS = ("ours", "prefetch", "torchrec", "pipeline", "floor", "unsharded", "dense")
 LR, EPS = 0.01, 1e-8
 
 
@@ -94,6 +98,7 @@ class Config:
     pin: bool = True
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
     cw_statistic: str = "exact"  # fuse_optimizer's column_wise_statistic for ours
+    only: Optional[str] = None  # time this contender alone (for an outside profiler)
 
 
 class Model(nn.Module):
@@ -107,7 +112,7 @@ class Model(nn.Module):
         return self.ebc(kjt).values()
 
 
-def _make_ebc(cfg: Config, device: str = "cpu"):
+def _make_ebc(cfg: Config):
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -118,7 +123,7 @@ def _make_ebc(cfg: Config, device: str = "cpu"):
         )
         for i in range(cfg.tables)
     ]  # fmt: skip
-    return EmbeddingBagCollection(tables=tables, device=torch.device(device))
+    return EmbeddingBagCollection(tables=tables)
 
 
 def _device(cfg: Config) -> torch.device:
@@ -285,7 +290,7 @@ def _torchrec_pipeline(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) 
 def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
     """The TBE on this rank's shard shapes and on exactly the ids our input dist gives it."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         DenseTableBatchedEmbeddingBagsCodegen,
         SplitTableBatchedEmbeddingBagsCodegen,
@@ -316,6 +321,9 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
             embedding_specs=[(r, c, where, compute) for r, c in sizes],
             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
             pooling_mode=PoolingMode.SUM, device=_device(cfg),
+            # As ours runs it: ours checks ids in its input dist, and that check is ours' cost,
+            # not the kernel's (fbgemm's default per-forward check took 0.25 ms of a 9 ms floor).
+            bounds_check_mode=BoundsCheckMode.NONE,
         )  # fmt: skip
         opt = None
     else:
@@ -418,7 +426,7 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
     notes = {}
     ours_model, contenders["ours"] = _ours(cfg, ebc, plan, opt_kind, probe)
     contenders["prefetch"] = _prefetching(cfg, ebc, plan, opt_kind, probe, kjts)
-    if cfg.torchrec:
+    if cfg.torchrec and cfg.only in (None, "torchrec", "pipeline"):
         builders = {
             "torchrec": lambda: _torchrec(cfg, ebc, plan, opt_kind, probe),
             "pipeline": lambda: _torchrec_pipeline(cfg, ebc, plan, opt_kind, probe, kjts),
@@ -437,6 +445,8 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
     contenders["floor"] = _floor(cfg, ours_model, opt_kind, kjts)
     contenders["unsharded"] = _unsharded(cfg, ebc, opt_kind, probe)
     contenders["dense"] = _dense_part(probe)
+    if cfg.only is not None:
+        contenders = {k: v for k, v in contenders.items() if k == cfg.only}
 
     for name, step in contenders.items():
         _time_block(step, kjts, cfg.warmup, 0)
@@ -561,7 +571,7 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
             results[(plan, opt_kind)] = _run_case(cfg, rank, plan, opt_kind, ebc, kjts, probe)
             if rank == 0:
                 _print_case(plan, opt_kind, results[(plan, opt_kind)], cfg)
-    if rank == 0:
+    if rank == 0 and cfg.only is None:
         _print_summary(cfg, results)
     dist.barrier()
     dist.destroy_process_group()
@@ -696,6 +706,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--cpu", action="store_true", help="print each sharded contender's CPU per step by thread kind")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank with NCCL (--world-size at most the GPUs)")
+    p.add_argument("--only", choices=CONTENDERS, default=None,
+                   help="time this contender alone, one block, no summary: for perf or py-spy "
+                        "(e.g. --only ours --steps 1500 --blocks 1)")  # fmt: skip
     p.add_argument("--cw-statistic", choices=["exact", "per_shard"], default="exact",
                    help="ours' row statistic on fused column pieces (fuse_optimizer's "
                         "column_wise_statistic); per_shard is TorchRec's approximation")  # fmt: skip
@@ -708,7 +721,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
         torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu", cpu=a.cpu,
-        device=a.device, cw_statistic=a.cw_statistic,
+        device=a.device, cw_statistic=a.cw_statistic, only=a.only,
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 

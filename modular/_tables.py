@@ -24,15 +24,12 @@ from modular._layout import Layout, Pooling, TableInfo, odd_width
 from planners.types import ShardingType, ShardSpec
 
 __all__ = [
-    "FINGERPRINT_WIDTH",
     "ShardedTable",
     "ShardingError",
     "agree_on_init",
     "check_widths_off_cpu",
     "shard_seed",
     "table_infos",
-    "warn_if_weights_differ",
-    "weights_fingerprints",
 ]
 
 
@@ -168,8 +165,9 @@ def agree_on_init(
     failure: Optional[BaseException],
     module: str,
     group: Optional[ProcessGroup],
-    fingerprints: bytes = b"",
-) -> list[bytes]:
+    ebc: EmbeddingBagCollection,
+    copied: list[str],
+) -> None:
     """# Note [agreeing on the shards' init]
     Each rank fills its own shards (a user's `init_fn` on a meta table, or a copy of the
     materialised weights), then the tables become ShardedTensors, which is collective. A rank
@@ -178,11 +176,17 @@ def agree_on_init(
     shares the messages and every rank raises (its own error, or the failing rank's). Nothing has
     been replaced in the model by then (`modular.shard` swaps modules in after building all).
 
-    The same gather carries each rank's `fingerprints` of the tables it copied from (the same
-    width on every rank) and returns every rank's, in rank order (Note [weights that differ
-    between ranks])."""
+    The same gather carries each rank's fingerprints of `ebc`'s tables named in `copied` (the
+    ones its shards were copied from), and every rank warns where they differ (Note [weights
+    that differ between ranks])."""
+    prints = bytes(FINGERPRINT_WIDTH * len(copied))  # a failed rank's: the same width
+    if failure is None:
+        try:
+            prints = weights_fingerprints([ebc.embedding_bags[n].weight for n in copied])
+        except Exception as e:
+            failure = e
     flag = b"\x00" if failure is None else b"\x01"
-    payloads = all_gather_bytes(flag + fingerprints, width=1 + len(fingerprints), group=group)
+    payloads = all_gather_bytes(flag + prints, width=1 + len(prints), group=group)
     failed = [r for r, p in enumerate(payloads) if p[0] == 1]
     shared = raise_shared_failure(failure, failed, group, lambda e: f"{type(e).__name__}: {e}")
     if shared is not None:
@@ -191,7 +195,7 @@ def agree_on_init(
             f"module {module!r}: rank {first} could not initialise its shards: {message} (ranks "
             f"{failed} failed; this rank stops too so that no rank hangs)"
         )
-    return [p[1:] for p in payloads]
+    _warn_if_weights_differ(module, copied, [p[1:] for p in payloads])
 
 
 # Rows of a table compared between ranks (Note [weights that differ between ranks]).
@@ -207,7 +211,7 @@ def weights_fingerprints(weights: list[torch.Tensor]) -> bytes:
     sends, in the init agreement's gather, per sharded table: whether it is materialised, and
     two float64 sums (plain and position-weighted) over `FINGERPRINT_ROWS` evenly spaced rows;
     equal copies give equal sums bit for bit (the same ops on the same values), copies seeded
-    apart differ in every row. `warn_if_weights_differ` names the tables and ranks. A warning,
+    apart differ in every row. `_warn_if_weights_differ` names the tables and ranks. A warning,
     not an error: a model about to load a checkpoint may start from any weights. Data-parallel
     tables need none of it (rank 0's replicas are broadcast), nor do meta tables (`init_fn`
     runs per shard, seeded per shard: Note [shard init])."""
@@ -225,7 +229,7 @@ def weights_fingerprints(weights: list[torch.Tensor]) -> bytes:
     return bytes(out)
 
 
-def warn_if_weights_differ(module: str, tables: list[str], payloads: list[bytes]) -> None:
+def _warn_if_weights_differ(module: str, tables: list[str], payloads: list[bytes]) -> None:
     """Warns, naming the tables and ranks, where the ranks' `weights_fingerprints` differ."""
     problems = []
     for i, table in enumerate(tables):
@@ -258,7 +262,7 @@ def warn_if_weights_differ(module: str, tables: list[str], payloads: list[bytes]
             "weights on every rank, or build every rank's model on the meta device; nothing to "
             "do if a checkpoint is loaded into the sharded model next "
             "(Note [weights that differ between ranks])",
-            stacklevel=4,
+            stacklevel=7,  # the caller of modular.shard
         )
 
 

@@ -25,15 +25,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
 from modular._tables import (
-    FINGERPRINT_WIDTH,
     ShardedTable,
     ShardingError,
     agree_on_init,
     check_widths_off_cpu,
     shard_seed,
     table_infos,
-    warn_if_weights_differ,
-    weights_fingerprints,
 )
 from modular._checks import InputError, Problem, Rejection
 from modular._input import INT32_MAX, Router
@@ -205,21 +202,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             if failure is not None:
                 raise failure
             return
-        # Sharded tables copied from each rank's own copy must agree (Note [weights that differ
-        # between ranks]); replicas are broadcast below instead.
+        # Shards are copied from each rank's own copy of a table, replicas broadcast below.
         copied = [
             t.name
             for t, p in zip(self.layout.tables, self.layout.placements)
             if p.sharding_type is not ShardingType.DATA_PARALLEL
         ]
-        prints = bytes(FINGERPRINT_WIDTH * len(copied))  # a failed rank's: the same width
-        if failure is None:
-            try:
-                prints = weights_fingerprints([ebc.embedding_bags[n].weight for n in copied])
-            except Exception as e:
-                failure = e
-        payloads = agree_on_init(failure, self._module_fqn, self._pg, prints)
-        warn_if_weights_differ(self._module_fqn, copied, payloads)
+        agree_on_init(failure, self._module_fqn, self._pg, ebc, copied)
         source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
         for k in self._local_kernels:  # replicas start equal everywhere
             for view in k.views:

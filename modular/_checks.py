@@ -23,8 +23,7 @@ class Problem(enum.IntEnum):
     """Why a rank rejected its batch; travels to the other ranks as (code, feature index).
 
     Batch sizes that differ between ranks have no code: no rank can tell from its own batch, so
-    every rank compares the sizes the agreement brought
-    (`ShardedEmbeddingBagCollection._raise_if_rejected`)."""
+    every rank compares the sizes the agreement brought (`BatchChecks.raise_if_rejected`)."""
 
     NONE = 0
     FEATURES = 1
@@ -117,6 +116,30 @@ class BatchChecks:
         ):
             return self._weights_rejection(weights, lengths, kjt.stride())
         return None
+
+    def raise_if_rejected(self, meta: torch.Tensor, mine: Optional[Rejection]) -> None:
+        """Raises this rank's own rejection, else the first peer's, else differing batch sizes,
+        from the input dist's agreement: `meta` holds a row per rank, (ids for this rank, batch
+        size, `Problem` code, feature index, wide ids), on the host."""
+        if mine is not None:
+            raise InputError(mine.message)
+        codes = meta[:, 2].tolist()  # one conversion, not two tensor reads per rank
+        for src, code in enumerate(codes):
+            problem = Problem(code)
+            if problem is not Problem.NONE:
+                f = int(meta[src, 3])
+                where = f" in feature {self.features[f]!r}" if f >= 0 else ""
+                raise InputError(
+                    f"rank {src} rejected its batch for module {self.module!r} "
+                    f"({problem.summary()}{where}); this rank stops too so that no rank hangs. "
+                    f"See rank {src}'s error for the details"
+                )
+        sizes = meta[:, 1].tolist()
+        if len(set(sizes)) > 1:
+            raise InputError(
+                f"module {self.module!r} needs the same batch size on every rank, got "
+                + ", ".join(f"rank {r}: {b}" for r, b in enumerate(sizes))
+            )
 
     def batch_stats(self, kjt: KeyedJaggedTensor) -> BatchStats:
         """The lengths' sign and sum, the ids' range and whether the weights' sum is finite.

@@ -32,7 +32,7 @@ from modular._tables import (
     shard_seed,
     table_infos,
 )
-from modular._checks import InputError, Problem, Rejection
+from modular._checks import InputError, Problem
 from modular._input import INT32_MAX, Router
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
@@ -341,8 +341,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
                             group=group, what=agreement_name(self, group))
         both = torch.cat([sent[:, 0], answer]).cpu()
         counts, meta = both[:world].tolist(), both[world:].view(world, 5)
-        self._raise_if_rejected(meta, rejection)
-        if rejection is not None:  # unreachable: _raise_if_rejected raised
+        self._router.raise_if_rejected(meta, rejection)
+        if rejection is not None:  # unreachable: raise_if_rejected raised
             raise InputError(rejection.message)
 
         if not self.layout.routes:  # data-parallel tables only: no ids travel, on any rank
@@ -396,27 +396,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             local=local,
             local_lengths=kjt.lengths().view(len(self.layout.features), batch),
         )
-
-    def _raise_if_rejected(self, meta: torch.Tensor, mine: Optional[Rejection]) -> None:
-        if mine is not None:
-            raise InputError(mine.message)
-        codes = meta[:, 2].tolist()  # one conversion, not two tensor reads per rank
-        for src, code in enumerate(codes):
-            problem = Problem(code)
-            if problem is not Problem.NONE:
-                f = int(meta[src, 3])
-                where = f" in feature {self.layout.features[f]!r}" if f >= 0 else ""
-                raise InputError(
-                    f"rank {src} rejected its batch for module {self._module_fqn!r} "
-                    f"({problem.summary()}{where}); this rank stops too so that no rank hangs. "
-                    f"See rank {src}'s error for the details"
-                )
-        sizes = meta[:, 1].tolist()
-        if len(set(sizes)) > 1:
-            raise InputError(
-                f"module {self._module_fqn!r} needs the same batch size on every rank, got "
-                + ", ".join(f"rank {r}: {b}" for r, b in enumerate(sizes))
-            )
 
     def lookup(self, received: Received) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Pools the received ids (for every rank's batch) and this rank's data-parallel ids."""

@@ -34,8 +34,9 @@ time, on the same synthetic batches, alternating blocks of steps:
 
 A step is forward + backward + optimizer; its time is the max over ranks of that step's wall
 time. Each rank runs with one thread (OMP_NUM_THREADS=1) and, unless --no-pin, is pinned to its
-own share of the cores (with gloo's threads: a rank's background work then fills its own core's
-idle time instead of preempting another rank); all contenders run on all ranks at once.
+own share of the cores this process may use, with gloo's threads: a rank's background work then
+fills its own cores' idle time instead of preempting another rank. `taskset -c 0-3` gives 2 ranks
+2 cores each. All contenders run on all ranks at once.
 With --device cuda each rank takes its own GPU (NCCL; at most as many ranks as GPUs), everything
 above lives on it, and a step's time ends with torch.cuda.synchronize().
 """
@@ -99,6 +100,7 @@ class Config:
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
     cw_statistic: str = "exact"  # fuse_optimizer's column_wise_statistic for ours
     only: Optional[str] = None  # time this contender alone (for an outside profiler)
+    cores: tuple[int, ...] = ()  # the cores the launching process may run on, shared out to ranks
 
 
 class Model(nn.Module):
@@ -578,11 +580,12 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
 
 
 def _cores_of(rank: int, cfg: Config) -> set[int]:
-    """The cores rank `rank` is pinned to: an equal share of the machine's, none if not pinned."""
-    per_rank = (os.cpu_count() or 1) // cfg.world_size
+    """The cores rank `rank` is pinned to: an equal share of those this process may run on (so
+    `taskset -c 0-3` gives 2 ranks 2 cores each), none if not pinned or too few to share."""
+    per_rank = len(cfg.cores) // cfg.world_size
     if not cfg.pin or per_rank == 0:
         return set()
-    return set(range(rank * per_rank, (rank + 1) * per_rank))
+    return set(cfg.cores[rank * per_rank:(rank + 1) * per_rank])
 
 
 def _ms(xs: list[float]) -> str:
@@ -605,12 +608,14 @@ def _print_summary(cfg: Config, results: dict) -> None:
     if cfg.device == "cuda":
         ranks = f"{cfg.world_size} x {torch.cuda.get_device_name()} (NCCL, one GPU per rank)"
     else:
-        pinned = "each rank pinned to its own cores" if _cores_of(0, cfg) else "ranks not pinned"
+        mine = len(_cores_of(0, cfg))
+        pinned = f"each rank pinned to its own {mine} core(s)" if mine else "ranks not pinned"
         ranks = f"{cfg.world_size} CPU ranks x 1 thread (gloo, {pinned})"
     print(
         f"\n## {cfg.tables} tables x {cfg.rows:,} rows x {cfg.dim} dims, batch {cfg.batch:,} per "
         f"rank, pooling {cfg.pooling}, SUM, {ranks}, {cfg.steps} steps each in {cfg.blocks} "
-        f"alternating blocks, {datetime.date.today().isoformat()}, {os.cpu_count()} cores; "
+        f"alternating blocks, {datetime.date.today().isoformat()}, {len(cfg.cores)} of "
+        f"{os.cpu_count()} cores; "
         f"ours' fused column pieces: column_wise_statistic={cfg.cw_statistic!r}\n"
     )
     print("| plan | optimizer | ours ms | ours + prefetch ms | TorchRec ms | TorchRec pipeline ms | "
@@ -722,6 +727,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
         torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu", cpu=a.cpu,
         device=a.device, cw_statistic=a.cw_statistic, only=a.only,
+        cores=tuple(sorted(os.sched_getaffinity(0))),
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 

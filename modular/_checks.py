@@ -23,7 +23,7 @@ class Problem(enum.IntEnum):
     """Why a rank rejected its batch; travels to the other ranks as (code, feature index).
 
     Batch sizes that differ between ranks have no code: no rank can tell from its own batch, so
-    every rank compares the sizes the agreement brought (`BatchChecks.raise_if_rejected`)."""
+    every rank compares the sizes the peers' headers brought (`BatchChecks.raise_if_rejected`)."""
 
     NONE = 0
     FEATURES = 1
@@ -119,8 +119,9 @@ class BatchChecks:
 
     def raise_if_rejected(self, meta: torch.Tensor, mine: Optional[Rejection]) -> None:
         """Raises this rank's own rejection, else the first peer's, else differing batch sizes,
-        from the input dist's agreement: `meta` holds a row per rank, (ids for this rank, batch
-        size, `Problem` code, feature index, wide ids), on the host."""
+        from the headers of the input dist's first all-to-all (Note [ids with their header] in
+        modular/_exchange.py): `meta` holds a row per rank, (ids for this rank, batch size,
+        `Problem` code, feature index, ...), on the host."""
         if mine is not None:
             raise InputError(mine.message)
         codes = meta[:, 2].tolist()  # one conversion, not two tensor reads per rank
@@ -150,8 +151,8 @@ class BatchChecks:
         GPU then idles while the host catches up. The input dist needs two such reads, as
         TorchRec's does: the checks' statistics here (one `tolist` of one small tensor; the
         ids must be known good before routing), and the counts of ids for each rank, read
-        together with the agreement all-to-all's answer (`ShardedEmbeddingBagCollection.
-        _input_dist`). A bad batch, or features with different row counts whose largest id
+        together with the peers' headers (`IdsExchange.exchange` in modular/_exchange.py;
+        only CPU modules read their counts before sending, which costs nothing there). A bad batch, or features with different row counts whose largest id
         reaches the smallest table's size, pays for more reads. On CPU the reads cost nothing
         extra; on an H100 eight reads per step made a table-wise step 1.5x TorchRec's
         (docs/benchmarks.md, "GPU").

@@ -27,7 +27,7 @@ class Routed(NamedTuple):
     values: torch.Tensor
     weights: Optional[torch.Tensor]
     # ids for each rank, on the batch's device: the input dist reads it on the host together
-    # with the agreement all-to-all's answer, in one transfer (Note [host syncs per step])
+    # with the peers' headers, in one transfer (Note [host syncs per step])
     counts: torch.Tensor
 
     @property
@@ -48,8 +48,8 @@ def wire_dtype(max_shard_rows: int) -> torch.dtype:
     the kernels' reads, a deferred kernel's kept batch) touches half the memory. fbgemm's
     kernels take int32 ids and offsets. Lengths travel in the same buffer, so in the same
     dtype; a rank whose batch has more than INT32_MAX ids (a bag that long could not be
-    represented) says so in the agreement all-to-all and every rank then sends int64 for
-    that step, and a rank that receives more than INT32_MAX ids in all looks them up with
+    represented) says so in its header (Note [ids with their header]) and every rank then
+    sends int64 for that step, and a rank that receives more than INT32_MAX ids in all looks them up with
     int64 offsets. Tables with a larger shard send int64 always.
     """
     return torch.int32 if max_shard_rows <= INT32_MAX else torch.int64

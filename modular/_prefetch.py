@@ -1,8 +1,8 @@
 """Input dist of the next batch while this step computes: `modular.prefetch(model, kjt)`.
 
 # Note [prefetched input dist]
-A step of a sharded EBC waits on its input dist (routing every id, then two all-to-alls) before
-any lookup can start. The ids of the *next* batch are known a step early, so they can travel
+A step of a sharded EBC waits on its input dist (routing every id, then one or two all-to-alls)
+before any lookup can start. The ids of the *next* batch are known a step early, so they can travel
 while this step looks up, trains and steps the optimizer, as TorchRec's TrainPipelineSparseDist
 does, but without wrapping the model or the training loop:
 
@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular._comm import KeptBuffers, backend_for
+from modular._comm import backend_for
 
 if TYPE_CHECKING:
     from modular.embedding_bag import Received, ShardedEmbeddingBagCollection
@@ -103,8 +103,8 @@ class Prefetcher:
         self._module = module
         self._pending: dict[int, tuple[KeyedJaggedTensor, Future]] = {}
         self._armed: list[tuple[KeyedJaggedTensor, Future]] = []  # started, not yet released
-        self._buffers = KeptBuffers()
         self._side = _side_group(module)
+        self._exchange = module.make_exchange(self._side[0]) if self._side is not None else None
 
     @property
     def overlaps(self) -> bool:
@@ -141,7 +141,7 @@ class Prefetcher:
 
     def _run(self, features: KeyedJaggedTensor, future: Future) -> None:
         try:
-            future.set_result(self._module._input_dist(features, self._side[0], self._buffers))
+            future.set_result(self._module._input_dist(features, self._exchange))
         except BaseException as e:  # raised by the forward that takes it
             future.set_exception(e)
 

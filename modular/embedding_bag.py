@@ -32,8 +32,9 @@ from modular._tables import (
     shard_seed,
     table_infos,
 )
-from modular._checks import InputError, Problem
+from modular._checks import InputError
 from modular._input import INT32_MAX, Router
+from modular._exchange import IdsExchange
 from modular._fused import FusedTables
 from modular._emulated import EmulatedFusedKernel
 from modular._arrival import Arrival
@@ -131,6 +132,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
         self._recv_buffers = KeptBuffers()  # Note [kept receive buffers]
+        self._exchange = None if self._alone else self.make_exchange(process_group)
         self._prefetcher = None  # made by the first prefetch (Note [prefetched input dist])
         local_dim = sum(r.shard.num_cols for r in self.layout.local)
         self._arrival = Arrival(
@@ -310,11 +312,15 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
 
     def input_dist(self, features: KeyedJaggedTensor) -> Received:
         """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
-        return self._input_dist(features, self._pg, self._recv_buffers)
+        return self._input_dist(features, self._exchange)
 
-    def _input_dist(
-        self, features: KeyedJaggedTensor, group: Optional[ProcessGroup], buffers: KeptBuffers
-    ) -> Received:
+    def make_exchange(self, group: Optional[ProcessGroup]) -> IdsExchange:
+        """The input dist's exchange of ids on `group`: the module's, or the prefetch thread's
+        (each keeps its own slots, Note [ids with their header])."""
+        router = self._router
+        return IdsExchange(group, self._rank, router.routes_per_rank, router.ids_dtype, self._device)
+
+    def _input_dist(self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange]) -> Received:
         rejection, kjt = self._router.normalise(features)
         routed = None
         if rejection is None:
@@ -325,56 +331,27 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             if rejection is not None:
                 raise InputError(rejection.message)
             return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
-        # One small all-to-all tells every rank how much is coming and whether anyone failed, so
-        # a bad batch on one rank raises on every rank instead of hanging the others. It is
-        # built on the device from the counts routing left there, and read on the host with
-        # them, in one transfer (Note [host syncs per step] in modular/_checks.py).
-        problem = rejection.problem if rejection else Problem.NONE
-        feature = rejection.feature if rejection else -1
+        # Every rank hears how much is coming and whether anyone failed (so a bad batch raises
+        # on every rank instead of hanging the others) in the header of the ids' own all-to-all
+        # (Note [ids with their header] in modular/_exchange.py).
         # Whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).
-        wide = int(routed is not None and routed.values.numel() > INT32_MAX)
-        sent = torch.empty(world, 5, dtype=torch.int64, device=self._device)
-        sent[:, 0] = routed.counts if routed is not None else self._router.zero_counts
-        for column, value in enumerate((batch, int(problem), feature, wide), start=1):
-            sent[:, column] = value
-        answer = all_to_all(sent.view(-1), input_splits=[5] * world, output_splits=[5] * world,
-                            group=group, what=agreement_name(self, group))
-        both = torch.cat([sent[:, 0], answer]).cpu()
-        counts, meta = both[:world].tolist(), both[world:].view(world, 5)
-        self._router.raise_if_rejected(meta, rejection)
-        if rejection is not None:  # unreachable: raise_if_rejected raised
+        wide = routed is not None and routed.values.numel() > INT32_MAX
+        got = exchange.exchange(
+            routed, rejection, batch, wide, self._router, what=agreement_name(self, exchange.group)
+        )
+        if rejection is not None:  # unreachable: the exchange raised it
             raise InputError(rejection.message)
-
         if not self.layout.routes:  # data-parallel tables only: no ids travel, on any rank
             return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
-        routes = self._router.routes_per_rank
-        mine = routes[self._rank]
-        send_lengths = routed.lengths.split([n * batch for n in routes])
-        send_values = routed.values.split(counts)
-        wire = torch.int64 if bool(meta[:, 4].any()) else self._router.ids_dtype
-        input_splits = [n * batch + c for n, c in zip(routes, counts)]
-        # The cast to the wire dtype happens in this one copy.
-        send = torch.cat(
-            [t for pair in zip(send_lengths, send_values) for t in pair],
-            out=buffers.empty("ids send", sum(input_splits), routed.values.new_empty(0, dtype=wire)),
-        )
-        recv_counts = meta[:, 0].tolist()
-        output_splits = [mine * batch + c for c in recv_counts]
-        recv = all_to_all(
-            send,
-            input_splits=input_splits,
-            output_splits=output_splits,
-            group=group,
-            out=buffers.empty("ids", sum(output_splits), send),
-        )
+        mine = self._router.routes_per_rank[self._rank]
+        counts, recv_counts = got.sent, got.received
         weights = None
         if self._is_weighted:
             weights = all_to_all(
-                routed.weights, input_splits=counts, output_splits=recv_counts, group=group
+                routed.weights, input_splits=counts, output_splits=recv_counts,
+                group=exchange.group,
             )
-        pieces = recv.split([p for c in recv_counts for p in (mine * batch, c)])
-        lengths = torch.cat(pieces[0::2]).view(world * mine, batch)
-        values = torch.cat(pieces[1::2])
+        lengths, values = got.lengths.view(world * mine, batch), got.values
         # Arrivals are (source rank, route); the kernels want (route, source rank).
         if world > 1 and mine > 0:
             perm = torch.arange(world * mine, device=self._device, dtype=torch.int32)

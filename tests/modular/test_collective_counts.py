@@ -1,6 +1,7 @@
-"""How many all-to-alls one training step of a sharded EBC costs: a regression test for the
+"""How many all-to-alls the first training step of a sharded EBC costs: a regression test for the
 collectives a step waits on (docs/benchmarks.md). Data-parallel-only modules keep only the small
-agreement all-to-all (a bad batch must still raise on every rank)."""
+agreement all-to-all (a bad batch must still raise on every rank). Later steps send the ids with
+the agreement's header, one all-to-all fewer: tests/modular/test_ids_exchange.py."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _count_all_to_alls_of(ebc, batch) -> tuple[int, int]:
     "case, weighted, expected",
     [
         ("data_parallel", False, (1, 0)),  # agreement only; replicas sync by all-gathers
-        ("table_wise", False, (3, 1)),  # agreement, ids, pooled; pooled gradients
+        ("table_wise", False, (3, 1)),  # headers, ids, pooled; pooled gradients
         ("mixed", False, (3, 1)),
         ("mixed", True, (4, 1)),  # + per-sample weights
     ],

@@ -1,0 +1,214 @@
+"""The input dist's exchange of routed ids, whose header is the agreement.
+
+# Note [ids with their header]
+Before ids can move, each rank must know how many arrive from each peer (`all_to_all_single`
+takes the split sizes), and every rank must hear whether a peer rejected its batch, so that a
+bad batch raises on every rank instead of hanging the others (`BatchChecks.raise_if_rejected`).
+A small all-to-all of counts ahead of the ids' own does both, but it is a round trip a step: on
+gloo each one wakes the receiving rank's TCP thread and then its main thread. Skipping it was
+worth about 1 ms of an 18 ms tw/fused step on 2 CPU ranks (docs/benchmarks.md, "Where a tw/fused
+step's CPU goes").
+
+So each rank sends each peer a slot whose size both sides know in advance: a header of six
+int64 (ids for that peer, batch size, `Problem` code, feature, wide ids, spill), then as much of
+the peer's payload (its lengths, then its ids: Note [routes]) as the slot holds. The slot of the
+pair (s, d) holds `grow(n)` payload elements, n being what s sent d in the last exchange on this
+process group: s knows n because it sent it, d because the header told it. Every rank reads every
+peer's header, so all see the same rejections, batch sizes, wide flags (Note [ids on the wire])
+and spill flags (some payload of that sender did not fit its slot). Then all raise alike, or all
+run a second all-to-all with what did not fit (when some rank's ids need int64: every payload
+again, in int64). A steady batch moves its ids in one all-to-all; the first step, and one whose
+payload to some peer grew by more than `grow`'s eighth, takes two, as every step did before.
+The slots cost bytes: the header, and up to an eighth of padding.
+
+Only CPU modules fill the slots: the sender must read its counts on the host before it sends,
+which on a GPU is one more host sync a step (Note [host syncs per step]) to save a NCCL launch.
+Elsewhere every slot is a header alone and the payload always takes the second all-to-all.
+
+The slots are kept per process group, since the prefetch thread's input dists (Note [prefetched
+input dist]) run on a group of their own, in an order only that group's collectives fix. A step
+that raises (a rejected batch, differing batch sizes) raises on every rank, from the same headers,
+before any slot changes: the ranks keep agreeing on them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch.distributed import ProcessGroup
+
+from modular._checks import BatchChecks, Rejection
+from modular._comm import KeptBuffers, all_to_all
+from modular._input import Routed
+
+# The header's int64 fields, one row per peer.
+HEADER = 6
+IDS, BATCH, PROBLEM, FEATURE, WIDE, SPILL = range(HEADER)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    out = [0]
+    for n in sizes[:-1]:
+        out.append(out[-1] + n)
+    return out
+
+
+def grow(n: int) -> int:
+    """The slot for a pair whose payload was `n` elements last time: an eighth more."""
+    return n + n // 8
+
+
+class Exchanged(NamedTuple):
+    lengths: torch.Tensor  # (world * routes on this rank * batch,), source rank by source rank
+    values: torch.Tensor  # the ids, source rank by source rank, route by route
+    sent: list[int]  # ids this rank sent each rank
+    received: list[int]  # ids each rank sent this rank
+
+
+class IdsExchange:
+    """One process group's exchange of routed ids (Note [ids with their header])."""
+
+    def __init__(
+        self,
+        group: Optional[ProcessGroup],
+        rank: int,
+        routes_per_rank: list[int],
+        ids_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.group = group
+        self._world = len(routes_per_rank)
+        self._routes = routes_per_rank
+        self._route_starts = _starts(routes_per_rank)
+        self._mine = routes_per_rank[rank]
+        self._wire = ids_dtype
+        self._device = device
+        self._speculate = device.type == "cpu"
+        self._sends_ids = any(routes_per_rank)
+        self._out = [0] * self._world  # payload slot this rank sends each rank
+        self._in = [0] * self._world  # payload slot each rank sends this rank
+        self._padding = torch.zeros(0, dtype=ids_dtype, device=device)
+        self._zero_counts = torch.zeros(self._world, dtype=torch.int64, device=device)
+        self.buffers = KeptBuffers()  # Note [kept receive buffers]
+
+    def exchange(
+        self,
+        routed: Optional[Routed],
+        rejection: Optional[Rejection],
+        batch: int,
+        wide: bool,
+        checks: BatchChecks,
+        what: str,
+    ) -> Exchanged:
+        """Sends `routed` (None if this rank rejected its batch) and receives the peers'; raises
+        on every rank what `checks.raise_if_rejected` finds in the headers. `wide`: this rank's
+        ids need int64 on the wire this step. `what` names the first all-to-all in its errors."""
+        world, wire = self._world, self._wire
+        h = HEADER * 8 // wire.itemsize  # the header in wire elements
+        wide = wide and wire != torch.int64
+        counts_dev = routed.counts if routed is not None else self._zero_counts
+        sent = torch.empty(world, HEADER, dtype=torch.int64, device=self._device)
+        sent[:, IDS] = counts_dev
+        problem = rejection.problem if rejection is not None else 0
+        feature = rejection.feature if rejection is not None else -1
+        for column, value in ((BATCH, batch), (PROBLEM, int(problem)), (FEATURE, feature),
+                              (WIDE, int(wide))):  # fmt: skip
+            sent[:, column] = value
+        counts: Optional[list[int]] = None
+        fit = [0] * world  # payload elements this rank puts in each slot
+        if self._speculate:  # on CPU, reading the counts costs nothing
+            counts = counts_dev.tolist()
+            n_out = [r * batch + c for r, c in zip(self._routes, counts)]
+            if routed is not None and not wide:  # int64 ids go in the second all-to-all
+                fit = [min(n, s) for n, s in zip(n_out, self._out)]
+            sent[:, SPILL] = int(routed is not None and fit != n_out)
+        else:
+            sent[:, SPILL] = int(self._sends_ids)
+        header = sent.view(wire).view(world, h)
+
+        pieces: list[torch.Tensor] = []
+        id_starts = _starts(counts) if counts is not None else None
+        for d in range(world):
+            pieces.append(header[d])
+            if fit[d]:
+                pieces.extend(self._span(routed, batch, id_starts, d, 0, fit[d]))
+            if self._out[d] > fit[d]:
+                pieces.append(self._pad(self._out[d] - fit[d]))
+        in_splits = [h + s for s in self._out]
+        out_splits = [h + s for s in self._in]
+        send = torch.cat(pieces, out=self.buffers.empty("ids send", sum(in_splits), header))
+        recv = all_to_all(
+            send, input_splits=in_splits, output_splits=out_splits, group=self.group, what=what,
+            out=self.buffers.empty("ids", sum(out_splits), header),
+        )  # fmt: skip
+        starts = _starts(out_splits)
+        heads = torch.cat([recv[o:o + h] for o in starts]).view(torch.int64)
+        # One read on the host: this rank's counts with every peer's header.
+        both = torch.cat([sent[:, IDS], heads]).cpu()
+        meta = both[world:].view(world, HEADER)
+        checks.raise_if_rejected(meta, rejection)
+        if counts is None:
+            counts = both[:world].tolist()
+        received = meta[:, IDS].tolist()
+
+        n_out = [r * batch + c for r, c in zip(self._routes, counts)]
+        n_in = [self._mine * batch + c for c in received]
+        wide_any = bool(meta[:, WIDE].any())
+        fit_in = [0 if wide_any else min(n, s) for n, s in zip(n_in, self._in)]
+        payloads = [recv[o + h:o + h + f] for o, f in zip(starts, fit_in)]
+        if wide_any or bool(meta[:, SPILL].any()):
+            if wide_any:
+                fit = [0] * world
+            payloads = self._second(routed, batch, counts, n_out, fit, n_in, fit_in, payloads,
+                                    torch.int64 if wide_any else wire)  # fmt: skip
+        if self._speculate:
+            self._out = [grow(n) for n in n_out]
+            self._in = [grow(n) for n in n_in]
+        cut = self._mine * batch
+        return Exchanged(
+            lengths=torch.cat([p[:cut] for p in payloads]),
+            values=torch.cat([p[cut:] for p in payloads]),
+            sent=counts,
+            received=received,
+        )
+
+    def _second(self, routed, batch, counts, n_out, fit_out, n_in, fit_in, first, wire):
+        """The second all-to-all: what did not fit the slots, in `wire` (when that is int64
+        for some rank's ids, every payload whole again: `fit_in`, `fit_out` are zero)."""
+        rest_out = [n - f for n, f in zip(n_out, fit_out)]
+        rest_in = [n - f for n, f in zip(n_in, fit_in)]
+        id_starts = _starts(counts)
+        pieces = []
+        for d in range(self._world):
+            if rest_out[d]:
+                pieces.extend(self._span(routed, batch, id_starts, d, fit_out[d], n_out[d]))
+        like = torch.empty(0, dtype=wire, device=self._device)
+        send = torch.cat(pieces, out=self.buffers.empty("ids send 2", sum(rest_out), like)) \
+            if pieces else like
+        recv = all_to_all(
+            send, input_splits=rest_out, output_splits=rest_in, group=self.group,
+            out=self.buffers.empty("ids 2", sum(rest_in), like),
+        )  # fmt: skip
+        out = []
+        for head, tail, f in zip(first, recv.split(rest_in), fit_in):
+            out.append(tail if f == 0 else head if tail.numel() == 0 else torch.cat([head, tail]))
+        return out
+
+    def _span(self, routed: Routed, batch: int, id_starts: list[int], d: int, start: int,
+              stop: int) -> list[torch.Tensor]:
+        """Views of elements [start, stop) of this rank's payload to rank d: its lengths, then
+        its ids (`id_starts[d]`: where rank d's ids start)."""
+        n = self._routes[d] * batch
+        first = self._route_starts[d] * batch
+        out = []
+        if start < n:
+            out.append(routed.lengths[first + start:first + min(stop, n)])
+        if stop > n:
+            out.append(routed.values[id_starts[d] + max(start - n, 0):id_starts[d] + stop - n])
+        return out
+
+    def _pad(self, n: int) -> torch.Tensor:
+        if self._padding.numel() < n:
+            self._padding = torch.zeros(grow(n), dtype=self._wire, device=self._device)
+        return self._padding[:n]

@@ -11,7 +11,8 @@ step's CPU goes").
 
 So each rank sends each peer a slot whose size both sides know in advance: a header of six
 int64 (ids for that peer, batch size, `Problem` code, feature, wide ids, spill), then as much of
-the peer's payload (its lengths, then its ids: Note [routes]) as the slot holds. The slot of the
+the peer's payload (its lengths, its ids, Note [routes], and in a weighted module the bits of
+their float32 weights) as the slot holds. The slot of the
 pair (s, d) holds `grow(n)` payload elements, n being what s sent d in the last exchange on this
 process group: s knows n because it sent it, d because the header told it. Every rank reads every
 peer's header, so all see the same rejections, batch sizes, wide flags (Note [ids on the wire])
@@ -54,6 +55,17 @@ def _starts(sizes: list[int]) -> list[int]:
     return out
 
 
+def _span(views: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
+    """The views covering elements [start, stop) of the concatenation of 1-D `views`."""
+    out, at = [], 0
+    for v in views:
+        n = v.numel()
+        if start < at + n and stop > at:
+            out.append(v[max(start - at, 0):min(stop - at, n)])
+        at += n
+    return out
+
+
 def grow(n: int) -> int:
     """The slot for a pair whose payload was `n` elements last time: an eighth more."""
     return n + n // 8
@@ -62,6 +74,7 @@ def grow(n: int) -> int:
 class Exchanged(NamedTuple):
     lengths: torch.Tensor  # (world * routes on this rank * batch,), source rank by source rank
     values: torch.Tensor  # the ids, source rank by source rank, route by route
+    weights: Optional[torch.Tensor]  # one float32 per id, in the ids' order (weighted modules)
     sent: list[int]  # ids this rank sent each rank
     received: list[int]  # ids each rank sent this rank
 
@@ -76,11 +89,13 @@ class IdsExchange:
         routes_per_rank: list[int],
         ids_dtype: torch.dtype,
         device: torch.device,
+        weighted: bool = False,
     ) -> None:
         self.group = group
+        self._weighted = weighted
+        self._per_id = 2 if weighted else 1  # payload elements per id: itself, its weight's bits
         self._world = len(routes_per_rank)
         self._routes = routes_per_rank
-        self._route_starts = _starts(routes_per_rank)
         self._mine = routes_per_rank[rank]
         self._wire = ids_dtype
         self._device = device
@@ -119,7 +134,7 @@ class IdsExchange:
         fit = [0] * world  # payload elements this rank puts in each slot
         if self._speculate:  # on CPU, reading the counts costs nothing
             counts = counts_dev.tolist()
-            n_out = [r * batch + c for r, c in zip(self._routes, counts)]
+            n_out = [r * batch + c * self._per_id for r, c in zip(self._routes, counts)]
             if routed is not None and not wide:  # int64 ids go in the second all-to-all
                 fit = [min(n, s) for n, s in zip(n_out, self._out)]
             sent[:, SPILL] = int(routed is not None and fit != n_out)
@@ -128,11 +143,11 @@ class IdsExchange:
         header = sent.view(wire).view(world, h)
 
         pieces: list[torch.Tensor] = []
-        id_starts = _starts(counts) if counts is not None else None
+        regions = self._regions(routed, batch, counts) if any(fit) else None
         for d in range(world):
             pieces.append(header[d])
             if fit[d]:
-                pieces.extend(self._span(routed, batch, id_starts, d, 0, fit[d]))
+                pieces.extend(_span(regions[d], 0, fit[d]))
             if self._out[d] > fit[d]:
                 pieces.append(self._pad(self._out[d] - fit[d]))
         in_splits = [h + s for s in self._out]
@@ -152,8 +167,8 @@ class IdsExchange:
             counts = both[:world].tolist()
         received = meta[:, IDS].tolist()
 
-        n_out = [r * batch + c for r, c in zip(self._routes, counts)]
-        n_in = [self._mine * batch + c for c in received]
+        n_out = [r * batch + c * self._per_id for r, c in zip(self._routes, counts)]
+        n_in = [self._mine * batch + c * self._per_id for c in received]
         wide_any = bool(meta[:, WIDE].any())
         fit_in = [0 if wide_any else min(n, s) for n, s in zip(n_in, self._in)]
         payloads = [recv[o + h:o + h + f] for o, f in zip(starts, fit_in)]
@@ -166,9 +181,14 @@ class IdsExchange:
             self._out = [grow(n) for n in n_out]
             self._in = [grow(n) for n in n_in]
         cut = self._mine * batch
+        weights = None
+        if self._weighted:  # the float32 weights' bits, in the wire dtype
+            bits = torch.cat([p[cut + c:] for p, c in zip(payloads, received)])
+            weights = (bits if bits.dtype == torch.int32 else bits.to(torch.int32)).view(torch.float32)
         return Exchanged(
             lengths=torch.cat([p[:cut] for p in payloads]),
-            values=torch.cat([p[cut:] for p in payloads]),
+            values=torch.cat([p[cut:cut + c] for p, c in zip(payloads, received)]),
+            weights=weights,
             sent=counts,
             received=received,
         )
@@ -178,11 +198,11 @@ class IdsExchange:
         for some rank's ids, every payload whole again: `fit_in`, `fit_out` are zero)."""
         rest_out = [n - f for n, f in zip(n_out, fit_out)]
         rest_in = [n - f for n, f in zip(n_in, fit_in)]
-        id_starts = _starts(counts)
+        regions = self._regions(routed, batch, counts) if any(rest_out) else None
         pieces = []
         for d in range(self._world):
             if rest_out[d]:
-                pieces.extend(self._span(routed, batch, id_starts, d, fit_out[d], n_out[d]))
+                pieces.extend(_span(regions[d], fit_out[d], n_out[d]))
         like = torch.empty(0, dtype=wire, device=self._device)
         send = torch.cat(pieces, out=self.buffers.empty("ids send 2", sum(rest_out), like)) \
             if pieces else like
@@ -195,18 +215,13 @@ class IdsExchange:
             out.append(tail if f == 0 else head if tail.numel() == 0 else torch.cat([head, tail]))
         return out
 
-    def _span(self, routed: Routed, batch: int, id_starts: list[int], d: int, start: int,
-              stop: int) -> list[torch.Tensor]:
-        """Views of elements [start, stop) of this rank's payload to rank d: its lengths, then
-        its ids (`id_starts[d]`: where rank d's ids start)."""
-        n = self._routes[d] * batch
-        first = self._route_starts[d] * batch
-        out = []
-        if start < n:
-            out.append(routed.lengths[first + start:first + min(stop, n)])
-        if stop > n:
-            out.append(routed.values[id_starts[d] + max(start - n, 0):id_starts[d] + stop - n])
-        return out
+    def _regions(self, routed: Routed, batch: int, counts: list[int]) -> list[list[torch.Tensor]]:
+        """Each rank's payload from this rank as the views that make it up: its lengths, its ids
+        and (weighted modules) its weights' bits."""
+        parts = [routed.lengths.split([r * batch for r in self._routes]), routed.values.split(counts)]
+        if self._weighted:  # float32 (the checks saw to it): its bits travel as integers
+            parts.append(routed.weights.contiguous().view(torch.int32).split(counts))
+        return [list(views) for views in zip(*parts)]
 
     def _pad(self, n: int) -> torch.Tensor:
         if self._padding.numel() < n:

@@ -47,10 +47,12 @@ def wire_dtype(max_shard_rows: int) -> torch.dtype:
     then moves half the bytes of int64 ids, and every copy after it (the arrival permutation,
     the kernels' reads, a deferred kernel's kept batch) touches half the memory. fbgemm's
     kernels take int32 ids and offsets. Lengths travel in the same buffer, so in the same
-    dtype; a rank whose batch has more than INT32_MAX ids (a bag that long could not be
-    represented) says so in its header (Note [ids with their header]) and every rank then
-    sends int64 for that step, and a rank that receives more than INT32_MAX ids in all looks them up with
-    int64 offsets. Tables with a larger shard send int64 always.
+    dtype, and so do float32 per-sample weights, as their bits (int32; sign-extended to int64
+    and back when the wire is int64). A rank whose batch has more than INT32_MAX ids (a bag
+    that long could not be represented) says so in its header (Note [ids with their header])
+    and every rank then sends int64 for that step, and a rank that receives more than
+    INT32_MAX ids in all looks them up with int64 offsets. Tables with a larger shard send
+    int64 always.
     """
     return torch.int32 if max_shard_rows <= INT32_MAX else torch.int64
 

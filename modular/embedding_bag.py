@@ -23,7 +23,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from modular._comm import KeptBuffers, all_to_all, pooled_all_to_all
+from modular._comm import KeptBuffers, pooled_all_to_all
 from modular._tables import (
     ShardedTable,
     ShardingError,
@@ -318,7 +318,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         """The input dist's exchange of ids on `group`: the module's, or the prefetch thread's
         (each keeps its own slots, Note [ids with their header])."""
         router = self._router
-        return IdsExchange(group, self._rank, router.routes_per_rank, router.ids_dtype, self._device)
+        return IdsExchange(
+            group, self._rank, router.routes_per_rank, router.ids_dtype, self._device,
+            weighted=self._is_weighted,
+        )
 
     def _input_dist(self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange]) -> Received:
         rejection, kjt = self._router.normalise(features)
@@ -344,14 +347,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         if not self.layout.routes:  # data-parallel tables only: no ids travel, on any rank
             return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
         mine = self._router.routes_per_rank[self._rank]
-        counts, recv_counts = got.sent, got.received
-        weights = None
-        if self._is_weighted:
-            weights = all_to_all(
-                routed.weights, input_splits=counts, output_splits=recv_counts,
-                group=exchange.group,
-            )
-        lengths, values = got.lengths.view(world * mine, batch), got.values
+        lengths, values, weights = got.lengths.view(world * mine, batch), got.values, got.weights
         # Arrivals are (source rank, route); the kernels want (route, source rank).
         if world > 1 and mine > 0:
             perm = torch.arange(world * mine, device=self._device, dtype=torch.int32)

@@ -48,7 +48,7 @@ def _count_all_to_alls_of(ebc, batch) -> tuple[int, int]:
         ("data_parallel", False, (1, 0)),  # agreement only; replicas sync by all-gathers
         ("table_wise", False, (3, 1)),  # headers, ids, pooled; pooled gradients
         ("mixed", False, (3, 1)),
-        ("mixed", True, (4, 1)),  # + per-sample weights
+        ("mixed", True, (3, 1)),  # per-sample weights travel with the ids
     ],
 )
 def test_all_to_alls_per_step(case: str, weighted: bool, expected: tuple[int, int]) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
+import modular.embedding_bag as eb
 from modular._exchange import grow
 from tests.dist import run_on_ranks
 from tests.modular.cases import close, features_of, global_batch, id_bounds, make_ebc, plan_for
@@ -36,11 +37,16 @@ def _batch(ebc, seed: int, samples: int, per_bag: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
 
 
-def _run_steps(case: str, weighted: bool, speculate: bool) -> list[int]:
+def _run_steps(case: str, weighted: bool, mode: str) -> list[int]:
+    """mode "slots": as on CPU; "headers_alone": the protocol of GPU modules, here on CPU;
+    "rank0_wide": rank 0's ids count as too many for int32, so every payload goes as int64."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = make_ebc(weighted)
     ebc = modular.shard(copy.deepcopy(ref), plan_for(case, ref, world))
-    ebc._exchange._speculate = speculate  # False: the protocol of GPU modules, here on CPU
+    ebc._exchange._speculate = mode != "headers_alone"
+    saved = eb.INT32_MAX
+    if mode == "rank0_wide" and rank == 0:
+        eb.INT32_MAX = 0
     calls, original = [0], dist.all_to_all_single
 
     def counting(*args, **kwargs):
@@ -70,23 +76,24 @@ def _run_steps(case: str, weighted: bool, speculate: bool) -> list[int]:
             want = ref(global_batch(batches)).values()[rank * samples:(rank + 1) * samples]
             close(got, want, f"rank {rank}, {case}, step {step} {spec}")
     finally:
-        dist.all_to_all_single = original
+        dist.all_to_all_single, eb.INT32_MAX = original, saved
     return counts
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("speculate", [True, False], ids=["slots", "headers_alone"])
+@pytest.mark.parametrize("mode", ["slots", "headers_alone", "rank0_wide"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("case", ["table_wise", "row_wise", "column_wise", "mixed"])
 def test_ids_arrive_right_through_growing_shrinking_and_rejected_batches(
-    case: str, weighted: bool, speculate: bool
+    case: str, weighted: bool, mode: str
 ) -> None:
-    counts = run_on_ranks(2, _run_steps, case, weighted, speculate, timeout=100)
+    counts = run_on_ranks(2, _run_steps, case, weighted, mode, timeout=100)
     assert counts[0] == counts[1], counts
-    expected = WHOLE_TABLE_ALL_TO_ALLS if speculate else [1 if n == 1 else 3 for n in WHOLE_TABLE_ALL_TO_ALLS]
-    extra = 1 if weighted else 0  # the weights' own all-to-all, on every step that sends ids
-    expected = [n + (extra if n > 1 else 0) for n in expected]
-    if case in ("table_wise", "column_wise") or not speculate:
+    # Weights travel in the ids' payload: no all-to-all of their own.
+    expected = WHOLE_TABLE_ALL_TO_ALLS
+    if mode != "slots":  # every step that sends ids takes two
+        expected = [1 if n == 1 else 3 for n in WHOLE_TABLE_ALL_TO_ALLS]
+    if case in ("table_wise", "column_wise") or mode != "slots":
         assert counts[0] == expected
     else:  # row-split payloads depend on the ids: only the first step is known to take two
         assert counts[0][0] == expected[0], counts[0]

@@ -20,7 +20,9 @@ and spill flags (some payload of that sender did not fit its slot). Then all rai
 run a second all-to-all with what did not fit (when some rank's ids need int64: every payload
 again, in int64). A steady batch moves its ids in one all-to-all; the first step, and one whose
 payload to some peer grew by more than `grow`'s eighth, takes two, as every step did before.
-The slots cost bytes: the header, and up to an eighth of padding.
+The slots cost bytes: the header, and the padding of what a payload leaves empty (up to an
+eighth in a steady step, more on the step after a batch that shrank; a slot follows the last
+payload, so one step later it fits again). Never more all-to-alls than before.
 
 Only CPU modules fill the slots: the sender must read its counts on the host before it sends,
 which on a GPU is one more host sync a step (Note [host syncs per step]) to save a NCCL launch.

@@ -7,6 +7,7 @@
     python benchmarks/step_time.py --plans tw --optimizers fused --cpu  # CPU time per thread kind
     python benchmarks/step_time.py --device cuda --world-size 1     # one rank per GPU, NCCL
     python benchmarks/step_time.py --plans cw --optimizers fused --cw-statistic per_shard
+    python benchmarks/step_time.py --weighted                       # a weight per id
     perf record -g -D 20000 -- python benchmarks/step_time.py --plans tw --optimizers fused \
         --only ours --steps 1500 --blocks 1                         # one contender, for perf
 
@@ -99,6 +100,7 @@ class Config:
     pin: bool = True
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
     cw_statistic: str = "exact"  # fuse_optimizer's column_wise_statistic for ours
+    weighted: bool = False  # per-sample weights on every id (an EBC with is_weighted=True)
     only: Optional[str] = None  # time this contender alone (for an outside profiler)
     cores: tuple[int, ...] = ()  # the cores the launching process may run on, shared out to ranks
 
@@ -125,7 +127,7 @@ def _make_ebc(cfg: Config):
         )
         for i in range(cfg.tables)
     ]  # fmt: skip
-    return EmbeddingBagCollection(tables=tables)
+    return EmbeddingBagCollection(tables=tables, is_weighted=cfg.weighted)
 
 
 def _device(cfg: Config) -> torch.device:
@@ -166,10 +168,11 @@ def _batches(cfg: Config, rank: int, n: int = 4):
     for _ in range(n):
         lengths = torch.full((cfg.tables * cfg.batch,), cfg.pooling, dtype=torch.int64)
         values = torch.randint(0, cfg.rows, (int(lengths.sum()),), generator=g)
+        weights = torch.rand(values.numel(), generator=g) + 0.5 if cfg.weighted else None
         out.append(
             KeyedJaggedTensor(
                 keys=[f"f{i}" for i in range(cfg.tables)], values=values, lengths=lengths,
-                stride=cfg.batch,
+                weights=weights, stride=cfg.batch,
             )
         )  # fmt: skip
     return out
@@ -304,18 +307,21 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
         for kjt in kjts:
             r = sebc.input_dist(kjt)
             lengths = r.lengths.reshape(-1)
-            values = r.values
+            values, weights = r.values, r.weights
             if r.local is not None:  # data-parallel tables look up this rank's own batch
                 lengths = torch.cat([lengths, r.local.lengths()])
                 values = torch.cat([values, r.local.values()])
+                if weights is not None:
+                    weights = torch.cat([weights, r.local.weights()])
             # int32 ids and offsets whatever ours sends (Note [ids on the wire]): the floor is
             # the kernel on its cheaper index type.
             lengths, values = lengths.to(torch.int32), values.to(torch.int32)
-            received.append((values, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)))
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+            received.append((values, offsets, weights))
     sizes = []
     for k in (*sebc._kernels, *sebc._local_kernels):
         sizes.extend(k.sizes)
-    bags = [int(o.numel() - 1) for _, o in received]
+    bags = [int(o.numel() - 1) for _, o, _ in received]
     per_table = bags[0] // len(sizes)
     where, compute = _tbe_placement(cfg)
     if opt_kind == "fused":
@@ -337,11 +343,11 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
     state = {"i": 0}
 
     def step(_kjt) -> None:
-        values, offsets = received[state["i"] % len(received)]
+        values, offsets, weights = received[state["i"] % len(received)]
         state["i"] += 1
         if opt is not None:
             opt.zero_grad()
-        tbe(values, offsets).backward(grad)
+        tbe(values, offsets, per_sample_weights=weights).backward(grad)
         if opt is not None:
             opt.step()
 
@@ -381,7 +387,8 @@ def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
     )  # fmt: skip
 
     def step(kjt) -> None:
-        out = tbe(kjt.values(), kjt.offsets()).view(cfg.tables, cfg.batch, cfg.dim)
+        out = tbe(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none())
+        out = out.view(cfg.tables, cfg.batch, cfg.dim)
         _loss(out.transpose(0, 1).reshape(cfg.batch, -1), probe).backward()
 
     return step
@@ -613,7 +620,7 @@ def _print_summary(cfg: Config, results: dict) -> None:
         ranks = f"{cfg.world_size} CPU ranks x 1 thread (gloo, {pinned})"
     print(
         f"\n## {cfg.tables} tables x {cfg.rows:,} rows x {cfg.dim} dims, batch {cfg.batch:,} per "
-        f"rank, pooling {cfg.pooling}, SUM, {ranks}, {cfg.steps} steps each in {cfg.blocks} "
+        f"rank, pooling {cfg.pooling}, SUM{', weighted' if cfg.weighted else ''}, {ranks}, {cfg.steps} steps each in {cfg.blocks} "
         f"alternating blocks, {datetime.date.today().isoformat()}, {len(cfg.cores)} of "
         f"{os.cpu_count()} cores; "
         f"ours' fused column pieces: column_wise_statistic={cfg.cw_statistic!r}\n"
@@ -714,6 +721,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--only", choices=CONTENDERS, default=None,
                    help="time this contender alone, one block, no summary: for perf or py-spy "
                         "(e.g. --only ours --steps 1500 --blocks 1)")  # fmt: skip
+    p.add_argument("--weighted", action="store_true",
+                   help="a weight per id (an EBC with is_weighted=True, SUM of weight x row)")
     p.add_argument("--cw-statistic", choices=["exact", "per_shard"], default="exact",
                    help="ours' row statistic on fused column pieces (fuse_optimizer's "
                         "column_wise_statistic); per_shard is TorchRec's approximation")  # fmt: skip
@@ -726,7 +735,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
         steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
         torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu", cpu=a.cpu,
-        device=a.device, cw_statistic=a.cw_statistic, only=a.only,
+        device=a.device, cw_statistic=a.cw_statistic, only=a.only, weighted=a.weighted,
         cores=tuple(sorted(os.sched_getaffinity(0))),
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)

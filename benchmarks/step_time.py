@@ -340,6 +340,8 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
         ).to(_device(cfg))
         opt = torch.optim.SGD(tbe.parameters(), lr=LR)
     grad = torch.randn(per_table, sum(c for _, c in sizes)).to(_device(cfg))
+    # The weights need no gradient (as in ours: Note [no gradient for per-sample weights]).
+    no_grad = torch.zeros(len(sizes), dtype=torch.int32, device=_device(cfg))
     state = {"i": 0}
 
     def step(_kjt) -> None:
@@ -347,7 +349,8 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
         state["i"] += 1
         if opt is not None:
             opt.zero_grad()
-        tbe(values, offsets, per_sample_weights=weights).backward(grad)
+        extra = {} if weights is None else {"per_sample_weights": weights, "feature_requires_grad": no_grad}
+        tbe(values, offsets, **extra).backward(grad)
         if opt is not None:
             opt.step()
 
@@ -386,8 +389,13 @@ def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
         pooling_mode=PoolingMode.SUM, device=_device(cfg),
     )  # fmt: skip
 
+    no_grad = torch.zeros(cfg.tables, dtype=torch.int32, device=_device(cfg))
+
     def step(kjt) -> None:
-        out = tbe(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none())
+        extra = {}
+        if cfg.weighted:  # no gradient for the weights, as in ours
+            extra = {"per_sample_weights": kjt.weights(), "feature_requires_grad": no_grad}
+        out = tbe(kjt.values(), kjt.offsets(), **extra)
         out = out.view(cfg.tables, cfg.batch, cfg.dim)
         _loss(out.transpose(0, 1).reshape(cfg.batch, -1), probe).backward()
 

@@ -165,6 +165,21 @@ def sum_weights(
     return ones[:n], ones
 
 
+def no_weight_grads(group: KernelGroup, device: torch.device) -> torch.Tensor:
+    """fbgemm's `feature_requires_grad` for a kernel group: no feature's weights need a gradient.
+
+    # Note [no gradient for per-sample weights]
+    fbgemm's TBE autograd computes the gradient of the per-sample weights in every weighted
+    backward (`split_embedding_codegen_grad_indice_weights_cpu`: a dot product of each id's row
+    with its bag's output gradient), whether or not the weights require grad, unless
+    `feature_requires_grad` says which features need it. The checks refuse weights that
+    require grad (`BatchChecks`: nothing would reach them), so no feature does. Measured on one
+    CPU thread, 4 tables x 100,000 x 64, 163,840 weighted ids, row-wise Adagrad: the fused
+    backward took 46.9 ms with it and 6.9 ms without (7.9 ms unweighted).
+    """
+    return torch.zeros(len(group.feature_table_map), dtype=torch.int32, device=device)
+
+
 class GradBuffer:
     """The flat gradient of one dense kernel, kept across steps (Note [dense gradient buffer])."""
 
@@ -228,6 +243,7 @@ class DenseKernel:
             ShardView(self.grads, off, rows, cols) for off, (rows, cols) in zip(offsets, sizes)
         ]
         self._on_cpu = device.type == "cpu"
+        self._no_weight_grads = no_weight_grads(group, device)
         self._replicas: Optional[tuple[Optional[ProcessGroup], int]] = None
         self.replay_ratio = 1.0  # Note [dense replicas]; tests force either way with 0 or inf
         if self._on_cpu:
@@ -259,7 +275,12 @@ class DenseKernel:
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
         if not self._on_cpu:
-            return self.tbe(indices, offsets, per_sample_weights=weights)
+            if weights is None:
+                return self.tbe(indices, offsets)
+            return self.tbe(
+                indices, offsets, per_sample_weights=weights,
+                feature_requires_grad=self._no_weight_grads,
+            )  # fmt: skip
         return KernelLookup.apply(self.tbe.weights, self, indices, offsets, weights)
 
     def backward(
@@ -366,6 +387,7 @@ class FusedKernel:
             torch.nn.Parameter(w, requires_grad=False) for w in self.tbe.split_embedding_weights()
         ]
         self.states = self._state_views()
+        self._no_weight_grads = no_weight_grads(group, device)
 
     def _state_views(self) -> list[dict[str, torch.Tensor]]:
         name = self.config.optimizer.state_name()
@@ -381,7 +403,12 @@ class FusedKernel:
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
         self._sync_lr()
-        return self.tbe(indices, offsets, per_sample_weights=weights)
+        if weights is None:
+            return self.tbe(indices, offsets)
+        return self.tbe(
+            indices, offsets, per_sample_weights=weights,
+            feature_requires_grad=self._no_weight_grads,
+        )  # fmt: skip
 
     def _sync_lr(self) -> None:
         lr = self.config.lr

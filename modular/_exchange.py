@@ -186,7 +186,8 @@ class IdsExchange:
         weights = None
         if self._weighted:  # the float32 weights' bits, in the wire dtype
             bits = torch.cat([p[cut + c:] for p, c in zip(payloads, received)])
-            weights = (bits if bits.dtype == torch.int32 else bits.to(torch.int32)).view(torch.float32)
+            bits = bits if bits.dtype == torch.int32 else bits.to(torch.int32)
+            weights = bits.view(torch.float32)
         return Exchanged(
             lengths=torch.cat([p[:cut] for p in payloads]),
             values=torch.cat([p[cut:cut + c] for p, c in zip(payloads, received)]),
@@ -220,7 +221,8 @@ class IdsExchange:
     def _regions(self, routed: Routed, batch: int, counts: list[int]) -> list[list[torch.Tensor]]:
         """Each rank's payload from this rank as the views that make it up: its lengths, its ids
         and (weighted modules) its weights' bits."""
-        parts = [routed.lengths.split([r * batch for r in self._routes]), routed.values.split(counts)]
+        lengths = routed.lengths.split([r * batch for r in self._routes])
+        parts = [lengths, routed.values.split(counts)]
         if self._weighted:  # float32 (the checks saw to it): its bits travel as integers
             parts.append(routed.weights.contiguous().view(torch.int32).split(counts))
         return [list(views) for views in zip(*parts)]

@@ -180,6 +180,17 @@ def no_weight_grads(group: KernelGroup, device: torch.device) -> torch.Tensor:
     return torch.zeros(len(group.feature_table_map), dtype=torch.int32, device=device)
 
 
+def lookup_without_weight_grads(
+    tbe, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor],
+    no_weight_grads: torch.Tensor,
+) -> torch.Tensor:
+    """fbgemm's TBE forward (autograd), told that the weights need no gradient (Note [no
+    gradient for per-sample weights]); `no_weight_grads` from `no_weight_grads`."""
+    if weights is None:
+        return tbe(indices, offsets)
+    return tbe(indices, offsets, per_sample_weights=weights, feature_requires_grad=no_weight_grads)
+
+
 class GradBuffer:
     """The flat gradient of one dense kernel, kept across steps (Note [dense gradient buffer])."""
 
@@ -275,12 +286,8 @@ class DenseKernel:
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
         if not self._on_cpu:
-            if weights is None:
-                return self.tbe(indices, offsets)
-            return self.tbe(
-                indices, offsets, per_sample_weights=weights,
-                feature_requires_grad=self._no_weight_grads,
-            )  # fmt: skip
+            no_grads = self._no_weight_grads
+            return lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
         return KernelLookup.apply(self.tbe.weights, self, indices, offsets, weights)
 
     def backward(
@@ -403,12 +410,8 @@ class FusedKernel:
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
         self._sync_lr()
-        if weights is None:
-            return self.tbe(indices, offsets)
-        return self.tbe(
-            indices, offsets, per_sample_weights=weights,
-            feature_requires_grad=self._no_weight_grads,
-        )  # fmt: skip
+        no_grads = self._no_weight_grads
+        return lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
 
     def _sync_lr(self) -> None:
         lr = self.config.lr

@@ -9,20 +9,20 @@ gloo each one wakes the receiving rank's TCP thread and then its main thread. Sk
 worth about 1 ms of an 18 ms tw/fused step on 2 CPU ranks (docs/benchmarks.md, "Where a tw/fused
 step's CPU goes").
 
-So each rank sends each peer a slot whose size both sides know in advance: a header of six
-int64 (ids for that peer, batch size, `Problem` code, feature, wide ids, spill), then as much of
-the peer's payload (its lengths, its ids, Note [routes], and in a weighted module the bits of
-their float32 weights) as the slot holds. The slot of the
-pair (s, d) holds `grow(n)` payload elements, n being what s sent d in the last exchange on this
-process group: s knows n because it sent it, d because the header told it. Every rank reads every
-peer's header, so all see the same rejections, batch sizes, wide flags (Note [ids on the wire])
-and spill flags (some payload of that sender did not fit its slot). Then all raise alike, or all
-run a second all-to-all with what did not fit (when some rank's ids need int64: every payload
-again, in int64). A steady batch moves its ids in one all-to-all; the first step, and one whose
-payload to some peer grew by more than `grow`'s eighth, takes two, as every step did before.
-The slots cost bytes: the header, and the padding of what a payload leaves empty (up to an
-eighth in a steady step, more on the step after a batch that shrank; a slot follows the last
-payload, so one step later it fits again). Never more all-to-alls than before.
+So each rank sends each peer a slot whose size both sides know in advance: a header of six int64
+(ids for that peer, batch size, `Problem` code, feature, wide ids, spill), then as much of the
+peer's payload (its lengths, its ids, Note [routes], and in a weighted module the bits of their
+float32 weights) as the slot holds. The slot of the pair (s, d) holds `grow(n)` payload
+elements, n being what s sent d in the last exchange on this process group: s knows n because it
+sent it, d because the header told it. Every rank reads every peer's header, so all see the same
+rejections, batch sizes, wide flags (Note [ids on the wire]) and spill flags (some payload of
+that sender did not fit its slot). Then all raise alike, or all run a second all-to-all with
+what did not fit (when some rank's ids need int64: every payload again, in int64). A steady
+batch moves its ids in one all-to-all; the first step, and one whose payload to some peer grew
+by more than `grow`'s eighth, takes two, as every step did before. The slots cost bytes: the
+header, and the padding of what a payload leaves empty (up to an eighth in a steady step, more
+on the step after a batch that shrank; a slot follows the last payload, so one step later it
+fits again). Never more all-to-alls than before.
 
 Only CPU modules fill the slots: the sender must read its counts on the host before it sends,
 which on a GPU is one more host sync a step (Note [host syncs per step]) to save a NCCL launch.

@@ -41,9 +41,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch.distributed import ProcessGroup
 
-from modular._checks import BatchChecks, Rejection
+from modular._checks import Rejection
 from modular._comm import KeptBuffers, all_to_all
-from modular._input import Routed
+from modular._input import Routed, Router
 
 # The header's int64 fields, one row per peer.
 HEADER = 6
@@ -88,26 +88,31 @@ class IdsExchange:
         self,
         group: Optional[ProcessGroup],
         rank: int,
-        routes_per_rank: list[int],
-        ids_dtype: torch.dtype,
+        router: Router,
         device: torch.device,
         weighted: bool = False,
     ) -> None:
+        """`router`: the module's, whose routes, wire dtype and checks the exchange follows."""
         self.group = group
+        self._router = router
         self._weighted = weighted
         self._per_id = 2 if weighted else 1  # payload elements per id: itself, its weight's bits
-        self._world = len(routes_per_rank)
-        self._routes = routes_per_rank
-        self._mine = routes_per_rank[rank]
-        self._wire = ids_dtype
+        self._routes = router.routes_per_rank
+        self._world = len(self._routes)
+        self._mine = self._routes[rank]
+        self._wire = router.ids_dtype
         self._device = device
         self._speculate = device.type == "cpu"
-        self._sends_ids = any(routes_per_rank)
+        self._sends_ids = any(self._routes)
         self._out = [0] * self._world  # payload slot this rank sends each rank
         self._in = [0] * self._world  # payload slot each rank sends this rank
-        self._padding = torch.zeros(0, dtype=ids_dtype, device=device)
-        self._zero_counts = torch.zeros(self._world, dtype=torch.int64, device=device)
+        self._padding = torch.zeros(0, dtype=self._wire, device=device)
         self.buffers = KeptBuffers()  # Note [kept receive buffers]
+
+    def _payloads(self, routes: list[int], counts: list[int], batch: int) -> list[int]:
+        """Payload elements per pair: `routes[i]` routes' lengths, `counts[i]` ids (and
+        their weights)."""
+        return [r * batch + c * self._per_id for r, c in zip(routes, counts)]
 
     def exchange(
         self,
@@ -115,16 +120,15 @@ class IdsExchange:
         rejection: Optional[Rejection],
         batch: int,
         wide: bool,
-        checks: BatchChecks,
         what: str,
     ) -> Exchanged:
         """Sends `routed` (None if this rank rejected its batch) and receives the peers'; raises
-        on every rank what `checks.raise_if_rejected` finds in the headers. `wide`: this rank's
+        on every rank what the router's `raise_if_rejected` finds in the headers. `wide`: this rank's
         ids need int64 on the wire this step. `what` names the first all-to-all in its errors."""
         world, wire = self._world, self._wire
         h = HEADER * 8 // wire.itemsize  # the header in wire elements
         wide = wide and wire != torch.int64
-        counts_dev = routed.counts if routed is not None else self._zero_counts
+        counts_dev = routed.counts if routed is not None else self._router.zero_counts
         sent = torch.empty(world, HEADER, dtype=torch.int64, device=self._device)
         sent[:, IDS] = counts_dev
         problem = rejection.problem if rejection is not None else 0
@@ -136,7 +140,7 @@ class IdsExchange:
         fit = [0] * world  # payload elements this rank puts in each slot
         if self._speculate:  # on CPU, reading the counts costs nothing
             counts = counts_dev.tolist()
-            n_out = [r * batch + c * self._per_id for r, c in zip(self._routes, counts)]
+            n_out = self._payloads(self._routes, counts, batch)
             if routed is not None and not wide:  # int64 ids go in the second all-to-all
                 fit = [min(n, s) for n, s in zip(n_out, self._out)]
             sent[:, SPILL] = int(routed is not None and fit != n_out)
@@ -164,13 +168,12 @@ class IdsExchange:
         # One read on the host: this rank's counts with every peer's header.
         both = torch.cat([sent[:, IDS], heads]).cpu()
         meta = both[world:].view(world, HEADER)
-        checks.raise_if_rejected(meta, rejection)
+        self._router.raise_if_rejected(meta, rejection)
         if counts is None:
             counts = both[:world].tolist()
+            n_out = self._payloads(self._routes, counts, batch)
         received = meta[:, IDS].tolist()
-
-        n_out = [r * batch + c * self._per_id for r, c in zip(self._routes, counts)]
-        n_in = [self._mine * batch + c * self._per_id for c in received]
+        n_in = self._payloads([self._mine] * world, received, batch)
         wide_any = bool(meta[:, WIDE].any())
         fit_in = [0 if wide_any else min(n, s) for n, s in zip(n_in, self._in)]
         payloads = [recv[o + h:o + h + f] for o, f in zip(starts, fit_in)]

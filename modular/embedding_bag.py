@@ -317,11 +317,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     def make_exchange(self, group: Optional[ProcessGroup]) -> IdsExchange:
         """The input dist's exchange of ids on `group`: the module's, or the prefetch thread's
         (each keeps its own slots, Note [ids with their header])."""
-        router = self._router
-        return IdsExchange(
-            group, self._rank, router.routes_per_rank, router.ids_dtype, self._device,
-            weighted=self._is_weighted,
-        )
+        return IdsExchange(group, self._rank, self._router, self._device, self._is_weighted)
 
     def _input_dist(self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange]) -> Received:
         rejection, kjt = self._router.normalise(features)
@@ -339,9 +335,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         # (Note [ids with their header] in modular/_exchange.py).
         # Whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).
         wide = routed is not None and routed.values.numel() > INT32_MAX
-        got = exchange.exchange(
-            routed, rejection, batch, wide, self._router, what=agreement_name(self, exchange.group)
-        )
+        got = exchange.exchange(routed, rejection, batch, wide, agreement_name(self, exchange.group))
         if rejection is not None:  # unreachable: the exchange raised it
             raise InputError(rejection.message)
         if not self.layout.routes:  # data-parallel tables only: no ids travel, on any rank

@@ -310,16 +310,17 @@ class BatchChecks:
         """The tables feature `f` feeds, for messages: "'t_user', 't_user_hist'"."""
         return ", ".join(repr(t) for t in self.feature_tables[f])
 
-    def _first_bad(self, bad: torch.Tensor, fidx: torch.Tensor) -> tuple[int, int]:
-        """(position, feature) of the first True in `bad`; the slow path of a rejection."""
+    def _first_bad(self, bad: torch.Tensor, fidx: torch.Tensor) -> tuple[int, int, str]:
+        """(position, feature, its tables) of the first True in `bad`; the slow path of a
+        rejection."""
         pos = int(bad.nonzero()[0, 0])
-        return pos, int(fidx[pos])
+        f = int(fidx[pos])
+        return pos, f, self._tables_of(f)
 
     def _id_range_rejection(self, values, lengths, batch) -> Rejection:
         fidx = self.feature_of_values(lengths, batch)
         bad = (values < 0) | (values >= self.id_bound[fidx])
-        pos, f = self._first_bad(bad, fidx)
-        tables = self._tables_of(f)
+        pos, f, tables = self._first_bad(bad, fidx)
         return Rejection(
             Problem.ID_RANGE,
             f,
@@ -331,8 +332,7 @@ class BatchChecks:
     def _weights_rejection(self, weights, lengths, batch) -> Rejection:
         fidx = self.feature_of_values(lengths, batch)
         bad = ~torch.isfinite(weights)
-        pos, f = self._first_bad(bad, fidx)
-        tables = self._tables_of(f)
+        pos, f, tables = self._first_bad(bad, fidx)
         return Rejection(
             Problem.WEIGHTS,
             f,

@@ -339,6 +339,8 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
             embedding_specs=sizes, pooling_mode=PoolingMode.SUM, use_cpu=cfg.device == "cpu"
         ).to(_device(cfg))
         opt = torch.optim.SGD(tbe.parameters(), lr=LR)
+    from modular._kernels import lookup_without_weight_grads
+
     grad = torch.randn(per_table, sum(c for _, c in sizes)).to(_device(cfg))
     # The weights need no gradient (as in ours: Note [no gradient for per-sample weights]).
     no_grad = torch.zeros(len(sizes), dtype=torch.int32, device=_device(cfg))
@@ -349,8 +351,7 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
         state["i"] += 1
         if opt is not None:
             opt.zero_grad()
-        extra = {} if weights is None else {"per_sample_weights": weights, "feature_requires_grad": no_grad}
-        tbe(values, offsets, **extra).backward(grad)
+        lookup_without_weight_grads(tbe, values, offsets, weights, no_grad).backward(grad)
         if opt is not None:
             opt.step()
 
@@ -389,14 +390,14 @@ def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
         pooling_mode=PoolingMode.SUM, device=_device(cfg),
     )  # fmt: skip
 
-    no_grad = torch.zeros(cfg.tables, dtype=torch.int32, device=_device(cfg))
+    from modular._kernels import lookup_without_weight_grads
+
+    no_grad = torch.zeros(cfg.tables, dtype=torch.int32, device=_device(cfg))  # as in ours
 
     def step(kjt) -> None:
-        extra = {}
-        if cfg.weighted:  # no gradient for the weights, as in ours
-            extra = {"per_sample_weights": kjt.weights(), "feature_requires_grad": no_grad}
-        out = tbe(kjt.values(), kjt.offsets(), **extra)
-        out = out.view(cfg.tables, cfg.batch, cfg.dim)
+        out = lookup_without_weight_grads(
+            tbe, kjt.values(), kjt.offsets(), kjt.weights_or_none(), no_grad
+        ).view(cfg.tables, cfg.batch, cfg.dim)
         _loss(out.transpose(0, 1).reshape(cfg.batch, -1), probe).backward()
 
     return step

@@ -32,7 +32,6 @@ class DeferredFusedKernel(FusedKernel):
         super().__init__(group, sizes, device, config)
         self.pending: list[Lookup] = []
         self._placeholder = torch.zeros(0, device=device, requires_grad=True)
-        self._ones = torch.ones(0, device=device)
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
@@ -69,9 +68,7 @@ class DeferredFusedKernel(FusedKernel):
         """fbgemm's fused CPU backward on `batch`: the update, with this kernel's state and
         learning rate unless others are given (SUM mode with per-id weights: `sum_weights`)."""
         tbe, kind = self.tbe, self.config.optimizer.value
-        weights, self._ones = sum_weights(
-            self.group.pooling, batch.offsets, batch.weights, self._ones
-        )
+        weights = sum_weights(self.group.pooling, batch.offsets, batch.weights)
         lr = tbe.learning_rate_tensor if lr is None else lr
         common = (
             batch.grad_out, tbe.weights_host, tbe.weights_placements, tbe.weights_offsets,

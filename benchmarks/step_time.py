@@ -629,9 +629,9 @@ def _print_summary(cfg: Config, results: dict) -> None:
         ranks = f"{cfg.world_size} CPU ranks x 1 thread (gloo, {pinned})"
     print(
         f"\n## {cfg.tables} tables x {cfg.rows:,} rows x {cfg.dim} dims, batch {cfg.batch:,} per "
-        f"rank, pooling {cfg.pooling}, SUM{', weighted' if cfg.weighted else ''}, {ranks}, {cfg.steps} steps each in {cfg.blocks} "
-        f"alternating blocks, {datetime.date.today().isoformat()}, {len(cfg.cores)} of "
-        f"{os.cpu_count()} cores; "
+        f"rank, pooling {cfg.pooling}, SUM{', weighted' if cfg.weighted else ''}, {ranks}, "
+        f"{cfg.steps} steps each in {cfg.blocks} alternating blocks, "
+        f"{datetime.date.today().isoformat()}, {len(cfg.cores)} of {os.cpu_count()} cores; "
         f"ours' fused column pieces: column_wise_statistic={cfg.cw_statistic!r}\n"
     )
     print("| plan | optimizer | ours ms | ours + prefetch ms | TorchRec ms | TorchRec pipeline ms | "

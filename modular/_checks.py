@@ -117,29 +117,35 @@ class BatchChecks:
             return self._weights_rejection(weights, lengths, kjt.stride())
         return None
 
-    def raise_if_rejected(self, meta: torch.Tensor, mine: Optional[Rejection]) -> None:
+    def raise_if_rejected(
+        self,
+        problems: torch.Tensor,
+        features: torch.Tensor,
+        sizes: torch.Tensor,
+        mine: Optional[Rejection],
+    ) -> None:
         """Raises this rank's own rejection, else the first peer's, else differing batch sizes,
         from the headers of the input dist's first all-to-all (Note [ids with their header] in
-        modular/_exchange.py): `meta` holds a row per rank, (ids for this rank, batch size,
-        `Problem` code, feature index, ...), on the host."""
+        modular/_exchange.py): per rank, on the host, its `Problem` code, the feature it names
+        and its batch size."""
         if mine is not None:
             raise InputError(mine.message)
-        codes = meta[:, 2].tolist()  # one conversion, not two tensor reads per rank
+        codes = problems.tolist()  # one conversion, not a tensor read per rank
         for src, code in enumerate(codes):
             problem = Problem(code)
             if problem is not Problem.NONE:
-                f = int(meta[src, 3])
+                f = int(features[src])
                 where = f" in feature {self.features[f]!r}" if f >= 0 else ""
                 raise InputError(
                     f"rank {src} rejected its batch for module {self.module!r} "
                     f"({problem.summary()}{where}); this rank stops too so that no rank hangs. "
                     f"See rank {src}'s error for the details"
                 )
-        sizes = meta[:, 1].tolist()
-        if len(set(sizes)) > 1:
+        batches = sizes.tolist()
+        if len(set(batches)) > 1:
             raise InputError(
                 f"module {self.module!r} needs the same batch size on every rank, got "
-                + ", ".join(f"rank {r}: {b}" for r, b in enumerate(sizes))
+                + ", ".join(f"rank {r}: {b}" for r, b in enumerate(batches))
             )
 
     def batch_stats(self, kjt: KeyedJaggedTensor) -> BatchStats:
@@ -152,10 +158,10 @@ class BatchChecks:
         TorchRec's does: the checks' statistics here (one `tolist` of one small tensor; the
         ids must be known good before routing), and the counts of ids for each rank, read
         together with the peers' headers (`IdsExchange.exchange` in modular/_exchange.py;
-        only CPU modules read their counts before sending, which costs nothing there). A bad batch, or features with different row counts whose largest id
-        reaches the smallest table's size, pays for more reads. On CPU the reads cost nothing
-        extra; on an H100 eight reads per step made a table-wise step 1.5x TorchRec's
-        (docs/benchmarks.md, "GPU").
+        only CPU modules read their counts before sending, which costs nothing there). A bad
+        batch, or features with different row counts whose largest id reaches the smallest
+        table's size, pays for more reads. On CPU the reads cost nothing extra; on an H100
+        eight reads per step made a table-wise step 1.5x TorchRec's (docs/benchmarks.md, "GPU").
         """
         values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
         parts = [(lengths < 0).any().long(), lengths.sum().long()]

@@ -123,8 +123,9 @@ class IdsExchange:
         what: str,
     ) -> Exchanged:
         """Sends `routed` (None if this rank rejected its batch) and receives the peers'; raises
-        on every rank what the router's `raise_if_rejected` finds in the headers. `wide`: this rank's
-        ids need int64 on the wire this step. `what` names the first all-to-all in its errors."""
+        on every rank what the router's `raise_if_rejected` finds in the headers. `wide`: this
+        rank's ids need int64 on the wire this step. `what` names the first all-to-all in its
+        errors."""
         world, wire = self._world, self._wire
         h = HEADER * 8 // wire.itemsize  # the header in wire elements
         wide = wide and wire != torch.int64
@@ -168,7 +169,9 @@ class IdsExchange:
         # One read on the host: this rank's counts with every peer's header.
         both = torch.cat([sent[:, IDS], heads]).cpu()
         meta = both[world:].view(world, HEADER)
-        self._router.raise_if_rejected(meta, rejection)
+        self._router.raise_if_rejected(
+            meta[:, PROBLEM], meta[:, FEATURE], meta[:, BATCH], rejection
+        )
         if counts is None:
             counts = both[:world].tolist()
             n_out = self._payloads(self._routes, counts, batch)

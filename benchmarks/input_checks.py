@@ -4,7 +4,7 @@
     python benchmarks/input_checks.py --plans rw --steps 40
 
 Input dist starts by checking the batch (`Router.normalise`, then `Router.check`: dtypes, lengths
-against values, weights, every id against its table's rows; see modular/_input.py) so that a bad
+against values, weights, every id against its table's rows; see modular/routing/router.py) so that a bad
 batch raises on every rank instead of hanging them or reading out of bounds. On each rank and for
 each plan this times, on the same batches and in alternating blocks:
 
@@ -33,24 +33,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-# The same tables, plans and batches as the step-time benchmark (its helpers read only the
-# config fields both Configs have).
-from benchmarks.step_time import PLANS, Model, _batches, _make_ebc, add_workload_args, free_port  # noqa: E402
-from benchmarks.step_time import _max_over_ranks, _time_block  # noqa: E402
-from benchmarks.step_time import _our_plan as _plan  # noqa: E402
+# The same tables, plans and batches as the step-time benchmark.
+from benchmarks._common import (  # noqa: E402
+    PLANS, Model, Workload, add_workload_args, free_port, make_batches, make_ebc, max_over_ranks,
+    our_plan, time_block, workload_fields,
+)
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    tables: int
-    rows: int
-    dim: int
-    batch: int
-    pooling: int
-    world_size: int
-    plans: tuple[str, ...]
-    steps: int
-    blocks: int
-    warmup: int
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(Workload):
+    """The workload, unweighted (the checks of weights are timed by the weighted step time)."""
 
 
 def _shuffled(kjt):
@@ -63,7 +55,7 @@ def _contenders(cfg: Config, plan: str, ebc) -> dict[str, tuple[Callable, bool]]
     """name -> (step(kjt), whether it takes the shuffled batch)."""
     import modular
 
-    model = modular.shard(Model(ebc), _plan(cfg, plan))
+    model = modular.shard(Model(ebc), our_plan(cfg, plan))
     router = model.ebc._router
     opt = torch.optim.SGD(modular.local_parameters(model), lr=0.01)
 
@@ -84,17 +76,17 @@ def _contenders(cfg: Config, plan: str, ebc) -> dict[str, tuple[Callable, bool]]
 
 def _run_plan(cfg: Config, plan: str, kjts) -> dict[str, list[float]]:
     torch.manual_seed(0)
-    contenders = _contenders(cfg, plan, _make_ebc(cfg))
+    contenders = _contenders(cfg, plan, make_ebc(cfg))
     shuffled = [_shuffled(k) for k in kjts]
     times: dict[str, list[float]] = {name: [] for name in contenders}
     per_block = max(1, cfg.steps // cfg.blocks)
     for name, (fn, shuffle) in contenders.items():
-        _time_block(fn, shuffled if shuffle else kjts, cfg.warmup, 0)
+        time_block(fn, shuffled if shuffle else kjts, cfg.warmup, 0)
     for block in range(cfg.blocks):
         for name, (fn, shuffle) in contenders.items():
             dist.barrier()
-            t = _time_block(fn, shuffled if shuffle else kjts, per_block, block * per_block)
-            times[name] += _max_over_ranks(t)
+            t = time_block(fn, shuffled if shuffle else kjts, per_block, block * per_block)
+            times[name] += max_over_ranks(t)
     return times
 
 
@@ -103,7 +95,7 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
-    kjts = _batches(cfg, rank)
+    kjts = make_batches(cfg, rank)
     if rank == 0:
         ids = cfg.tables * cfg.batch * cfg.pooling
         print(f"{cfg.tables} tables x {cfg.rows:_} rows x {cfg.dim} dims, batch {cfg.batch}/rank, "
@@ -128,9 +120,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks the steps are split in")
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args(argv)
-    cfg = Config(tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
-                 world_size=a.world_size, plans=tuple(a.plans), steps=a.steps, blocks=a.blocks,
-                 warmup=a.warmup)  # fmt: skip
+    cfg = Config(**workload_fields(a))
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
 
 

@@ -7,7 +7,7 @@ One process, one thread. Two fused (exact row-wise Adagrad) EBCs, identical but 
 table's width (64 against --odd-dim), are timed alternately on the same batches, forward +
 backward (the update happens in backward). A width that is not a multiple of 4 takes the torch
 emulation of the fused update (modular/optim.py); its shards form kernel groups of their own
-(`kernel_groups` in modular/_layout.py), so only that table pays for it. Before that split the
+(`kernel_groups` in modular/tables/layout.py), so only that table pays for it. Before that split the
 whole pooling group went to the emulation: 90 ms against 28 ms per step at the defaults.
 """
 

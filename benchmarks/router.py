@@ -3,9 +3,9 @@
     python benchmarks/router.py                      # default config, all plans
     python benchmarks/router.py --plans rw mixed --repeats 50
 
-"before" is the per-id reference router kept in tests/modular/test_router.py (repeat_interleave
+"before" is the per-id reference router kept in tests/modular/helpers.py (repeat_interleave
 to each id's feature, searchsorted over (slot, row) keys, int16 stable argsort by route); "after"
-is modular._input.Router. Both run in this process on the same batches, alternating, one thread
+is modular.routing.router.Router. Both run in this process on the same batches, alternating, one thread
 (as each rank of benchmarks/step_time.py). Reported: the median ms per call over the repeats,
 for check, route and check + route, and for "after" the fbgemm pieces it runs.
 """
@@ -26,7 +26,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType  
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from planners.types import ShardingType, TablePlacement  # noqa: E402
-from tests.modular.test_router import _assert_same, _routers  # noqa: E402
+from tests.modular.helpers import assert_same_routes, routers  # noqa: E402
 
 PLANS = ("tw", "rw", "cw", "dp", "twrw", "mixed")
 
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     )
     print(f"{'plan':6} {'':6} {'check':>7} {'route':>7} {'check+route':>12}   pieces (after)")
     for plan in args.plans:
-        router, ref = _routers(
+        router, ref = routers(
             configs, _placements(plan, args.tables, args.world_size), args.world_size,
             args.weighted,
         )  # fmt: skip
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
         )  # fmt: skip
         rejection, routed = router.check_and_route(kjt)
         assert rejection is None and ref.check(kjt) is None
-        _assert_same(routed, ref.route(kjt))
+        assert_same_routes(routed, ref.route(kjt))
 
         results = {"before": [[], [], []], "after": [[], [], []]}
         for _ in range(3):  # alternate blocks, so that noise hits both alike

@@ -53,7 +53,6 @@ import io
 import logging
 import os
 import pstats
-import socket
 import statistics
 import sys
 import threading
@@ -69,113 +68,31 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
-PLANS = {
-    "tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel",
-    # A quarter of the tables column-wise over every rank, the rest table-wise: the shape of
-    # planned plans (the example's DLRM on 4 and 8 ranks puts one column piece beside whole
-    # tables on each rank).
-    "mix": "mixed",
-}  # fmt: skip
+from benchmarks._common import (  # noqa: E402
+    PLANS, Model, Workload, add_workload_args, free_port, make_batches, make_ebc, max_over_ranks,
+    our_plan, time_block, workload_fields,
+)
+
 OPTIMIZERS = ("dense", "fused")
 CONTENDERS = ("ours", "prefetch", "torchrec", "pipeline", "floor", "unsharded", "dense")
 LR, EPS = 0.01, 1e-8
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    tables: int
-    rows: int
-    dim: int
-    batch: int
-    pooling: int
-    world_size: int
-    plans: tuple[str, ...]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config(Workload):
     optimizers: tuple[str, ...]
-    steps: int
-    blocks: int
-    warmup: int
     profile: Optional[str]
     torchrec: bool
     cpu: bool = False
     pin: bool = True
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
     cw_statistic: str = "exact"  # fuse_optimizer's column_wise_statistic for ours
-    weighted: bool = False  # per-sample weights on every id (an EBC with is_weighted=True)
     only: Optional[str] = None  # time this contender alone (for an outside profiler)
     cores: tuple[int, ...] = ()  # the cores the launching process may run on, shared out to ranks
 
 
-class Model(nn.Module):
-    """A bare EBC under the FQN "ebc" (so both frameworks get the same plan key)."""
-
-    def __init__(self, ebc: nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt):
-        return self.ebc(kjt).values()
-
-
-def _make_ebc(cfg: Config):
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows,
-            feature_names=[f"f{i}"], pooling=PoolingType.SUM,
-        )
-        for i in range(cfg.tables)
-    ]  # fmt: skip
-    return EmbeddingBagCollection(tables=tables, is_weighted=cfg.weighted)
-
-
 def _device(cfg: Config) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-
-
-def _our_plan(cfg: Config, plan: str):
-    from planners.types import ShardingPlan, ShardingType, TablePlacement
-
-    placements = {}
-    if plan == "mix":
-        for i in range(cfg.tables):
-            if i < max(1, cfg.tables // 4):
-                placements[f"t{i}"] = TablePlacement(
-                    ShardingType.COLUMN_WISE, ranks=tuple(range(cfg.world_size))
-                )
-            else:
-                placements[f"t{i}"] = TablePlacement(
-                    ShardingType.TABLE_WISE, ranks=(i % cfg.world_size,)
-                )
-        return ShardingPlan(world_size=cfg.world_size, modules={"ebc": placements})
-    kind = ShardingType.parse(PLANS[plan])
-    for i in range(cfg.tables):
-        if kind is ShardingType.TABLE_WISE:
-            placements[f"t{i}"] = TablePlacement(kind, ranks=(i % cfg.world_size,))
-        elif kind is ShardingType.DATA_PARALLEL:
-            placements[f"t{i}"] = TablePlacement(kind)
-        else:
-            placements[f"t{i}"] = TablePlacement(kind, ranks=tuple(range(cfg.world_size)))
-    return ShardingPlan(world_size=cfg.world_size, modules={"ebc": placements})
-
-
-def _batches(cfg: Config, rank: int, n: int = 4):
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    g = torch.Generator().manual_seed(1234 + rank)
-    out = []
-    for _ in range(n):
-        lengths = torch.full((cfg.tables * cfg.batch,), cfg.pooling, dtype=torch.int64)
-        values = torch.randint(0, cfg.rows, (int(lengths.sum()),), generator=g)
-        weights = torch.rand(values.numel(), generator=g) + 0.5 if cfg.weighted else None
-        out.append(
-            KeyedJaggedTensor(
-                keys=[f"f{i}" for i in range(cfg.tables)], values=values, lengths=lengths,
-                weights=weights, stride=cfg.batch,
-            )
-        )  # fmt: skip
-    return out
 
 
 # -- the contenders: each is a `step(kjt) -> None` closure --------------------------------------
@@ -188,13 +105,14 @@ def _loss(pooled: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
 def _ours(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
     import modular
 
-    model = modular.shard(Model(copy.deepcopy(ebc)), _our_plan(cfg, plan), device=_device(cfg))
-    if opt_kind == "fused":
+    model = Model(copy.deepcopy(ebc))
+    if opt_kind == "fused":  # before shard (Note [order of sharding calls])
         opt = modular.fuse_optimizer(
             model, "exact_rowwise_adagrad", lr=LR, eps=EPS,
             column_wise_statistic=cfg.cw_statistic,
         )  # fmt: skip
-    else:
+    modular.shard(model, our_plan(cfg, plan), device=_device(cfg))
+    if opt_kind != "fused":
         opt = torch.optim.SGD(modular.local_parameters(model), lr=LR)
 
     def step(kjt) -> None:
@@ -230,7 +148,7 @@ def _dmp(cfg: Config, module: nn.Module, plan: str, opt_kind: str):
     from planners.torchrec_interop import to_torchrec
 
     kernel = "fused" if opt_kind == "fused" else "dense"
-    tr_plan = to_torchrec(_our_plan(cfg, plan), Model(module.ebc), device_type=cfg.device)
+    tr_plan = to_torchrec(our_plan(cfg, plan), Model(module.ebc), device_type=cfg.device)
     for ps_by_table in tr_plan.plan.values():
         for name, ps in ps_by_table.items():
             if ps.sharding_type != "data_parallel":
@@ -339,7 +257,7 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
             embedding_specs=sizes, pooling_mode=PoolingMode.SUM, use_cpu=cfg.device == "cpu"
         ).to(_device(cfg))
         opt = torch.optim.SGD(tbe.parameters(), lr=LR)
-    from modular._kernels import lookup_without_weight_grads
+    from modular.kernels.base import lookup_without_weight_grads
 
     grad = torch.randn(per_table, sum(c for _, c in sizes)).to(_device(cfg))
     # The weights need no gradient (as in ours: Note [no gradient for per-sample weights]).
@@ -390,7 +308,7 @@ def _unsharded(cfg: Config, ebc, opt_kind: str, probe) -> Callable:
         pooling_mode=PoolingMode.SUM, device=_device(cfg),
     )  # fmt: skip
 
-    from modular._kernels import lookup_without_weight_grads
+    from modular.kernels.base import lookup_without_weight_grads
 
     no_grad = torch.zeros(cfg.tables, dtype=torch.int32, device=_device(cfg))  # as in ours
 
@@ -413,29 +331,7 @@ def _dense_part(probe) -> Callable:
     return step
 
 
-# -- timing ---------------------------------------------------------------------------------------
-
-
-def _time_block(step: Callable, kjts, n: int, start: int) -> list[float]:
-    # A step on a GPU is done when its kernels are: wait for them (a no-op on CPU).
-    sync = torch.cuda.synchronize if kjts[0].values().is_cuda else (lambda: None)
-    times = []
-    sync()
-    for i in range(n):
-        kjt = kjts[(start + i) % len(kjts)]
-        t0 = time.perf_counter()
-        step(kjt)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _max_over_ranks(times: list[float]) -> list[float]:
-    from modular._comm import collective_device
-
-    t = torch.tensor(times, dtype=torch.float64, device=collective_device(None))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+# -- one (plan, optimizer) case -------------------------------------------------------------------
 
 
 def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe) -> dict:
@@ -467,7 +363,7 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
         contenders = {k: v for k, v in contenders.items() if k == cfg.only}
 
     for name, step in contenders.items():
-        _time_block(step, kjts, cfg.warmup, 0)
+        time_block(step, kjts, cfg.warmup, 0)
     if cfg.profile == f"{plan}:{opt_kind}":
         _profile(rank, contenders["ours"], kjts, cfg)
     if cfg.cpu:
@@ -480,7 +376,7 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
             names.reverse()
         for name in names:
             dist.barrier()
-            times[name] += _max_over_ranks(_time_block(contenders[name], kjts, per_block, b))
+            times[name] += max_over_ranks(time_block(contenders[name], kjts, per_block, b))
     return {"times": times, "notes": notes}
 
 
@@ -488,10 +384,10 @@ def _profile(rank: int, step: Callable, kjts, cfg: Config) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
-        _time_block(step, kjts, 5, 0)
+        time_block(step, kjts, 5, 0)
     pr = cProfile.Profile()
     pr.enable()
-    _time_block(step, kjts, 5, 0)
+    time_block(step, kjts, 5, 0)
     pr.disable()
     if rank == 0:
         print(f"\n== torch.profiler, ours, {cfg.profile}, 5 steps, rank 0 ==", flush=True)
@@ -533,7 +429,7 @@ def _cpu_breakdown(rank: int, contenders: dict, kjts, cfg: Config, case: str) ->
             continue
         dist.barrier()
         before, t0 = _thread_cpu(), time.perf_counter()
-        _time_block(contenders[name], kjts, n, 0)
+        time_block(contenders[name], kjts, n, 0)
         wall, after = time.perf_counter() - t0, _thread_cpu()
         kinds = {"main": 0, "python threads": 0, "gloo": 0, "other": 0}
         for tid, (thread, ns) in after.items():
@@ -561,8 +457,8 @@ def workload(cfg: Config, rank: int):
     every rank and for every contender (also scripts/gpu/host_syncs.py's)."""
     torch.manual_seed(0)
     device = _device(cfg)
-    ebc = _make_ebc(cfg).to(device)
-    kjts = [kjt.to(device) for kjt in _batches(cfg, rank)]
+    ebc = make_ebc(cfg).to(device)
+    kjts = [kjt.to(device) for kjt in make_batches(cfg, rank)]
     probe = torch.randn(cfg.batch, cfg.tables * cfg.dim, generator=torch.Generator().manual_seed(7))
     return ebc, kjts, probe.to(device)
 
@@ -697,23 +593,6 @@ def _target_lines(cfg: Config, results: dict) -> list[str]:
     return lines
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The workload flags (issue 7's default config), shared with benchmarks/input_checks.py."""
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1024, help="samples per rank")
-    p.add_argument("--pooling", type=int, default=20, help="ids per bag")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=["tw", "rw", "cw", "dp"])
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
@@ -740,11 +619,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         p.error(f"--device cuda --world-size {a.world_size}: this machine has "
                 f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank")
     cfg = Config(
-        tables=a.tables, rows=a.rows, dim=a.dim, batch=a.batch, pooling=a.pooling,
-        world_size=a.world_size, plans=tuple(a.plans), optimizers=tuple(a.optimizers),
-        steps=a.steps, blocks=a.blocks, warmup=a.warmup, profile=a.profile,
-        torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu", cpu=a.cpu,
-        device=a.device, cw_statistic=a.cw_statistic, only=a.only, weighted=a.weighted,
+        **workload_fields(a), weighted=a.weighted, optimizers=tuple(a.optimizers),
+        profile=a.profile, torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu",
+        cpu=a.cpu, device=a.device, cw_statistic=a.cw_statistic, only=a.only,
         cores=tuple(sorted(os.sched_getaffinity(0))),
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)

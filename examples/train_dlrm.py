@@ -7,10 +7,11 @@
     python examples/train_dlrm.py --world-size 2 --no-prefetch # no overlap of the next input dist
     python examples/train_dlrm.py --world-size 4 --column-wise-statistic per_shard  # TorchRec's
 
-One training setup, in the order Note [order of sharding calls] (modular/fsdp.py) asks for:
-tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` -> `modular.shard`
-(each rank allocates only its shards) -> `modular.fuse_optimizer` (row-wise Adagrad inside
-backward) -> `modular.apply_fully_shard` on the two MLP towers -> one `CombinedOptimizer`.
+One training setup, in the order Note [order of sharding calls] (modular/compose/fsdp.py) asks for:
+tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` ->
+`modular.fuse_optimizer` (row-wise Adagrad inside backward; it only marks the EBC on meta) ->
+`modular.shard` (each rank allocates only its shards, built fused) -> `modular.apply_fully_shard`
+on the two MLP towers -> one `CombinedOptimizer`.
 Data is the synthetic Criteo stream (`examples.dlrm.SyntheticCriteo`, seeded per rank and step,
 so a resumed run sees exactly the batches an uninterrupted one would) or a Criteo TSV (`--data`).
 
@@ -151,15 +152,16 @@ def shard_model(
 ) -> tuple[DLRM, modular.CombinedOptimizer]:
     """Shards `model` (tables on `meta`) by `plan` and builds its optimizer; collective.
 
-    The order is Note [order of sharding calls] (modular/fsdp.py): tables first (each rank
-    materialises its shards), their optimizer fused into backward, then FSDP2 for the dense
-    towers, then the dense optimizer over what is left (FSDP's DTensors).
+    The order is Note [order of sharding calls] (modular/compose/fsdp.py): the tables' optimizer
+    fused into backward first (on `meta` it only marks the EBC), then the tables sharded (each
+    rank materialises its shards, fused), then FSDP2 for the dense towers, then the dense
+    optimizer over what is left (FSDP's DTensors).
     """
-    model = modular.shard(model, plan, device=device)
     fused = modular.fuse_optimizer(
         model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8,
         column_wise_statistic=config.column_wise_statistic,
     )  # fmt: skip
+    model = modular.shard(model, plan, device=device)
     towers = (model.dense, model.over)
     for tower in towers:  # built on CPU by DLRM; the tables already live on `device`
         tower.to(device)

@@ -1,23 +1,43 @@
 """Composable sharded modules for recommender models.
 
     import modular
-    model = modular.shard(model, plan)          # EmbeddingBagCollections, in place
-    opt = torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
+    opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)  # optional, first
+    modular.shard(model, plan)                  # EmbeddingBagCollections, in place
+    modular.apply_fully_shard(model, modules={MLP})  # or modular.apply_ddp(model)
+    dense_opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)
+
+Every call that changes the model does so in place and returns the model it was given (Note
+[order of sharding calls] in modular/compose/fsdp.py). The packages follow a training step
+(docs/design.md): `tables` (plan -> layout, the tables' weights), `routing` (input dist and output
+dist: ids to their shards, pooled columns back; collectives), `kernels` (lookups), `fused` (the
+update inside backward), `compose` (FSDP2 / DDP, clipping, which parameters a torch optimizer
+takes) and `checkpoint`; `sharding.py` and `optim.py` hold the model-level calls.
 """
 
-from modular._checks import InputError
-from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError
+from modular import checkpoint
+from modular.compose.clip import clip_grad_norm_
+from modular.compose.ddp import apply_ddp
+from modular.compose.fsdp import apply_fully_shard
+from modular.compose.params import ignored_params, local_parameters
+from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
-from modular._prefetch import prefetch
-from modular.shard import ignored_params, local_parameters, shard, sharded_modules
+from modular.sharding import prefetch, shard, sharded_modules
 
 __all__ = [
+    "CheckpointError",
+    "CollectiveError",
     "CombinedOptimizer",
     "FusedOptimizer",
-    "fuse_optimizer",
     "InputError",
+    "PlanError",
     "ShardedEmbeddingBagCollection",
     "ShardingError",
+    "apply_ddp",
+    "apply_fully_shard",
+    "checkpoint",
+    "clip_grad_norm_",
+    "fuse_optimizer",
     "ignored_params",
     "local_parameters",
     "prefetch",
@@ -25,9 +45,6 @@ __all__ = [
     "sharded_modules",
 ]
 
-# Composition with FSDP2 / DDP for the dense part (docs/composition.md).
-from modular.clip import clip_grad_norm_
-from modular.fsdp import apply_ddp, apply_fully_shard
 
-__all__ += ["apply_ddp", "apply_fully_shard", "clip_grad_norm_"]
-import modular.checkpoint  # noqa: E402,F401  (modular.checkpoint.save/load/export/load_unsharded)
+def __dir__() -> list[str]:
+    return sorted(__all__)

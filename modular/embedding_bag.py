@@ -3,69 +3,46 @@
 A `ShardedEmbeddingBagCollection` replaces a torchrec `EmbeddingBagCollection` in place. It keeps
 the unsharded module's parameter names (`embedding_bags.<table>.weight`): sharded tables are
 `ShardedTensor`s whose local shards alias the lookup kernels' buffers, data-parallel tables are
-plain replicated parameters that average their own gradients over ranks.
+plain replicated parameters that average their own gradients over ranks. The stages live in
+their own packages: the layout and the tables' weights in modular/tables/, input and output dist
+in modular/routing/, the kernels in modular/kernels/, the fused optimizer's part in modular/fused/.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from modular._comm import KeptBuffers, pooled_all_to_all
-from modular._tables import (
-    ShardedTable,
-    ShardingError,
-    agree_on_init,
-    check_widths_off_cpu,
-    shard_seed,
-    table_infos,
-)
-from modular._checks import InputError
-from modular._input import INT32_MAX, Router
-from modular._exchange import IdsExchange
-from modular._fused import FusedTables
-from modular._emulated import EmulatedFusedKernel
-from modular._arrival import Arrival
-from modular._kernels import DenseKernel, ShardView, pool
-from modular._layout import KernelGroup, Layout, TableInfo, build_layout, kernel_groups
-from modular._permute import Permutation, _permute
-from modular._prefetch import agreement_name
-from modular._lookups import batch_offsets
+from modular.routing.arrival import Arrival
+from modular.comm import KeptBuffers, pooled_all_to_all
+from modular.routing.exchange import IdsExchange
+from modular.routing.permute import Permutation, permute
+from modular.routing.prefetcher import Prefetcher
+from modular.routing.router import INT32_MAX, Received, Router
+from modular.errors import InputError
+from modular.kernels.base import Kernel, pool
+from modular.kernels.dense import DenseKernel
+from modular.kernels.lookups import batch_offsets
+from modular.fused.config import FusedConfig
+from modular.fused.tables import FusedTables
+from modular.tables.init import agree_on_init, fill_local_shards
+from modular.tables.layout import KernelGroup, RankLayout, build_layout, kernel_groups
+from modular.tables.weights import ShardedTable, check_widths_off_cpu, table_infos, table_weight
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
-__all__ = [
-    "ShardedEmbeddingBagCollection",
-    "ShardedTable",
-    "ShardingError",
-    "replace_module",
-    "table_infos",
-]
+__all__ = ["ShardedEmbeddingBagCollection"]
 
 
-class Received(NamedTuple):
-    """What input dist hands to lookup."""
-
-    batch_size: int
-    lengths: torch.Tensor  # (routes on this rank, world * batch_size), route-major
-    values: torch.Tensor  # rows of this rank's shards, int32 mostly (Note [ids on the wire])
-    weights: Optional[torch.Tensor]
-    local: Optional[KeyedJaggedTensor]  # this rank's own batch for data-parallel tables
-    local_lengths: torch.Tensor  # (features, batch_size), for MEAN over row-split tables
-
-
-class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables):
+class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     """A torchrec EmbeddingBagCollection whose tables are spread over a process group.
 
     Built by `modular.shard`; `forward(kjt)` returns the same KeyedTensor as the unsharded EBC on
@@ -82,7 +59,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         process_group: Optional[ProcessGroup],
         device: torch.device,
         local: bool = False,
-        fused=None,
+        fused: Optional[FusedConfig] = None,
     ) -> None:
         super().__init__()
         tables = table_infos(ebc, module)
@@ -100,40 +77,38 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             self._rank if local or process_group is None
             else dist.get_global_rank(process_group, self._rank)
         )
-        self.fused = None  # a FusedConfig once modular.fuse_optimizer ran (Note [fused tables])
-        self._emulated: list[EmulatedFusedKernel] = []
-        # Whether backward ends with the fused module's own work (and collectives) on this rank.
-        self._end_of_backward = False
         self._device = device
         self._is_weighted = ebc.is_weighted()
         self._configs = ebc.embedding_bag_configs()
-        self.layout: Layout = build_layout(
+        self.layout = build_layout(
             tables,
             tuple(placements[t.name] for t in tables),
             tuple(shards[t.name] for t in tables),
             world_size=self._world,
             rank=self._rank,
         )
+        self._at = RankLayout(
+            layout=self.layout, module=module, rank=self._rank, world=self._world,
+            group=process_group, device=device, local=local,
+        )  # fmt: skip
         if device.type != "cpu":  # every rank raises alike, before any collective
             check_widths_off_cpu(self.layout, module, device)
         self._router = Router(
             self.layout, module=module, is_weighted=self._is_weighted, device=device
         )
-        my_routes = self.layout.routes_to(self._rank)
-        self._groups = kernel_groups(my_routes)
-        self._local_groups = kernel_groups(self.layout.local)
-        # With a fused config the fused kernels are built directly (no dense copy on the way).
-        cw_rowwise = self._column_wise_rowwise_tables(fused) if fused is not None else ()
-        self._kernels = [self._make_kernel(g, fused, cw_rowwise, False) for g in self._groups]
-        self._local_kernels = [
-            self._make_kernel(g, fused, cw_rowwise, True) for g in self._local_groups
-        ]
+        # The fused optimizer's part (Note [fused tables]): it picks every fused kernel.
+        self.fused_tables = None if fused is None else FusedTables(fused, at=self._at)
+        remote_groups = kernel_groups(self.layout.routes_to(self._rank))
+        self._kernels = [self._make_kernel(g, False) for g in remote_groups]
+        self._local_kernels = [self._make_kernel(g, True) for g in kernel_groups(self.layout.local)]
+        if self.fused_tables is not None:
+            self.fused_tables.attach(self._kernels, self._local_kernels)
         self._local_features = Permutation([r.feature for r in self.layout.local])
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
         self._recv_buffers = KeptBuffers()  # Note [kept receive buffers]
         self._exchange = None if self._alone else self.make_exchange(process_group)
-        self._prefetcher = None  # made by the first prefetch (Note [prefetched input dist])
+        self._prefetcher: Optional[Prefetcher] = None  # Note [prefetched input dist]
         local_dim = sum(r.shard.num_cols for r in self.layout.local)
         self._arrival = Arrival(
             [*self._recv_dims, local_dim],
@@ -146,16 +121,18 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         self.embedding_bags = nn.ModuleDict()
         views = self._local_views()
         self._init_weights(ebc, views)
-        for t in tables:  # collective, in table order on every rank
-            self.embedding_bags[t.name] = ShardedTable(self._table_weight(t, views))
-        if fused is not None:
-            self._mark_fused(fused, cw_rowwise)
+        for t, table in enumerate(tables):  # collective, in table order on every rank
+            weight = table_weight(t, views, at=self._at, global_rank=self._global_rank)
+            self.embedding_bags[table.name] = ShardedTable(weight)
         self._replicate_data_parallel_kernels()
 
     @classmethod
-    def unsharded(cls, ebc: EmbeddingBagCollection, *, module: str) -> ShardedEmbeddingBagCollection:
-        """A single-process stand-in for `ebc` (every table local, no communication), which
-        `fuse_optimizer` uses to fuse an EBC that was never sharded; `modular.shard` accepts it."""
+    def unsharded(
+        cls, ebc: EmbeddingBagCollection, *, module: str, fused: Optional[FusedConfig] = None
+    ) -> ShardedEmbeddingBagCollection:
+        """A single-process stand-in for `ebc` (every table local, no communication), with
+        `ebc`'s weights: what `fuse_optimizer` makes of a materialised EBC, which `modular.shard`
+        accepts."""
         names = [c.name for c in ebc.embedding_bag_configs()]
         placements = {n: TablePlacement(ShardingType.DATA_PARALLEL) for n in names}
         shards = {
@@ -163,28 +140,32 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             for c in ebc.embedding_bag_configs()
         }
         device = next(iter(ebc.parameters())).device
-        if device.type == "meta":
-            device = torch.device("cpu")
         return cls(
-            ebc, placements, shards, module=module, process_group=None, device=device, local=True
-        )
+            ebc, placements, shards, module=module, process_group=None, device=device,
+            local=True, fused=fused,
+        )  # fmt: skip
 
     @property
     def is_local(self) -> bool:
         return self._local_only
 
+    @property
+    def fused(self) -> Optional[FusedConfig]:
+        """The fused optimizer's config, or None (Note [fused tables])."""
+        return None if self.fused_tables is None else self.fused_tables.config
+
     # -- construction -----------------------------------------------------------------------
 
-    def _make_kernel(self, group: KernelGroup, fused, cw_rowwise, is_local: bool):
+    def _make_kernel(self, group: KernelGroup, is_local: bool) -> Kernel:
         sizes = []
         for table, j in group.shards:
             spec = self.layout.shards[self.layout.table_index(table)][j]
             sizes.append((spec.num_rows, spec.num_cols))
-        if fused is not None:
-            return self._fused_kernel(group, sizes, fused, cw_rowwise, is_local)
+        if self.fused_tables is not None:
+            return self.fused_tables.kernel(group, sizes, is_local=is_local)
         return DenseKernel(group, sizes, self._device)
 
-    def _local_views(self) -> dict[tuple[str, int], ShardView]:
+    def _local_views(self) -> dict[tuple[str, int], torch.Tensor]:
         views = {}
         for k in (*self._kernels, *self._local_kernels):
             for key, view in zip(k.group.shards, k.views):
@@ -197,7 +178,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         a failure on any rank is raised on every rank (Note [agreeing on the shards' init])."""
         failure: Optional[BaseException] = None
         try:
-            self._init_local_shards(ebc, views)
+            fill_local_shards(ebc, views, layout=self.layout, module=self._module_fqn)
         except Exception as e:
             failure = e
         if self._local_only:
@@ -215,62 +196,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         for k in self._local_kernels:  # replicas start equal everywhere
             for view in k.views:
                 dist.broadcast(view.data, src=source, group=self._pg)
-
-    def _init_local_shards(self, ebc: EmbeddingBagCollection, views: dict) -> None:
-        for (table, j), view in views.items():
-            t = self.layout.table_index(table)
-            spec = self.layout.shards[t][j]
-            source = ebc.embedding_bags[table].weight
-            if source.is_meta:
-                init_fn = self._configs[t].init_fn
-                if init_fn is None:
-                    raise ShardingError(f"table {table!r} of {self._module_fqn!r} has no init_fn")
-                # Seeded per shard, then the caller's generators are restored: only the CPU's,
-                # and the shard's CUDA device's (torch.manual_seed would reseed every GPU).
-                seed = shard_seed(table, spec)
-                on_cuda = view.device.type == "cuda"
-                with torch.random.fork_rng(devices=[view.device] if on_cuda else [], device_type="cuda"):
-                    torch.random.default_generator.manual_seed(seed)
-                    if on_cuda:
-                        torch.cuda.default_generators[view.device.index].manual_seed(seed)
-                    try:
-                        init_fn(view)
-                    except Exception as e:
-                        raise ShardingError(
-                            f"init_fn of table {table!r} of module {self._module_fqn!r} failed on "
-                            f"the shard of rows {spec.row_offset}:{spec.row_offset + spec.num_rows}"
-                            f", columns {spec.col_offset}:{spec.col_offset + spec.num_cols} "
-                            f"(shape {tuple(view.shape)}): {type(e).__name__}: {e}. init_fn is "
-                            "called once per shard, with that shard's (rows, columns) tensor, "
-                            "never the whole table"
-                        ) from e
-            else:
-                view.copy_(
-                    source[
-                        spec.row_offset : spec.row_offset + spec.num_rows,
-                        spec.col_offset : spec.col_offset + spec.num_cols,
-                    ]
-                )
-
-    def _table_weight(self, table: TableInfo, views: dict) -> torch.Tensor:
-        t = self.layout.table_index(table.name)
-        if self.layout.placements[t].sharding_type is ShardingType.DATA_PARALLEL:
-            return views[(table.name, self._rank_shard(t))]
-        local = []
-        for j, spec in enumerate(self.layout.shards[t]):
-            if spec.rank != self._rank:
-                continue
-            meta = ShardMetadata(
-                shard_offsets=[spec.row_offset, spec.col_offset],
-                shard_sizes=[spec.num_rows, spec.num_cols],
-                placement=f"rank:{self._global_rank}/{self._device}",
-            )
-            local.append(Shard(tensor=views[(table.name, j)], metadata=meta))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return init_from_local_shards(
-                local, table.num_embeddings, table.embedding_dim, process_group=self._pg
-            )
 
     def _replicate_data_parallel_kernels(self) -> None:
         if self._world == 1:
@@ -303,23 +228,27 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Prefetches `features` for a later `forward(features)`: its input dist runs in the
         background from this module's next wait on (Note [prefetched input dist] in
-        modular/_prefetch.py); call it on every rank, in the same order."""
+        modular/routing/prefetcher.py); call it on every rank, in the same order."""
         if self._prefetcher is None:
-            from modular._prefetch import Prefetcher
-
-            self._prefetcher = Prefetcher(self)
+            self._prefetcher = Prefetcher(
+                self._input_dist, self.make_exchange, module=self._module_fqn, group=self._pg,
+                device=self._device, local=self._local_only,
+            )  # fmt: skip
         self._prefetcher.start(features)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Received:
         """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
-        return self._input_dist(features, self._exchange)
+        return self._input_dist(features)
 
     def make_exchange(self, group: Optional[ProcessGroup]) -> IdsExchange:
         """The input dist's exchange of ids on `group`: the module's, or the prefetch thread's
         (each keeps its own slots, Note [ids with their header])."""
         return IdsExchange(group, self._rank, self._router, self._device, self._is_weighted)
 
-    def _input_dist(self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange]) -> Received:
+    def _input_dist(
+        self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange] = None
+    ) -> Received:
+        exchange = exchange or self._exchange
         rejection, kjt = self._router.normalise(features)
         routed = None
         if rejection is None:
@@ -332,10 +261,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
         # Every rank hears how much is coming and whether anyone failed (so a bad batch raises
         # on every rank instead of hanging the others) in the header of the ids' own all-to-all
-        # (Note [ids with their header] in modular/_exchange.py).
+        # (Note [ids with their header] in modular/routing/exchange.py).
         # Whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).
         wide = routed is not None and routed.values.numel() > INT32_MAX
-        got = exchange.exchange(routed, rejection, batch, wide, agreement_name(self, exchange.group))
+        got = exchange.exchange(routed, rejection, batch, wide, self._agreement_name(exchange.group))
         if rejection is not None:  # unreachable: the exchange raised it
             raise InputError(rejection.message)
         if not self.layout.routes:  # data-parallel tables only: no ids travel, on any rank
@@ -351,10 +280,16 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             )
         return self._received(kjt, lengths.reshape(mine, world * batch), values, weights, batch)
 
+    def _agreement_name(self, group: Optional[ProcessGroup]) -> str:
+        """The input dist's first all-to-all on `group`, as its error names it (Note [a failed
+        peer]); with a hint at prefetch where the module prefetches."""
+        what = f"the input-dist agreement of module {self._module_fqn!r}"
+        return what if self._prefetcher is None else self._prefetcher.describe(what, group)
+
     def _received(self, kjt, lengths, values, weights, batch) -> Received:
         local = None
         if self.layout.local:
-            local = _permute(kjt, self._local_features)
+            local = permute(kjt, self._local_features)
         return Received(
             batch_size=batch,
             lengths=lengths.reshape(-1, self._world * batch),
@@ -409,13 +344,19 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             counts = received.local_lengths.index_select(0, self._mean_features).t()
             means = out.index_select(1, self._mean_columns) / counts.clamp(min=1).to(out.dtype)
             out = out.index_copy(1, self._mean_columns, means)
-        if self._end_of_backward and out.requires_grad:
-            out.register_hook(self._queue_emulated_updates)
+        if self.fused_tables is not None and self.fused_tables.end_of_backward is not None:
+            self.fused_tables.end_of_backward.arm(out)  # the deferred updates (Note [fused tables])
         return KeyedTensor(
             keys=[o.key for o in self.layout.outputs],
             length_per_key=[o.dim for o in self.layout.outputs],
             values=out,
         )
+
+    # -- the fused optimizer's state (modular/fused/state.py) -------------------------------
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """Each table's registered weight (ShardedTensor or replica), by table name."""
+        return {n: holder._parameters["weight"] for n, holder in self.embedding_bags.items()}
 
     # -- what torchrec's EBC also offers ----------------------------------------------------
 
@@ -436,16 +377,3 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
     @property
     def module_fqn(self) -> str:
         return self._module_fqn
-
-
-def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
-    """Puts `new` at `fqn` in `model` and returns the object now there. At "" (the model is the
-    module itself) the model becomes `new` in place, so the caller's reference stays valid."""
-    if fqn == "":
-        model.__class__ = type(new)
-        model.__dict__.clear()
-        model.__dict__.update(new.__dict__)
-        return model
-    parent, _, name = fqn.rpartition(".")
-    setattr(model.get_submodule(parent), name, new)
-    return new

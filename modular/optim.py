@@ -1,11 +1,13 @@
-"""Fused optimizers for embedding tables: the update happens in backward, no dense gradient.
+"""The optimizers a training loop holds: `fuse_optimizer` (the tables' update inside backward, no
+dense gradient), its `FusedOptimizer`, and `CombinedOptimizer` over several.
 
 # Note [fused tables]
-Fusing is a compute choice, separate from where tables live: `fuse_optimizer` works on an
-unsharded EBC (it becomes a single-process module with fused kernels), on one sharded by
-`modular.shard`, and `modular.shard` keeps a fused EBC fused. Shards whose width is a multiple of
+Fusing is a compute choice, separate from where tables live: `fuse_optimizer` marks an EBC on
+meta (`modular.shard` builds its shards fused) or turns a materialised one into a single-process
+module with fused kernels, which `modular.shard` cuts into fused shards. The machinery is
+`FusedTables` (modular/fused/tables.py), which the sharded module owns. Shards whose width is a multiple of
 4 use fbgemm's fused kernel (the others form kernel groups of their own, `kernel_groups` in
-modular/_layout.py, so they never take a table fbgemm could run into the emulation). Column-wise
+modular/tables/layout.py, so they never take a table fbgemm could run into the emulation). Column-wise
 shards under row-wise Adagrad (in kernel groups of their own too) use it in two passes, with the
 per-row statistic exchanged between the column shards' ranks in between (one float per id of
 the step), so the result equals the unsharded table's (`RowStatsFusedKernel`, Note [row
@@ -23,7 +25,7 @@ summed gradient (the two agree for SGD up to rounding, not for the Adagrads).
 Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
 "row_sum" for row-wise Adagrad), never by the sharding type; each state tensor is a ShardedTensor
 laid out like its weight (row-wise state: one entry per row), or a plain tensor for data-parallel
-tables, so DCP saves and reshards it like the weights (`StateForm` in modular/_fused_state.py).
+tables, so DCP saves and reshards it like the weights (`StateForm` in modular/fused/state.py).
 One layout depends on the plan: with column_wise_statistic="per_shard", a table cut into k column
 pieces keeps "row_sum" of shape (rows, k), column j the statistic of piece j (pieces left to
 right; each piece's shard is (rows, 1) at offsets (0, j)). TorchRec keeps the same numbers as one
@@ -37,103 +39,22 @@ exact layout never changes, and tables not cut into column pieces keep one value
 train identically in both modes, so their state loads across modes. `modular.shard` of a fused
 unsharded model starts each piece from the whole row's statistic, the only one it had.
 """
-
 from __future__ import annotations
 
-import enum
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-# Row-wise Adagrad's per-row statistic on a table cut into column pieces (Note [fused tables]);
-# the planner's enum, so that a plan can be priced for what the model was fused with.
-from planners.inputs import ColumnWiseStatistic
+from modular import lifecycle
+from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.errors import ShardingError
+from modular.fused.config import ColumnWiseStatistic, FusedConfig, FusedOptimizerKind
+from modular.fused.state import check_fused_state, fused_state, load_fused_state
+from modular.sharding import sharded_modules
 
-__all__ = [
-    "ColumnWiseStatistic",
-    "CombinedOptimizer",
-    "FusedOptimizer",
-    "FusedOptimizerKind",
-    "fuse_optimizer",
-]
-
-# A torchrec EBC on `meta` that fuse_optimizer saw: modular.shard builds it fused directly, so a
-# model too large for one rank is never materialised (the attribute holds the FusedConfig).
-PENDING_FUSE = "_modular_pending_fuse"
-
-
-class FusedOptimizerKind(enum.Enum):
-    EXACT_SGD = "exact_sgd"
-    EXACT_ADAGRAD = "exact_adagrad"
-    EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"
-
-    @classmethod
-    def parse(cls, name: str | FusedOptimizerKind) -> FusedOptimizerKind:
-        if isinstance(name, cls):
-            return name
-        for kind in cls:
-            if str(name).lower() == kind.value:
-                return kind
-        supported = ", ".join(repr(k.value) for k in cls)
-        raise ValueError(
-            f"fused optimizer {name!r} is not supported; fbgemm's CPU kernels support {supported}"
-        )
-
-    def fbgemm_type(self):
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-        return {
-            FusedOptimizerKind.EXACT_SGD: EmbOptimType.EXACT_SGD,
-            FusedOptimizerKind.EXACT_ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
-            FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        }[self]
-
-    def state_name(self) -> Optional[str]:
-        return {
-            FusedOptimizerKind.EXACT_SGD: None,
-            FusedOptimizerKind.EXACT_ADAGRAD: "sum",
-            FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: "row_sum",
-        }[self]
-
-    def rowwise(self) -> bool:
-        return self is FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD
-
-
-class FusedConfig:
-    """What every fused kernel of a model reads: the kind, the column-wise statistic and the
-    live param group (lr, eps). `modular.shard` and the meta path carry this object itself."""
-
-    def __init__(
-        self,
-        optimizer: FusedOptimizerKind,
-        param_group: dict[str, Any],
-        *,
-        column_wise_statistic: ColumnWiseStatistic = ColumnWiseStatistic.EXACT,
-    ) -> None:
-        self.optimizer = optimizer
-        self.param_group = param_group
-        self.column_wise_statistic = column_wise_statistic
-
-    @property
-    def per_shard_rows(self) -> bool:
-        """Whether each column piece keeps its own row statistic (row-wise Adagrad only)."""
-        return (
-            self.optimizer.rowwise()
-            and self.column_wise_statistic is ColumnWiseStatistic.PER_SHARD
-        )
-
-    @property
-    def lr(self) -> float:
-        return float(self.param_group["lr"])
-
-    @property
-    def eps(self) -> float:
-        return float(self.param_group["eps"])
-
-    @property
-    def weight_decay(self) -> float:
-        return float(self.param_group.get("weight_decay", 0.0))
+__all__ = ["CombinedOptimizer", "FusedOptimizer", "fuse_optimizer"]
 
 
 def fuse_optimizer(
@@ -151,9 +72,11 @@ def fuse_optimizer(
         loss.backward()          # the tables are updated here
         opt.step()               # a no-op for the tables; kept so loops look the same
 
-    Works before or after `modular.shard` (both orders train identically; see Note [fused
-    tables]). An EBC on `meta` is not materialised: it is marked, and `modular.shard` builds its
-    shards fused directly, so each rank only ever allocates its own shards. `weight_decay`
+    Call it before `modular.shard` (Note [order of sharding calls] in modular/compose/fsdp.py;
+    on a sharded model it raises `ShardingError`). An EBC on `meta` is not materialised: it is
+    marked, and `modular.shard` builds its shards fused directly, so each rank only ever allocates
+    its own shards. A materialised EBC becomes a one-process fused module, which `modular.shard`
+    then cuts into fused shards (optimizer state included); the model is also usable unsharded. `weight_decay`
     (row-wise Adagrad only) is fbgemm's L2 mode: it is added to the gradient of the rows a step
     touched. fbgemm's CPU kernel ignores it (measured with fbgemm-gpu-cpu 1.8.0), so on CPU a
     model with weight decay runs every table through the exact emulated update instead.
@@ -173,9 +96,6 @@ def fuse_optimizer(
     `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op). Supported:
     "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad".
     """
-    from modular.embedding_bag import ShardedEmbeddingBagCollection, replace_module
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
     kind = FusedOptimizerKind.parse(optimizer)
     statistic = ColumnWiseStatistic.parse(column_wise_statistic)
     if not lr > 0:
@@ -202,10 +122,18 @@ def fuse_optimizer(
     ]
     if not targets:
         raise ValueError("fuse_optimizer found no EmbeddingBagCollection in the model")
+    sharded = [name for name, m in targets if _is_sharded(m)]
+    if sharded:
+        raise ShardingError(
+            f"modules {sharded} are already sharded: call modular.fuse_optimizer before "
+            "modular.shard (Note [order of sharding calls]). Fusing a sharded module would hold "
+            "every shard twice while its kernels are swapped (4.18 GiB against 2.27 GiB a rank "
+            "in benchmarks/shard_memory.py); fused first, shard builds the fused shards directly"
+        )
     fused = [
         name
         for name, m in targets
-        if getattr(m, "fused", None) is not None or getattr(m, PENDING_FUSE, None) is not None
+        if getattr(m, "fused", None) is not None or lifecycle.pending_fuse(m) is not None
     ]
     if fused:
         raise ValueError(f"modules {fused} are already fused; fuse a model only once")
@@ -215,14 +143,16 @@ def fuse_optimizer(
         column_wise_statistic=statistic,
     )
     for name, m in targets:
-        if isinstance(m, EmbeddingBagCollection) and _on_meta(m):
-            setattr(m, PENDING_FUSE, config)  # fused when modular.shard builds its shards
+        if _on_meta(m):
+            lifecycle.set_pending_fuse(m, config)  # fused when modular.shard builds its shards
             continue
-        if isinstance(m, EmbeddingBagCollection):
-            local = ShardedEmbeddingBagCollection.unsharded(m, module=name)
-            m = replace_module(model, name, local)
-        m.fuse(config)
+        local = ShardedEmbeddingBagCollection.unsharded(m, module=name, fused=config)
+        lifecycle.replace_module(model, name, local)
     return FusedOptimizer(model, config)
+
+
+def _is_sharded(m: nn.Module) -> bool:
+    return isinstance(m, ShardedEmbeddingBagCollection) and not m.is_local
 
 
 def _on_meta(ebc: nn.Module) -> bool:
@@ -251,8 +181,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._config.column_wise_statistic
 
     def _fused_modules(self):
-        from modular.shard import sharded_modules
-
         return [(fqn, m) for fqn, m in sharded_modules(self._model) if m.fused is not None]
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -266,7 +194,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         state: dict[str, dict[str, torch.Tensor]] = {}
         for fqn, m in self._fused_modules():
             prefix = f"{fqn}." if fqn else ""
-            for table, tensors in m.fused_state().items():
+            for table, tensors in fused_state(m.fused_tables, m.table_weights()).items():
                 state[f"{prefix}embedding_bags.{table}.weight"] = tensors
         group = {k: v for k, v in self._config.param_group.items() if k != "params"}
         group["optimizer"] = self._config.optimizer.value
@@ -297,14 +225,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 elif name is not None:
                     raise KeyError(f"the optimizer state has no entry for table weight {key!r}")
             if name is not None:
-                m.check_fused_state(per_table)
+                check_fused_state(m.fused_tables, per_table)
             loads.append((m, per_table))
         if groups:
             for key in ("lr", "eps"):
                 if key in groups[0]:
                     self._config.param_group[key] = groups[0][key]
         for m, per_table in loads:
-            m.load_fused_state(per_table)
+            load_fused_state(m.fused_tables, per_table)
 
 
 class CombinedOptimizer(torch.optim.Optimizer):

@@ -104,7 +104,7 @@ class ColumnWiseStatistic(enum.Enum):
     keeps a scratch statistic per row and exchanges one fp32 per id with the table's other
     pieces. PER_SHARD: each piece its own columns' (TorchRec's approximation); one plain pass.
     Only row-wise Adagrad keeps a row statistic: under the other optimizers both price the same.
-    modular uses this enum itself (`modular.optim.ColumnWiseStatistic`): planners imports no
+    modular uses this enum itself (`modular.fused.config.ColumnWiseStatistic`): planners imports no
     torch, modular imports planners.
     """
 

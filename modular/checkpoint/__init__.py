@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from modular.checkpoint._export import export, load_unsharded
 from modular.checkpoint._files import (
-    CheckpointError,
     SafeLoadPlanner,
     SafeReader,
     agree,
@@ -41,18 +40,21 @@ from modular.checkpoint._files import (
     tmp_dir,
     verify_file,
 )
-from modular.checkpoint._state import (
-    MODEL,
+from modular.checkpoint._staging import (
     apply_model,
     apply_optimizer,
     check_loaded,
     local_tensors,
-    model_state,
-    optimizer_state,
     stage,
 )
+from modular.checkpoint._state import MODEL, model_state, optimizer_state
+from modular.errors import CheckpointError
 
 __all__ = ["CheckpointError", "export", "load", "load_unsharded", "save"]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 PathLike = Union[str, os.PathLike]
 

@@ -22,10 +22,12 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from modular._comm import collective_device
-from modular.checkpoint._files import MANIFEST, CheckpointError, agree
-from modular.checkpoint._state import apply_model, describe, global_shape
-from modular.shard import sharded_modules
+from modular.comm import collective_device
+from modular.checkpoint._files import MANIFEST, agree
+from modular.errors import CheckpointError
+from modular.checkpoint._staging import apply_model
+from modular.checkpoint._state import describe, global_shape
+from modular.sharding import sharded_modules
 
 
 def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:

@@ -45,15 +45,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+from modular.errors import CheckpointError
 
 MANIFEST = "checkpoint.json"
 FORMAT = "modular.checkpoint/1"
 METADATA_FILE = ".metadata"
 _CHUNK = 1 << 22
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded: names the file, table or key and the fix."""
 
 
 def agree(error: Optional[str], group: Optional[dist.ProcessGroup] = None) -> None:

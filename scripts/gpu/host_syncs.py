@@ -4,7 +4,7 @@
 
 Runs step_time.py's "ours" and "torchrec" contenders (fused row-wise Adagrad, world 1, NCCL)
 and prints each host sync's call site, found with torch.cuda.set_sync_debug_mode("warn"): every
-read of a device tensor on the host (Note [host syncs per step] in modular/_input.py). It writes
+read of a device tensor on the host (Note [host syncs per step] in modular/routing/router.py). It writes
 a cProfile, a torch.profiler table and a Chrome trace of each into $OUT.
 """
 
@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 import step_time as st  # noqa: E402
+from benchmarks._common import free_port, time_block  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -42,7 +43,7 @@ def _sync_sites(step, kjts) -> collections.Counter:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            st._time_block(step, kjts, 4, 0)
+            time_block(step, kjts, 4, 0)
         finally:
             torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = shown
@@ -53,7 +54,7 @@ def main() -> None:
     plan = sys.argv[1] if len(sys.argv) > 1 else "tw"
     out = os.environ.get("OUT", "/tmp")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(st.free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     cfg = st.Config(tables=8, rows=100_000, dim=64, batch=1024, pooling=20, world_size=1,
@@ -63,24 +64,24 @@ def main() -> None:
     steps = {"ours": st._ours(cfg, ebc, plan, "fused", probe)[1],
              "torchrec": st._torchrec(cfg, ebc, plan, "fused", probe)}  # fmt: skip
     for name, step in steps.items():
-        st._time_block(step, kjts, 5, 0)
+        time_block(step, kjts, 5, 0)
         sites = _sync_sites(step, kjts)
         print(f"\n== {name} {plan}/fused: host syncs in 4 steps ==")
         for where, n in sites.most_common(20):
             print(f"{n:3d}  {where}")
         pr = cProfile.Profile()
         pr.enable()
-        st._time_block(step, kjts, 20, 0)
+        time_block(step, kjts, 20, 0)
         pr.disable()
         with open(f"{out}/cprof_{name}_{plan}.txt", "w") as f:
             for key in ("cumulative", "tottime"):
                 pstats.Stats(pr, stream=f).sort_stats(key).print_stats(70)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            st._time_block(step, kjts, 10, 0)
+            time_block(step, kjts, 10, 0)
         with open(f"{out}/tprof_{name}_{plan}.txt", "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         prof.export_chrome_trace(f"{out}/trace_{name}_{plan}.json")
-        times = sorted(st._time_block(step, kjts, 30, 0))
+        times = sorted(time_block(step, kjts, 30, 0))
         print(f"{name} {plan}/fused: median step {times[15] * 1e3:.2f} ms")
     dist.destroy_process_group()
 

@@ -22,7 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM
-from tests.modular.cases import BATCH, CASES, close, global_batch, make_batch, make_ebc, plan_for, rank_batches, weighted_tables
+from tests.modular.helpers import BATCH, CASES, close, global_batch, make_batch, make_ebc, plan_for, rank_batches, weighted_tables
 
 TIMEOUT_S = 60
 
@@ -133,9 +133,10 @@ def _learnable_weights_under_every_plan() -> dict[str, str]:
             tables = [dataclasses.replace(c, embedding_dim=8) for c in weighted_tables()]
             ref = EmbeddingBagCollection(tables=tables, is_weighted=True)
         for case in CASES:
-            ebc = modular.shard(copy.deepcopy(ref), plan_for(case, ref, world))
-            if kernel == "fused":
+            ebc = copy.deepcopy(ref)
+            if kernel == "fused":  # before shard (Note [order of sharding calls])
                 modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
+            modular.shard(ebc, plan_for(case, ref, world))
             batch = make_batch(ref, seed=rank)
             if rank == VICTIM:
                 batch = _corrupt(batch, "weights_require_grad", shuffled=False)

@@ -27,13 +27,13 @@ import modular
 from modular.checkpoint._files import MANIFEST
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM, break_victim, check_survivors, check_victim, spawn, survive
-from tests.modular import checkpoint_helpers as H
+from tests.modular import helpers as H
 
 TIMEOUT = 90.0
 
 
-def _model_and_optimizer(seed: int, optimizer: str = "adagrad") -> tuple[H.Model, Any]:
-    model = H.sharded("A", seed=seed)
+def _model_and_optimizer(seed: int, optimizer: str = "adagrad") -> tuple[H.CheckpointModel, Any]:
+    model = H.sharded_checkpoint_model("A", seed=seed)
     params = modular.local_parameters(model)
     if optimizer == "sgd_momentum":
         return model, torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -44,7 +44,7 @@ def _model_and_optimizer(seed: int, optimizer: str = "adagrad") -> tuple[H.Model
 
 def _train_and_save(path: str, steps: int = 2) -> dict[str, Any]:
     model, opt = _model_and_optimizer(0)
-    H.train(model, opt, range(steps))
+    H.train_checkpoint_model(model, opt, range(steps))
     modular.checkpoint.save(path, model, opt)
     return H.local_snapshot(model, opt)
 
@@ -63,7 +63,7 @@ def _save_with_fault(path: str, where: str, how: str):
 
     model, opt = _model_and_optimizer(1)
     modular.checkpoint.load(path, model, opt)
-    H.train(model, opt, range(2, 3))
+    H.train_checkpoint_model(model, opt, range(2, 3))
     victim = dist.get_rank() == (0 if where == "commit" else VICTIM)
     if victim and where == "write_data":
         def broken_write_data(self, plan, planner):

@@ -19,7 +19,7 @@ import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import expect_errors_on_all_ranks
 from tests.faults.helpers import COLLECTIVE_TIMEOUT_S, MARGIN_S, VICTIM, spawn, survive
-from tests.modular.cases import make_ebc, placements_for, unweighted_tables
+from tests.modular.helpers import make_ebc, placements_for, unweighted_tables
 
 TIMEOUT_S = 60
 
@@ -52,7 +52,7 @@ def test_one_rank_with_other_tables_raises_on_every_rank(change: str) -> None:
 
 def _weighting_differs_on_one_rank() -> None:
     world = dist.get_world_size()
-    # SUM tables only: a weighted EBC with a MEAN table is refused on its own (modular/_tables.py).
+    # SUM tables only: a weighted EBC with a MEAN table is refused on its own (modular/tables/weights.py).
     tables = [dataclasses.replace(c, pooling=PoolingType.SUM) for c in unweighted_tables()]
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=dist.get_rank() == VICTIM)
     modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements_for("mixed", make_ebc(False), world)}))

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular._input import Router
-from modular._layout import ROW_SPLIT, Layout, Pooling, TableInfo, build_layout, kernel_groups
+from modular.routing.router import Router
+from modular.tables.layout import ROW_SPLIT, Layout, Pooling, TableInfo, build_layout, kernel_groups
 from planners.types import ShardingType, TablePlacement
 from tests.test_plan_types import placements
 

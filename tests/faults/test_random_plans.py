@@ -4,7 +4,7 @@ tests/faults/test_layout_properties.py checks the routes of random plans without
 here random tables (shared features, SUM and MEAN, widths fbgemm takes and widths it does not,
 rows fewer than ranks), random placements (a rank holding several column pieces, uneven row
 shards, ranks out of order, data-parallel replicas) and a random optimizer (a torch optimizer
-over `local_parameters`, or a fused one, fused before or after sharding) train for a few steps
+over `local_parameters`, or a fused one, fused before sharding) train for a few steps
 on gloo ranks, and every output, weight and optimizer state is compared with the unsharded EBC
 trained on the global batch in the same rank. Each case is rebuilt from its seed, so a failure
 names the seed and the case; `MODULAR_FUZZ_CASES` runs more of them (the suite runs a few).
@@ -26,8 +26,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.cases import global_batch, local_blocks, make_batch, state_error
-from tests.modular.test_fused import EPS, LR, _Reference
+from tests.modular.helpers import global_batch, local_blocks, make_batch, state_error
+from tests.modular.helpers import FUSED_EPS as EPS, FUSED_LR as LR, FusedReference
 
 CASES = int(os.environ.get("MODULAR_FUZZ_CASES", "25"))
 STEPS = 3
@@ -43,7 +43,6 @@ class Case:
     placements: tuple[TablePlacement, ...]
     weighted: bool
     optimizer: str
-    fuse_first: bool
 
 
 def _compositions(rng: random.Random, total: int, n: int) -> tuple[int, ...]:
@@ -87,7 +86,6 @@ def make_case(seed: int, world: int) -> Case:
         placements=tuple(placements),
         weighted=weighted,
         optimizer=rng.choice(OPTIMIZERS),
-        fuse_first=rng.random() < 0.5,
     )
 
 
@@ -112,21 +110,17 @@ def _train(case: Case) -> float:
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc(case)
     fused = not case.optimizer.startswith("dense_")
-    ref = _Reference(copy.deepcopy(ebc), case.optimizer.replace("dense_", "exact_"))
+    ref = FusedReference(copy.deepcopy(ebc), case.optimizer.replace("dense_", "exact_"))
     plan = ShardingPlan(world_size=world, modules={"": dict(zip((t[0] for t in case.tables), case.placements))})
-    if fused and case.fuse_first:
+    if fused:  # before shard (Note [order of sharding calls])
         opt = modular.fuse_optimizer(ebc, case.optimizer, lr=LR, eps=EPS)
-        model = modular.shard(ebc, plan)
-    else:
-        model = modular.shard(ebc, plan)
-        if fused:
-            opt = modular.fuse_optimizer(model, case.optimizer, lr=LR, eps=EPS)
-        else:  # a rank holding no table has no parameter, which torch's optimizers refuse
-            params = modular.local_parameters(model) or [torch.nn.Parameter(torch.zeros(0))]
-            if case.optimizer == "dense_sgd":
-                opt = torch.optim.SGD(params, lr=LR)
-            else:
-                opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
+    model = modular.shard(ebc, plan)
+    if not fused:  # a rank holding no table has no parameter, which torch's optimizers refuse
+        params = modular.local_parameters(model) or [torch.nn.Parameter(torch.zeros(0))]
+        if case.optimizer == "dense_sgd":
+            opt = torch.optim.SGD(params, lr=LR)
+        else:
+            opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
     worst = 0.0
     for step in range(STEPS):
         size = 1 + (case.seed + step) % 4  # every rank the same (modular needs it), steps differ

@@ -25,7 +25,7 @@ from tests.faults.helpers import (
     spawn,
     survive,
 )
-from tests.modular.cases import make_batch, make_ebc, plan_for
+from tests.modular.helpers import make_batch, make_ebc, plan_for
 
 
 def _step_with_fault(where: str, how: str) -> Survived | None:
@@ -65,7 +65,7 @@ def test_peers_of_a_failed_rank_raise_within_the_collective_timeout(world_size: 
     check_victim(outcomes[VICTIM], how)
     survived = check_survivors(outcomes)
     assert len(survived) == world_size - 1
-    # modular names the collective that failed and points at the peer (modular/_comm.py).
+    # modular names the collective that failed and points at the peer (modular/comm.py).
     label = {"input_dist": "the input-dist agreement of module ''",
              "backward": "the backward all-to-all of pooled-embedding gradients"}[where]
     for s in survived:

@@ -11,14 +11,14 @@ same bodies on CPU gloo ranks, to check this file itself on a machine with no GP
 
 The bodies are those of tests/modular/test_fused.py with the device made explicit and widths of
 16 and 32 (off CPU every shard must be a multiple of 4 columns: `check_widths_off_cpu` in
-modular/_tables.py): fbgemm's CUDA kernels (fused SGD, Adagrad, row-wise Adagrad; dense
+modular/tables/weights.py): fbgemm's CUDA kernels (fused SGD, Adagrad, row-wise Adagrad; dense
 gradients), the torch emulation of column pieces under row-wise Adagrad and of data-parallel
 replicas (which must stay identical on every rank: CUDA's atomic adds make sums
 order-dependent), prefetch and a checkpoint round trip, against a torch reference in the same
 rank; column pieces also with column_wise_statistic="per_shard".
 Run on an H100 on 2026-11-22 (docs/gpu.md: torch 2.11, fbgemm-gpu 1.6.0, torchrec 1.6.1; world 1
 over NCCL, world 2 over gloo on the one GPU): 15 passed in 239 s. On CPU they take about 90 s;
-writing them found the interleaved kernel routes fixed in modular/_layout.py `build_layout`.
+writing them found the interleaved kernel routes fixed in modular/tables/layout.py `build_layout`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
-from tests.modular.cases import CASES, global_batch, local_blocks, make_batch, placements_for, state_error
-from tests.modular.test_fused import EPS, LR, STEPS, _own_pieces, _Reference, _tables
+from tests.modular.helpers import CASES, global_batch, local_blocks, make_batch, placements_for, state_error
+from tests.modular.helpers import FUSED_EPS as EPS, FUSED_LR as LR, FUSED_STEPS as STEPS
+from tests.modular.helpers import FusedReference, fused_tables, own_pieces
 
 DEVICE_KIND = os.environ.get("MODULAR_GPU_TEST_DEVICE", "cuda")
 ATOL = 1e-4  # GPU reductions reorder sums; the CPU tests hold 1e-5
@@ -118,7 +119,7 @@ def _ebc(weighted: bool = False, dims: tuple[int, ...] = (16, 32, 16, 32)) -> Em
     tables = [
         EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=dim,
                            feature_names=c.feature_names, pooling=PoolingType.SUM if weighted else c.pooling)
-        for c, dim in zip(_tables(), dims)
+        for c, dim in zip(fused_tables(), dims)
     ]  # fmt: skip
     return EmbeddingBagCollection(tables=tables, is_weighted=weighted)
 
@@ -135,17 +136,15 @@ def _train(device: torch.device, case: str, optimizer: str, placements: dict | N
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = _ebc(weighted)
     plan = ShardingPlan(world_size=world, modules={"": placements or placements_for(case, ebc, world)})
-    pieces = _own_pieces(plan, ebc) if statistic == "per_shard" else None
-    ref = _Reference(copy.deepcopy(ebc).to(device), optimizer.replace("dense_", "exact_"), device=device,
+    pieces = own_pieces(plan, ebc) if statistic == "per_shard" else None
+    ref = FusedReference(copy.deepcopy(ebc).to(device), optimizer.replace("dense_", "exact_"), device=device,
                      pieces=pieces)
+    if not optimizer.startswith("dense_"):  # fused before shard (Note [order of sharding calls])
+        opt = modular.fuse_optimizer(ebc, optimizer, lr=LR, eps=EPS, column_wise_statistic=statistic)
     model = modular.shard(ebc, plan, device=device)
     if optimizer.startswith("dense_"):
         params = modular.local_parameters(model)
         opt = torch.optim.SGD(params, lr=LR) if optimizer == "dense_sgd" else torch.optim.Adagrad(params, lr=LR, eps=EPS)
-    elif statistic != "exact":
-        opt = modular.fuse_optimizer(model, optimizer, lr=LR, eps=EPS, column_wise_statistic=statistic)
-    else:
-        opt = modular.fuse_optimizer(model, optimizer, lr=LR, eps=EPS)
     kernels = sorted({type(k).__name__ for k in (*model._kernels, *model._local_kernels)})
     every = [[make_batch(ebc, seed=1000 * step + r).to(device) for r in range(world)] for step in range(STEPS)]
     if prefetch:
@@ -274,9 +273,9 @@ def _host_syncs_per_forward(device: torch.device, case: str) -> int:
     configs = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=64, embedding_dim=16,
                                   feature_names=[f"f{i}"]) for i in range(4)]  # fmt: skip
     ebc = EmbeddingBagCollection(tables=configs)
-    model = modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements_for(case, ebc, world)}),
-                          device=device)
-    modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+    plan = ShardingPlan(world_size=world, modules={"": placements_for(case, ebc, world)})
+    modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR, eps=EPS)  # before shard
+    model = modular.shard(ebc, plan, device=device)
     batch = make_batch(ebc, seed=rank).to(device)
     for _ in range(2):
         model(batch).values().sum().backward()

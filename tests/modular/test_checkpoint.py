@@ -2,7 +2,7 @@
 
 Every test saves from one pool of gloo ranks and loads in another (possibly of another size)
 through `tmp_path`; snapshots are assembled into full tensors in this process
-(tests/modular/checkpoint_helpers.py) and compared with `torch.equal`.
+(tests/modular/helpers.py) and compared with `torch.equal`.
 """
 
 from __future__ import annotations
@@ -22,43 +22,48 @@ import modular
 from modular.checkpoint import CheckpointError
 from modular.checkpoint._files import MANIFEST, sha256_of
 from tests.dist import run_on_ranks, spawn_ranks
-from tests.modular import checkpoint_helpers as H
+from tests.modular import helpers as H
 
 TIMEOUT = 90.0
 
 
-def _optimizer(model: torch.nn.Module, name: str) -> Any:
-    if name == "adagrad":
-        return torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
-    if name == "adam":
-        return torch.optim.Adam(modular.local_parameters(model), lr=0.01)
-    if name in ("fused", "fused_sgd", "fused_per_shard"):  # fused tables, Adam on the dense layer
-        kind = "exact_sgd" if name == "fused_sgd" else "exact_rowwise_adagrad"
-        statistic = "per_shard" if name == "fused_per_shard" else "exact"
-        fused = modular.fuse_optimizer(model, kind, lr=0.1, column_wise_statistic=statistic)
-        dense = torch.optim.Adam(modular.local_parameters(model), lr=0.01)
-        return modular.CombinedOptimizer({"tables": fused, "dense": dense})
-    raise ValueError(name)
+FUSED = {  # name -> (fused kind, column_wise_statistic); the dense layer takes Adam beside them
+    "fused": ("exact_rowwise_adagrad", "exact"),
+    "fused_sgd": ("exact_sgd", "exact"),
+    "fused_per_shard": ("exact_rowwise_adagrad", "per_shard"),
+}
 
 
-def _model(kind: str, seed: int, fsdp: bool) -> H.Model:
-    model = H.sharded(kind, seed=seed)
+def _model(kind: str, seed: int, optimizer: str, fsdp: bool = False, **table_kwargs: Any) -> tuple[H.CheckpointModel, Any]:
+    """The model built with `seed`, its tables fused first if `optimizer` is fused, sharded by
+    plan `kind` (Note [order of sharding calls]), and its optimizer."""
+    model = H.build_checkpoint_model(seed, **table_kwargs)
+    fused = None
+    if optimizer in FUSED:
+        fused_kind, statistic = FUSED[optimizer]
+        fused = modular.fuse_optimizer(model, fused_kind, lr=0.1, column_wise_statistic=statistic)
+    H.shard_checkpoint_model(model, kind)
     if fsdp:  # the dense layer's params become DTensors sharded over the ranks
         modular.apply_fully_shard(model, modules={torch.nn.Linear})
-    return model
+    if optimizer == "adagrad":
+        return model, torch.optim.Adagrad(modular.local_parameters(model), lr=0.1)
+    if optimizer == "adam":
+        return model, torch.optim.Adam(modular.local_parameters(model), lr=0.01)
+    if fused is not None:
+        dense = torch.optim.Adam(modular.local_parameters(model), lr=0.01)
+        return model, modular.CombinedOptimizer({"tables": fused, "dense": dense})
+    raise ValueError(optimizer)
 
 
 def _train_and_save(path: str, kind: str, optimizer: str, steps: int = 2, fsdp: bool = False) -> dict[str, Any]:
-    model = _model(kind, 0, fsdp)
-    opt = _optimizer(model, optimizer)
-    H.train(model, opt, range(steps))
+    model, opt = _model(kind, 0, optimizer, fsdp)
+    H.train_checkpoint_model(model, opt, range(steps))
     modular.checkpoint.save(path, model, opt)
     return H.local_snapshot(model, opt)
 
 
 def _load_and_snapshot(path: str, kind: str, optimizer: str, fsdp: bool = False) -> dict[str, Any]:
-    model = _model(kind, 1, fsdp)  # other weights than the saved ones, until loaded
-    opt = _optimizer(model, optimizer)
+    model, opt = _model(kind, 1, optimizer, fsdp)  # other weights than the saved ones, until loaded
     modular.checkpoint.load(path, model, opt)
     return H.local_snapshot(model, opt)
 
@@ -95,18 +100,16 @@ def test_fsdp_dense_params_reshard(tmp_path: Path, load_world: int, load_fsdp: b
 
 
 def _uninterrupted(path: str) -> list[float]:
-    model = H.sharded("A", seed=0)
-    opt = _optimizer(model, "adam")
-    losses = H.train(model, opt, range(2))
+    model, opt = _model("A", 0, "adam")
+    losses = H.train_checkpoint_model(model, opt, range(2))
     modular.checkpoint.save(path, model, opt)
-    return losses + H.train(model, opt, range(2, 5))
+    return losses + H.train_checkpoint_model(model, opt, range(2, 5))
 
 
 def _resumed(path: str, kind: str) -> list[float]:
-    model = H.sharded(kind, seed=1)
-    opt = _optimizer(model, "adam")  # Adam's state is created lazily: load must create it
+    model, opt = _model(kind, 1, "adam")  # Adam's state is created lazily: load must create it
     modular.checkpoint.load(path, model, opt)
-    return H.train(model, opt, range(2, 5))
+    return H.train_checkpoint_model(model, opt, range(2, 5))
 
 
 def test_resumed_training_has_the_same_losses(tmp_path: Path) -> None:
@@ -123,17 +126,17 @@ def test_resumed_training_has_the_same_losses(tmp_path: Path) -> None:
 def _export(kind: str, fsdp: bool) -> Any:
     import torch.distributed as dist
 
-    model = _model(kind, 0, fsdp)
-    H.train(model, _optimizer(model, "adagrad"), range(1))
+    model, opt = _model(kind, 0, "adagrad", fsdp)
+    H.train_checkpoint_model(model, opt, range(1))
     sd = modular.checkpoint.export(model)
     sharded_out = H.eval_outputs(model)
     if dist.get_rank() != 0:
         return sd
-    single = H.build(seed=3)
+    single = H.build_checkpoint_model(seed=3)
     single.load_state_dict(sd, strict=True)
     assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in sd.values())
     with torch.no_grad():
-        single_out = single.ebc(H.global_batch(99, max_ids=1)).values()
+        single_out = single.ebc(H.checkpoint_global_batch(99, max_ids=1)).values()
     assert torch.equal(single_out, sharded_out), (single_out - sharded_out).abs().max()
     return {k: v.clone() for k, v in sd.items()}
 
@@ -142,21 +145,21 @@ def _export(kind: str, fsdp: bool) -> Any:
 def test_export_loads_strictly_into_the_single_process_model(world: int, kind: str, fsdp: bool) -> None:
     results = run_on_ranks(world, _export, kind, fsdp, timeout=TIMEOUT)
     assert results[0] is not None and all(r is None for r in results[1:])
-    assert sorted(results[0]) == sorted(H.build(seed=0).state_dict())
+    assert sorted(results[0]) == sorted(H.build_checkpoint_model(seed=0).state_dict())
 
 
 def _load_unsharded(file: str, kind: str) -> dict[str, Any]:
-    model = H.sharded(kind, seed=1)
+    model = H.sharded_checkpoint_model(kind, seed=1)
     modular.checkpoint.load_unsharded(model, file)
     return H.local_snapshot(model)
 
 
 def test_load_unsharded_initialises_every_plan(tmp_path: Path) -> None:
-    single = H.build(seed=7)
+    single = H.build_checkpoint_model(seed=7)
     file = tmp_path / "single.pt"
     torch.save(single.state_dict(), file)
     with torch.no_grad():
-        expected_out = single.ebc(H.global_batch(99, max_ids=1)).values()
+        expected_out = single.ebc(H.checkpoint_global_batch(99, max_ids=1)).values()
     for world, kind in [(3, "C"), (2, "A")]:
         got = H.assemble(run_on_ranks(world, _load_unsharded, str(file), kind, timeout=TIMEOUT))
         assert torch.equal(got.pop("outputs"), expected_out)
@@ -171,10 +174,9 @@ def _save_and_die(path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
-    model = H.sharded("A", seed=1)
-    opt = _optimizer(model, "adagrad")
+    model, opt = _model("A", 1, "adagrad")
     modular.checkpoint.load(path, model, opt)
-    H.train(model, opt, range(2, 3))
+    H.train_checkpoint_model(model, opt, range(2, 3))
     if dist.get_rank() == 1:
         write_data = FileSystemWriter.write_data
 
@@ -203,8 +205,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None
 
 def _load_expecting_error(path: str, kind: str, table_kwargs: dict[str, Any], optimizer: str = "adagrad") -> str:
     """Loads into a model that may not match; returns the error after checking nothing changed."""
-    model = H.sharded(kind, seed=1, **table_kwargs)
-    opt = _optimizer(model, optimizer)
+    model, opt = _model(kind, 1, optimizer, **table_kwargs)
     before = H.local_snapshot(model, opt)
     with pytest.raises(CheckpointError) as info:
         modular.checkpoint.load(path, model, opt)
@@ -305,7 +306,7 @@ def test_per_shard_column_statistics_round_trip_and_refuse_the_other_layout(tmp_
 def _save_over(root: str) -> list[str]:
     """Saves onto a directory and a file that are not checkpoints (refused), then into an empty
     directory twice (a new checkpoint, then one that replaces it)."""
-    model = H.sharded("A", seed=0)
+    model = H.sharded_checkpoint_model("A", seed=0)
     messages = []
     for target in ("runs", "notes.txt"):
         with pytest.raises(CheckpointError) as info:
@@ -343,7 +344,7 @@ def test_save_refuses_a_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
 
 
 def _export_to(rank: int) -> str:
-    model = H.sharded("A", seed=0)
+    model = H.sharded_checkpoint_model("A", seed=0)
     with pytest.raises(CheckpointError) as info:
         modular.checkpoint.export(model, rank=rank)
     return str(info.value)
@@ -357,8 +358,8 @@ def _export_outside_the_group() -> str:
     group = dist.new_group(ranks=[1, 2])
     if dist.get_rank() == 0:
         return "not in the group"
-    plan = ShardingPlan(world_size=2, modules={"ebc": H.placements("A", 2)})
-    model = modular.shard(H.build(0), plan, process_group=group)
+    plan = ShardingPlan(world_size=2, modules={"ebc": H.checkpoint_placements("A", 2)})
+    model = modular.shard(H.build_checkpoint_model(0), plan, process_group=group)
     with pytest.raises(CheckpointError) as info:
         modular.checkpoint.export(model, rank=0)
     return str(info.value)
@@ -376,7 +377,7 @@ def test_export_to_a_rank_that_cannot_receive_fails_on_every_rank() -> None:
 
 
 def _load_unsharded_fails(files: list[str]) -> list[str]:
-    model = H.sharded("A", seed=1)
+    model = H.sharded_checkpoint_model("A", seed=1)
     before = H.local_snapshot(model)
     messages = []
     for file in files:
@@ -388,7 +389,7 @@ def _load_unsharded_fails(files: list[str]) -> list[str]:
 
 
 def test_load_unsharded_names_a_damaged_file_and_a_value_that_is_not_a_tensor(tmp_path: Path) -> None:
-    state = H.build(seed=7).state_dict()
+    state = H.build_checkpoint_model(seed=7).state_dict()
     good, truncated, listed = (tmp_path / n for n in ("good.pt", "truncated.pt", "listed.pt"))
     torch.save(state, good)
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])

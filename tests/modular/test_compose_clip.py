@@ -12,10 +12,11 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 import modular
-from modular._kernels import ShardView
+from modular.kernels.views import ShardView
 from tests.dist import run_on_ranks
-from tests.modular.compose_helpers import (
-    MLP, assert_grads_match, build, full_value, global_batch, loss_of, make_batch, mixed_plan,
+from tests.modular.helpers import (
+    MLP, assert_grads_match, build_dlrm, dlrm_batch, full_value, global_dlrm_batch, loss_of,
+    mixed_plan,
 )
 
 TIMEOUT = 90.0
@@ -27,10 +28,10 @@ WRAPS = {
 
 def _backward_both(wrap: str):
     world, rank = dist.get_world_size(), dist.get_rank()
-    s = build(mixed_plan(world), WRAPS[wrap])
-    batches = [make_batch(0, r) for r in range(world)]
+    s = build_dlrm(mixed_plan(world), WRAPS[wrap])
+    batches = [dlrm_batch(0, r) for r in range(world)]
     loss_of(s.forward, batches[rank]).backward()
-    loss_of(s.ref, global_batch(batches)).backward()
+    loss_of(s.ref, global_dlrm_batch(batches)).backward()
     return s
 
 
@@ -56,12 +57,11 @@ def test_clip_grad_norm_matches_torch_on_the_unsharded_model(wrap: str, world: i
 
 def _clip_with_fused_tables() -> dict[str, object]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    s = build(mixed_plan(world), lambda m: m)
-    modular.fuse_optimizer(s.model, "exact_sgd", lr=0.1)
-    modular.apply_fully_shard(s.model, modules={MLP})
-    batches = [make_batch(0, r) for r in range(world)]
+    fuse = lambda m: modular.fuse_optimizer(m, "exact_sgd", lr=0.1)  # noqa: E731 (before shard)
+    s = build_dlrm(mixed_plan(world), WRAPS["fsdp"], before_shard=fuse)
+    batches = [dlrm_batch(0, r) for r in range(world)]
     loss_of(s.model, batches[rank]).backward()
-    loss_of(s.ref, global_batch(batches)).backward()
+    loss_of(s.ref, global_dlrm_batch(batches)).backward()
     dense = {n: p for n, p in s.ref.named_parameters() if not n.startswith("sparse.")}
     total = modular.clip_grad_norm_(s.model, 0.01)
     ref_total = torch.nn.utils.clip_grad_norm_(dense.values(), 0.01)
@@ -89,7 +89,7 @@ def test_fused_tables_are_neither_counted_nor_clipped_nor_handed_to_the_optimize
 
 def _local_parameters_and_guard() -> dict[str, object]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    s = build(mixed_plan(world), WRAPS["fsdp"])
+    s = build_dlrm(mixed_plan(world), WRAPS["fsdp"])
     mine = modular.local_parameters(s.model)
     expected = []
     for _, p in s.model.named_parameters():
@@ -99,7 +99,7 @@ def _local_parameters_and_guard() -> dict[str, object]:
     # The mistake: a torch optimizer over model.parameters() holds the ShardedTensor wrappers.
     before = [full_value(p).clone() for p in s.model.parameters()]
     opt = torch.optim.SGD([p for p in s.model.parameters() if p.requires_grad], lr=0.5)
-    loss_of(s.forward, make_batch(0, rank)).backward()
+    loss_of(s.forward, dlrm_batch(0, rank)).backward()
     with pytest.raises(TypeError) as raised:
         opt.step()
     after = [full_value(p) for p in s.model.parameters()]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.compose_helpers import (
-    ATOL, LR, STEPS, assert_grads_match, assert_weights_match, build, global_batch, global_loss,
-    loss_of, make_batch, mixed_plan,
+from tests.modular.helpers import (
+    ATOL, DLRM_LR, DLRM_STEPS, assert_grads_match, assert_weights_match, build_dlrm, dlrm_batch,
+    global_dlrm_batch, global_loss, loss_of, mixed_plan,
 )
 
 TIMEOUT = 90.0
@@ -19,8 +20,9 @@ TIMEOUT = 90.0
 
 def _train_ddp() -> dict[str, object]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    s = build(mixed_plan(world), modular.apply_ddp)
+    s = build_dlrm(mixed_plan(world), modular.apply_ddp)
     ddp = s.forward
+    assert ddp is s.model, "apply_ddp works in place and returns the model it was given"
     reduced: list[int] = []
 
     def counting_allreduce(state, bucket):  # no annotations: DDP checks them, and they are strings here
@@ -28,14 +30,14 @@ def _train_ddp() -> dict[str, object]:
         return allreduce_hook(None, bucket)
 
     ddp.register_comm_hook(None, counting_allreduce)
-    opt = torch.optim.SGD(modular.local_parameters(s.model), lr=LR)
-    ref_opt = torch.optim.SGD(s.ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(modular.local_parameters(s.model), lr=DLRM_LR)
+    ref_opt = torch.optim.SGD(s.ref.parameters(), lr=DLRM_LR)
     curve = []
-    for step in range(STEPS):
-        batches = [make_batch(step, r) for r in range(world)]
+    for step in range(DLRM_STEPS):
+        batches = [dlrm_batch(step, r) for r in range(world)]
         loss = loss_of(ddp, batches[rank])
         loss.backward()
-        ref_loss = loss_of(s.ref, global_batch(batches))
+        ref_loss = loss_of(s.ref, global_dlrm_batch(batches))
         ref_loss.backward()
         if step == 0:  # data-parallel tables included: a second reduction would change nothing
             assert_grads_match(s.model, s.ref, f"rank {rank}, step 0")
@@ -44,13 +46,13 @@ def _train_ddp() -> dict[str, object]:
         opt.zero_grad()
         ref_opt.zero_grad()
         curve.append((global_loss(loss), ref_loss.item()))
-    assert_weights_match(s.model, s.ref, f"rank {rank} after {STEPS} steps")
+    assert_weights_match(s.model, s.ref, f"rank {rank} after {DLRM_STEPS} steps")
     dense = {n: p.numel() for n, p in s.model.named_parameters() if not n.startswith("sparse.")}
     return {
         "curve": curve,
-        "ddp_params": sorted(n for n, p in s.model.named_parameters() if any(p is q for q in ddp._module_parameters)),
+        "ddp_params": sorted(n for n, p in s.model.named_parameters() if any(p is q for q in replicate.state(ddp)._param_list)),
         "dense_params": sorted(dense),
-        "reduced_per_step": sum(reduced) / STEPS,
+        "reduced_per_step": sum(reduced) / DLRM_STEPS,
         "dense_numel": sum(dense.values()),
     }
 

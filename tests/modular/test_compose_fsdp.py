@@ -11,30 +11,30 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import modular
-from modular.fsdp import dense_modules
+from modular.compose.fsdp import dense_modules
 from tests.dist import run_on_ranks
-from tests.modular.compose_helpers import (
-    ATOL, LR, MLP, STEPS, DLRM, assert_weights_match, build, global_batch, global_loss, host_plan,
-    loss_of, make_batch, mixed_plan,
+from tests.modular.helpers import (
+    ATOL, DLRM, DLRM_LR, DLRM_STEPS, MLP, assert_weights_match, build_dlrm, dlrm_batch,
+    global_dlrm_batch, global_loss, host_plan, loss_of, mixed_plan,
 )
 
 TIMEOUT = 90.0
 
 
 def _train_fsdp(*, hsdp: bool = False, clip: float | None = None, **fsdp_kwargs) -> list[tuple[float, ...]]:
-    """STEPS of SGD on both sides; returns (sharded loss, reference loss[, norms]) per step."""
+    """`DLRM_STEPS` steps of SGD on both sides; returns (sharded loss, reference loss[, norms]) per step."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     plan = host_plan() if hsdp else mixed_plan(world)
-    s = build(plan, lambda m: modular.apply_fully_shard(m, modules={MLP}, mesh=mesh, **fsdp_kwargs))
-    opt = torch.optim.SGD(modular.local_parameters(s.model), lr=LR)
-    ref_opt = torch.optim.SGD(s.ref.parameters(), lr=LR)
+    s = build_dlrm(plan, lambda m: modular.apply_fully_shard(m, modules={MLP}, mesh=mesh, **fsdp_kwargs))
+    opt = torch.optim.SGD(modular.local_parameters(s.model), lr=DLRM_LR)
+    ref_opt = torch.optim.SGD(s.ref.parameters(), lr=DLRM_LR)
     curve = []
-    for step in range(STEPS):
-        batches = [make_batch(step, r) for r in range(world)]
+    for step in range(DLRM_STEPS):
+        batches = [dlrm_batch(step, r) for r in range(world)]
         loss = loss_of(s.forward, batches[rank])
         loss.backward()
-        ref_loss = loss_of(s.ref, global_batch(batches))
+        ref_loss = loss_of(s.ref, global_dlrm_batch(batches))
         ref_loss.backward()
         point: tuple[float, ...] = (global_loss(loss), ref_loss.item())
         if clip is not None:
@@ -46,7 +46,7 @@ def _train_fsdp(*, hsdp: bool = False, clip: float | None = None, **fsdp_kwargs)
         opt.zero_grad()
         ref_opt.zero_grad()
         curve.append(point)
-    assert_weights_match(s.model, s.ref, f"rank {rank} after {STEPS} steps")
+    assert_weights_match(s.model, s.ref, f"rank {rank} after {DLRM_STEPS} steps")
     return curve
 
 
@@ -81,7 +81,7 @@ def _fully_sharded_fqns(selector: str) -> dict[str, object]:
         "nested": {MLP, nn.Linear},
         "has_params": lambda m: any(True for _ in m.parameters(recurse=False)),
     }[selector]
-    s = build(mixed_plan(dist.get_world_size()), lambda m: modular.apply_fully_shard(m, modules=modules))
+    s = build_dlrm(mixed_plan(dist.get_world_size()), lambda m: modular.apply_fully_shard(m, modules=modules))
     return {
         "fsdp": sorted(n for n, m in s.model.named_modules() if isinstance(m, FSDPModule)),
         "dtensors": sorted(n for n, p in s.model.named_parameters() if isinstance(p, DTensor)),
@@ -116,9 +116,9 @@ def test_dense_modules_follows_modules_order_and_rejects_a_bare_class() -> None:
 
 
 def _reshard_state(reshard: bool) -> list[bool]:
-    s = build(mixed_plan(dist.get_world_size()),
+    s = build_dlrm(mixed_plan(dist.get_world_size()),
               lambda m: modular.apply_fully_shard(m, modules={MLP}, reshard_after_forward=reshard))
-    loss = loss_of(s.forward, make_batch(0, dist.get_rank()))
+    loss = loss_of(s.forward, dlrm_batch(0, dist.get_rank()))
     sharded_after_forward = [isinstance(s.model.bottom[0].weight, DTensor), isinstance(s.model.top[0].weight, DTensor)]
     loss.backward()
     return sharded_after_forward + [isinstance(s.model.bottom[0].weight, DTensor)]
@@ -133,7 +133,7 @@ def test_reshard_after_forward_reaches_the_dense_modules(reshard: bool) -> None:
 def _mixed_precision() -> dict[str, object]:
     world, rank = dist.get_world_size(), dist.get_rank()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    s = build(mixed_plan(world), lambda m: modular.apply_fully_shard(m, modules={MLP}, mp_policy=mp))
+    s = build_dlrm(mixed_plan(world), lambda m: modular.apply_fully_shard(m, modules={MLP}, mp_policy=mp))
     seen: dict[str, torch.dtype] = {}
 
     def record(name: str):
@@ -143,14 +143,14 @@ def _mixed_precision() -> dict[str, object]:
 
     for name in ("bottom.0", "top.0"):
         s.model.get_submodule(name).register_forward_hook(record(name))
-    opt = torch.optim.SGD(modular.local_parameters(s.model), lr=LR)
-    ref_opt = torch.optim.SGD(s.ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(modular.local_parameters(s.model), lr=DLRM_LR)
+    ref_opt = torch.optim.SGD(s.ref.parameters(), lr=DLRM_LR)
     curve = []
     for step in range(3):
-        batches = [make_batch(step, r) for r in range(world)]
+        batches = [dlrm_batch(step, r) for r in range(world)]
         loss = loss_of(s.forward, batches[rank])
         loss.backward()
-        ref_loss = loss_of(s.ref, global_batch(batches))
+        ref_loss = loss_of(s.ref, global_dlrm_batch(batches))
         ref_loss.backward()
         opt.step()
         ref_opt.step()

@@ -15,7 +15,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.cases import (
+from tests.modular.helpers import (
     BATCH,
     close,
     global_batch,
@@ -100,7 +100,7 @@ def test_data_parallel_replicas_average_by_either_route(replay_ratio: float, wor
 
 
 def test_replay_pays_when_the_global_batch_touches_less_than_the_table() -> None:
-    from modular._kernels import replay_pays
+    from modular.kernels.dense import replay_pays
 
     # 8 tables x 100k rows x 64 dims, 2 ranks x 1,024 samples x 8 features x 20 ids: replay
     assert replay_pays(2 * 1024 * 8 * 20, 64, 8 * 100_000 * 64)

@@ -12,104 +12,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.cases import CASES, close, global_batch, local_blocks, make_batch, placements_for, state_error
+from tests.modular.helpers import (
+    CASES, FUSED_EPS, FUSED_LR, FUSED_STEPS, FusedReference, close, fused_ebc, fused_tables, global_batch,
+    local_blocks, make_batch, own_pieces, placements_for, state_error,
+)
 
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
-LR, EPS, STEPS = 0.3, 1e-3, 5
-
-
-def _tables() -> list[EmbeddingBagConfig]:
-    return [
-        EmbeddingBagConfig(name="t_sum", num_embeddings=13, embedding_dim=8, feature_names=["f_a", "f_b"]),
-        EmbeddingBagConfig(name="t_mean", num_embeddings=11, embedding_dim=7, feature_names=["f_c"], pooling=PoolingType.MEAN),
-        EmbeddingBagConfig(name="t_small", num_embeddings=7, embedding_dim=5, feature_names=["f_d", "f_a"], pooling=PoolingType.MEAN),
-        EmbeddingBagConfig(name="t_big", num_embeddings=29, embedding_dim=16, feature_names=["f_e"]),
-    ]
-
-
-def _ebc(weighted: bool = False) -> EmbeddingBagCollection:
-    torch.manual_seed(0)
-    if not weighted:
-        return EmbeddingBagCollection(tables=_tables())
-    # Per-sample weights take SUM pooling only (as in torchrec): the same tables, summed, with
-    # widths that fbgemm's kernels take whole and in column halves (8 and 16: a kernel group
-    # with one odd width is emulated as a whole, which the unweighted tables cover).
-    tables = [
-        EmbeddingBagConfig(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=dim,
-                           feature_names=c.feature_names)
-        for c, dim in zip(_tables(), (8, 16, 8, 16))
-    ]  # fmt: skip
-    return EmbeddingBagCollection(tables=tables, is_weighted=True)
-
-
-class _Reference:
-    """The unsharded EBC trained with the torch equivalent of each fused optimizer.
-
-    `pieces`: per weight FQN, the (first, end) columns of each column piece that keeps its own
-    row-wise Adagrad (column_wise_statistic="per_shard"): each piece is trained as a table of its
-    own, whose gradient is its columns' slice of the table's; other tables are one piece.
-    """
-
-    def __init__(
-        self,
-        ebc: EmbeddingBagCollection,
-        optimizer: str,
-        weight_decay: float = 0.0,
-        device: torch.device | None = None,
-        pieces: dict[str, list[tuple[int, int]]] | None = None,
-    ) -> None:
-        self.ebc = ebc
-        self.kind = optimizer
-        self.weight_decay = weight_decay
-        self.lr = LR
-        params = list(ebc.parameters())
-        if optimizer == "exact_sgd":
-            self.opt = torch.optim.SGD(params, lr=LR)
-        elif optimizer == "exact_adagrad":
-            self.opt = torch.optim.Adagrad(params, lr=LR, eps=EPS)
-        else:
-            self.opt = None
-            named = dict(ebc.named_parameters())
-            self.pieces = {n: (pieces or {}).get(n, [(0, p.shape[1])]) for n, p in named.items()}
-            self.row_sums = {
-                n: torch.zeros(p.shape[0], len(self.pieces[n]), device=device)
-                for n, p in named.items()
-            }
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if self.opt is not None:
-            self.opt.step()
-            self.opt.zero_grad()
-            return
-        for name, p in self.ebc.named_parameters():  # row-wise Adagrad, written out
-            g = p.grad
-            touched = (g != 0).any(1, keepdim=True)
-            g = g + self.weight_decay * p * touched  # fbgemm's L2 mode: rows the step touched
-            for i, (lo, hi) in enumerate(self.pieces[name]):
-                piece = g[:, lo:hi]
-                self.row_sums[name][:, i] += (piece * piece).mean(1)
-                p[:, lo:hi] -= self.lr * piece / (self.row_sums[name][:, i].sqrt() + EPS)[:, None]
-            p.grad = None
-
-    def state(self, name: str) -> torch.Tensor | None:
-        if self.kind == "exact_sgd":
-            return None
-        if self.kind == "exact_adagrad":
-            return self.opt.state[dict(self.ebc.named_parameters())[name]]["sum"]
-        return self.row_sums[name] if len(self.pieces[name]) > 1 else self.row_sums[name][:, 0]
+LR, EPS, STEPS = FUSED_LR, FUSED_EPS, FUSED_STEPS
 
 
 def _train(
     case: str,
     optimizer: str,
-    fuse_first: bool,
     weight_decay: float = 0.0,
     lookups: int = 1,
     halve_lr: bool = False,
@@ -123,20 +42,17 @@ def _train(
 ) -> dict[str, float]:
     """Trains `case`'s plan (or `placements`) fused and the reference side by side, comparing
     outputs, weights and state; `kernels` and `shapes` receive each table's kernel class and
-    the global shape of its optimizer state."""
+    the global shape of its optimizer state. The EBC is fused, then sharded (Note [order of
+    sharding calls]): `shard` cuts the one-process fused module into fused shards."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    ebc = _ebc(weighted)
+    ebc = fused_ebc(weighted)
     hyper = {"lr": LR, "eps": EPS, "weight_decay": weight_decay, "column_wise_statistic": statistic}
     plan = ShardingPlan(world_size=world, modules={"": placements or placements_for(case, ebc, world)})
-    pieces = _own_pieces(plan, ebc) if statistic == "per_shard" else None
-    ref = _Reference(copy.deepcopy(ebc), optimizer, weight_decay, pieces=pieces)
+    pieces = own_pieces(plan, ebc) if statistic == "per_shard" else None
+    ref = FusedReference(copy.deepcopy(ebc), optimizer, weight_decay, pieces=pieces)
     keys_before = [n for n, _ in ebc.named_parameters()]
-    if fuse_first:
-        opt = modular.fuse_optimizer(ebc, optimizer, **hyper)
-        model = modular.shard(ebc, plan)
-    else:
-        model = modular.shard(ebc, plan)
-        opt = modular.fuse_optimizer(model, optimizer, **hyper)
+    opt = modular.fuse_optimizer(ebc, optimizer, **hyper)
+    model = modular.shard(ebc, plan)
     assert [n for n, _ in model.named_parameters()] == keys_before
     assert modular.local_parameters(model) == [], "fused tables must not reach a dense optimizer"
     if kernels is not None:  # each table this rank holds: the kernel class that looks it up
@@ -191,27 +107,15 @@ def _train(
     return {"worst": worst}
 
 
-def _own_pieces(plan: ShardingPlan, ebc: EmbeddingBagCollection) -> dict[str, list[tuple[int, int]]]:
-    """The column ranges of every table the plan cuts into column pieces, by weight FQN."""
-    out = {}
-    world = plan.world_size
-    for c in ebc.embedding_bag_configs():
-        placement = plan.modules[""][c.name]
-        specs = placement.shards(num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim, world_size=world)
-        if placement.sharding_type is ShardingType.COLUMN_WISE and len(specs) > 1:
-            out[f"embedding_bags.{c.name}.weight"] = sorted((s.col_offset, s.col_offset + s.num_cols) for s in specs)
-    return out
-
-
 def _train_all_cases(optimizer: str) -> dict[str, float]:
     out = {}
-    for i, case in enumerate(CASES):
-        out[case] = _train(case, optimizer, fuse_first=i % 2 == 0)["worst"]
+    for case in CASES:
+        out[case] = _train(case, optimizer)["worst"]
     return out
 
 
 def _train_with_weight_decay() -> dict[str, float]:
-    return {c: _train(c, "exact_rowwise_adagrad", c != "row_wise", 0.05)["worst"] for c in CASES}
+    return {c: _train(c, "exact_rowwise_adagrad", 0.05)["worst"] for c in CASES}
 
 
 @pytest.mark.timeout(120)
@@ -229,7 +133,7 @@ def test_fused_training_matches_unsharded_reference(world: int, optimizer: str) 
 
 
 def _train_with_lr_schedule() -> dict[str, float]:
-    return {c: _train(c, "exact_rowwise_adagrad", fuse_first=False, halve_lr=True)["worst"] for c in CASES}
+    return {c: _train(c, "exact_rowwise_adagrad", halve_lr=True)["worst"] for c in CASES}
 
 
 @pytest.mark.timeout(120)
@@ -241,7 +145,7 @@ def test_lr_scheduler_drives_every_fused_kernel_kind() -> None:
 
 
 def _train_column_wise_twice_per_step() -> float:
-    return _train("column_wise", "exact_rowwise_adagrad", fuse_first=False, lookups=2)["worst"]
+    return _train("column_wise", "exact_rowwise_adagrad", lookups=2)["worst"]
 
 
 @pytest.mark.timeout(120)
@@ -255,7 +159,7 @@ def test_column_wise_rowwise_adagrad_sums_two_lookups_into_one_update() -> None:
 def _train_column_wise_on_some_ranks() -> tuple[float, list[int]]:
     """Column-wise tables on subsets of 3 ranks, one rank holding two shards of a table; returns
     the worst difference and this rank's per-peer floats in the row statistics' all-to-all."""
-    import modular._fused as fused
+    import modular.fused.backward as fused
 
     CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE
     placements = {
@@ -275,7 +179,7 @@ def _train_column_wise_on_some_ranks() -> tuple[float, list[int]]:
 
     fused.all_to_all = spy
     try:
-        worst = _train("", "exact_rowwise_adagrad", fuse_first=False, placements=placements)["worst"]
+        worst = _train("", "exact_rowwise_adagrad", placements=placements)["worst"]
     finally:
         fused.all_to_all = original
     assert len(sent) == STEPS, sent  # one exchange per step, on every rank
@@ -286,7 +190,7 @@ def _ids_and_rows(step: int, features: list[str]) -> tuple[int, int]:
     """The global batch of `_train`'s step: its ids of `features` and the distinct ids."""
     ids = []
     for r in range(3):
-        kjt = make_batch(_ebc(), seed=1000 * step + r).to_dict()
+        kjt = make_batch(fused_ebc(), seed=1000 * step + r).to_dict()
         ids.extend(kjt[f].values() for f in features)
     ids = torch.cat(ids)
     return ids.numel(), ids.unique().numel()
@@ -314,8 +218,7 @@ def _train_weighted(optimizer: str) -> dict[str, float]:
     world = dist.get_world_size()
     return {
         # The same plans as unweighted (cases' weighted "mixed" plan names other tables).
-        c: _train(c, optimizer, fuse_first=c != "row_wise", weighted=True,
-                  placements=placements_for(c, _ebc(), world))["worst"]
+        c: _train(c, optimizer, weighted=True, placements=placements_for(c, fused_ebc(), world))["worst"]
         for c in CASES
     }  # fmt: skip
 
@@ -332,7 +235,7 @@ def test_per_sample_weights_train_like_the_reference(optimizer: str) -> None:
 def _train_column_wise_with_a_table_unused_in_a_step() -> float:
     # Step 1 looks up nothing in t_mean (widths 4/3: the emulation) and step 2 nothing in t_big
     # (8/8: fbgemm in two passes), on every rank: no touched rows, nothing to exchange.
-    return _train("column_wise", "exact_rowwise_adagrad", fuse_first=False, empty={1: "f_c", 2: "f_e"})["worst"]
+    return _train("column_wise", "exact_rowwise_adagrad", empty={1: "f_c", 2: "f_e"})["worst"]
 
 
 @pytest.mark.timeout(120)
@@ -349,7 +252,7 @@ def _train_column_piece_beside_whole_tables() -> tuple[float, dict]:
         "t_big": TablePlacement(CW, ranks=(0, 1), sizes=(8, 8)),
     }
     kernels: dict = {}
-    worst = _train("", "exact_rowwise_adagrad", fuse_first=False, placements=placements, kernels=kernels)["worst"]
+    worst = _train("", "exact_rowwise_adagrad", placements=placements, kernels=kernels)["worst"]
     return worst, kernels
 
 
@@ -371,7 +274,7 @@ def _train_two_pieces_on_one_rank() -> dict[str, float]:
         "t_small": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
         "t_big": TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, last)),
     }
-    return {o: _train("column_wise", o, o != "exact_sgd", placements=placements)["worst"] for o in OPTIMIZERS}
+    return {o: _train("column_wise", o, placements=placements)["worst"] for o in OPTIMIZERS}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -392,7 +295,7 @@ def _train_column_pieces_on_one_rank_only() -> float:
         "t_small": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
         "t_big": TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, 0)),
     }
-    return _train("column_wise", "exact_rowwise_adagrad", False, placements=placements)["worst"]
+    return _train("column_wise", "exact_rowwise_adagrad", placements=placements)["worst"]
 
 
 def test_a_rank_without_column_pieces_joins_their_statistics_exchange() -> None:
@@ -402,7 +305,7 @@ def test_a_rank_without_column_pieces_joins_their_statistics_exchange() -> None:
 def _train_prefetching() -> dict[str, float]:
     # The end-of-backward collectives (column statistics, replicas' gathers) run while the next
     # batch's input dist is in flight on the prefetch group (Note [prefetched input dist]).
-    return {c: _train(c, "exact_rowwise_adagrad", fuse_first=False, prefetch=True, lookups=1 + (c == "column_wise"))["worst"]
+    return {c: _train(c, "exact_rowwise_adagrad", prefetch=True, lookups=1 + (c == "column_wise"))["worst"]
             for c in ("column_wise", "mixed", "data_parallel")}  # fmt: skip
 
 
@@ -412,45 +315,45 @@ def test_prefetched_fused_training_matches_the_reference() -> None:
     assert set(results[0]) == {"column_wise", "mixed", "data_parallel"}
 
 
-def _fuse_order(optimizer: str, fuse_first: bool) -> dict[str, torch.Tensor]:
+def _fuse_after_shard() -> dict[str, object]:
+    """Fusing an already sharded model: refused on this rank, the model left as it was."""
     world = dist.get_world_size()
-    ebc = _ebc()
-    plan = ShardingPlan(world_size=world, modules={"": placements_for("mixed", ebc, world)})
-    if fuse_first:
-        opt = modular.fuse_optimizer(ebc, optimizer, lr=LR, eps=EPS)
-        model = modular.shard(ebc, plan)
-    else:
-        model = modular.shard(ebc, plan)
-        opt = modular.fuse_optimizer(model, optimizer, lr=LR, eps=EPS)
-    for step in range(STEPS):
-        batch = make_batch(ebc, seed=77 * step + dist.get_rank())
-        model(batch).values().square().sum().backward()
-        opt.step()
-    return {n: t.clone() for n, p in model.named_parameters() for t, _, _ in local_blocks(p)}
+    ebc = fused_ebc()
+    model = modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements_for("mixed", ebc, world)}))
+    before = {n: [t.clone() for t, _, _ in local_blocks(p)] for n, p in model.named_parameters()}
+    with pytest.raises(modular.ShardingError) as info:
+        modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
+    unchanged = all(
+        torch.equal(t, b) for n, p in model.named_parameters() for (t, _, _), b in zip(local_blocks(p), before[n])
+    )
+    model(make_batch(ebc, seed=dist.get_rank())).values().sum().backward()  # still trains, unfused
+    return {"message": str(info.value), "fused": model.fused, "unchanged": unchanged,
+            "dense": len(modular.local_parameters(model)) > 0}  # fmt: skip
 
 
 @pytest.mark.timeout(120)
-def test_fuse_then_shard_equals_shard_then_fuse() -> None:
-    a = run_on_ranks(2, _fuse_order, "exact_rowwise_adagrad", True, timeout=100)
-    b = run_on_ranks(2, _fuse_order, "exact_rowwise_adagrad", False, timeout=100)
-    for rank, (x, y) in enumerate(zip(a, b)):
-        assert x.keys() == y.keys()
-        for name in x:
-            assert torch.equal(x[name], y[name]), f"rank {rank} {name}"
+def test_fusing_after_shard_is_refused_on_every_rank_naming_the_order() -> None:
+    # Note [order of sharding calls]: fusing a sharded module held every shard twice while its
+    # kernels were swapped (benchmarks/shard_memory.py); fused first, shard builds fused shards.
+    for rank, out in enumerate(run_on_ranks(2, _fuse_after_shard, timeout=100)):
+        message = out["message"]
+        assert "modules [''] are already sharded" in message, (rank, message)
+        assert "call modular.fuse_optimizer before modular.shard" in message, (rank, message)
+        assert out["fused"] is None and out["unchanged"] and out["dense"], (rank, out)
 
 
 def _state_keys(kind: str) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
     world = dist.get_world_size()
-    ebc = _ebc()
+    ebc = fused_ebc()
     placement = {
         "data_parallel": TablePlacement(ShardingType.DATA_PARALLEL),
         "table_wise": TablePlacement(ShardingType.TABLE_WISE, ranks=(1,)),
         "row_wise": TablePlacement(ShardingType.ROW_WISE),
         "column_wise": TablePlacement(ShardingType.COLUMN_WISE),
     }[kind]
-    plan = ShardingPlan(world_size=world, modules={"": {c.name: placement for c in _tables()}})
-    model = modular.shard(ebc, plan)
-    opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR)
+    plan = ShardingPlan(world_size=world, modules={"": {c.name: placement for c in fused_tables()}})
+    opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR)
+    modular.shard(ebc, plan)
     sd = opt.state_dict()
     shapes = [tuple(next(iter(v.values())).size()) for _, v in sorted(sd["state"].items())]
     return sorted(sd["state"]), [sorted(v) for v in sd["state"].values()][0], shapes
@@ -460,15 +363,15 @@ def _state_keys(kind: str) -> tuple[list[str], list[str], list[tuple[int, ...]]]
 def test_state_dict_keys_do_not_depend_on_the_sharding_type() -> None:
     seen = {k: run_on_ranks(2, _state_keys, k, timeout=60)[0] for k in ("data_parallel", "table_wise", "row_wise", "column_wise")}
     first = seen["data_parallel"]
-    assert first[0] == [f"embedding_bags.{c.name}.weight" for c in sorted(_tables(), key=lambda c: c.name)]
+    assert first[0] == [f"embedding_bags.{c.name}.weight" for c in sorted(fused_tables(), key=lambda c: c.name)]
     assert first[1] == ["row_sum"]
     for kind, keys in seen.items():
         assert keys == first, kind
 
 
 def test_unsharded_fused_ebc_trains_in_one_process_without_a_process_group() -> None:
-    ebc = _ebc()
-    ref = _Reference(copy.deepcopy(ebc), "exact_adagrad")
+    ebc = fused_ebc()
+    ref = FusedReference(copy.deepcopy(ebc), "exact_adagrad")
     opt = modular.fuse_optimizer(ebc, "exact_adagrad", lr=LR, eps=EPS)
     assert isinstance(ebc, modular.ShardedEmbeddingBagCollection) and ebc.is_local
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -490,7 +393,7 @@ def test_unsharded_fused_ebc_trains_in_one_process_without_a_process_group() -> 
 
 
 def test_optimizer_state_dict_round_trip_in_one_process() -> None:
-    ebc = _ebc()
+    ebc = fused_ebc()
     opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR)
     ebc(make_batch(ebc, seed=1)).values().sum().backward()
     saved = copy.deepcopy(opt.state_dict())
@@ -506,7 +409,7 @@ def test_optimizer_state_dict_round_trip_in_one_process() -> None:
 @pytest.mark.parametrize(
     "name, kwargs, message",
     [
-        ("adam", {"lr": 0.1}, "'adam' is not supported; fbgemm's CPU kernels support 'exact_sgd', 'exact_adagrad', 'exact_rowwise_adagrad'"),
+        ("adam", {"lr": 0.1}, "'adam' is not supported; fbgemm's fused kernels support 'exact_sgd', 'exact_adagrad', 'exact_rowwise_adagrad'"),
         ("exact_adagrad", {"lr": 0.0}, "lr must be positive, got 0.0"),
         ("exact_adagrad", {"lr": 0.1, "eps": -1.0}, "eps must be positive"),
         ("exact_adagrad", {"lr": 0.1, "weight_decay": 0.01}, "fbgemm's exact_adagrad kernel has no weight decay"),
@@ -516,32 +419,37 @@ def test_optimizer_state_dict_round_trip_in_one_process() -> None:
 )
 def test_unsupported_optimizer_or_hyperparameter_is_named(name: str, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        modular.fuse_optimizer(_ebc(), name, **kwargs)
+        modular.fuse_optimizer(fused_ebc(), name, **kwargs)
 
 
 def test_fusing_twice_is_an_error() -> None:
-    ebc = _ebc()
+    ebc = fused_ebc()
     modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
     with pytest.raises(ValueError, match="already fused"):
         modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
 
 
-def _meta_order(fuse_first: bool, statistic: str = "exact") -> dict[str, torch.Tensor]:
-    """Trains a meta EBC under the mixed plan (t_mean in column pieces), fused before or after
-    `shard`; returns this rank's weights and row-wise state, and the kernel class per table."""
+def _meta_order(source: str, statistic: str = "exact") -> dict[str, torch.Tensor]:
+    """Trains an EBC fused, then sharded under the mixed plan (t_mean in column pieces); returns
+    this rank's weights and row-wise state, and the kernel class per table. `source` "meta": the
+    EBC is on meta, so `fuse_optimizer` only marks it and `shard` builds its shards fused;
+    "materialised": an EBC holding the weights `shard` gives the meta one (each shard's init_fn),
+    fused into a one-process module that `shard` then cuts."""
     world = dist.get_world_size()
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=_tables(), device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(tables=fused_tables(), device=torch.device("meta"))
     plan = ShardingPlan(world_size=world, modules={"": placements_for("mixed", ebc, world)})
     hyper = {"lr": LR, "eps": EPS, "column_wise_statistic": statistic}
-    if fuse_first:
-        opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", **hyper)
+    if source == "materialised":
+        weights = [modular.checkpoint.export(modular.shard(copy.deepcopy(ebc), plan))]
+        dist.broadcast_object_list(weights, src=0)
+        ebc = EmbeddingBagCollection(tables=fused_tables())
+        ebc.load_state_dict(weights[0], strict=True)
+    opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", **hyper)
+    if source == "meta":
         assert all(p.is_meta for p in ebc.parameters()), "a meta EBC must not be materialised"
         assert opt.state_dict()["state"] == {}
-        model = modular.shard(ebc, plan)
-    else:
-        model = modular.shard(ebc, plan)
-        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", **hyper)
+    model = modular.shard(ebc, plan)
     assert model.fused is not None
     kernels = {f"kernel/{t}/{j}": type(k).__name__ for k in (*model._kernels, *model._local_kernels) for t, j in k.group.shards}
     for step in range(STEPS):
@@ -557,9 +465,9 @@ def _meta_order(fuse_first: bool, statistic: str = "exact") -> dict[str, torch.T
 
 
 @pytest.mark.timeout(120)
-def test_fusing_a_meta_ebc_builds_fused_shards_directly_and_trains_like_the_other_order() -> None:
-    a = run_on_ranks(2, _meta_order, True, timeout=100)
-    b = run_on_ranks(2, _meta_order, False, timeout=100)
+def test_fusing_a_meta_ebc_builds_fused_shards_directly_and_trains_like_a_materialised_one() -> None:
+    a = run_on_ranks(2, _meta_order, "meta", timeout=100)
+    b = run_on_ranks(2, _meta_order, "materialised", timeout=100)
     for rank, (x, y) in enumerate(zip(a, b)):
         assert x.keys() == y.keys() and any("/state/" in k for k in x)
         for name in x:
@@ -578,10 +486,11 @@ def _weight_grad_work(case: str, fused: bool) -> tuple[list[str], list[list[int]
     from torch.profiler import ProfilerActivity, profile
 
     world = dist.get_world_size()
-    ref = _ebc(weighted=True)
-    model = modular.shard(copy.deepcopy(ref), ShardingPlan(world_size=world, modules={"": placements_for(case, ref, world)}))
-    if fused:
+    ref = fused_ebc(weighted=True)
+    model = copy.deepcopy(ref)
+    if fused:  # before shard (Note [order of sharding calls])
         modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
+    modular.shard(model, ShardingPlan(world_size=world, modules={"": placements_for(case, ref, world)}))
     batch = make_batch(ref, seed=dist.get_rank())
     marks, original = [], TBE.forward
 

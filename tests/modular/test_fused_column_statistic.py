@@ -1,6 +1,6 @@
 """Row-wise Adagrad with `column_wise_statistic="per_shard"`: each column piece keeps the row
 statistic of its own columns (TorchRec's approximation), against a reference that trains each
-piece as a table of its own (tests/modular/test_fused.py's `_Reference` with `pieces`). The
+piece as a table of its own (`FusedReference` in tests/modular/helpers.py, with `pieces`). The
 default stays exact (test_fused.py); checkpoints of this mode: test_checkpoint.py.
 """
 
@@ -15,8 +15,8 @@ import modular
 from modular.checkpoint._state import like_sharded
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.cases import local_blocks, make_batch, placements_for
-from tests.modular.test_fused import EPS, LR, STEPS, _ebc, _meta_order, _same, _train
+from tests.modular.helpers import fused_ebc, local_blocks, make_batch, placements_for
+from tests.modular.test_fused import EPS, LR, STEPS, _meta_order, _same, _train
 
 CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE
 
@@ -33,20 +33,20 @@ def _pieces() -> dict[str, TablePlacement]:
 
 def _train_per_shard() -> dict[str, tuple[dict, dict]]:
     out = {}
-    for fuse_first, weight_decay in ((False, 0.0), (True, 0.0), (False, 0.05)):
+    for weight_decay in (0.0, 0.05):
         kernels: dict = {}
         shapes: dict = {}
-        _train("", "exact_rowwise_adagrad", fuse_first, weight_decay, placements=_pieces(),
+        _train("", "exact_rowwise_adagrad", weight_decay, placements=_pieces(),
                statistic="per_shard", kernels=kernels, shapes=shapes)  # fmt: skip
-        out[f"fuse_first={fuse_first} weight_decay={weight_decay}"] = (kernels, shapes)
+        out[f"weight_decay={weight_decay}"] = (kernels, shapes)
     return out
 
 
 @pytest.mark.timeout(120)
 def test_per_shard_column_pieces_train_like_tables_of_their_own() -> None:
     # `_train` compares outputs, weights and state with the reference at every step (atol 1e-5);
-    # fused before `shard` (each piece starts from the unsharded table's zero statistic) and
-    # after, and with weight decay (every table on the torch emulation on CPU).
+    # fused before `shard` (each piece starts from the unsharded table's zero statistic), and
+    # with weight decay (every table on the torch emulation on CPU).
     results = run_on_ranks(2, _train_per_shard, timeout=100)
     for rank, runs in enumerate(results):
         for run, (kernels, shapes) in runs.items():
@@ -58,7 +58,7 @@ def test_per_shard_column_pieces_train_like_tables_of_their_own() -> None:
             }, (rank, run, shapes)
             assert "RowStatsFusedKernel" not in kernels.values(), (rank, run, kernels)
     # One plain fused pass, as for whole tables; widths 3 and 5 take the emulation.
-    plain = "fuse_first=False weight_decay=0.0"
+    plain = "weight_decay=0.0"
     assert results[0][plain][0] == {"t_sum": "FusedKernel", "t_mean": "EmulatedFusedKernel",
                                     "t_small": "EmulatedFusedKernel", "t_big": "FusedKernel"}  # fmt: skip
     assert results[1][plain][0] == {"t_sum": "FusedKernel", "t_mean": "FusedKernel", "t_big": "FusedKernel"}
@@ -66,9 +66,9 @@ def test_per_shard_column_pieces_train_like_tables_of_their_own() -> None:
 
 def _run(placements: dict, statistic: str) -> tuple[list, dict]:
     """Trains the fused model STEPS steps; this rank's kernel classes, weights and states."""
-    ebc = _ebc()
+    ebc = fused_ebc()
+    opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR, eps=EPS, column_wise_statistic=statistic)
     model = modular.shard(ebc, ShardingPlan(world_size=dist.get_world_size(), modules={"": placements}))
-    opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS, column_wise_statistic=statistic)
     for step in range(STEPS):
         model(make_batch(ebc, seed=100 * step + dist.get_rank())).values().square().sum().backward()
         opt.step()
@@ -87,8 +87,8 @@ def _run(placements: dict, statistic: str) -> tuple[list, dict]:
 
 def _exact_and_per_shard_off_column_pieces() -> list[str]:
     world = dist.get_world_size()
-    names = [c.name for c in _ebc().embedding_bag_configs()]
-    plans = {case: placements_for(case, _ebc(), world) for case in ("table_wise", "row_wise", "table_row_wise", "data_parallel")}
+    names = [c.name for c in fused_ebc().embedding_bag_configs()]
+    plans = {case: placements_for(case, fused_ebc(), world) for case in ("table_wise", "row_wise", "table_row_wise", "data_parallel")}
     plans["one column piece"] = {n: TablePlacement(CW, ranks=(i % world,)) for i, n in enumerate(names)}
     differences = []
     for case, placements in plans.items():
@@ -112,8 +112,8 @@ def test_per_shard_equals_exact_on_tables_not_cut_into_column_pieces() -> None:
 @pytest.mark.timeout(120)
 def test_per_shard_survives_fusing_a_meta_ebc_before_shard() -> None:
     # The mixed plan cuts t_mean (7 wide) into 4 + 3 columns over the two ranks.
-    a = run_on_ranks(2, _meta_order, True, "per_shard", timeout=100)
-    b = run_on_ranks(2, _meta_order, False, "per_shard", timeout=100)
+    a = run_on_ranks(2, _meta_order, "meta", "per_shard", timeout=100)
+    b = run_on_ranks(2, _meta_order, "materialised", "per_shard", timeout=100)
     for rank, (x, y) in enumerate(zip(a, b)):
         assert x["embedding_bags.t_mean.weight/state shape"] == (11, 2), x
         assert "RowStatsFusedKernel" not in x.values() and "FusedKernel" in x.values(), x
@@ -146,9 +146,9 @@ def _state_dict_round_trip_and_the_other_statistic() -> dict[str, str]:
     plan = ShardingPlan(world_size=dist.get_world_size(), modules={"": _pieces()})
     models = {}
     for statistic in ("exact", "per_shard"):
-        ebc = _ebc()
+        ebc = fused_ebc()
+        opt = modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=LR, column_wise_statistic=statistic)
         model = modular.shard(ebc, plan)
-        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, column_wise_statistic=statistic)
         model(make_batch(ebc, seed=rank)).values().sum().backward()
         models[statistic] = (ebc, model, opt)
     ebc, model, opt = models["per_shard"]
@@ -182,6 +182,6 @@ def test_per_shard_state_dict_round_trip_and_refusing_the_other_statistic() -> N
 def test_per_shard_is_refused_for_optimizers_without_a_row_statistic() -> None:
     for kind in ("exact_sgd", "exact_adagrad"):
         with pytest.raises(ValueError, match=f"fused {kind}: column_wise_statistic='per_shard' applies to exact_rowwise_adagrad only"):
-            modular.fuse_optimizer(_ebc(), kind, lr=0.1, column_wise_statistic="per_shard")
+            modular.fuse_optimizer(fused_ebc(), kind, lr=0.1, column_wise_statistic="per_shard")
     with pytest.raises(ValueError, match="unknown column_wise_statistic 'per_piece'; expected one of: exact, per_shard"):
-        modular.fuse_optimizer(_ebc(), "exact_rowwise_adagrad", lr=0.1, column_wise_statistic="per_piece")
+        modular.fuse_optimizer(fused_ebc(), "exact_rowwise_adagrad", lr=0.1, column_wise_statistic="per_piece")

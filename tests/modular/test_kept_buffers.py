@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 import modular
-from modular._comm import KeptBuffers
+from modular.comm import KeptBuffers
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tests.modular.cases import BATCH, close, global_batch, make_ebc, plan_for, rank_batches, unweighted_tables
+from tests.modular.helpers import BATCH, close, global_batch, make_ebc, plan_for, rank_batches, unweighted_tables
 
 
 def test_a_buffer_is_handed_out_again_only_once_released() -> None:

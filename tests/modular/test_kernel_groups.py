@@ -1,4 +1,4 @@
-"""Kernel groups (modular/_layout.py `kernel_groups`): one per pooling mode and width class, so a
+"""Kernel groups (modular/tables/layout.py `kernel_groups`): one per pooling mode and width class, so a
 shard width fbgemm's fused kernels cannot take (not a multiple of 4) is emulated alone, not with
 every table of its pooling mode. Pure: one process."""
 
@@ -10,12 +10,13 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
-from modular._emulated import EmulatedFusedKernel
-from modular._kernels import FusedKernel
-from modular._layout import Layout, Pooling, TableInfo, build_layout
-from modular._tables import ShardingError, check_widths_off_cpu
+from modular.kernels.emulated import EmulatedFusedKernel
+from modular.kernels.fused import FusedKernel
+from modular.tables.layout import Layout, Pooling, TableInfo, build_layout
+from modular.errors import ShardingError
+from modular.tables.weights import check_widths_off_cpu
 from planners.types import ShardingType, TablePlacement
-from tests.modular.cases import close, make_batch
+from tests.modular.helpers import close, make_batch
 
 
 def _ebc(dims: dict[str, tuple[int, PoolingType]]) -> EmbeddingBagCollection:

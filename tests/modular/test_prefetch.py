@@ -13,9 +13,9 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
-from modular._prefetch import MAX_PENDING
+from modular.routing.prefetcher import MAX_PENDING
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.cases import BATCH, close, global_batch, local_blocks, make_batch, make_ebc, no_collectives, plan_for, rank_batches
+from tests.modular.helpers import BATCH, close, global_batch, local_blocks, make_batch, make_ebc, no_collectives, plan_for, rank_batches
 
 TIMEOUT_S = 100
 
@@ -230,7 +230,7 @@ def test_prefetch_needs_a_sharded_model_and_a_kjt() -> None:
     ],
 )
 def test_backend_for_reads_the_groups_backend_config(config: str, device_type: str, backend) -> None:
-    from modular._comm import backend_for
+    from modular.comm import backend_for
 
     assert backend_for(device_type, config) == backend
 
@@ -238,7 +238,7 @@ def test_backend_for_reads_the_groups_backend_config(config: str, device_type: s
 def _overlaps_under_config(config: str) -> bool:
     """Whether prefetch overlaps for a module whose group reports `config` as its backend config
     (what `init_process_group()` with no backend reports), and one prefetched step still matches."""
-    import modular._prefetch as prefetch_module
+    import modular.routing.prefetcher as prefetch_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = make_ebc(False)

@@ -1,7 +1,7 @@
 """Bad plans and bad batches raise clear errors, on every rank, and never hang a peer.
 
 Plan problems are agreed in the one small gather every rank always joins (Note [agreeing on the
-plan] in modular/shard.py), and raised before any other collective: their rank bodies run
+plan] in modular/sharding.py), and raised before any other collective: their rank bodies run
 `modular.shard` under `no_collectives(allow=AGREEMENT)`, which turns any other collective into a
 `CollectiveCalled` error (so a check that came after building a table would show the wrong
 message). Batch problems are seen by one
@@ -22,7 +22,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import RankError, expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.cases import (
+from tests.modular.helpers import (
     BATCH,
     close,
     global_batch,
@@ -419,7 +419,8 @@ def test_tables_that_cannot_be_sharded_are_named(change: dict, weighted: bool, m
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from modular._tables import ShardingError, table_infos
+    from modular.errors import ShardingError
+    from modular.tables.weights import table_infos
 
     kwargs = {"data_type": DataType[change["data_type"]]} if "data_type" in change else {"pooling": PoolingType[change["pooling"]]}
     cfg = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"], **kwargs)

@@ -1,6 +1,6 @@
 """`modular.shard` on whole models: nested EBCs next to a dense part, meta-device EBCs, and KJTs
 whose features come in another order. Each compares against the unsharded model in the same rank
-body (see tests/modular/cases.py).
+body (see tests/modular/helpers.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.cases import (
+from tests.modular.helpers import (
     BATCH,
     close,
     features_of,

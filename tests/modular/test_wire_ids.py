@@ -12,9 +12,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular.embedding_bag as eb
-from modular._input import INT32_MAX, Router, wire_dtype
-from modular._layout import build_layout
-from modular._tables import table_infos
+from modular.routing.router import INT32_MAX, Router, wire_dtype
+from modular.tables.layout import build_layout
+from modular.tables.weights import table_infos
 from planners.types import ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.test_fused import _train
@@ -27,7 +27,7 @@ def test_ids_are_int32_up_to_shards_of_2_31_rows() -> None:
 
 
 def test_merged_int32_batches_past_int32_offsets_become_int64(monkeypatch) -> None:
-    import modular._lookups as lookups
+    import modular.kernels.lookups as lookups
 
     def lookup(ids: list[int], lengths: list[int]) -> lookups.Lookup:
         offsets = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -69,7 +69,7 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
     """Trains `case`; records the dtype of the ids each lookup receives and of the offsets the
     kernels get. mode "wide_rank0": rank 0 counts any batch as too large for int32; "promote":
     every lookup counts its received ids as too many for int32 offsets."""
-    import modular._lookups as lookups
+    import modular.kernels.lookups as lookups
 
     received, offsets = [], []
     lookup, pool, saved = eb.ShardedEmbeddingBagCollection.lookup, eb.pool, eb.INT32_MAX
@@ -93,7 +93,7 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
     if mode == "wide_rank0" and dist.get_rank() == 0:
         eb.INT32_MAX = 0
     try:
-        worst = _train(case, "exact_rowwise_adagrad", fuse_first=False)["worst"]
+        worst = _train(case, "exact_rowwise_adagrad")["worst"]
     finally:
         eb.ShardedEmbeddingBagCollection.lookup, eb.pool, eb.INT32_MAX = lookup, pool, saved
     return worst, received, offsets

@@ -10,7 +10,8 @@ silently never train. So `local_parameters` hands out the local shards instead, 
 `modular` installs a global optimizer step pre-hook (`torch.optim.optimizer.
 register_optimizer_step_pre_hook`) that raises on the first `step()` of any optimizer holding a
 ShardedTensor, before anything is updated. The same hook catches an optimizer built before
-`shard`: `shard` marks the parameters it replaces (`REPLACED`), which no forward reads any more.
+`shard`: `shard` records the parameters it replaces (`lifecycle.retire`, Note [lifecycle state]),
+which no forward reads any more.
 The check is an isinstance test and an attribute lookup per parameter per step, and either
 finding is always a bug, so it cannot fire on a correct program.
 """
@@ -24,12 +25,10 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
+from modular import lifecycle
 from modular.embedding_bag import ShardedEmbeddingBagCollection
 
 __all__ = ["ignored_params", "local_parameters"]
-
-# The attribute `modular.shard` sets on each parameter it replaces: which table it was.
-REPLACED = "_modular_replaced"
 
 
 def _sharded(model: nn.Module) -> list[ShardedEmbeddingBagCollection]:
@@ -83,7 +82,7 @@ def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> Non
     """Global step pre-hook; see Note [sharded tables and torch optimizers]."""
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
-            replaced = getattr(p, REPLACED, None)
+            replaced = lifecycle.replaced_table(p)
             if replaced is not None:
                 raise TypeError(
                     f"{type(optimizer).__name__} param group {g}, parameter {i} is table "

@@ -1,13 +1,19 @@
-"""Compose `modular.shard` with PyTorch's own data parallelism for the dense part of a model.
+"""FSDP2 for the dense part of a `modular`-sharded model.
 
-    model = modular.shard(model, plan)                    # 1. tables
-    model = modular.apply_fully_shard(model, modules={MLP}) # 2. dense towers (or apply_ddp)
-    opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)
+    tables_opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)  # 0. optional
+    modular.shard(model, plan)                                # 1. tables
+    modular.apply_fully_shard(model, modules={MLP})           # 2. dense towers (or apply_ddp)
+    opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)  # 3. the dense optimizer
 
 # Note [order of sharding calls]
-`shard` runs first: FSDP and DDP must be told which parameters to leave alone, and only once the
-tables are `ShardedTensor`s and self-reducing replicas can those be found (`ignored_params`).
-FSDP then replaces the dense parameters by DTensors, so the optimizer is built last. Every table
+Each call changes the model in place and returns it. `fuse_optimizer` comes first: it only marks
+an EBC on meta, so `shard` builds each rank's shards fused directly (fusing an already sharded
+module would hold its shards twice while its kernels are swapped, so it is refused). `shard` runs
+before the dense wrappers: FSDP and DDP must be told which parameters to leave alone, and only
+once the tables are `ShardedTensor`s and self-reducing replicas can those be found
+(`ignored_params`). FSDP then replaces the dense parameters by DTensors, so the optimizer is
+built last. Only the tables may be on `meta` when `shard` runs: FSDP2 needs materialised dense
+parameters (`apply_fully_shard` says which are not). Every table
 stays outside FSDP and DDP: sharded tables are communicated by their module, data-parallel tables
 all-reduce-mean their own gradients, fused tables update inside backward; a second reduction by
 the wrapper would be wasted work at best. Gradients of all three parts follow the same convention
@@ -22,12 +28,12 @@ from typing import Any, Optional, Union
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
-from modular.embedding_bag import ShardedEmbeddingBagCollection, ShardingError
-from modular.params import ignored_params
+from modular.compose.params import ignored_params
+from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.errors import ShardingError
 
-__all__ = ["apply_ddp", "apply_fully_shard", "dense_modules"]
+__all__ = ["ModuleSelector", "apply_fully_shard", "dense_modules", "refuse_meta_dense"]
 
 ModuleSelector = Union[Collection[type[nn.Module]], Callable[[nn.Module], bool]]
 
@@ -95,31 +101,24 @@ def apply_fully_shard(
             "parameters to shard; call it on the model that contains the EBC"
         )
     ignored = ignored_params(model) | set(fully_shard_kwargs.pop("ignored_params", None) or ())
+    refuse_meta_dense(model, ignored, "apply_fully_shard")
     for module in reversed(dense_modules(model, modules)):
         fully_shard(module, mesh=mesh, ignored_params=ignored, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, ignored_params=ignored, **fully_shard_kwargs)
     return model
 
 
-def apply_ddp(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
-    """Wraps a `modular`-sharded model in DistributedDataParallel that leaves every table alone.
-
-    Call it after `modular.shard` (Note [order of sharding calls]); build the optimizer from the
-    unwrapped model's `modular.local_parameters(ddp.module)` (the same tensors either way):
-
-        ddp = modular.apply_ddp(model)
-        loss = loss_fn(ddp(dense, sparse), labels)
-
-    DDP all-reduces (averages) only the other parameters: the FQNs of every parameter and buffer
-    under a sharded EBC are added to the ones DDP ignores, so data-parallel tables, which average
-    their own gradients, are not reduced a second time. `ddp_kwargs` go to DistributedDataParallel.
-    The wrapper prefixes names with `module.`; save and load `ddp.module.state_dict()`.
-    """
-    names = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    for prefix, module in model.named_modules():
-        if isinstance(module, ShardedEmbeddingBagCollection):
-            dot = f"{prefix}." if prefix else ""
-            names.update(f"{dot}{n}" for n, _ in module.named_parameters())
-            names.update(f"{dot}{n}" for n, _ in module.named_buffers())
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(names))
-    return DistributedDataParallel(model, **ddp_kwargs)
+def refuse_meta_dense(model: nn.Module, ignored: set, call: str) -> None:
+    """Raises naming the dense parameters still on `meta`: only the tables may stay there until
+    `modular.shard` (Note [order of sharding calls]); FSDP2 and DDP need the others materialised."""
+    skip = {id(p) for p in ignored}  # the tables: ShardedTensors answer no tensor query
+    on_meta = [n for n, p in model.named_parameters() if id(p) not in skip and p.is_meta]
+    if on_meta:
+        shown = ", ".join(repr(n) for n in on_meta[:5]) + (" ..." if len(on_meta) > 5 else "")
+        raise ShardingError(
+            f"{call}: {len(on_meta)} dense parameters are on the meta device ({shown}). Only "
+            "the embedding tables may be on meta (modular.shard allocates each rank's shards); "
+            "build the dense towers on a real device, e.g. torchrec's DLRM(..., "
+            "dense_device=torch.device('cpu')), or call model.to_empty(device=...) on them and "
+            "initialise them before this call"
+        )

@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 class Permutation:
-    """A feature order for `_permute`: the host list, and its int32 tensor per device, made once,
+    """A feature order for `permute`: the host list, and its int32 tensor per device, made once,
     so that permuting a batch off the CPU reads nothing back from the device and copies nothing
     to it."""
 
@@ -26,7 +26,7 @@ class Permutation:
         return t
 
 
-def _permute(kjt: KeyedJaggedTensor, perm: Permutation) -> KeyedJaggedTensor:
+def permute(kjt: KeyedJaggedTensor, perm: Permutation) -> KeyedJaggedTensor:
     """Selects a KJT's features in the order of `perm` (fbgemm's segment permutation, weights
     included). `perm` may repeat a feature: a feature read by two data-parallel tables is looked
     up once per table."""

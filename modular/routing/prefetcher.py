@@ -44,67 +44,47 @@ in docs/benchmarks.md, with and without pinning).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular._comm import backend_for
+from modular.comm import backend_for
+from modular.routing.exchange import IdsExchange
+from modular.routing.router import Received
 
-if TYPE_CHECKING:
-    from modular.embedding_bag import Received, ShardedEmbeddingBagCollection
-
-__all__ = ["prefetch"]
+__all__ = ["MAX_PENDING", "Prefetcher"]
 
 # More batches than this prefetched and not yet looked up is a loop that prefetches batches it
 # never runs (each holds its KJT, and once released its routed ids, in memory).
 MAX_PENDING = 8
 
-
-def prefetch(model: nn.Module, features: KeyedJaggedTensor) -> nn.Module:
-    """Prefetches `features` for every sharded EBC of `model`: its input dist runs in the
-    background from the module's next wait on (Note [prefetched input dist]), and a later
-    `model(...)` whose sharded EBCs receive this same KJT object uses it. Returns `model`. Call it
-    on every rank, in the same order."""
-    from modular.embedding_bag import ShardedEmbeddingBagCollection
-
-    if not isinstance(features, KeyedJaggedTensor):
-        raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
-    found = False
-    for module in model.modules():
-        if isinstance(module, ShardedEmbeddingBagCollection):
-            module.prefetch(features)
-            found = True
-    if not found:
-        raise ValueError("prefetch: the model has no sharded EmbeddingBagCollection (call modular.shard first)")
-    return model
-
-
-def agreement_name(module: ShardedEmbeddingBagCollection, group: Optional[ProcessGroup]) -> str:
-    """The input dist's first all-to-all on `group`, as its error names it (Note [a failed
-    peer]); with a hint at prefetch where the module prefetches (Note [prefetch on every rank])."""
-    what = f"the input-dist agreement of module {module.module_fqn!r}"
-    if module._prefetcher is None:
-        return what
-    batch = "a batch not prefetched" if group is module.process_group else "a prefetched batch"
-    return (
-        f"{what} (for {batch}; if the ranks did not all prefetch this batch, each waits on "
-        "another group: call modular.prefetch on every rank for the same batches, Note "
-        "[prefetch on every rank])"
-    )
+# Input dist on a given exchange (the module's own, or the prefetch thread's).
+InputDist = Callable[[KeyedJaggedTensor, Optional[IdsExchange]], Received]
 
 
 class Prefetcher:
     """One sharded EBC's prefetched input dists (Note [prefetched input dist])."""
 
-    def __init__(self, module: ShardedEmbeddingBagCollection) -> None:
+    def __init__(
+        self,
+        input_dist: InputDist,
+        make_exchange: Callable[[Optional[ProcessGroup]], IdsExchange],
+        *,
+        module: str,
+        group: Optional[ProcessGroup],
+        device: torch.device,
+        local: bool,
+    ) -> None:
+        self._input_dist = input_dist
         self._module = module
+        self._group = group
         self._pending: dict[int, tuple[KeyedJaggedTensor, Future]] = {}
         self._armed: list[tuple[KeyedJaggedTensor, Future]] = []  # started, not yet released
-        self._side = _side_group(module)
-        self._exchange = module.make_exchange(self._side[0]) if self._side is not None else None
+        self._side = None if local else _side_group(group, device)
+        self._exchange = make_exchange(self._side[0]) if self._side is not None else None
 
     @property
     def overlaps(self) -> bool:
@@ -116,18 +96,18 @@ class Prefetcher:
             return  # already on its way
         if len(self._pending) >= MAX_PENDING:
             raise RuntimeError(
-                f"module {self._module.module_fqn!r} has {len(self._pending)} prefetched batches "
+                f"module {self._module!r} has {len(self._pending)} prefetched batches "
                 "that no forward has used. A forward uses a prefetched batch only when given that "
                 "same KeyedJaggedTensor object, not a copy (kjt.to(device), a rebuilt or "
                 "re-collated KJT are new objects): prefetch the object the forward will get, "
-                "shortly before that forward (Note [prefetched input dist] in modular/_prefetch.py)"
+                "shortly before that forward (Note [prefetched input dist] in modular/routing/prefetcher.py)"
             )
         future: Future = Future()
         if self._side is not None:
             self._armed.append((features, future))  # the thread gets it at `release`
         else:
             try:
-                future.set_result(self._module.input_dist(features))
+                future.set_result(self._input_dist(features, None))
             except Exception as e:  # raised by the forward that takes it, as with the thread
                 future.set_exception(e)
         self._pending[id(features)] = (features, future)
@@ -141,9 +121,19 @@ class Prefetcher:
 
     def _run(self, features: KeyedJaggedTensor, future: Future) -> None:
         try:
-            future.set_result(self._module._input_dist(features, self._exchange))
+            future.set_result(self._input_dist(features, self._exchange))
         except BaseException as e:  # raised by the forward that takes it
             future.set_exception(e)
+
+    def describe(self, what: str, group: Optional[ProcessGroup]) -> str:
+        """The input dist's agreement `what` on `group`, as its error names it (Note [a failed
+        peer]), with a hint at prefetch (Note [prefetch on every rank])."""
+        batch = "a batch not prefetched" if group is self._group else "a prefetched batch"
+        return (
+            f"{what} (for {batch}; if the ranks did not all prefetch this batch, each waits on "
+            "another group: call modular.prefetch on every rank for the same batches, Note "
+            "[prefetch on every rank])"
+        )
 
     def take(self, features: KeyedJaggedTensor) -> Optional[Received]:
         """The prefetched input dist of this very KJT, or None; raises what it raised."""
@@ -163,15 +153,15 @@ _SIDE_GROUPS: dict[object, tuple[ProcessGroup, ThreadPoolExecutor]] = {}
 
 
 def _side_group(
-    module: ShardedEmbeddingBagCollection,
+    group: Optional[ProcessGroup], device: torch.device
 ) -> Optional[tuple[ProcessGroup, ThreadPoolExecutor]]:
-    """The background group and thread for `module`'s process group, made on first use; None
-    where prefetching does not overlap: a one-process module, a device other than the CPU, a
-    group whose CPU collectives do not run on gloo, or a process group smaller than the world (a
-    new group is a collective of the whole world, which the ranks outside it would not join)."""
-    if module.is_local or module.device.type != "cpu":
+    """The background group and thread for a module's process group, made on first use; None
+    where prefetching does not overlap: a device other than the CPU, a group whose CPU
+    collectives do not run on gloo, or a process group smaller than the world (a new group is a
+    collective of the whole world, which the ranks outside it would not join)."""
+    if device.type != "cpu":
         return None
-    pg = module.process_group if module.process_group is not None else dist.group.WORLD
+    pg = group if group is not None else dist.group.WORLD
     cpu_backend = backend_for("cpu", dist.get_backend_config(pg))
     if cpu_backend != dist.Backend.GLOO or dist.get_world_size(pg) != dist.get_world_size():
         return None
@@ -179,7 +169,7 @@ def _side_group(
     if side is None:
         # The module's group's timeout: a prefetch that waits on a peer fails when a forward on
         # the module's group would (see Note [prefetch on every rank]).
-        timeout = pg._get_backend(module.device).options._timeout
+        timeout = pg._get_backend(device).options._timeout
         group = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
         side = _SIDE_GROUPS[pg] = (group, ThreadPoolExecutor(1, "modular-input-dist"))
     return side

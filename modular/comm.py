@@ -12,17 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-
-class CollectiveError(RuntimeError):
-    """A collective of a sharded module failed, almost always because a peer rank died or raised.
-
-    # Note [a failed peer]
-    A rank that dies closes its sockets, and gloo fails its peers' pending collectives at once; a
-    rank that raises stays alive and silent, and its peers fail when the collective times out
-    (the `timeout` given to `init_process_group`). Either way torch's message names only a socket
-    or a timeout, so the collectives here re-raise it saying which collective, on which rank, and
-    where to look: the rank that failed first says why in its own error.
-    """
+from modular.errors import CollectiveError
 
 
 def raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) -> NoReturn:
@@ -43,7 +33,7 @@ class KeptBuffers:
 
     # Note [kept receive buffers]
     On CPU a fresh tensor of a few MiB is fresh pages for the kernel to fault in on first touch,
-    inside the collective that fills it (Note [dense gradient buffer] in modular/_kernels.py):
+    inside the collective that fills it (Note [dense gradient buffer] in modular/kernels/dense.py):
     measured 0.2-0.5 ms more per 2 MiB all-to-all than into a kept buffer, three times a step. So
     a module keeps one buffer per collective and reuses it when its storage has no other user
     (no view, no autograd save, no caller keeping last step's output): a buffer still in use is

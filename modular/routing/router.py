@@ -1,7 +1,7 @@
 """Routing a checked KeyedJaggedTensor's ids to the ranks that own their rows.
 
 Vectorised: no Python loop over features or tables runs per step. The checks that come first
-are in modular/_checks.py (`BatchChecks`, which `Router` extends).
+are in modular/routing/checks.py (`BatchChecks`, which `Router` extends).
 """
 
 from __future__ import annotations
@@ -11,9 +11,20 @@ from typing import NamedTuple, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular._checks import BatchChecks, Problem, Rejection
-from modular._layout import ROW_SPLIT, Layout
-from modular._permute import Permutation, _permute
+from modular.routing.checks import BatchChecks, Problem, Rejection
+from modular.routing.permute import Permutation, permute
+from modular.tables.layout import ROW_SPLIT, Layout
+
+
+class Received(NamedTuple):
+    """What input dist hands to lookup."""
+
+    batch_size: int
+    lengths: torch.Tensor  # (routes on this rank, world * batch_size), route-major
+    values: torch.Tensor  # rows of this rank's shards, int32 mostly (Note [ids on the wire])
+    weights: Optional[torch.Tensor]
+    local: Optional[KeyedJaggedTensor]  # this rank's own batch for data-parallel tables
+    local_lengths: torch.Tensor  # (features, batch_size), for MEAN over row-split tables
 
 
 class Routed(NamedTuple):
@@ -199,7 +210,7 @@ class Router(BatchChecks):
         perm = self._permutations.get(keys)
         if perm is None:
             perm = self._permutations[keys] = Permutation([keys.index(f) for f in self.features])
-        return None, _permute(kjt, perm)
+        return None, permute(kjt, perm)
 
     def check_and_route(
         self, kjt: KeyedJaggedTensor

@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.distributed import ProcessGroup
 
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
@@ -242,7 +246,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
       group (modular/optim.py), so it gets a group of its own instead of taking every table of
       its pooling mode with it;
     - under row-wise Adagrad a group with a column piece runs fbgemm's backward twice (Note [row
-      statistics across column shards] in modular/_deferred.py), so column pieces get a group
+      statistics across column shards] in modular/kernels/deferred.py), so column pieces get a group
       of their own instead of doubling the backward of the whole tables beside them (planned
       plans mix them on one rank). Otherwise the split costs one more kernel call."""
     groups = []
@@ -277,3 +281,26 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
         )
         start = end
     return tuple(groups)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's view of a sharded module: the layout, and where this rank sits in it.
+
+    What every part of a sharded module (its kernels' fused machinery, its state, its end of
+    backward) receives explicitly, instead of reading the module's attributes."""
+
+    layout: Layout
+    module: str  # the module's FQN in the model, for messages
+    rank: int
+    world: int
+    group: Optional[ProcessGroup]
+    device: torch.device
+    local: bool  # a one-process module that never communicates (`unsharded`)
+
+    def shard_of_rank(self, t: int) -> int:
+        """The index of this rank's shard of table `t` (a data-parallel table's replica)."""
+        for j, s in enumerate(self.layout.shards[t]):
+            if s.rank == self.rank:
+                return j
+        raise KeyError(f"rank {self.rank} holds no shard of table {self.layout.tables[t].name!r}")

@@ -3,7 +3,7 @@
 A data-parallel replica's gradient is the mean over ranks of each rank's batch. The kernels that
 hold replicas gather those batches (ids, bag lengths, pooled outputs' gradients) and replay the
 global one through fbgemm's backward, instead of reducing a table-sized gradient: Note [fused
-replicas] in modular/_deferred.py, Note [dense replicas] in modular/_kernels.py.
+replicas] in modular/kernels/deferred.py, Note [dense replicas] in modular/kernels/dense.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch.distributed import ProcessGroup
 
-from modular._comm import all_gather, all_gather_padded
-from modular._input import INT32_MAX
+from modular.comm import all_gather, all_gather_padded
+from modular.routing.router import INT32_MAX
 
 
 class Lookup(NamedTuple):

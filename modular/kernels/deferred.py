@@ -11,9 +11,10 @@ from typing import Optional
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-from modular._kernels import FusedKernel, KernelLookup, sum_weights
-from modular._lookups import Lookup, merge_lookups
-from modular._layout import KernelGroup
+from modular.kernels.base import KernelLookup, sum_weights
+from modular.kernels.fused import FusedKernel
+from modular.kernels.lookups import Lookup, merge_lookups
+from modular.tables.layout import KernelGroup
 
 
 # How a RowStatsFusedKernel reports a table's row statistics (Note [row statistics across column
@@ -39,16 +40,10 @@ class DeferredFusedKernel(FusedKernel):
         self._sync_lr()
         return KernelLookup.apply(self._placeholder, self, indices, offsets, weights)
 
-    def backward(
-        self,
-        grad_out: torch.Tensor,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        weights: Optional[torch.Tensor],
-    ) -> None:
+    def backward(self, batch: Lookup) -> None:
         """Records what the update at the end of backward needs (the owning module runs it after
         its collectives)."""
-        self.pending.append(Lookup.of(grad_out, indices, offsets, weights))
+        self.pending.append(batch)
 
     def take_batch(self) -> Optional[Lookup]:
         """The lookups since the last update as one batch (several are merged, so their

@@ -1,4 +1,5 @@
-"""`modular.shard`: shard the EmbeddingBagCollections of a model in place, by a plan."""
+"""The model-level calls over sharded modules: `shard` (in place, by a plan), `sharded_modules`
+and `prefetch`."""
 
 from __future__ import annotations
 
@@ -15,18 +16,17 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from modular._comm import all_gather_bytes, collective_device, raise_shared_failure
-from modular.optim import PENDING_FUSE
-from modular.embedding_bag import (
-    ShardedEmbeddingBagCollection,
-    ShardingError,
-    replace_module,
-    table_infos,
-)
-from modular.params import REPLACED, ignored_params, local_parameters  # re-exported: they lived here
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from modular import lifecycle
+from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
+from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.errors import ShardingError
+from modular.fused.state import fused_state, load_unsharded_fused_state
+from modular.tables.weights import table_infos
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
-__all__ = ["ShardingError", "ignored_params", "local_parameters", "shard", "sharded_modules"]
+__all__ = ["prefetch", "shard", "sharded_modules"]
 
 
 def shard(
@@ -86,29 +86,31 @@ def shard(
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
         placements, shards = resolved[fqn]
         # A fused EBC stays fused (Note [fused tables]): unsharded and fused, or fused on meta.
-        fused = getattr(ebc, "fused", None) or getattr(ebc, PENDING_FUSE, None)
+        local = ebc if isinstance(ebc, ShardedEmbeddingBagCollection) else None
+        fused = local.fused if local is not None else lifecycle.pending_fuse(ebc)
         sharded = ShardedEmbeddingBagCollection(
             ebc, placements, shards, module=fqn, process_group=process_group, device=device,
             fused=fused,
         )
-        if getattr(ebc, "fused", None) is not None:
-            sharded.load_unsharded_fused_state(ebc.fused_state())
+        if local is not None and local.fused_tables is not None:
+            state = fused_state(local.fused_tables, local.table_weights())
+            load_unsharded_fused_state(sharded.fused_tables, state)
         built.append((fqn, ebc, sharded))
     # Swapped in only once all are built: a failure above leaves the model as it was.
     for fqn, ebc, sharded in built:
         _retire(ebc, fqn)
-        replace_module(model, fqn, sharded)
+        lifecycle.replace_module(model, fqn, sharded)
     return model
 
 
 def _retire(ebc: nn.Module, fqn: str) -> None:
-    """Marks the parameters `shard` replaces, so that an optimizer built on them before sharding
+    """Records the parameters `shard` replaces (Note [lifecycle state]), so that an optimizer built on them before sharding
     raises at its first step instead of training tensors no forward reads any more
-    (Note [sharded tables and torch optimizers] in modular/params.py)."""
+    (Note [sharded tables and torch optimizers] in modular/compose/params.py)."""
     for name, p in ebc.named_parameters():
         tensors = [s.tensor for s in p.local_shards()] if isinstance(p, ShardedTensor) else [p]
         for t in tensors:
-            setattr(t, REPLACED, f"{name!r} of module {fqn!r}")
+            lifecycle.retire(t, f"{name!r} of module {fqn!r}")
 
 
 def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, EmbeddingBagCollection]]:
@@ -244,3 +246,21 @@ def sharded_modules(model: nn.Module) -> Iterator[tuple[str, ShardedEmbeddingBag
     for name, m in model.named_modules():
         if isinstance(m, ShardedEmbeddingBagCollection):
             yield name, m
+
+
+def prefetch(model: nn.Module, features: KeyedJaggedTensor) -> nn.Module:
+    """Prefetches `features` for every sharded EBC of `model`: its input dist runs in the
+    background from the module's next wait on (Note [prefetched input dist] in
+    modular/routing/prefetcher.py), and a later `model(...)` whose sharded EBCs receive this same KJT
+    object uses it. Returns `model`. Call it on every rank, in the same order."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
+    found = False
+    for _, module in sharded_modules(model):
+        module.prefetch(features)
+        found = True
+    if not found:
+        raise ValueError(
+            "prefetch: the model has no sharded EmbeddingBagCollection (call modular.shard first)"
+        )
+    return model

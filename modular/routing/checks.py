@@ -1,6 +1,6 @@
 """Checking a KeyedJaggedTensor before its ids are routed: what a sharded EBC refuses, and why.
 
-Vectorised like routing (modular/_input.py): a good batch costs a few reductions and one read on
+Vectorised like routing (modular/routing/router.py): a good batch costs a few reductions and one read on
 the host (Note [host syncs per step]); only a bad one pays for finding its first offender.
 """
 
@@ -12,11 +12,8 @@ from typing import NamedTuple, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular._layout import Layout
-
-
-class InputError(ValueError):
-    """A batch that a sharded module cannot look up; the message names the feature and table."""
+from modular.tables.layout import Layout
+from modular.errors import InputError
 
 
 class Problem(enum.IntEnum):
@@ -126,7 +123,7 @@ class BatchChecks:
     ) -> None:
         """Raises this rank's own rejection, else the first peer's, else differing batch sizes,
         from the headers of the input dist's first all-to-all (Note [ids with their header] in
-        modular/_exchange.py): per rank, on the host, its `Problem` code, the feature it names
+        modular/routing/exchange.py): per rank, on the host, its `Problem` code, the feature it names
         and its batch size."""
         if mine is not None:
             raise InputError(mine.message)
@@ -157,7 +154,7 @@ class BatchChecks:
         GPU then idles while the host catches up. The input dist needs two such reads, as
         TorchRec's does: the checks' statistics here (one `tolist` of one small tensor; the
         ids must be known good before routing), and the counts of ids for each rank, read
-        together with the peers' headers (`IdsExchange.exchange` in modular/_exchange.py;
+        together with the peers' headers (`IdsExchange.exchange` in modular/routing/exchange.py;
         only CPU modules read their counts before sending, which costs nothing there). A bad
         batch, or features with different row counts whose largest id reaches the smallest
         table's size, pays for more reads. On CPU the reads cost nothing extra; on an H100
@@ -316,36 +313,35 @@ class BatchChecks:
         """The tables feature `f` feeds, for messages: "'t_user', 't_user_hist'"."""
         return ", ".join(repr(t) for t in self.feature_tables[f])
 
-    def _first_bad(self, bad: torch.Tensor, fidx: torch.Tensor) -> tuple[int, int, str]:
-        """(position, feature, its tables) of the first True in `bad`; the slow path of a
-        rejection."""
+    def _first_bad(self, is_bad, lengths, batch) -> tuple[int, int, str, int]:
+        """(position, feature, its tables, how many) of the values `is_bad(feature index per
+        value)` flags; the slow path of a rejection."""
+        fidx = self.feature_of_values(lengths, batch)
+        bad = is_bad(fidx)
         pos = int(bad.nonzero()[0, 0])
         f = int(fidx[pos])
-        return pos, f, self._tables_of(f)
+        return pos, f, self._tables_of(f), int(bad.sum())
 
     def _id_range_rejection(self, values, lengths, batch) -> Rejection:
-        fidx = self.feature_of_values(lengths, batch)
-        bad = (values < 0) | (values >= self.id_bound[fidx])
-        pos, f, tables = self._first_bad(bad, fidx)
-        return Rejection(
-            Problem.ID_RANGE,
-            f,
-            f"feature {self.features[f]!r} of module {self.module!r} has id "
-            f"{int(values[pos])}, outside table {tables} (valid ids are 0 to "
-            f"{int(self.id_bound[f]) - 1}); {int(bad.sum())} ids are out of range",
+        pos, f, tables, count = self._first_bad(
+            lambda fidx: (values < 0) | (values >= self.id_bound[fidx]), lengths, batch
         )
+        message = (
+            f"feature {self.features[f]!r} of module {self.module!r} has id {int(values[pos])}, "
+            f"outside table {tables} (valid ids are 0 to {int(self.id_bound[f]) - 1}); {count} "
+            "ids are out of range"
+        )
+        return Rejection(Problem.ID_RANGE, f, message)
 
     def _weights_rejection(self, weights, lengths, batch) -> Rejection:
-        fidx = self.feature_of_values(lengths, batch)
-        bad = ~torch.isfinite(weights)
-        pos, f, tables = self._first_bad(bad, fidx)
-        return Rejection(
-            Problem.WEIGHTS,
-            f,
-            f"feature {self.features[f]!r} (table {tables}) of module {self.module!r} "
-            f"has a non-finite per-sample weight ({float(weights[pos])}); "
-            f"{int(bad.sum())} weights are NaN or inf",
+        pos, f, tables, count = self._first_bad(
+            lambda fidx: ~torch.isfinite(weights), lengths, batch
         )
+        message = (
+            f"feature {self.features[f]!r} (table {tables}) of module {self.module!r} has a "
+            f"non-finite per-sample weight ({float(weights[pos])}); {count} weights are NaN or inf"
+        )
+        return Rejection(Problem.WEIGHTS, f, message)
 
     def feature_of_values(self, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         nf = len(self.features)

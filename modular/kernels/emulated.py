@@ -15,9 +15,11 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from modular._comm import all_gather, all_gather_padded
-from modular._kernels import KernelLookup, dense_tbe
-from modular._layout import KernelGroup, Pooling
+
+from modular.comm import all_gather, all_gather_padded
+from modular.kernels.base import KernelLookup, dense_tbe
+from modular.kernels.lookups import Lookup
+from modular.tables.layout import KernelGroup, Pooling
 
 
 class RowGrad(NamedTuple):
@@ -59,15 +61,9 @@ class EmulatedFusedKernel:
     ) -> torch.Tensor:
         return KernelLookup.apply(self._placeholder, self, indices, offsets, weights)
 
-    def backward(
-        self,
-        grad_out: torch.Tensor,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        weights: Optional[torch.Tensor],
-    ) -> None:
+    def backward(self, batch: Lookup) -> None:
         """Records this lookup's sparse gradient for the update at the end of backward."""
-        self.pending.append(self.sparse_grads(grad_out, indices, offsets, weights))
+        self.pending.append(self.sparse_grads(*batch))
 
     def sparse_grads(
         self,

@@ -41,9 +41,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch.distributed import ProcessGroup
 
-from modular._checks import Rejection
-from modular._comm import KeptBuffers, all_to_all
-from modular._input import Routed, Router
+from modular.routing.checks import Rejection
+from modular.comm import KeptBuffers, all_to_all
+from modular.routing.router import Routed, Router
 
 # The header's int64 fields, one row per peer.
 HEADER = 6

@@ -1,0 +1,294 @@
+"""Loading a checkpoint: staging what is read (checked before anything changes), then putting
+it back into the model and the optimizer. See Note [checkpoint keys] in _state.py."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from modular.checkpoint._state import (
+    MODEL,
+    OPTIM,
+    PARAM_GROUPS,
+    SCHEDULER_KEYS,
+    index_slots,
+    keyed_by_fqn,
+    describe,
+    empty_like,
+    global_shape,
+    model_state,
+    optimizer_parts,
+    state_key,
+)
+from modular.fused.config import FusedOptimizerKind
+from modular.optim import FusedOptimizer
+from modular.fused.state import column_statistic_mismatch
+
+
+class PartPlan(NamedTuple):
+    """How to hand one optimizer part its loaded state."""
+
+    prefix: str
+    optimizer: Any
+    keyed_by_fqn: bool
+    entries: list[Any]  # (fqn, name) if keyed by FQN, else (slot, state names) per param index
+    group_keys: list[frozenset[str]]  # each live param group's hyperparameter names
+
+
+class Staged(NamedTuple):
+    """Fresh buffers to read into, and how to put them back once every rank read them."""
+
+    buffers: dict[str, Any]
+    model_keys: list[str]
+    optimizer_parts: list[PartPlan]
+
+
+def stage(
+    metadata: Metadata, model: nn.Module, optimizer: Optional[Any], path: str
+) -> tuple[Optional[Staged], Optional[str]]:
+    """Checks names and global shapes against `metadata`; returns buffers to load or the error."""
+    saved = metadata.state_dict_metadata
+    live = model_state(model)
+    buffers: dict[str, Any] = {}
+    problems: list[str] = []
+
+    def check(key: str, value: Any, owner: str) -> None:
+        md = saved.get(key)
+        if isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor):
+            if not isinstance(md, TensorStorageMetadata):
+                problems.append(f"{owner}: missing from the checkpoint")
+                return
+            if tuple(md.size) != global_shape(value):
+                problems.append(
+                    f"{owner}: the checkpoint holds shape {tuple(md.size)}, the model "
+                    f"{global_shape(value)}"
+                )
+                return
+            buffers[key] = empty_like(value, md.properties.dtype)
+        elif key in saved:
+            buffers[key] = value
+
+    for key, value in live.items():
+        check(key, value, describe(key[len(MODEL):]))
+    saved_model = sorted(k[len(MODEL):] for k in saved if k.startswith(MODEL))
+    unexpected = [k for k in saved_model if MODEL + k not in live]
+    if unexpected:
+        problems.append(
+            "the checkpoint holds "
+            + ", ".join(describe(k) for k in unexpected)
+            + ", which the model does not have"
+        )
+
+    plans = []
+    if optimizer is not None:
+        for prefix, part in optimizer_parts(optimizer):
+            plan, part_problems = _stage_optimizer(
+                saved, prefix, model, part, buffers, check, live
+            )
+            plans.append(plan)
+            problems += part_problems
+    if problems:
+        tables = [describe(k) for k in saved_model]
+        return None, (
+            f"checkpoint {path!r} does not match the model; nothing was loaded (a new plan or "
+            "world size is fine, but table names and shapes must be those it was saved with):\n  "
+            + "\n  ".join(problems)
+            + f"\nthe checkpoint's model entries are: {', '.join(tables)}"
+        )
+    return Staged(buffers, [k for k in live if k in buffers], plans), None
+
+
+def part_name(prefix: str, optimizer: Any) -> str:
+    """How an error names one optimizer part: `optimizer 'dense' (Adam)`."""
+    name = f"optimizer {prefix[len(OPTIM):-1]!r}" if prefix != OPTIM else "optimizer"
+    return f"{name} ({type(optimizer).__name__})"
+
+
+def _stage_optimizer(
+    saved, prefix, model, optimizer, buffers, check, live
+) -> tuple[Any, list[str]]:
+    problems: list[str] = []
+    if not isinstance(saved.get(prefix + PARAM_GROUPS), BytesStorageMetadata):
+        where = part_name(prefix, optimizer)
+        return None, [f"{where}: the checkpoint holds no state for it; load without it"]
+    sd = optimizer.state_dict()
+    buffers[prefix + PARAM_GROUPS] = sd["param_groups"]
+    group_keys = [frozenset(g) - {"params"} for g in sd["param_groups"]]
+    if keyed_by_fqn(sd):
+        other_kind = _other_fused_kind(saved, prefix, optimizer, sd)
+        if other_kind is not None:
+            return None, [other_kind]
+        keys = []
+        for fqn, states in sd["state"].items():
+            for name, value in states.items():
+                key = state_key(prefix, fqn, name)
+                owner = f"optimizer state {name!r} of {describe(fqn)}"
+                weight = live.get(MODEL + fqn)
+                pieces = _other_column_pieces(saved.get(key), value, owner, optimizer, weight)
+                if pieces is not None:
+                    problems.append(pieces)
+                    continue
+                check(key, value, owner)
+                keys.append((fqn, name))
+        return PartPlan(prefix, optimizer, True, keys, group_keys), problems
+    names_of: dict[str, list[str]] = {}
+    for key in saved:
+        if key.startswith(prefix + "state."):
+            fqn, _, name = key[len(prefix + "state."):].rpartition(".")
+            names_of.setdefault(fqn, []).append(name)
+    per_index = []
+    for index, slot in enumerate(index_slots(model, optimizer)):
+        names = names_of.get(slot.fqn, [])
+        missing = sorted(set(sd["state"].get(index, {})) - set(names))
+        if missing:
+            problems.append(
+                f"optimizer state {missing} of {describe(slot.fqn)}: missing from the checkpoint"
+            )
+        for name in names:
+            key = state_key(prefix, slot.fqn, name)
+            md = saved[key]
+            if key in buffers:
+                continue
+            if tuple(md.size) == global_shape(slot.weight):
+                buffers[key] = empty_like(slot.weight, md.properties.dtype)
+            else:
+                buffers[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        per_index.append((slot, names))
+    return PartPlan(prefix, optimizer, False, per_index, group_keys), problems
+
+
+def _other_column_pieces(
+    md: Any, value: Any, owner: str, optimizer: Any, weight: Any
+) -> Optional[str]:
+    """Why row-wise Adagrad state saved with another column-wise statistic (or for another cut
+    of the table into column pieces) cannot load, or None (Note [fused tables] in
+    modular/optim.py: its shape tells them apart before anything is read)."""
+    if not isinstance(optimizer, FusedOptimizer) or not isinstance(md, TensorStorageMetadata):
+        return None
+    if not optimizer.kind.rowwise() or weight is None:
+        return None
+    return column_statistic_mismatch(
+        owner, tuple(md.size), global_shape(value), optimizer.column_wise_statistic,
+        global_shape(weight)[-1],
+    )  # fmt: skip
+
+
+def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) -> Optional[str]:
+    """Why a checkpoint of another fused optimizer kind cannot load into this one, or None.
+
+    Each kind keeps its own state per table (Note [fused tables] in modular/optim.py: none for
+    SGD, `sum`, `row_sum`), so the state names in the metadata tell the kind it was saved with
+    before anything is read. Adagrad's state loaded into SGD (which has none to look for) would
+    otherwise pass every check here and fail in `load_state_dict`, after the weights were copied;
+    the other mismatches would be reported as missing state, without the reason."""
+    mine = {name for states in sd["state"].values() for name in states}
+    theirs = {key.rpartition(".")[2] for key in saved if key.startswith(prefix + "state.")}
+    if mine == theirs:
+        return None
+    kind = sd["param_groups"][0].get("optimizer")
+    this = f"fused {kind!r}" if kind else "this optimizer"
+    saved_by = [k.value for k in FusedOptimizerKind if {k.state_name()} - {None} == theirs]
+    that = f"fused {saved_by[0]!r}" if saved_by else "another optimizer"
+    modules = ", ".join(
+        f"module {m!r}" if m else "the root module"
+        for m in sorted({fqn.rpartition("embedding_bags.")[0].rstrip(".") for fqn in sd["state"]})
+    )
+    fix = f"fuse with {saved_by[0]!r} to load it" if saved_by else "use the one it was saved with"
+    return (
+        f"{part_name(prefix, optimizer)}: the checkpoint was saved by {that} (state "
+        f"{sorted(theirs)} per table), but the fused tables of {modules} are updated by {this} "
+        f"(state {sorted(mine)}); {fix}, or load without the optimizer"
+    )
+
+
+# -- putting staged values into the model -------------------------------------------------------
+
+
+@torch.no_grad()
+def apply_model(model: nn.Module, values: dict[str, Any]) -> None:
+    """Copies loaded values into the model. A sharded table's value is the list of its local
+    shards' tensors, copied in place (through to the lookup kernels); the rest goes through
+    `set_model_state_dict`, so FSDP2 and module hooks see an ordinary `load_state_dict`."""
+    live = get_model_state_dict(model)
+    rest = {}
+    for fqn, value in values.items():
+        target = live[fqn]
+        if isinstance(target, ShardedTensor):
+            for mine, loaded in zip(target.local_shards(), value):
+                mine.tensor.copy_(loaded)
+        else:
+            rest[fqn] = value
+    set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
+
+
+def local_tensors(value: Any) -> Any:
+    """What `apply_model` takes for an entry read by DCP: a ShardedTensor's local tensors."""
+    if isinstance(value, ShardedTensor):
+        return [s.tensor for s in value.local_shards()]
+    return value
+
+
+def check_loaded(staged: Staged) -> Optional[str]:
+    """What can only be checked once read (the hyperparameters are not in the metadata)."""
+    for plan in staged.optimizer_parts:
+        saved = staged.buffers[plan.prefix + PARAM_GROUPS]
+        current = plan.group_keys
+        if not isinstance(saved, list) or len(saved) != len(current):
+            count = len(saved) if isinstance(saved, list) else type(saved).__name__
+            return (
+                f"the checkpoint's optimizer has {count} param groups, this one has "
+                f"{len(current)}; build the optimizer with the same groups. Nothing was loaded"
+            )
+        for i, (group, mine) in enumerate(zip(saved, current)):
+            # Optimizers that create their state at the first step (SGD's momentum, Adam) pass
+            # every check of the metadata; their hyperparameters tell them apart.
+            lack = sorted(mine - set(group) - SCHEDULER_KEYS)
+            have = sorted(set(group) - mine - SCHEDULER_KEYS)
+            if lack or have:
+                differences = [f"lack {lack}, which this optimizer's have"] if lack else []
+                differences += [f"have {have}, which this optimizer's lack"] if have else []
+                return (
+                    f"{part_name(plan.prefix, plan.optimizer)}: the checkpoint's param group {i} "
+                    f"was saved by another optimizer (or torch version): its keys "
+                    f"{', and '.join(differences)}; build the optimizer it was saved with, or load "
+                    "without it. Nothing was loaded"
+                )
+    return None
+
+
+def apply_optimizer(staged: Staged) -> None:
+    for plan in staged.optimizer_parts:
+        _apply_part(plan, staged.buffers)
+
+
+def _apply_part(plan: PartPlan, values: dict[str, Any]) -> None:
+    current = plan.optimizer.state_dict()
+    groups = values[plan.prefix + PARAM_GROUPS]
+    param_groups = [{**saved, "params": g["params"]} for saved, g in zip(groups, current["param_groups"])]
+    state: dict[Any, dict[str, Any]] = {}
+    if plan.keyed_by_fqn:
+        for fqn, name in plan.entries:
+            state.setdefault(fqn, {})[name] = values[state_key(plan.prefix, fqn, name)]
+    else:
+        for index, (slot, names) in enumerate(plan.entries):
+            for name in names:
+                value = values[state_key(plan.prefix, slot.fqn, name)]
+                if isinstance(value, ShardedTensor):
+                    value = value.local_shards()[slot.shard].tensor
+                elif slot.shard is not None:
+                    value = value.clone()  # a scalar shared by several shards
+                state.setdefault(index, {})[name] = value
+    plan.optimizer.load_state_dict({"state": state, "param_groups": param_groups})

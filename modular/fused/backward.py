@@ -1,0 +1,152 @@
+"""The end of backward of a fused module: the one driver of every kernel's deferred update.
+
+Kernels that cannot update inside their own backward (the torch emulation, Note [emulated fused
+kernels]; the deferred fbgemm kernels, Note [row statistics across column shards] and Note
+[fused replicas]) record their lookups; once autograd has run every backward of the step, this
+driver runs the collectives that complete them and then each kernel's update, the same
+collectives in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from modular.comm import all_to_all
+from modular.kernels.base import Kernel
+from modular.kernels.deferred import ReplicaFusedKernel, RowStatsFusedKernel
+from modular.kernels.emulated import EmulatedFusedKernel
+from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
+from modular.tables.layout import RankLayout
+
+__all__ = ["EndOfBackward"]
+
+
+class EndOfBackward:
+    """Runs the deferred updates of one module's kernels once backward has finished."""
+
+    def __init__(
+        self,
+        kernels: list[Kernel],
+        *,
+        replicas: set[int],
+        column_rowwise: tuple[str, ...],
+        at: RankLayout,
+    ) -> None:
+        self.kernels = kernels  # those with deferred work, remote routes' first
+        self.replicas = replicas  # ids of data-parallel replica kernels (gradients averaged)
+        self.column_rowwise = column_rowwise
+        self.at = at
+
+    def arm(self, out: torch.Tensor) -> None:
+        """Queues `run` for the end of the backward that reaches `out` (the module's output)."""
+        if out.requires_grad:
+            out.register_hook(self._queue)
+
+    def _queue(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.run)
+
+    def run(self) -> None:
+        """End of backward (Note [emulated fused kernels], Note [row statistics across column
+        shards]): one all-to-all of the column-wise tables' row statistics, then the data-parallel
+        gradients kernel by kernel (the same collectives in the same order on every rank), then
+        each kernel's update on the rows it touched."""
+        emulated = [k for k in self.kernels if isinstance(k, EmulatedFusedKernel)]
+        two_pass = [k for k in self.kernels if isinstance(k, RowStatsFusedKernel)]
+        grads = {id(k): k.take_pending() for k in emulated}
+        stats = {id(k): k.row_stats() for k in two_pass}
+        row_means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.column_rowwise:
+            row_means = self._column_row_means(emulated, grads, two_pass, stats)
+        for k in emulated:
+            g = grads[id(k)]
+            if id(k) in self.replicas:
+                g = k.all_gather_mean(g, world=self.at.world, group=self.at.group)
+            means = [row_means.get(name) for name, _ in k.group.shards]
+            k.apply(g, [None if m is None else m[1] for m in means])
+        for k in two_pass:
+            if stats[id(k)] is None:
+                continue
+            k.update(
+                [
+                    None if piece is None or table not in row_means
+                    else (piece[0], row_means[table][1] - piece[1])
+                    for (table, _), piece in zip(k.group.shards, stats[id(k)])
+                ]
+            )  # fmt: skip
+        for k in self.kernels:
+            if isinstance(k, ReplicaFusedKernel):
+                batch = self._global_batch(k, k.take_batch())
+                if batch is not None:
+                    k.run_backward(batch)
+
+    def _global_batch(self, k: ReplicaFusedKernel, mine: Optional[Lookup]) -> Optional[Lookup]:
+        """Every rank's lookup batch for replica kernel `k`, merged in rank order, gradients
+        divided by the world size (Note [fused replicas]); the same collectives on every rank."""
+        if mine is None:  # no lookup on any rank: forward ran on all or none
+            return None
+        lengths = gather_lengths(mine, self.at.group, self.at.world)
+        return gather_batch(mine, lengths, len(k.group.routes), self.at.group, self.at.world)
+
+    def _column_row_means(self, emulated, grads, two_pass, stats):
+        """Per column-wise table this rank holds, its rows (one per id, or per touched row) and
+        the whole row's mean of grad**2 on each (Note [row statistics across column shards]):
+        this rank's shards' sums of g**2, plus those of the other ranks holding the table,
+        exchanged in one all-to-all (every rank calls it; a rank sends a peer one float per row
+        of each table both hold, tables in `column_rowwise` order)."""
+        local: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for k in emulated:
+            for t, ((table, _), g) in enumerate(zip(k.group.shards, grads[id(k)])):
+                if table in self.column_rowwise:
+                    if g is None:
+                        rows = torch.zeros(0, dtype=torch.int64, device=self.at.device)
+                        local.setdefault(table, []).append((rows, rows.float()))
+                    else:
+                        decayed = k.decayed(t, g)
+                        local.setdefault(table, []).append((g.rows, (decayed * decayed).sum(1)))
+        for k in two_pass:
+            pieces = stats[id(k)]
+            for (table, _), (_, cols), piece in zip(k.group.shards, k.sizes, pieces or ()):
+                if piece is not None:  # a column-wise table's (rows, s): one per id or per row
+                    rows, s = piece
+                    local.setdefault(table, []).append((rows, s * cols))  # s: mean over cols
+        mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for table, parts in local.items():
+            rows, total = parts[0][0], parts[0][1].clone()
+            for other_rows, part in parts[1:]:  # this rank's other shards: the same rows
+                if other_rows.numel() != rows.numel():
+                    raise RuntimeError(
+                        f"column shards of table {table!r} on rank {self.at.rank} reported "
+                        f"{rows.numel()} and {other_rows.numel()} row statistics in one step; "
+                        "they look up the same ids and must agree"
+                    )
+                total += part
+            mine[table] = (rows, total)
+        holders = {
+            name: {spec.rank for spec in self.at.layout.shards[self.at.layout.table_index(name)]}
+            for name in self.column_rowwise
+        }
+        shared = [  # per peer, the tables both hold, in column_rowwise order
+            [n for n in self.column_rowwise if n in mine and p in holders[n]] if p != self.at.rank
+            else []
+            for p in range(self.at.world)
+        ]
+        splits = [sum(mine[n][0].numel() for n in names) for names in shared]
+        if any(splits):
+            send = torch.cat([mine[n][1] for names in shared for n in names])
+        else:
+            send = torch.zeros(0, device=self.at.device)
+        if not self.at.local:
+            received = all_to_all(
+                send, input_splits=splits, output_splits=splits, group=self.at.group,
+                what="the all-to-all of column-wise row statistics",
+            )  # fmt: skip
+            for names, chunk in zip(shared, received.split(splits)):
+                for n, piece in zip(names, chunk.split([mine[n][0].numel() for n in names])):
+                    mine[n][1].add_(piece)
+        return {
+            n: (rows, total.div_(self.at.layout.table(n).embedding_dim))
+            for n, (rows, total) in mine.items()
+        }
+

@@ -1,0 +1,92 @@
+"""What a fused optimizer is: its kind and its live hyperparameters (Note [fused tables] in
+modular/optim.py)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+# Row-wise Adagrad's per-row statistic on a table cut into column pieces (Note [fused tables]);
+# the planner's enum, so that a plan can be priced for what the model was fused with.
+from planners.inputs import ColumnWiseStatistic
+
+__all__ = ["ColumnWiseStatistic", "FusedConfig", "FusedOptimizerKind"]
+
+# The planner's spellings (`planners.plan(optimizer=...)`) name the same fused kernels.
+_ALIASES = {"sgd": "exact_sgd", "adagrad": "exact_adagrad", "rowwise_adagrad": "exact_rowwise_adagrad"}
+
+
+class FusedOptimizerKind(enum.Enum):
+    EXACT_SGD = "exact_sgd"
+    EXACT_ADAGRAD = "exact_adagrad"
+    EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"
+
+    @classmethod
+    def parse(cls, name: str | FusedOptimizerKind) -> FusedOptimizerKind:
+        if isinstance(name, cls):
+            return name
+        key = str(name).lower()
+        key = _ALIASES.get(key, key)
+        for kind in cls:
+            if key == kind.value:
+                return kind
+        supported = ", ".join(repr(k.value) for k in cls)
+        raise ValueError(
+            f"fused optimizer {name!r} is not supported; fbgemm's fused kernels support {supported} "
+            "(the planner's 'sgd', 'adagrad' and 'rowwise_adagrad' name the same three)"
+        )
+
+    def fbgemm_type(self) -> EmbOptimType:
+        return {
+            FusedOptimizerKind.EXACT_SGD: EmbOptimType.EXACT_SGD,
+            FusedOptimizerKind.EXACT_ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
+            FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        }[self]
+
+    def state_name(self) -> Optional[str]:
+        return {
+            FusedOptimizerKind.EXACT_SGD: None,
+            FusedOptimizerKind.EXACT_ADAGRAD: "sum",
+            FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: "row_sum",
+        }[self]
+
+    def rowwise(self) -> bool:
+        return self is FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD
+
+
+class FusedConfig:
+    """What every fused kernel of a model reads: the kind, the column-wise statistic and the
+    live param group (lr, eps). `modular.shard` and the meta path carry this object itself."""
+
+    def __init__(
+        self,
+        optimizer: FusedOptimizerKind,
+        param_group: dict[str, Any],
+        *,
+        column_wise_statistic: ColumnWiseStatistic = ColumnWiseStatistic.EXACT,
+    ) -> None:
+        self.optimizer = optimizer
+        self.param_group = param_group
+        self.column_wise_statistic = column_wise_statistic
+
+    @property
+    def per_shard_rows(self) -> bool:
+        """Whether each column piece keeps its own row statistic (row-wise Adagrad only)."""
+        return (
+            self.optimizer.rowwise()
+            and self.column_wise_statistic is ColumnWiseStatistic.PER_SHARD
+        )
+
+    @property
+    def lr(self) -> float:
+        return float(self.param_group["lr"])
+
+    @property
+    def eps(self) -> float:
+        return float(self.param_group["eps"])
+
+    @property
+    def weight_decay(self) -> float:
+        return float(self.param_group.get("weight_decay", 0.0))

@@ -1,0 +1,293 @@
+"""A fused module's optimizer state: how it is laid out, read, written and checked.
+
+See Note [fused tables] in modular/optim.py. The functions take the module's `FusedTables`
+(and, to read, its table weights, whose layout the state follows).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+from modular.fused.config import ColumnWiseStatistic
+from modular.fused.tables import FusedTables
+from modular.tables.weights import frozen, local_shard_metadata, sharded_from_metadata
+from planners.types import ShardSpec
+
+__all__ = [
+    "StateForm",
+    "check_fused_state",
+    "column_statistic_mismatch",
+    "fused_state",
+    "load_fused_state",
+    "load_unsharded_fused_state",
+    "local_piece",
+]
+
+
+class StateForm(enum.Enum):
+    """How a table's optimizer state is laid out (Note [fused tables] in modular/optim.py)."""
+
+    WEIGHT = "weight"  # like the weight (Adagrad's `sum`)
+    ROWS = "rows"  # one value per row (row-wise Adagrad)
+    PIECES = "pieces"  # one per row and column piece: (rows, pieces), column j is piece j's
+
+    def shape(self, table, pieces: int) -> tuple[int, ...]:
+        rows = table.num_embeddings
+        return {
+            StateForm.WEIGHT: (rows, table.embedding_dim),
+            StateForm.ROWS: (rows,),
+            StateForm.PIECES: (rows, pieces),
+        }[self]
+
+    def offsets(self, spec: ShardSpec, pieces: dict[int, int]) -> list[int]:
+        """Where shard `spec`'s state starts in the table's state."""
+        if self is StateForm.WEIGHT:
+            return [spec.row_offset, spec.col_offset]
+        if self is StateForm.ROWS:
+            return [spec.row_offset]
+        return [spec.row_offset, pieces[spec.col_offset]]
+
+    def region(self, spec: ShardSpec, pieces: dict[int, int]) -> tuple:
+        """Shard `spec`'s state in the table's whole state tensor (an index)."""
+        rows = slice(spec.row_offset, spec.row_offset + spec.num_rows)
+        if self is StateForm.WEIGHT:
+            return rows, slice(spec.col_offset, spec.col_offset + spec.num_cols)
+        if self is StateForm.ROWS:
+            return (rows,)
+        return rows, pieces[spec.col_offset]
+
+    def shard(self, m: ShardMetadata, pieces: dict[int, int]) -> Optional[ShardMetadata]:
+        """The state's shard for the weight's shard `m`; None for a row-wise table's column
+        shards after the first, which hold copies of the first one's rows."""
+        (row, col), (rows, _) = m.shard_offsets, m.shard_sizes
+        if self is StateForm.WEIGHT:
+            return m
+        if self is StateForm.ROWS:
+            return None if col != 0 else ShardMetadata([row], [rows], m.placement)
+        return ShardMetadata([row, pieces[col]], [rows, 1], m.placement)
+
+
+def column_statistic_mismatch(
+    what: str,
+    got: tuple[int, ...],
+    expected: tuple[int, ...],
+    statistic: ColumnWiseStatistic,
+    dim: int,
+) -> Optional[str]:
+    """Why row-wise Adagrad state of shape `got` cannot load where shape `expected` is kept, if
+    the two differ in column pieces only: one statistic per row (exact, or a table not cut into
+    column pieces) against one per row and piece (`column_wise_statistic="per_shard"`), or
+    another number of pieces. None when they differ otherwise (another table size, or a state
+    as wide as the `dim`-column table, Adagrad's)."""
+    if got == expected or {len(got), len(expected)} - {1, 2} or got[0] != expected[0]:
+        return None
+    if any(len(shape) == 2 and shape[1] >= dim for shape in (got, expected)):
+        return None
+    exact = statistic is ColumnWiseStatistic.EXACT
+
+    def held(shape: tuple[int, ...]) -> str:
+        if len(shape) == 1:
+            return "one statistic per row, over all its columns"
+        return f"one statistic per row for each of {shape[1]} column pieces"
+
+    if len(got) == 1:
+        saved = "column_wise_statistic='exact', or the table not cut into column pieces"
+    else:
+        saved = "column_wise_statistic='per_shard' on a plan that cut the table so"
+    if len(expected) == 2:
+        keeps = "column_wise_statistic='per_shard' on this plan"
+    elif exact:
+        keeps = "column_wise_statistic='exact'"
+    else:
+        keeps = "this plan does not cut the table into column pieces"
+    if len(expected) == 2 and len(got) == 1:
+        fix = (
+            "fuse with column_wise_statistic='exact', or shard the table without cutting its "
+            "columns, to load it (a piece's own statistic cannot be recovered from the whole "
+            "row's)"
+        )
+    elif exact:
+        fix = (
+            f"fuse with column_wise_statistic='per_shard' and shard the table into {got[1]} "
+            "column pieces, as when it was saved, to load it"
+        )
+    else:
+        fix = (
+            f"shard the table into {got[1]} column pieces, as when it was saved, to load it "
+            "(per-piece statistics belong to the pieces that made them)"
+        )
+    return (
+        f"{what} has shape {got}, {held(got)} ({saved}), but this optimizer keeps {expected}, "
+        f"{held(expected)} ({keeps}); {fix}"
+    )
+
+
+def local_piece(
+    source: ShardedTensor, form: StateForm, spec: ShardSpec, pieces: dict[int, int]
+) -> Optional[torch.Tensor]:
+    """The local shard of `source` that holds `spec`'s state, or None (row-wise column copies)."""
+    want = form.offsets(spec, pieces)
+    for shard in source.local_shards():
+        if list(shard.metadata.shard_offsets) == want:
+            return shard.tensor
+    if form is StateForm.ROWS and spec.col_offset != 0:
+        return None
+    raise ValueError(
+        f"optimizer state has no local shard at offsets {want}; load it through "
+        "modular.checkpoint (DCP reshards it to this plan)"
+    )
+
+
+def _state_form(fused: FusedTables, table: str) -> StateForm:
+    if not fused.config.optimizer.rowwise():
+        return StateForm.WEIGHT
+    return StateForm.PIECES if table in fused.per_piece else StateForm.ROWS
+
+
+def _pieces(fused: FusedTables, t: int) -> dict[int, int]:
+    """Column offset -> index of each column piece of table `t`, left to right."""
+    offsets = sorted({s.col_offset for s in fused.at.layout.shards[t]})
+    return {offset: i for i, offset in enumerate(offsets)}
+
+
+def fused_state(
+    fused: FusedTables, weights: dict[str, torch.Tensor]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per table, its optimizer state: ShardedTensors laid out as Note [fused tables] says (like
+    the table's weight in `weights`; row-wise: one value per row, or per row and column piece),
+    plain tensors for data-parallel tables."""
+    layout, at = fused.at.layout, fused.at
+    name = fused.config.optimizer.state_name()
+    if name is None:
+        return {t.name: {} for t in layout.tables}
+    states = fused.states()
+    out = {}
+    for t, table in enumerate(layout.tables):
+        weight = weights[table.name]
+        if not isinstance(weight, ShardedTensor):
+            out[table.name] = {name: states[(table.name, at.shard_of_rank(t))][name]}
+            continue
+        form, pieces = _state_form(fused, table.name), _pieces(fused, t)
+        meta = frozen(weight.metadata())
+        meta = ShardedTensorMetadata(
+            [s for m in meta.shards_metadata if (s := form.shard(m, pieces)) is not None],
+            torch.Size(form.shape(table, len(pieces))),
+            meta.tensor_properties,
+        )
+        local = []
+        for j, shard_meta in local_shard_metadata(layout.shards[t], at.rank, weight):
+            state_meta = form.shard(shard_meta, pieces)
+            if state_meta is None:
+                continue  # column shards after the first hold copies of the same rows
+            tensor = states[(table.name, j)][name].view(state_meta.shard_sizes)
+            local.append(Shard(tensor=tensor, metadata=state_meta))
+        out[table.name] = {name: sharded_from_metadata(local, meta, at.group)}
+    return out
+
+
+@torch.no_grad()
+def load_fused_state(fused: FusedTables, per_table: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Copies optimizer state into this rank's shards from full tensors or ShardedTensors laid
+    out like `fused_state()` (any plan's, once DCP has resharded them)."""
+    name = fused.config.optimizer.state_name()
+    if name is None:
+        return
+    check_fused_state(fused, per_table)  # every table before any is copied
+    layout, rank = fused.at.layout, fused.at.rank
+    states = fused.states()
+    for t, table in enumerate(layout.tables):
+        source = per_table[table.name][name]
+        form, pieces = _state_form(fused, table.name), _pieces(fused, t)
+        for j, spec in enumerate(layout.shards[t]):
+            if spec.rank != rank:
+                continue
+            target = states[(table.name, j)][name]
+            if isinstance(source, ShardedTensor):
+                piece = local_piece(source, form, spec, pieces)
+                if piece is None:
+                    target.zero_()  # filled by the all-reduce below
+                    continue
+            else:
+                piece = source[form.region(spec, pieces)]
+            target.copy_(piece.view(target.shape))
+        if table.name in fused.column_rowwise and isinstance(source, ShardedTensor):
+            # every column shard needs the first one's row state
+            _sync_column_shard_rows(fused, t, name, states)
+
+
+@torch.no_grad()
+def load_unsharded_fused_state(
+    fused: FusedTables, per_table: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Loads the state of the module's unsharded, fused twin (`modular.shard` after
+    `fuse_optimizer`). A table that keeps a statistic per column piece (Note [fused tables])
+    starts every piece from the whole row's, the only one an uncut table has (zero if it never
+    trained)."""
+    name = fused.config.optimizer.state_name()
+    if name is None:
+        return
+    layout = fused.at.layout
+    per_table = dict(per_table)
+    for table in fused.per_piece:
+        pieces = len(layout.shards[layout.table_index(table)])
+        rows = per_table[table][name]
+        per_table[table] = {**per_table[table], name: rows.unsqueeze(1).expand(-1, pieces)}
+    load_fused_state(fused, per_table)
+
+
+def check_fused_state(fused: FusedTables, per_table) -> None:
+    """Every table's state has the whole table's shape as `fused_state()` lays it out, whatever
+    this rank copies of it: a slice of a wrong-shaped tensor would copy."""
+    module, optimizer = fused.at.module, fused.config.optimizer
+    where = f" in module {module!r}" if module else ""
+    name = optimizer.state_name()
+    for t, table in enumerate(fused.at.layout.tables):
+        rows, dim = table.num_embeddings, table.embedding_dim
+        if name not in per_table[table.name]:
+            raise ValueError(
+                f"the optimizer state of table {table.name!r}{where} has no {name!r}, which "
+                f"fused {optimizer.value!r} keeps; load the state this optimizer saved"
+            )
+        got = tuple(per_table[table.name][name].size())
+        pieces = len(_pieces(fused, t))
+        form = _state_form(fused, table.name)
+        expected = form.shape(table, pieces)
+        if got == expected:
+            continue
+        what = f"optimizer state {name!r} of table {table.name!r}{where}"
+        if optimizer.rowwise():
+            why = column_statistic_mismatch(
+                what, got, expected, fused.config.column_wise_statistic, dim
+            )
+            if why is not None:
+                raise ValueError(why)
+        per = {
+            StateForm.WEIGHT: "one value per weight",
+            StateForm.ROWS: "one value per row",
+            StateForm.PIECES: f"one value per row of each of its {pieces} column pieces",
+        }[form]
+        raise ValueError(
+            f"{what} has shape {got}, but this optimizer keeps {expected} ({per} of the "
+            f"{rows} x {dim} table); load the state saved for this table by the same fused "
+            "optimizer"
+        )
+
+
+def _sync_column_shard_rows(fused: FusedTables, t: int, name: str, states) -> None:
+    layout, at = fused.at.layout, fused.at
+    table = layout.tables[t]
+    acc = torch.zeros(table.num_embeddings, device=at.device)
+    for j, spec in enumerate(layout.shards[t]):
+        if spec.rank == at.rank and spec.col_offset == 0:
+            acc += states[(table.name, j)][name]
+    dist.all_reduce(acc, group=at.group)
+    for j, spec in enumerate(layout.shards[t]):
+        if spec.rank == at.rank:
+            states[(table.name, j)][name].copy_(acc)

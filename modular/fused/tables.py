@@ -1,0 +1,121 @@
+"""The fused optimizer's part of one sharded EBC: which kernel each shard group gets.
+
+See Note [fused tables] in modular/optim.py. A `FusedTables` is owned by its module
+(`ShardedEmbeddingBagCollection.fused_tables`) and built from the fused config and the module's
+`RankLayout`; it chooses every fused kernel (`kernel`), and once the module has its kernels
+(`attach`) it owns the end-of-backward work (`EndOfBackward`, modular/fused/backward.py) and
+reads and writes their optimizer state (modular/fused/state.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from modular.kernels.base import Kernel
+from modular.kernels.deferred import (
+    ROW_FORM_IDS,
+    ROW_FORM_ROWS,
+    DeferredFusedKernel,
+    ReplicaFusedKernel,
+    RowStatsFusedKernel,
+)
+from modular.kernels.emulated import EmulatedFusedKernel
+from modular.kernels.fused import FusedKernel
+from modular.fused.backward import EndOfBackward
+from modular.fused.config import FusedConfig
+from modular.tables.layout import KernelGroup, RankLayout, odd_width
+from planners.types import ShardingType
+
+__all__ = ["FusedTables"]
+
+
+class FusedTables:
+    """Chooses and holds the fused kernels of one sharded EBC (Note [fused tables])."""
+
+    def __init__(self, config: FusedConfig, *, at: RankLayout) -> None:
+        self.config = config
+        self.at = at
+        # Tables whose column pieces exchange row statistics (Note [row statistics across column
+        # shards]): none unless row-wise Adagrad keeps the exact statistic.
+        self.column_rowwise: tuple[str, ...] = () if config.per_shard_rows else self._column_cut()
+        # Column-cut tables whose pieces keep their own row statistic (Note [fused tables]).
+        self.per_piece: tuple[str, ...] = self._column_cut() if config.per_shard_rows else ()
+        self.kernels: list[Kernel] = []
+        self.local_kernels: list[Kernel] = []
+        self.end_of_backward: Optional[EndOfBackward] = None
+
+    def kernel(self, group: KernelGroup, sizes: list[tuple[int, int]], *, is_local: bool) -> Kernel:
+        """The fused kernel for one kernel group: fbgemm's, deferred, or the torch emulation."""
+        device, config = self.at.device, self.config
+        column_rows = any(table in self.column_rowwise for table, _ in group.shards)
+        replica = is_local and self.at.world > 1
+        if self._emulates([cols for _, cols in sizes], column_rows or replica):
+            return EmulatedFusedKernel(group, sizes, device, config)
+        if replica:
+            return ReplicaFusedKernel(group, sizes, device, config)
+        if column_rows:
+            forms = tuple(
+                None if table not in self.column_rowwise else self._row_form(table)
+                for table, _ in group.shards
+            )
+            return RowStatsFusedKernel(group, sizes, device, config, forms)
+        return FusedKernel(group, sizes, device, config)
+
+    def attach(self, kernels: list[Kernel], local_kernels: list[Kernel]) -> None:
+        """Takes the module's kernels (made by `kernel`): remote routes', then data-parallel."""
+        self.kernels, self.local_kernels = kernels, local_kernels
+        pending = [
+            k
+            for k in (*kernels, *local_kernels)
+            if isinstance(k, (EmulatedFusedKernel, DeferredFusedKernel))
+        ]
+        # A rank holding no shard of the column-wise tables still joins their statistics'
+        # all-to-all (with nothing to send), or the ranks that hold them wait on it forever.
+        if pending or (self.column_rowwise and not self.at.local):
+            replicas = {id(k) for k in local_kernels} if self.at.world > 1 else set()
+            self.end_of_backward = EndOfBackward(
+                pending, replicas=replicas, column_rowwise=self.column_rowwise, at=self.at
+            )
+
+    def states(self) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
+        """Every local shard's optimizer state, keyed by (table, shard index)."""
+        out = {}
+        for k in (*self.kernels, *self.local_kernels):
+            for key, st in zip(k.group.shards, k.states):
+                out[key] = st
+        return out
+
+    def _column_cut(self) -> tuple[str, ...]:
+        """Tables cut into two or more column pieces, under row-wise Adagrad."""
+        if not self.config.optimizer.rowwise():
+            return ()
+        layout = self.at.layout
+        return tuple(
+            t.name
+            for t, p, shards in zip(layout.tables, layout.placements, layout.shards)
+            if p.sharding_type is ShardingType.COLUMN_WISE and len(shards) > 1
+        )
+
+    def _emulates(self, widths: list[int], deferred: bool) -> bool:
+        """Whether a fused kernel over shards of these widths takes the torch emulation (Note
+        [fused tables]); `deferred`: it must run fbgemm's backward ops itself (column-wise row
+        statistics, replicas)."""
+        on_cpu = self.at.device.type == "cpu"
+        return (
+            # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
+            (self.config.weight_decay > 0 and on_cpu)
+            or any(odd_width(cols) for cols in widths)
+            # Note [row statistics across column shards] and Note [fused replicas] run
+            # fbgemm's CPU backward ops directly; other devices take the torch emulation.
+            or (deferred and not on_cpu)
+        )
+
+    def _row_form(self, table: str) -> str:
+        """How every holder of column-wise `table` exchanges its row statistics: per id, unless
+        one of its shards is emulated, whose statistics come per unique row (Note [row
+        statistics across column shards])."""
+        layout = self.at.layout
+        widths = [s.num_cols for s in layout.shards[layout.table_index(table)]]
+        return ROW_FORM_ROWS if self._emulates(widths, True) else ROW_FORM_IDS

@@ -1,0 +1,82 @@
+"""fbgemm's split TBE with the optimizer fused into backward (Note [fused tables] in
+modular/optim.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+    WeightDecayMode,
+)
+
+from modular.kernels.base import POOLING, lookup_without_weight_grads, no_weight_grads
+from modular.tables.layout import KernelGroup
+
+__all__ = ["FusedKernel"]
+
+
+class FusedKernel:
+    """fbgemm's split TBE with the optimizer fused into backward: rows it touched are updated,
+    no gradient is materialised. Needs shard widths that are multiples of 4."""
+
+    def __init__(
+        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+    ) -> None:
+        on_cpu = device.type == "cpu"
+        location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
+        compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
+        self.group = group
+        self.sizes = sizes
+        self.config = config
+        self._lr = config.lr
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(rows, cols, location, compute) for rows, cols in sizes],
+            feature_table_map=list(group.feature_table_map),
+            optimizer=config.optimizer.fbgemm_type(),
+            learning_rate=config.lr,
+            eps=config.eps,
+            pooling_mode=POOLING[group.pooling],
+            device=device,
+            # Input dist has checked every id against its table (Router.check), so fbgemm's own
+            # per-forward bounds check would only repeat it.
+            bounds_check_mode=BoundsCheckMode.NONE,
+            **_weight_decay_args(config),
+        )
+        self.views = [
+            torch.nn.Parameter(w, requires_grad=False) for w in self.tbe.split_embedding_weights()
+        ]
+        self.states = self._state_views()
+        self._no_weight_grads = no_weight_grads(group, device)
+
+    def _state_views(self) -> list[dict[str, torch.Tensor]]:
+        name = self.config.optimizer.state_name()
+        if name is None:
+            return [{} for _ in self.sizes]
+        out = []
+        for (rows, cols), states in zip(self.sizes, self.tbe.split_optimizer_states()):
+            shape = (rows,) if self.config.optimizer.rowwise() else (rows, cols)
+            out.append({name: states[0].view(shape)})
+        return out
+
+    def __call__(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        self._sync_lr()
+        no_grads = self._no_weight_grads
+        return lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
+
+    def _sync_lr(self) -> None:
+        lr = self.config.lr
+        if lr != self._lr:  # an LR scheduler changed the optimizer's param group
+            self.tbe.set_learning_rate(lr)
+            self._lr = lr
+
+
+def _weight_decay_args(config) -> dict:
+    if config.weight_decay == 0.0:
+        return {}
+    return {"weight_decay": config.weight_decay, "weight_decay_mode": WeightDecayMode.L2}

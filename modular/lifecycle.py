@@ -1,0 +1,68 @@
+"""What `modular` remembers about a user's modules and tensors between its calls.
+
+# Note [lifecycle state]
+The public calls run in one order (`fuse_optimizer`, `shard`, `apply_fully_shard` or `apply_ddp`,
+then the optimizer; Note [order of sharding calls] in modular/compose/fsdp.py), and an earlier
+call leaves facts for a later one: a torchrec EBC on `meta` that `fuse_optimizer` saw is built
+fused by `shard` (so a model too large for one rank is never materialised), and every parameter
+`shard` replaced is remembered so that an optimizer built on it before sharding raises at its
+first step instead of silently training a tensor no forward reads (Note [sharded tables and torch
+optimizers] in modular/compose/params.py). These facts live here, in registries keyed weakly by
+the module or tensor they describe (like FSDP2's `_composable_state`), never as attributes set on
+torchrec's or torch's objects: nothing outlives its module, and nothing a user's module holds
+changes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["pending_fuse", "replace_module", "replaced_table", "retire", "set_pending_fuse"]
+
+# torchrec EBC on meta -> the FusedConfig `fuse_optimizer` gave it.
+_PENDING_FUSE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# tensor `shard` replaced -> which table it was, for the optimizer hook's message.
+_RETIRED = WeakIdKeyDictionary()
+
+
+def set_pending_fuse(ebc: nn.Module, config: Any) -> None:
+    """Records that `ebc` (a torchrec EBC on meta) is to be built fused with `config`."""
+    _PENDING_FUSE[ebc] = config
+
+
+def pending_fuse(ebc: nn.Module) -> Optional[Any]:
+    """The FusedConfig `fuse_optimizer` recorded for `ebc`, or None."""
+    return _PENDING_FUSE.get(ebc)
+
+
+def retire(tensor: torch.Tensor, what: str) -> None:
+    """Records that `shard` replaced `tensor`, which was table `what`."""
+    _RETIRED[tensor] = what
+
+
+def replaced_table(tensor: torch.Tensor) -> Optional[str]:
+    """Which table `tensor` was, if `shard` replaced it; else None."""
+    return _RETIRED.get(tensor)
+
+
+def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    """Puts `new` at `fqn` in `model` and returns the object now there.
+
+    At "" (the model is the module itself) the model becomes `new` in place, by taking `new`'s
+    class and state: the public calls return the module they were given, and a caller holding
+    `model` must hold the sharded module afterwards (`modular.shard(ebc, plan)` on a bare EBC).
+    This is the one class swap in `modular`, and the only way to keep that promise for a root.
+    """
+    if fqn == "":
+        model.__class__ = type(new)
+        model.__dict__.clear()
+        model.__dict__.update(new.__dict__)
+        return model
+    parent, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), name, new)
+    return new

@@ -1,0 +1,76 @@
+"""The public calls' one convention: in place, one order, no state left on users' modules.
+
+Pure and single-process: none of these paths reaches a collective.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import modular
+from modular import lifecycle
+
+
+class _Model(nn.Module):
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device(device))
+        self.mlp = nn.Linear(4, 1, device=device)
+
+
+@pytest.mark.parametrize("call", ["apply_fully_shard", "apply_ddp"])
+def test_dense_towers_on_meta_are_named_before_fsdp_or_ddp_sees_them(call: str) -> None:
+    model = _Model("meta")
+    apply = getattr(modular, call)
+    kwargs = {"modules": {nn.Linear}} if call == "apply_fully_shard" else {}
+    with pytest.raises(modular.ShardingError) as e:
+        apply(model, **kwargs)
+    message = str(e.value)
+    assert message.startswith(f"{call}: 3 dense parameters are on the meta device"), message
+    assert "'mlp.weight'" in message and "Only the embedding tables may be on meta" in message
+
+
+def test_fuse_optimizer_on_meta_leaves_no_attribute_on_the_torchrec_module() -> None:
+    model = _Model("meta")
+    before = set(vars(model.ebc))
+    opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
+    assert set(vars(model.ebc)) == before, "fuse_optimizer set attributes on torchrec's EBC"
+    assert lifecycle.pending_fuse(model.ebc) is opt._config  # the registry holds the fact
+    with pytest.raises(ValueError, match="already fused; fuse a model only once"):
+        modular.fuse_optimizer(model, "exact_sgd", lr=0.1)
+
+
+def test_fuse_optimizer_accepts_the_planners_spelling() -> None:
+    opt = modular.fuse_optimizer(_Model("meta"), "rowwise_adagrad", lr=0.1)
+    assert opt.kind.value == "exact_rowwise_adagrad"
+    with pytest.raises(ValueError, match="'adam' is not supported; fbgemm's fused kernels support"):
+        modular.fuse_optimizer(_Model("meta"), "adam", lr=0.1)
+
+
+def test_fusing_a_materialised_model_replaces_its_ebc_in_place_and_keeps_names() -> None:
+    torch.manual_seed(0)
+    model = _Model("cpu")
+    weight = model.ebc.embedding_bags["t"].weight.detach().clone()
+    names = [n for n, _ in model.named_parameters()]
+    modular.fuse_optimizer(model, "exact_sgd", lr=0.1)
+    assert isinstance(model.ebc, modular.ShardedEmbeddingBagCollection) and model.ebc.is_local
+    assert [n for n, _ in model.named_parameters()] == names
+    assert torch.equal(model.ebc.embedding_bags["t"].weight, weight)
+
+
+def test_namespaces_show_their_public_names_only() -> None:
+    assert callable(modular.shard)
+    with pytest.raises(ModuleNotFoundError):  # no submodule hides behind the function's name
+        importlib.import_module("modular.shard")
+    assert dir(modular.checkpoint) == sorted(modular.checkpoint.__all__)
+    assert dir(modular) == sorted(modular.__all__)
+    for name in ("ShardingError", "InputError", "CollectiveError", "CheckpointError", "PlanError"):
+        assert issubclass(getattr(modular, name), Exception), name
+    assert modular.CheckpointError is modular.checkpoint.CheckpointError

@@ -1,0 +1,193 @@
+"""What a placement engineer reads: which table went where, and how two plans differ.
+
+`format_tables` is the per-table view (type, ranks, shard sizes, memory and cost per shard),
+`tables_csv` the same one row per shard for scripts, and `compare_lines` names every table that
+moved between two plans and every setting in which their pricing differs.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import io
+from typing import Sequence
+
+from planners.inputs import format_bytes
+from planners.stats import PlanStats, TableStats, time_unit
+from planners.types import PlanError, ShardingType
+
+__all__ = [
+    "SORT_KEYS", "compare_lines", "describe_counts", "did_you_mean", "format_tables", "pick_tables", "rank_ranges",
+    "shard_sizes", "tables_csv",
+]  # fmt: skip
+
+# --sort: table order as planned, or the largest first
+SORT_KEYS = {
+    "order": None,
+    "name": lambda t: t.name,
+    "cost": lambda t: (-t.max_cost, t.name),
+    "total": lambda t: (-t.total_cost, t.name),
+    "memory": lambda t: (-t.max_memory, t.name),
+    "type": lambda t: (t.sharding_type.value, t.name),
+    "shards": lambda t: (-len(t.shards), t.name),
+}
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """'; did you mean 'user_id'?' when a choice is close to `word`, else ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def rank_ranges(ranks: Sequence[int], world_size: int | None = None) -> str:
+    """(0, 1, 2, 3, 7) -> '0-3,7'; every rank of the world -> 'all'."""
+    if world_size is not None and sorted(ranks) == list(range(world_size)) and world_size > 1:
+        return f"all {world_size}"
+    out: list[str] = []
+    i = 0
+    ranks = list(ranks)
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if j == i else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def shard_sizes(t: TableStats) -> str:
+    """'whole', 'replica', '48+80 cols', '3x62_501+13x62_500 rows'."""
+    if t.sharding_type is ShardingType.TABLE_WISE:
+        return "whole"
+    if t.sharding_type is ShardingType.DATA_PARALLEL:
+        return "replica"
+    axis = "cols" if t.sharding_type is ShardingType.COLUMN_WISE else "rows"
+    runs: list[list[int]] = []
+    for size in t.sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return "+".join(f"{n}x{size:_}" if n > 1 else f"{size:_}" for size, n in runs) + f" {axis}"
+
+
+def pick_tables(stats: PlanStats, names: Sequence[str] | None, sort: str = "order") -> list[TableStats]:
+    """The tables named (all when `names` is empty), sorted by one of `SORT_KEYS`.
+
+    Raises PlanError for a name the plan does not hold, with the closest one."""
+    tables = list(stats.tables)
+    if names:
+        known = [t.name for t in tables] + [t.name.rsplit(".", 1)[-1] for t in tables]
+        picked = []
+        for name in names:
+            match = [t for t in tables if name in (t.name, t.name.rsplit(".", 1)[-1])]
+            if not match:
+                raise PlanError(f"--table {name!r}: no such table in the plan"
+                                f"{did_you_mean(name, known)}")  # fmt: skip
+            picked.extend(m for m in match if m not in picked)
+        tables = picked
+    key = SORT_KEYS[sort]
+    return tables if key is None else sorted(tables, key=key)
+
+
+def format_tables(stats: PlanStats, tables: Sequence[TableStats]) -> str:
+    """The per-table view: one line per table, largest shard's memory and cost."""
+    world = len(stats.ranks)
+    unit, scale = time_unit(max((t.max_cost for t in tables), default=stats.max_cost))
+    name_w = max([5] + [len(t.name) for t in tables])
+    rows_ = [(t.name, t.sharding_type.value, rank_ranges(t.ranks, world), shard_sizes(t),
+              format_bytes(t.max_memory), f"{scale * t.max_cost:.3f}",
+              f"{scale * t.total_cost:.3f}") for t in tables]  # fmt: skip
+    head = ("table", "type", "ranks", "shard sizes", "mem/shard", f"{unit}/shard", f"{unit} total")
+    widths = [max(len(h), *(len(r[i]) for r in rows_)) if rows_ else len(h)
+              for i, h in enumerate(head)]
+    widths[0] = max(widths[0], name_w)
+    left = (True, True, True, True, False, False, False)
+
+    def line(cells: Sequence[str]) -> str:
+        return " ".join(c.ljust(w) if l else c.rjust(w)
+                        for c, w, l in zip(cells, widths, left)).rstrip()  # fmt: skip
+
+    return "\n".join([line(head)] + [line(r) for r in rows_])
+
+
+def tables_csv(stats: PlanStats, tables: Sequence[TableStats]) -> str:
+    """One row per shard: table, type, rank, rows and columns of the block, bytes, seconds."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    parts = ("lookup", "input_dist", "output_dist", "grad_sync", "stat_exchange")
+    w.writerow(("table", "sharding_type", "rank", "row_offset", "num_rows", "col_offset",
+                "num_cols", "memory_bytes", "cost_s", *(p + "_s" for p in parts)))  # fmt: skip
+    for t in tables:
+        for s in t.shards:
+            w.writerow((t.name, t.sharding_type.value, s.rank, s.row_offset, s.num_rows,
+                        s.col_offset, s.num_cols, f"{s.memory:.0f}", f"{s.cost:.9g}",
+                        *(f"{getattr(s, p):.9g}" for p in parts)))  # fmt: skip
+    return out.getvalue()
+
+
+def _placement_text(t: TableStats, world: int) -> str:
+    return f"{t.sharding_type.value} on {rank_ranges(t.ranks, world)} ({shard_sizes(t)})"
+
+
+def compare_lines(
+    names: tuple[str, str],
+    stats: tuple[PlanStats, PlanStats],
+    settings: tuple[dict, dict],
+) -> list[str]:
+    """What differs between two plans: the settings they were priced under (world size, hosts,
+    batch, optimizer, constraints...), then every table that moved, and how."""
+    a, b = stats
+    lines = []
+    for key, label in (("world_size", "world size"), ("ranks_per_host", "ranks per host"),
+                       ("batch_size", "batch size per rank"), ("optimizer", "optimizer"),
+                       ("column_wise_statistic", "column_wise_statistic"),
+                       ("device_memory", "device memory"), ("constraints", "constraints"),
+                       ("tables_digest", "tables")):  # fmt: skip
+        va, vb = settings[0].get(key), settings[1].get(key)
+        if va != vb:
+            if key == "device_memory":
+                va, vb = (format_bytes(v) if isinstance(v, (int, float)) else v for v in (va, vb))
+            if key in ("constraints", "tables_digest"):
+                va, vb = (("none" if not v else f"{len(v)} table(s)") if key == "constraints"
+                          else str(v)[:12] for v in (va, vb))  # fmt: skip
+            lines.append(f"DIFFERENT {label}: {va} vs {vb}")
+    if len(a.ranks) != len(b.ranks) or a.batch_size != b.batch_size:
+        ga, gb = len(a.ranks) * a.batch_size, len(b.ranks) * b.batch_size
+        lines.append(f"the global batches differ ({ga:_} vs {gb:_} samples per step): the step "
+                     "times below are for different work")  # fmt: skip
+    by_a = {t.name: t for t in a.tables}
+    by_b = {t.name: t for t in b.tables}
+    moved = []
+    for name, ta in by_a.items():
+        tb = by_b.get(name)
+        if tb is None:
+            continue
+        if (ta.sharding_type, ta.ranks, ta.sizes) != (tb.sharding_type, tb.ranks, tb.sizes):
+            moved.append((name, ta, tb))
+    only = sorted(set(by_a) ^ set(by_b))
+    if only:
+        lines.append(f"tables in one plan only: {', '.join(only)}")
+    lines.append(f"tables placed differently: {len(moved)} of {len(by_a)}")
+    width = max([5] + [len(n) for n, _, _ in moved])
+    for name, ta, tb in moved:
+        what = []
+        if ta.sharding_type is not tb.sharding_type:
+            what.append("type")
+        if ta.ranks != tb.ranks:
+            what.append("ranks")
+        if ta.sizes != tb.sizes and ta.sharding_type is tb.sharding_type:
+            what.append("sizes")
+        lines.append(f"  {name:<{width}} {_placement_text(ta, len(a.ranks))} -> "
+                     f"{_placement_text(tb, len(b.ranks))}  [{', '.join(what)}]")  # fmt: skip
+    ratio = b.max_cost / a.max_cost if a.max_cost > 0 else 1.0
+    lines.append(f"slowest rank of {names[1]} / {names[0]}: {ratio:.3f}")
+    return lines
+
+
+def describe_counts(stats: PlanStats) -> str:
+    """'table_wise 20, row_wise 4, data_parallel 2'."""
+    counts: dict[str, int] = {}
+    for t in stats.tables:
+        counts[t.sharding_type.value] = counts.get(t.sharding_type.value, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))

@@ -19,7 +19,8 @@ from planners.inputs import (
     ColumnWiseStatistic, Optimizer, Table, TableConstraint, Topology, format_bytes, parse_bytes,
 )  # fmt: skip
 from planners.report import (
-    SORT_KEYS, compare_lines, describe_counts, format_tables, pick_tables, tables_csv,
+    SORT_KEYS, describe_counts, format_tables, moved_tables, pick_tables, setting_differences,
+    tables_csv,
 )  # fmt: skip
 from planners.stats import PlanStats, TableStats, format_seconds, plan_stats, plural, time_unit
 from planners.types import PlanError, ShardingPlan
@@ -123,6 +124,8 @@ def _add_view_flags(p: argparse.ArgumentParser, plot_help: str) -> None:
     g.add_argument("--format", choices=("table", "json", "csv"), default="table",
                    help="table (default, for people), json (everything), or csv (one row per shard)")
     g.add_argument("--plot", metavar="PNG", help=plot_help)
+    g.add_argument("--plot-by", choices=("type", "table"), default="type",
+                   help="colour the plot's table blocks by sharding type (default) or by table")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -153,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tables", metavar="TABLES", help="the table file (default: as recorded)")
     c.add_argument("--constraints", metavar="C", help="constraints (default: as recorded)")
     c.add_argument("--plot", metavar="PNG", help="draw the two plans side by side here (PNG)")
+    c.add_argument("--plot-by", choices=("type", "table"), default="type",
+                   help="colour the plot's table blocks by sharding type (default) or by table")
     _add_cluster_flags(c, required=False)
     return parser
 
@@ -242,7 +247,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         from planners.plot import plot_stats
 
-        plot_stats(result.stats, args.plot)
+        plot_stats(result.stats, args.plot, colour_by=args.plot_by)
         _say(args, f"wrote {args.plot}")
     return 0
 
@@ -356,7 +361,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.plot:
         from planners.plot import plot_stats
 
-        plot_stats(priced.stats, args.plot)
+        plot_stats(priced.stats, args.plot, colour_by=args.plot_by)
         _say(args, f"wrote {args.plot}")
     return 0
 
@@ -379,18 +384,20 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for p in (one, two):
         for line in p.overrides:
             print(f"override ({p.path}): {line}")
+    for line in setting_differences((a, b), (one.settings, two.settings)):
+        print(line)
     print(f"{'':<22} {names[0]:>{width}} {names[1]:>{width}}")
     for label, fn in rows:
         print(f"{label:<22} {fn(a):>{width}} {fn(b):>{width}}")
     for label, s in zip(names, (a, b)):
         print(f"{label}: {describe_counts(s)}")
-    for line in compare_lines((names[0], names[1]), (a, b), (one.settings, two.settings)):
-        print(line)
     if args.plot:
         from planners.plot import plot_compare
 
-        plot_compare((a, b), (names[0], names[1]), args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        plot_compare((a, b), (names[0], names[1]), args.plot, colour_by=args.plot_by)
+        print(f"wrote {args.plot}")
+    for line in moved_tables((names[0], names[1]), (a, b)):  # the ratio last, for scripts
+        print(line)
     return 0
 
 

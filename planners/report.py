@@ -1,8 +1,8 @@
 """What a placement engineer reads: which table went where, and how two plans differ.
 
 `format_tables` is the per-table view (type, ranks, shard sizes, memory and cost per shard),
-`tables_csv` the same one row per shard for scripts, and `compare_lines` names every table that
-moved between two plans and every setting in which their pricing differs.
+`tables_csv` the same one row per shard for scripts; `setting_differences` says in which settings
+two plans' pricing differs and `moved_tables` names every table that moved between them.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import io
 from typing import Sequence
 
 from planners.inputs import format_bytes
-from planners.stats import PlanStats, TableStats, time_unit
-from planners.types import PlanError, ShardingType
+from planners.stats import PlanStats, TableStats, plural, time_unit
+from planners.types import PlanError, ShardingType, rank_ranges
 
 __all__ = [
-    "SORT_KEYS", "compare_lines", "describe_counts", "did_you_mean", "format_tables", "pick_tables", "rank_ranges",
-    "shard_sizes", "tables_csv",
+    "SORT_KEYS", "describe_counts", "did_you_mean", "format_tables", "moved_tables", "pick_tables",
+    "setting_differences", "shard_sizes", "tables_csv",
 ]  # fmt: skip
 
 # --sort: table order as planned, or the largest first
@@ -37,22 +37,6 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
     """'; did you mean 'user_id'?' when a choice is close to `word`, else ''."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def rank_ranges(ranks: Sequence[int], world_size: int | None = None) -> str:
-    """(0, 1, 2, 3, 7) -> '0-3,7'; every rank of the world -> 'all'."""
-    if world_size is not None and sorted(ranks) == list(range(world_size)) and world_size > 1:
-        return f"all {world_size}"
-    out: list[str] = []
-    i = 0
-    ranks = list(ranks)
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if j == i else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def shard_sizes(t: TableStats) -> str:
@@ -130,13 +114,9 @@ def _placement_text(t: TableStats, world: int) -> str:
     return f"{t.sharding_type.value} on {rank_ranges(t.ranks, world)} ({shard_sizes(t)})"
 
 
-def compare_lines(
-    names: tuple[str, str],
-    stats: tuple[PlanStats, PlanStats],
-    settings: tuple[dict, dict],
-) -> list[str]:
-    """What differs between two plans: the settings they were priced under (world size, hosts,
-    batch, optimizer, constraints...), then every table that moved, and how."""
+def setting_differences(stats: tuple[PlanStats, PlanStats], settings: tuple[dict, dict]) -> list[str]:
+    """The settings two plans were priced under that differ (world size, hosts, batch,
+    optimizer, device, constraints, tables), one line each, and what that means."""
     a, b = stats
     lines = []
     for key, label in (("world_size", "world size"), ("ranks_per_host", "ranks per host"),
@@ -149,13 +129,22 @@ def compare_lines(
             if key == "device_memory":
                 va, vb = (format_bytes(v) if isinstance(v, (int, float)) else v for v in (va, vb))
             if key in ("constraints", "tables_digest"):
-                va, vb = (("none" if not v else f"{len(v)} table(s)") if key == "constraints"
-                          else str(v)[:12] for v in (va, vb))  # fmt: skip
+                va, vb = ((", ".join(sorted(v)[:5]) + (", ..." if len(v) > 5 else "") or "none")
+                          if key == "constraints" else str(v)[:12] for v in (va, vb))  # fmt: skip
             lines.append(f"DIFFERENT {label}: {va} vs {vb}")
     if len(a.ranks) != len(b.ranks) or a.batch_size != b.batch_size:
         ga, gb = len(a.ranks) * a.batch_size, len(b.ranks) * b.batch_size
         lines.append(f"the global batches differ ({ga:_} vs {gb:_} samples per step): the step "
                      "times below are for different work")  # fmt: skip
+    return lines
+
+
+def moved_tables(names: tuple[str, str], stats: tuple[PlanStats, PlanStats]) -> list[str]:
+    """Every table placed differently (type, ranks or shard sizes), and how; then the ratio of
+    the slowest ranks. A data-parallel table is on every rank of either world: it moves only
+    if its type changes."""
+    a, b = stats
+    lines = []
     by_a = {t.name: t for t in a.tables}
     by_b = {t.name: t for t in b.tables}
     moved = []
@@ -163,7 +152,10 @@ def compare_lines(
         tb = by_b.get(name)
         if tb is None:
             continue
-        if (ta.sharding_type, ta.ranks, ta.sizes) != (tb.sharding_type, tb.ranks, tb.sizes):
+        both_dp = ta.sharding_type is tb.sharding_type is ShardingType.DATA_PARALLEL
+        if not both_dp and (ta.sharding_type, ta.ranks, ta.sizes) != (
+            tb.sharding_type, tb.ranks, tb.sizes
+        ):
             moved.append((name, ta, tb))
     only = sorted(set(by_a) ^ set(by_b))
     if only:

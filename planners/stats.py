@@ -134,6 +134,11 @@ class TableStats:
     def memory(self) -> float:
         return sum(s.memory for s in self.shards)
 
+    def __repr__(self) -> str:
+        return (f"TableStats({self.name!r}, {self.sharding_type.value} on ranks {list(self.ranks)}, "
+                f"largest shard {format_seconds(self.max_cost)} and "
+                f"{format_bytes(self.max_memory)})")  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "table": self.name, "num_embeddings": self.num_embeddings,

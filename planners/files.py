@@ -20,7 +20,6 @@ known, names the field, and fits on one line.
 from __future__ import annotations
 
 import csv
-import difflib
 import hashlib
 import io
 import json
@@ -30,6 +29,7 @@ from typing import Any, Mapping
 import yaml
 
 from planners.inputs import DataType, Table, TableConstraint
+from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingPlan
 
 __all__ = [
@@ -72,8 +72,8 @@ def _kind(path: str, allowed: tuple[str, ...]) -> str:
 
 
 def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
+    text = did_you_mean(str(word), choices)
+    return text + " " if text else ""
 
 
 def _unknown_field(word: Any, fields: tuple[str, ...], kind: str = "field") -> PlanError:

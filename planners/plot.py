@@ -10,7 +10,7 @@ from planners.cost import COMPONENTS
 from planners.stats import PlanStats, plural, time_unit
 from planners.types import ShardingType
 
-__all__ = ["plot_compare", "plot_stats"]
+__all__ = ["compare_figure", "plot_compare", "plot_stats", "stats_figure"]
 
 GiB = 1024**3
 _PART_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52")
@@ -37,18 +37,29 @@ def plot_stats(stats: PlanStats, path: str, title: str = "", colour_by: str = "t
 
         plot_stats(planners.plan_with_stats(tables, topology, batch_size=512).stats, "plan.png")
     """
+    _save(stats_figure(stats, title, colour_by), path)
+
+
+def stats_figure(stats: PlanStats, title: str = "", colour_by: str = "type") -> Any:
+    """The matplotlib Figure that `plot_stats` saves (its axes: cost, tables, memory)."""
     plt = _pyplot()
     world = len(stats.ranks)
     fig, axes = plt.subplots(3, 1, figsize=(_width(world) + 2.6, 10.5), sharex=True,
                              gridspec_kw={"height_ratios": (1.0, 1.3, 0.8)})  # fmt: skip
     _draw(fig, axes, stats, title or _title(stats), colour_by, legends=True)
-    _save(fig, path)
+    fig.tight_layout()
+    return fig
 
 
 def plot_compare(
     stats: Sequence[PlanStats], names: Sequence[str], path: str, colour_by: str = "type"
 ) -> None:
     """Two plans side by side, one column each, with the same cost and memory scales."""
+    _save(compare_figure(stats, names, colour_by), path)
+
+
+def compare_figure(stats: Sequence[PlanStats], names: Sequence[str], colour_by: str = "type") -> Any:
+    """The Figure that `plot_compare` saves: axes[row, column], a column per plan."""
     plt = _pyplot()
     worlds = [len(s.ranks) for s in stats]
     fig, axes = plt.subplots(3, 2, figsize=(sum(_width(w) for w in worlds) + 2.8, 10.5),
@@ -60,7 +71,8 @@ def plot_compare(
             for col, (s, name) in enumerate(zip(stats, names))]  # fmt: skip
     for row in range(3):  # one scale per row, so that the taller bars are the slower plan's
         axes[row, 0].set_ylim(0, max(t[row] for t in tops))
-    _save(fig, path)
+    fig.tight_layout()
+    return fig
 
 
 def _pyplot() -> Any:
@@ -197,6 +209,5 @@ def _mark_hosts(axes: Sequence[Any], stats: PlanStats) -> None:
 def _save(fig: Any, path: str) -> None:
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

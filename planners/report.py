@@ -8,16 +8,16 @@ two plans' pricing differs and `moved_tables` names every table that moved betwe
 from __future__ import annotations
 
 import csv
-import difflib
 import io
 from typing import Sequence
 
 from planners.inputs import format_bytes
 from planners.stats import PlanStats, TableStats, plural, time_unit
+from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingType, rank_ranges
 
 __all__ = [
-    "SORT_KEYS", "describe_counts", "did_you_mean", "format_tables", "moved_tables", "pick_tables",
+    "SORT_KEYS", "describe_counts", "format_tables", "moved_tables", "pick_tables",
     "setting_differences", "shard_sizes", "tables_csv",
 ]  # fmt: skip
 
@@ -31,12 +31,6 @@ SORT_KEYS = {
     "type": lambda t: (t.sharding_type.value, t.name),
     "shards": lambda t: (-len(t.shards), t.name),
 }
-
-
-def did_you_mean(word: str, choices: Sequence[str]) -> str:
-    """'; did you mean 'user_id'?' when a choice is close to `word`, else ''."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def shard_sizes(t: TableStats) -> str:
@@ -66,8 +60,9 @@ def pick_tables(stats: PlanStats, names: Sequence[str] | None, sort: str = "orde
         for name in names:
             match = [t for t in tables if name in (t.name, t.name.rsplit(".", 1)[-1])]
             if not match:
+                hint = did_you_mean(name, known)
                 raise PlanError(f"--table {name!r}: no such table in the plan"
-                                f"{did_you_mean(name, known)}")  # fmt: skip
+                                + (f"; {hint}" if hint else ""))  # fmt: skip
             picked.extend(m for m in match if m not in picked)
         tables = picked
     key = SORT_KEYS[sort]

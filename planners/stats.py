@@ -35,9 +35,11 @@ def plural(count: int, word: str, many: str | None = None) -> str:
 
 
 def time_unit(seconds: float) -> tuple[str, float]:
-    """The unit to show `seconds` and smaller values in: ('ms', 1e3), or ('us', 1e6) below 1 ms
-    so that a small plan does not read 0.000 ms everywhere."""
-    return ("ms", 1e3) if seconds >= 1e-3 else ("us", 1e6)
+    """The unit to show `seconds` and smaller values in: ms, or us below 1 ms, or ns below
+    1 us, so that a small plan does not read 0.000 ms everywhere."""
+    if seconds >= 1e-3:
+        return ("ms", 1e3)
+    return ("us", 1e6) if seconds >= 1e-6 else ("ns", 1e9)
 
 
 def format_seconds(seconds: float) -> str:

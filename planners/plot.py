@@ -66,8 +66,9 @@ def compare_figure(stats: Sequence[PlanStats], names: Sequence[str], colour_by: 
                              sharex="col", sharey="row",
                              gridspec_kw={"height_ratios": (1.0, 1.3, 0.8), "width_ratios": worlds})  # fmt: skip
     slowest = max(x.max_cost for x in stats)
+    kinds = {t.sharding_type for x in stats for t in x.tables}  # one legend for both plans
     tops = [_draw(fig, axes[:, col], s, f"{name}: {_title(s)}", colour_by, legends=col == 1,
-                  unit=time_unit(slowest), slowest=slowest)
+                  unit=time_unit(slowest), slowest=slowest, kinds=kinds)
             for col, (s, name) in enumerate(zip(stats, names))]  # fmt: skip
     for row in range(3):  # one scale per row, so that the taller bars are the slower plan's
         axes[row, 0].set_ylim(0, max(t[row] for t in tops))
@@ -98,7 +99,7 @@ def _title(stats: PlanStats) -> str:
 
 def _draw(fig: Any, axes: Sequence[Any], stats: PlanStats, title: str, colour_by: str,
           legends: bool, unit: tuple[str, float] | None = None, slowest: float | None = None,
-          ) -> tuple[float, float, float]:  # fmt: skip
+          kinds: set[ShardingType] | None = None) -> tuple[float, float, float]:  # fmt: skip
     """Draws one plan into three stacked axes; returns the top of each axis' y range."""
     ax_cost, ax_tab, ax_mem = axes
     ranks = [r.rank for r in stats.ranks]
@@ -113,16 +114,20 @@ def _draw(fig: Any, axes: Sequence[Any], stats: PlanStats, title: str, colour_by
             continue
         ax_cost.bar(ranks, values, width, bottom=bottom, label=label, color=colour)
         bottom = [b + v for b, v in zip(bottom, values)]
+    # side by side (kinds given), one legend serves two plans: no one plan's figures in it
+    bound, mean = ("", "") if kinds else (f" {scale * stats.lower_bound:.3f} {unit}",
+                                          f" {scale * stats.mean_cost:.3f} {unit}")  # fmt: skip
     ax_cost.axhline(scale * stats.lower_bound, color="black", linestyle="--", linewidth=1,
-                    label=f"lower bound {scale * stats.lower_bound:.3f} {unit}")  # fmt: skip
+                    label=f"lower bound{bound}")  # fmt: skip
     ax_cost.axhline(scale * stats.mean_cost, color="grey", linestyle=":", linewidth=1,
-                    label=f"mean {scale * stats.mean_cost:.3f} {unit}")  # fmt: skip
+                    label=f"mean{mean}")  # fmt: skip
     ax_cost.set_ylabel(f"cost per step ({unit})")
     chars = int(8.5 * ax_cost.get_position().width * fig.get_figwidth())  # ~chars per line
     ax_cost.set_title("\n".join(textwrap.wrap(title, max(30, chars))), fontsize=9)
     ax_cost.set_ylim(0, max(bottom + [scale * stats.lower_bound]) * 1.08)
 
-    _draw_tables(fig, ax_tab, stats, scale, colour_by, legends, scale * (slowest or stats.max_cost))
+    _draw_tables(fig, ax_tab, stats, scale, colour_by, legends, scale * (slowest or stats.max_cost),
+                 kinds or {t.sharding_type for t in stats.tables})
     ax_tab.set_ylabel(f"tables: cost per shard ({unit})")
 
     mem = [r.memory / GiB for r in stats.ranks]
@@ -147,7 +152,7 @@ def _draw(fig: Any, axes: Sequence[Any], stats: PlanStats, title: str, colour_by
 
 
 def _draw_tables(fig: Any, ax: Any, stats: PlanStats, scale: float, colour_by: str, legend: bool,
-                 top: float) -> None:  # fmt: skip
+                 top: float, kinds: set[ShardingType]) -> None:  # fmt: skip
     """One block per shard on its rank, stacked slowest first, sized by the shard's cost; a
     block is named where its name fits in it at the y scale `top` (the slowest rank shown)."""
     world = len(stats.ranks)
@@ -173,8 +178,7 @@ def _draw_tables(fig: Any, ax: Any, stats: PlanStats, scale: float, colour_by: s
         from matplotlib.patches import Patch
 
         if palette is None:
-            used = {t.sharding_type for t in stats.tables}
-            handles = [Patch(color=c, label=k.value) for k, c in _TYPE_COLOURS.items() if k in used]
+            handles = [Patch(color=c, label=k.value) for k, c in _TYPE_COLOURS.items() if k in kinds]
         else:
             names = list(palette)[:20]
             handles = [Patch(color=palette[n], label=n) for n in names]

@@ -245,7 +245,7 @@ class PlanStats:
         ]
         defaults = _defaults_used(self.topology)
         if defaults:
-            lines.append(f"defaults used (an H100 node; give yours for other hardware, e.g. a CPU "
+            lines.append(f"H100 defaults in effect (give your own for other hardware, e.g. a CPU "
                          f"gloo job): {', '.join(defaults)}")  # fmt: skip
         if self.optimizer.note:
             lines.append(f"note: {self.optimizer.note}")

@@ -317,10 +317,10 @@ def test_plans_and_stats_read_well():
     assert "0.000 ms" not in text and " 0.000 " not in text.splitlines()[1]  # ...not 0.000 ms
     assert "1 table on 2 ranks" in text and "1 tables" not in text
     assert repr(result.stats).startswith("PlanStats(1 table on 2 ranks, slowest rank")
-    assert "defaults used (an H100 node" in text and "device memory 80 GiB" in text
+    assert "H100 defaults in effect" in text and "device memory 80 GiB" in text
     mine = Topology(2, device_memory="16GiB", device_memory_bandwidth=1e11,
                     intra_host_bandwidth=1e10, cross_host_bandwidth=1e9)  # fmt: skip
-    assert "defaults used" not in planners.plan_with_stats(tables, mine, batch_size=8).stats.format()
+    assert "defaults" not in planners.plan_with_stats(tables, mine, batch_size=8).stats.format()
 
 
 # -- the plot ---------------------------------------------------------------------------------------

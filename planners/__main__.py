@@ -229,8 +229,9 @@ def _settings(tables: tuple[Table, ...], tables_path: str, constraints: dict[str
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     tables = load_tables(args.tables)
-    constraints = load_constraints(args.constraints, tables) if args.constraints else {}
     topology = _topology(args.world_size, args.ranks_per_host, args, {})
+    constraints = (load_constraints(args.constraints, tables, topology.world_size)
+                   if args.constraints else {})  # fmt: skip
     optimizer = args.optimizer or Optimizer.ROWWISE_ADAGRAD.value
     statistic = args.column_wise_statistic or ColumnWiseStatistic.EXACT.value
     module = args.module or ""
@@ -275,7 +276,7 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
                             "written before plans recorded them); pass --tables FILE")  # fmt: skip
         tables_path = str(recorded.get("tables_path", path))
     if args.constraints:
-        constraints = load_constraints(args.constraints, tables)
+        constraints = load_constraints(args.constraints, tables, plan.world_size)
         if recorded.get("constraints") != {n: constraint_record(c) for n, c in constraints.items()}:
             overrides.append(f"constraints {args.constraints}")
     else:

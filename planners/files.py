@@ -295,17 +295,20 @@ def _load_csv(path: str, text: str) -> tuple[Table, ...]:
     return tuple(tables)
 
 
-def load_constraints(path: str, tables: tuple[Table, ...] | None = None) -> dict[str, TableConstraint]:
+def load_constraints(
+    path: str, tables: tuple[Table, ...] | None = None, world_size: int | None = None
+) -> dict[str, TableConstraint]:
     """Per-table constraints from a YAML or JSON mapping (see the module docstring).
 
-    With `tables`, a constraint naming no table is an error at its line, with the closest name."""
+    With `tables`, a constraint naming no table is an error at its line, with the closest name;
+    with `world_size`, so is a pin to a rank the world does not have."""
     kind = _kind(path, ("yaml", "json"))
     data, node = _parse_structured(path, _read(path), kind)
-    return _constraints(data, node, path, tables)
+    return _constraints(data, node, path, tables, world_size)
 
 
 def _constraints(data: Any, node: Any, path: str, tables: tuple[Table, ...] | None,
-                 ) -> dict[str, TableConstraint]:  # fmt: skip
+                 world_size: int | None = None) -> dict[str, TableConstraint]:  # fmt: skip
     if not isinstance(data, Mapping):
         raise FileFormatError(f"{path}: expected a mapping of table name to constraint, "
                               f"got {type(data).__name__}")  # fmt: skip
@@ -335,6 +338,10 @@ def _constraints(data: Any, node: Any, path: str, tables: tuple[Table, ...] | No
                 min_shards=_int(record.get("min_shards", 1), "min_shards"),
                 max_shards=None if max_shards is None else _int(max_shards, "max_shards"),
             )
+            bad = [r for r in out[str(name)].ranks if world_size is not None and r >= world_size]
+            if bad:
+                raise PlanError(f"field 'ranks' pins the table to rank {bad[0]} but the world size "
+                                f"is {world_size}; pin it to ranks in [0, {world_size - 1}]")  # fmt: skip
         except PlanError as e:
             lines = _field_lines(item)
             field = next((f for f in lines if f"{f!r}" in str(e)), None)

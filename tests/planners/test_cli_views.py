@@ -238,6 +238,11 @@ def test_constraints_for_an_unknown_table_or_field_suggest_the_closest(tmp_path,
     assert code == 2
     assert "d.yaml:3: constraint for 't_cat_1': unknown field 'max_shard'; did you mean " \
            "'max_shards'?" in err, err
+    cons = write(tmp_path, "e.yaml", "t_cat_1:\n  sharding_types: [row_wise]\n  ranks: [0, 16]\n")
+    code, _, err = run(capsys, "plan", CRITEO, *SIXTEEN, "--constraints", cons)
+    assert code == 2
+    assert "e.yaml:3: constraint for 't_cat_1': field 'ranks' pins the table to rank 16 but the " \
+           "world size is 16" in err, err
 
 
 def test_batch_advice_is_a_batch_that_fits_at_every_batch_size():

@@ -20,7 +20,7 @@ from planners.inputs import (
 )  # fmt: skip
 from planners.report import (
     SORT_KEYS, describe_counts, format_tables, moved_tables, pick_tables, setting_differences,
-    tables_csv,
+    tables_csv, why_lines,
 )  # fmt: skip
 from planners.stats import PlanStats, TableStats, format_seconds, plan_stats, plural, time_unit
 from planners.types import PlanError, ShardingPlan
@@ -212,6 +212,8 @@ class _Priced(NamedTuple):
     stats: PlanStats
     settings: dict[str, Any]  # the effective settings, as a plan file records them
     overrides: list[str]  # 'batch_size 256 (the plan records 512)'
+    tables: tuple[Table, ...]
+    constraints: dict[str, TableConstraint]
 
 
 def _settings(tables: tuple[Table, ...], tables_path: str, constraints: dict[str, TableConstraint],
@@ -240,7 +242,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                              module_fqn=module, column_wise_statistic=statistic)  # fmt: skip
     settings = _settings(tables, args.tables, constraints, topology, args.batch_size, optimizer,
                          statistic, module)  # fmt: skip
-    priced = _Priced(args.output or "", result.plan, result.stats, settings, [])
+    priced = _Priced(args.output or "", result.plan, result.stats, settings, [], tables,
+                     constraints)  # fmt: skip
     _print_one(priced, args)
     if args.output:
         save_plan(args.output, result.plan, settings)
@@ -303,7 +306,7 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
         raise PlanError(f"{path}: {e}") from None
     settings = _settings(tables, tables_path, constraints, topology, work.batch_size,
                          Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module)  # fmt: skip
-    return _Priced(path, plan, stats, settings, overrides)
+    return _Priced(path, plan, stats, settings, overrides, tables, constraints)
 
 
 def _print_one(p: _Priced, args: argparse.Namespace) -> None:
@@ -325,7 +328,7 @@ def _print_one(p: _Priced, args: argparse.Namespace) -> None:
     for line in p.overrides:
         print(f"override: {line}")
     if args.table:
-        print(_shard_detail(stats, picked))
+        print(_shard_detail(p, picked))
     else:
         print(stats.format_ranks(args.rows))
         print()
@@ -337,9 +340,9 @@ def _print_one(p: _Priced, args: argparse.Namespace) -> None:
     print(stats.summary())
 
 
-def _shard_detail(stats: PlanStats, tables: Sequence[TableStats]) -> str:
-    """Each table's line of the per-table view, then one line per shard."""
-    out = []
+def _shard_detail(p: _Priced, tables: Sequence[TableStats]) -> str:
+    """Each table's line of the per-table view, one line per shard, and why it is placed so."""
+    stats, out = p.stats, []
     unit, scale = time_unit(max(t.max_cost for t in tables))
     host = stats.topology.ranks_per_host or 1
     for t in tables:
@@ -352,6 +355,7 @@ def _shard_detail(stats: PlanStats, tables: Sequence[TableStats]) -> str:
             out.append(f"  rank {s.rank:>4} (host {s.rank // host}): rows {s.row_offset:_}.."
                        f"{s.row_offset + s.num_rows:_}, cols {s.col_offset}..{s.col_offset + s.num_cols}"
                        f"; {format_bytes(s.memory)}; {scale * s.cost:.3f} {unit} ({parts})")  # fmt: skip
+        out.extend(why_lines(stats, p.tables, t.name, p.constraints or None))
         out.append("")
     return "\n".join(out).rstrip()
 

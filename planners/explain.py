@@ -94,7 +94,7 @@ def explain_no_plan(
         lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
                  for i in order[:_LISTED]]  # fmt: skip
         if len(order) > _LISTED:
-            lines.append(f"  ... and {len(order) - _LISTED} more tables")
+            lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
         return NoPlanError(
             f"no plan fits: {plural(len(order), 'table')} cannot fit on any rank; {where}, of which "
             f"{format_bytes(base_memory)} holds the batch buffers:\n" + "\n".join(lines),
@@ -111,7 +111,7 @@ def explain_no_plan(
         pinned = f", pinned to ranks {list(pins)}" if pins else ""
         lines.append(f"  {names[i]!r}: smallest shard {format_bytes(smallest)}{pinned}")
     if len(order) > _LISTED:
-        lines.append(f"  ... and {len(order) - _LISTED} more tables")
+        lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
     need = math.ceil(foot.sum() / (0.85 * room))
     return NoPlanError(
         f"no plan fits: the tables fill {100 * fill:.0f}% of the memory of {world} ranks and "

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import csv
 import io
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from planners.inputs import format_bytes
-from planners.stats import PlanStats, TableStats, plural, time_unit
+from planners.cost import CostModel, TableArrays
+from planners.inputs import Table, TableConstraint, format_bytes
+from planners.model_tables import match_constraints
+from planners.options import enumerate_candidates
+from planners.stats import PlanStats, TableStats, format_seconds, plural, time_unit
 from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingType, rank_ranges
 
 __all__ = [
     "SORT_KEYS", "describe_counts", "format_tables", "moved_tables", "pick_tables",
-    "setting_differences", "shard_sizes", "tables_csv",
+    "setting_differences", "shard_sizes", "tables_csv", "why_lines",
 ]  # fmt: skip
 
 # --sort: table order as planned, or the largest first
@@ -169,6 +172,57 @@ def moved_tables(names: tuple[str, str], stats: tuple[PlanStats, PlanStats]) -> 
                      f"{_placement_text(tb, len(b.ranks))}  [{', '.join(what)}]")  # fmt: skip
     ratio = b.max_cost / a.max_cost if a.max_cost > 0 else 1.0
     lines.append(f"slowest rank of {names[1]} / {names[0]}: {ratio:.3f}")
+    return lines
+
+
+def why_lines(stats: PlanStats, tables: Sequence[Table], name: str,
+              constraints: Mapping[str, TableConstraint] | None) -> list[str]:  # fmt: skip
+    """Why table `name` is placed as it is: for each sharding type, the placement of that type
+    the search would weigh against the plan's slowest rank (the fewest-work one whose largest
+    shard is under it, else the one with the smallest largest shard), or why there is none."""
+    model = CostModel(stats.topology, stats.batch_size, stats.optimizer,
+                      column_wise_statistic=stats.column_wise_statistic)  # fmt: skip
+    table_set = tuple(("", t) for t in tables)
+    cons = match_constraints(table_set, constraints, stats.topology.world_size)
+    i = next(j for j, t in enumerate(tables) if name in (t.name, stats.tables[j].name))
+    chosen = stats.tables[i]
+    room = stats.topology.capacity - model.batch_buffer_bytes(TableArrays.of(list(tables)))
+    c = enumerate_candidates([tables[i]], model, [cons[i]], room)
+    slowest = stats.max_cost
+    lines = [f"  why: the slowest rank takes {format_seconds(slowest)} (lower bound "
+             f"{format_seconds(stats.lower_bound)}); per sharding type, the best this table "
+             "could have:"]  # fmt: skip
+    for kind in ShardingType:
+        cols = [j for j, (k, _) in enumerate(c.columns) if k is kind]
+        if not cols:
+            continue
+        valid = [j for j in cols if c.valid[0, j]]
+        if not valid:
+            if cons[i] is not None and not c.allowed[0, cols].any():
+                reason = "not allowed by its constraint (or its shape)"
+            elif not c.allowed[0, cols].any():
+                reason = "not possible for its shape"
+            else:
+                reason = "no shard of it fits in a rank's memory"
+            lines.append(f"    {kind.value:<22} {reason}")
+            continue
+        under = [j for j in valid if c.max_cost[0, j] <= slowest * (1 + 1e-9)]
+        j = (min(under, key=lambda j: (c.total[0, j], c.columns[j][1])) if under
+             else min(valid, key=lambda j: (c.max_cost[0, j], c.columns[j][1])))  # fmt: skip
+        k = c.columns[j][1]
+        label = kind.value
+        if kind not in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
+            label += f" over {k}"
+        per = "per replica" if kind is ShardingType.DATA_PARALLEL else "largest shard"
+        verdict = "" if under else "  (slower than the slowest rank)"
+        lines.append(f"    {label:<22} {per} {format_seconds(c.max_cost[0, j])}, total "
+                     f"{format_seconds(c.total[0, j])}, {format_bytes(c.max_memory[0, j])}"
+                     f"{verdict}")  # fmt: skip
+    over = "" if chosen.sharding_type is ShardingType.DATA_PARALLEL else f" over {len(chosen.shards)}"
+    lines.append(f"  chosen: {chosen.sharding_type.value}{over} ({shard_sizes(chosen)}), largest "
+                 f"shard {format_seconds(chosen.max_cost)}, total {format_seconds(chosen.total_cost)}")  # fmt: skip
+    lines.append("  (the rows above split evenly; a largest shard above the slowest rank would "
+                 "slow the plan, and under it the total is work the other ranks must absorb)")  # fmt: skip
     return lines
 
 

@@ -94,6 +94,14 @@ def test_table_flag_shows_each_shard_and_sort_orders_by_cost(criteo16, capsys):
         assert line.split()[1] == str(s.rank)
         assert f"cols {s.col_offset}..{s.col_offset + s.num_cols}" in line
         assert "cw-stat" in line  # exact row-wise Adagrad: the pieces exchange statistics
+    # why: the alternatives of each type, and the one chosen
+    assert f"chosen: column_wise over {len(cut.shards)} (" in out
+    why = out[out.index("  why: "):out.index("  chosen: ")].splitlines()[1:]
+    assert {x.split()[0] for x in why} == {k.value for k in T}
+    whole = next(x for x in why if x.split()[0] == "table_wise")
+    assert ("(slower than the slowest rank)" in whole) == (
+        re.search(r"largest shard (\S+) us", whole) is not None
+        and float(re.search(r"largest shard (\S+) us", whole).group(1)) > 1e6 * stats.max_cost)
     code, out, _ = run(capsys, "show", path, "--sort", "cost", "--top", "5")
     names = [x.split()[0] for x in out.split("\n\n")[1].splitlines()[1:6]]
     expected = sorted(stats.tables, key=lambda t: (-t.max_cost, t.name))[:5]

@@ -20,7 +20,7 @@ from planners.inputs import (
 )  # fmt: skip
 from planners.report import (
     SORT_KEYS, describe_counts, format_tables, moved_tables, pick_tables, setting_differences,
-    tables_csv, why_lines,
+    table_moves, tables_csv, why_lines,
 )  # fmt: skip
 from planners.stats import PlanStats, TableStats, format_seconds, plan_stats, plural, time_unit
 from planners.types import PlanError, ShardingPlan
@@ -158,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="PNG", help="draw the two plans side by side here (PNG)")
     c.add_argument("--plot-by", choices=("type", "table"), default="type",
                    help="colour the plot's table blocks by sharding type (default) or by table")
+    c.add_argument("--format", choices=("table", "json"), default="table",
+                   help="table (default) or json: both plans' statistics, the settings that "
+                        "differ and every table that moved")  # fmt: skip
     _add_cluster_flags(c, required=False)
     return parser
 
@@ -293,7 +296,7 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
                         *((n, getattr(args, n, None)) for n in _SETTINGS)):  # fmt: skip
         was = recorded.get(name)
         if value is not None and was is not None and value != was:
-            show = format_bytes if name == "device_memory" else (lambda v: v)
+            show = _setting_text(name)
             overrides.append(f"{name} {show(value)} (the plan records {show(was)})")
         elif value is not None and was is None:
             overrides.append(f"{name} {value} (the plan records none)")
@@ -307,6 +310,15 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
     settings = _settings(tables, tables_path, constraints, topology, work.batch_size,
                          Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module)  # fmt: skip
     return _Priced(path, plan, stats, settings, overrides, tables, constraints)
+
+
+def _setting_text(name: str) -> Any:
+    """How a setting reads in an override line: bytes with a unit, bandwidths in B/s."""
+    if name == "device_memory":
+        return format_bytes
+    if name.endswith("bandwidth"):
+        return lambda v: f"{v:.3g} B/s" if isinstance(v, (int, float)) else repr(v)
+    return lambda v: v
 
 
 def _print_one(p: _Priced, args: argparse.Namespace) -> None:
@@ -385,6 +397,27 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         ("ranks over capacity", lambda s: str(len(s.over_capacity))),
     ]
     names = [p[-40:] for p in args.plans]
+    if args.format == "json":
+        moves = table_moves(a, b)
+        print(json.dumps({
+            "plans": list(args.plans),
+            "overrides": [one.overrides, two.overrides],
+            "differences": setting_differences((a, b), (one.settings, two.settings)),
+            "stats": [a.to_dict(), b.to_dict()],
+            "moved": [{"table": m.table, "what": list(m.what),
+                       "before": {"sharding_type": m.before.sharding_type.value,
+                                  "ranks": list(m.before.ranks), "sizes": list(m.before.sizes)},
+                       "after": {"sharding_type": m.after.sharding_type.value,
+                                 "ranks": list(m.after.ranks), "sizes": list(m.after.sizes)}}
+                      for m in moves],
+            "slowest_rank_ratio": b.max_cost / a.max_cost if a.max_cost > 0 else 1.0,
+        }, indent=2))  # fmt: skip
+        if args.plot:
+            from planners.plot import plot_compare
+
+            plot_compare((a, b), (names[0], names[1]), args.plot, colour_by=args.plot_by)
+            _say(args, f"wrote {args.plot}")
+        return 0
     width = max(22, *(len(n) for n in names))
     for p in (one, two):
         for line in p.overrides:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from planners.cost import CostModel, TableArrays
 from planners.inputs import Table, TableConstraint, format_bytes
@@ -20,8 +20,8 @@ from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingType, rank_ranges
 
 __all__ = [
-    "SORT_KEYS", "describe_counts", "format_tables", "moved_tables", "pick_tables",
-    "setting_differences", "shard_sizes", "tables_csv", "why_lines",
+    "SORT_KEYS", "Move", "describe_counts", "format_tables", "moved_tables", "pick_tables",
+    "setting_differences", "shard_sizes", "table_moves", "tables_csv", "why_lines",
 ]  # fmt: skip
 
 # --sort: table order as planned, or the largest first
@@ -120,7 +120,11 @@ def setting_differences(stats: tuple[PlanStats, PlanStats], settings: tuple[dict
     for key, label in (("world_size", "world size"), ("ranks_per_host", "ranks per host"),
                        ("batch_size", "batch size per rank"), ("optimizer", "optimizer"),
                        ("column_wise_statistic", "column_wise_statistic"),
-                       ("device_memory", "device memory"), ("constraints", "constraints"),
+                       ("device_memory", "device memory"), ("reserved_fraction", "reserved fraction"),
+                       ("device_memory_bandwidth", "memory bandwidth"),
+                       ("intra_host_bandwidth", "intra-host bandwidth"),
+                       ("cross_host_bandwidth", "cross-host bandwidth"), ("module", "module"),
+                       ("constraints", "constraints"),
                        ("tables_digest", "tables")):  # fmt: skip
         va, vb = settings[0].get(key), settings[1].get(key)
         if va != vb:
@@ -137,30 +141,25 @@ def setting_differences(stats: tuple[PlanStats, PlanStats], settings: tuple[dict
     return lines
 
 
-def moved_tables(names: tuple[str, str], stats: tuple[PlanStats, PlanStats]) -> list[str]:
-    """Every table placed differently (type, ranks or shard sizes), and how; then the ratio of
-    the slowest ranks. A data-parallel table is on every rank of either world: it moves only
-    if its type changes."""
-    a, b = stats
-    lines = []
-    by_a = {t.name: t for t in a.tables}
+class Move(NamedTuple):
+    """One table placed differently in two plans, and in what: 'type', 'ranks', 'sizes'."""
+
+    table: str
+    before: TableStats
+    after: TableStats
+    what: tuple[str, ...]
+
+
+def table_moves(a: PlanStats, b: PlanStats) -> list[Move]:
+    """Every table of both plans placed differently (type, ranks or shard sizes), in `a`'s
+    order. A data-parallel table is on every rank of either world: it moves only if its type
+    changes."""
     by_b = {t.name: t for t in b.tables}
-    moved = []
-    for name, ta in by_a.items():
-        tb = by_b.get(name)
-        if tb is None:
+    moves = []
+    for ta in a.tables:
+        tb = by_b.get(ta.name)
+        if tb is None or ta.sharding_type is tb.sharding_type is ShardingType.DATA_PARALLEL:
             continue
-        both_dp = ta.sharding_type is tb.sharding_type is ShardingType.DATA_PARALLEL
-        if not both_dp and (ta.sharding_type, ta.ranks, ta.sizes) != (
-            tb.sharding_type, tb.ranks, tb.sizes
-        ):
-            moved.append((name, ta, tb))
-    only = sorted(set(by_a) ^ set(by_b))
-    if only:
-        lines.append(f"tables in one plan only: {', '.join(only)}")
-    lines.append(f"tables placed differently: {len(moved)} of {len(by_a)}")
-    width = max([5] + [len(n) for n, _, _ in moved])
-    for name, ta, tb in moved:
         what = []
         if ta.sharding_type is not tb.sharding_type:
             what.append("type")
@@ -168,8 +167,24 @@ def moved_tables(names: tuple[str, str], stats: tuple[PlanStats, PlanStats]) -> 
             what.append("ranks")
         if ta.sizes != tb.sizes and ta.sharding_type is tb.sharding_type:
             what.append("sizes")
-        lines.append(f"  {name:<{width}} {_placement_text(ta, len(a.ranks))} -> "
-                     f"{_placement_text(tb, len(b.ranks))}  [{', '.join(what)}]")  # fmt: skip
+        if what:
+            moves.append(Move(ta.name, ta, tb, tuple(what)))
+    return moves
+
+
+def moved_tables(names: tuple[str, str], stats: tuple[PlanStats, PlanStats]) -> list[str]:
+    """`table_moves` as text, one line each, then the ratio of the slowest ranks."""
+    a, b = stats
+    lines = []
+    moves = table_moves(a, b)
+    only = sorted({t.name for t in a.tables} ^ {t.name for t in b.tables})
+    if only:
+        lines.append(f"tables in one plan only: {', '.join(only)}")
+    lines.append(f"tables placed differently: {len(moves)} of {len(a.tables)}")
+    width = max([5] + [len(m.table) for m in moves])
+    for m in moves:
+        lines.append(f"  {m.table:<{width}} {_placement_text(m.before, len(a.ranks))} -> "
+                     f"{_placement_text(m.after, len(b.ranks))}  [{', '.join(m.what)}]")  # fmt: skip
     ratio = b.max_cost / a.max_cost if a.max_cost > 0 else 1.0
     lines.append(f"slowest rank of {names[1]} / {names[0]}: {ratio:.3f}")
     return lines

@@ -197,6 +197,11 @@ def test_compare_names_moved_tables_and_mismatched_settings(tmp_path, capsys, cr
     assert f"{pa.sharding_type.value} on" in line.split("->")[0]
     assert f"{pb.sharding_type.value} on" in line.split("->")[1]
     assert lines[-1].startswith("slowest rank of ")
+    code, out, _ = run(capsys, "compare", criteo16[0], small, "--format", "json")
+    data = json.loads(out)
+    assert {m["table"] for m in data["moved"]} == moved
+    assert data["differences"][0] == "DIFFERENT world size: 16 vs 8"
+    assert [s["world_size"] for s in data["stats"]] == [16, 8]
 
 
 # -- bad input: units, file:line, did you mean, no-fit advice -----------------------------------

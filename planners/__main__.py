@@ -247,9 +247,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          statistic, module)  # fmt: skip
     priced = _Priced(args.output or "", result.plan, result.stats, settings, [], tables,
                      constraints)  # fmt: skip
+    if args.output:  # first: a misspelt --table must not cost the plan
+        save_plan(args.output, result.plan, settings)
     _print_one(priced, args)
     if args.output:
-        save_plan(args.output, result.plan, settings)
         _say(args, f"wrote {args.output}")
     if args.plot:
         from planners.plot import plot_stats

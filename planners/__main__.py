@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Any, NamedTuple, Sequence
@@ -247,17 +248,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          statistic, module)  # fmt: skip
     priced = _Priced(args.output or "", result.plan, result.stats, settings, [], tables,
                      constraints)  # fmt: skip
-    if args.output:  # first: a misspelt --table must not cost the plan
-        save_plan(args.output, result.plan, settings)
-    _print_one(priced, args)
+    # Files first: neither a misspelt --table nor a reader that stops early (| head) loses them.
     if args.output:
-        _say(args, f"wrote {args.output}")
+        save_plan(args.output, result.plan, settings)
+    _plot(priced.stats, args)
+    _print_one(priced, args)
+    for path in (args.output, args.plot):
+        if path:
+            _say(args, f"wrote {path}")
+    return 0
+
+
+def _plot(stats: PlanStats, args: argparse.Namespace) -> None:
     if args.plot:
         from planners.plot import plot_stats
 
-        plot_stats(result.stats, args.plot, colour_by=args.plot_by)
-        _say(args, f"wrote {args.plot}")
-    return 0
+        plot_stats(stats, args.plot, colour_by=args.plot_by)
 
 
 def _say(args: argparse.Namespace, line: str) -> None:
@@ -375,11 +381,9 @@ def _shard_detail(p: _Priced, tables: Sequence[TableStats]) -> str:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     priced = _price(args.plan, args)
+    _plot(priced.stats, args)
     _print_one(priced, args)
     if args.plot:
-        from planners.plot import plot_stats
-
-        plot_stats(priced.stats, args.plot, colour_by=args.plot_by)
         _say(args, f"wrote {args.plot}")
     return 0
 
@@ -398,6 +402,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         ("ranks over capacity", lambda s: str(len(s.over_capacity))),
     ]
     names = [p[-40:] for p in args.plans]
+    if args.plot:
+        from planners.plot import plot_compare
+
+        plot_compare((a, b), (names[0], names[1]), args.plot, colour_by=args.plot_by)
     if args.format == "json":
         moves = table_moves(a, b)
         print(json.dumps({
@@ -414,9 +422,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             "slowest_rank_ratio": b.max_cost / a.max_cost if a.max_cost > 0 else 1.0,
         }, indent=2))  # fmt: skip
         if args.plot:
-            from planners.plot import plot_compare
-
-            plot_compare((a, b), (names[0], names[1]), args.plot, colour_by=args.plot_by)
             _say(args, f"wrote {args.plot}")
         return 0
     width = max(22, *(len(n) for n in names))
@@ -431,9 +436,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for label, s in zip(names, (a, b)):
         print(f"{label}: {describe_counts(s)}")
     if args.plot:
-        from planners.plot import plot_compare
-
-        plot_compare((a, b), (names[0], names[1]), args.plot, colour_by=args.plot_by)
         print(f"wrote {args.plot}")
     for line in moved_tables((names[0], names[1]), (a, b)):  # the ratio last, for scripts
         print(line)
@@ -452,6 +454,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `... | head`: the reader stopped reading; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit does not fail again
+        return 0
     except OSError as e:
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT

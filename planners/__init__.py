@@ -25,7 +25,7 @@ from planners.inputs import (
     parse_bytes,
 )
 from planners.model_tables import tables_from_model
-from planners.stats import PlanStats, RankStats, plan_stats, validate_plan
+from planners.stats import PlanStats, RankStats, ShardStats, TableStats, plan_stats, validate_plan
 from planners.types import (
     PlanError,
     ShardingPlan,
@@ -46,11 +46,13 @@ __all__ = [
     "PlanStats",
     "RankStats",
     "ShardSpec",
+    "ShardStats",
     "ShardingPlan",
     "ShardingType",
     "Table",
     "TableConstraint",
     "TablePlacement",
+    "TableStats",
     "Topology",
     "even_split",
     "format_bytes",

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import sys
-from collections import Counter
 from typing import Any, NamedTuple, Sequence
 
 from planners.api import plan_with_stats
+from planners.cost import COMPONENTS
 from planners.explain import NoPlanError
-from planners.files import load_constraints, load_plan, load_tables, save_plan
-from planners.inputs import ColumnWiseStatistic, Optimizer, Topology, format_bytes, parse_bytes
-from planners.stats import PlanStats, plan_stats
+from planners.files import (
+    constraint_record, load_constraints, load_plan, load_tables, recorded_constraints,
+    recorded_tables, save_plan, tables_digest,
+)  # fmt: skip
+from planners.inputs import (
+    ColumnWiseStatistic, Optimizer, Table, TableConstraint, Topology, format_bytes, parse_bytes,
+)  # fmt: skip
+from planners.report import (
+    SORT_KEYS, describe_counts, format_tables, moved_tables, pick_tables, setting_differences,
+    table_moves, tables_csv, why_lines,
+)  # fmt: skip
+from planners.stats import PlanStats, TableStats, format_seconds, plan_stats, plural, time_unit
 from planners.types import PlanError, ShardingPlan
 
 EXIT_NO_PLAN = 1  # the input is valid but no plan fits; the message says why
@@ -21,12 +33,17 @@ _EPILOG = """\
 examples:
   python -m planners plan examples/tables_criteo_1tb.yaml --world-size 64 --ranks-per-host 8 \\
       --device-memory 80GiB --batch-size 512 -o plan.json
-  python -m planners show plan.json --tables examples/tables_criteo_1tb.yaml --plot ranks.png
-  python -m planners compare plan.json other.json --tables examples/tables_criteo_1tb.yaml
+  python -m planners show plan.json --table t_cat_9 --plot ranks.png
+  python -m planners show plan.json --sort cost --top 10
+  python -m planners show plan.json --format csv > shards.csv
+  python -m planners compare plan.json other.json --plot both.png
 
 TABLES is a YAML or JSON list of records, or a CSV file with a header, with the fields
 name, num_embeddings, embedding_dim, features, pooling_factor, dtype, weighted
-(only the first three are required). The cost model is described in docs/planner.md.
+(only the first three are required). A plan file written by 'plan -o' records the tables,
+constraints, cluster and workload it was planned from, so 'show' and 'compare' need no more
+flags; a flag given again overrides the record, and the output says so. Sizes need a unit
+(80GiB, 512MiB, 80GB). The cost model is described in docs/planner.md.
 Exit codes: 0 ok, 1 no plan fits (the message names the tables and the ways out),
 2 bad input (a one-line error naming the file, line or field).
 """
@@ -40,8 +57,26 @@ def _bandwidth(text: str) -> float:
 
 
 def _bytes(text: str) -> int:
+    # A bare number would be bytes: '--device-memory 80' meant 80 GiB, not 80 bytes.
+    if re.fullmatch(r"\s*[0-9.eE+-]+\s*", text):
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is not None and number > 0:
+            raise argparse.ArgumentTypeError(
+                f"memory size needs a unit: {text!r} would be {text.strip()} bytes; write e.g. "
+                f"'{text.strip()}GiB' or '{text.strip()}MiB'"
+            )
     try:
         return parse_bytes(text, "memory size")
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _optimizer(text: str) -> str:
+    try:
+        return Optimizer.parse(text).value
     except PlanError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -55,7 +90,8 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
         g.add_argument("--batch-size", type=int, required=True, help="samples per rank per step")
     else:
         g.add_argument("--batch-size", type=int, help="samples per rank per step")
-    g.add_argument("--device-memory", type=_bytes, help="memory per rank, e.g. 80GiB (default 80GiB)")
+    g.add_argument("--device-memory", type=_bytes,
+                   help="memory per rank with its unit, e.g. 80GiB (default 80GiB, an H100)")  # fmt: skip
     g.add_argument("--reserved", type=float, dest="reserved_fraction",
                    help="fraction of device memory kept free (default 0.1)")  # fmt: skip
     g.add_argument("--memory-bandwidth", type=_bandwidth, dest="device_memory_bandwidth",
@@ -64,8 +100,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    help="bytes/s per rank inside a host (default 450e9, NVLink)")
     g.add_argument("--cross-host-bandwidth", type=_bandwidth,
                    help="bytes/s per rank across hosts (default 50e9, 400 Gb/s NIC)")
-    g.add_argument("--optimizer", choices=[o.value for o in Optimizer],
-                   help="embedding optimizer (default rowwise_adagrad)")
+    g.add_argument("--optimizer", type=_optimizer, metavar="OPT",
+                   help="embedding optimizer: sgd, rowwise_adagrad (default), adagrad, or "
+                        "modular.fuse_optimizer's names exact_sgd, exact_rowwise_adagrad, "
+                        "exact_adagrad; adam is priced as an unfused optimizer")  # fmt: skip
     g.add_argument("--column-wise-statistic", choices=[s.value for s in ColumnWiseStatistic],
                    help="row-wise Adagrad's row statistic on a table cut into column pieces, as "
                         "given to modular.fuse_optimizer: exact (default; each piece pays a second "
@@ -73,6 +111,22 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
                         "approximation: plain pieces, so cutting costs less); no effect under the "
                         "other optimizers")  # fmt: skip
     g.add_argument("--module", help="FQN of the EBC the tables belong to (default: '')")
+
+
+def _add_view_flags(p: argparse.ArgumentParser, plot_help: str) -> None:
+    g = p.add_argument_group("what to print")
+    g.add_argument("--table", action="append", metavar="NAME", default=[],
+                   help="show only this table, shard by shard (repeatable)")
+    g.add_argument("--sort", choices=list(SORT_KEYS), default="order",
+                   help="order of the per-table view: as planned (default), by name, by the "
+                        "cost or memory of the largest shard, total cost, type or shard count")  # fmt: skip
+    g.add_argument("--top", type=int, metavar="N", help="show at most N tables")
+    g.add_argument("--rows", type=int, default=None, help="show at most this many ranks")
+    g.add_argument("--format", choices=("table", "json", "csv"), default="table",
+                   help="table (default, for people), json (everything), or csv (one row per shard)")
+    g.add_argument("--plot", metavar="PNG", help=plot_help)
+    g.add_argument("--plot-by", choices=("type", "table"), default="type",
+                   help="colour the plot's table blocks by sharding type (default) or by table")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,24 +137,31 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,show,compare}")
-    p = sub.add_parser("plan", help="plan TABLES and print the per-rank table and summary",
+    p = sub.add_parser("plan", help="plan TABLES and print where each table went and what it costs",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("tables", metavar="TABLES", help="table file (.yaml, .json or .csv)")
     p.add_argument("--constraints", metavar="C", help="per-table constraints (.yaml or .json)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan JSON here")
-    p.add_argument("--rows", type=int, default=None, help="show at most this many ranks")
+    _add_view_flags(p, "draw per-rank cost, memory and tables here (PNG)")
     _add_cluster_flags(p, required=True)
-    s = sub.add_parser("show", help="print a plan's per-rank table again, and --plot it",
+    s = sub.add_parser("show", help="print a plan again (per rank and per table), and --plot it",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     s.add_argument("plan", metavar="PLAN", help="plan JSON written by 'plan'")
-    s.add_argument("--tables", metavar="TABLES", required=True, help="the table file planned")
-    s.add_argument("--plot", metavar="PNG", help="draw per-rank cost and memory bars here")
-    s.add_argument("--rows", type=int, default=None, help="show at most this many ranks")
+    s.add_argument("--tables", metavar="TABLES", help="the table file (default: as recorded)")
+    s.add_argument("--constraints", metavar="C", help="constraints (default: as recorded)")
+    _add_view_flags(s, "draw per-rank cost, memory and tables here (PNG)")
     _add_cluster_flags(s, required=False)
-    c = sub.add_parser("compare", help="compare two plans of the same tables",
+    c = sub.add_parser("compare", help="compare two plans: settings, figures, tables that moved",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     c.add_argument("plans", metavar="PLAN", nargs=2, help="two plan JSON files")
-    c.add_argument("--tables", metavar="TABLES", required=True, help="the table file planned")
+    c.add_argument("--tables", metavar="TABLES", help="the table file (default: as recorded)")
+    c.add_argument("--constraints", metavar="C", help="constraints (default: as recorded)")
+    c.add_argument("--plot", metavar="PNG", help="draw the two plans side by side here (PNG)")
+    c.add_argument("--plot-by", choices=("type", "table"), default="type",
+                   help="colour the plot's table blocks by sharding type (default) or by table")
+    c.add_argument("--format", choices=("table", "json"), default="table",
+                   help="table (default) or json: both plans' statistics, the settings that "
+                        "differ and every table that moved")  # fmt: skip
     _add_cluster_flags(c, required=False)
     return parser
 
@@ -147,78 +208,237 @@ def _module_for(plan: ShardingPlan, module: str | None) -> str:
     return next(iter(plan.modules)) if len(plan.modules) == 1 else ""
 
 
+class _Priced(NamedTuple):
+    """One plan priced under its settings: what it was planned from, and what a flag changed."""
+
+    path: str
+    plan: ShardingPlan
+    stats: PlanStats
+    settings: dict[str, Any]  # the effective settings, as a plan file records them
+    overrides: list[str]  # 'batch_size 256 (the plan records 512)'
+    tables: tuple[Table, ...]
+    constraints: dict[str, TableConstraint]
+
+
+def _settings(tables: tuple[Table, ...], tables_path: str, constraints: dict[str, TableConstraint],
+              topology: Topology, batch: int, optimizer: str, statistic: str, module: str,
+              ) -> dict[str, Any]:  # fmt: skip
+    return {
+        "batch_size": batch, "optimizer": optimizer, "column_wise_statistic": statistic,
+        "module": module, **{name: getattr(topology, name) for name in _SETTINGS},
+        "world_size": topology.world_size, "ranks_per_host": topology.ranks_per_host,
+        "tables_path": tables_path, "tables_digest": tables_digest(tables),
+        "tables": [t.to_dict() for t in tables],
+        "constraints": {name: constraint_record(c) for name, c in constraints.items()},
+    }  # fmt: skip
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     tables = load_tables(args.tables)
-    constraints = load_constraints(args.constraints) if args.constraints else None
     topology = _topology(args.world_size, args.ranks_per_host, args, {})
+    constraints = (load_constraints(args.constraints, tables, topology.world_size)
+                   if args.constraints else {})  # fmt: skip
     optimizer = args.optimizer or Optimizer.ROWWISE_ADAGRAD.value
     statistic = args.column_wise_statistic or ColumnWiseStatistic.EXACT.value
     module = args.module or ""
-    result = plan_with_stats(tables, topology, batch_size=args.batch_size, constraints=constraints,
-                             optimizer=optimizer, module_fqn=module,
-                             column_wise_statistic=statistic)  # fmt: skip
-    print(result.stats.format(args.rows))
+    result = plan_with_stats(tables, topology, batch_size=args.batch_size,
+                             constraints=constraints or None, optimizer=optimizer,
+                             module_fqn=module, column_wise_statistic=statistic)  # fmt: skip
+    settings = _settings(tables, args.tables, constraints, topology, args.batch_size, optimizer,
+                         statistic, module)  # fmt: skip
+    priced = _Priced(args.output or "", result.plan, result.stats, settings, [], tables,
+                     constraints)  # fmt: skip
+    # Files first: neither a misspelt --table nor a reader that stops early (| head) loses them.
     if args.output:
-        settings = {"batch_size": args.batch_size, "optimizer": optimizer,
-                    "column_wise_statistic": statistic, "module": module,
-                    **{name: getattr(topology, name) for name in _SETTINGS}}  # fmt: skip
         save_plan(args.output, result.plan, settings)
-        print(f"wrote {args.output}")
+    _plot(priced.stats, args)
+    _print_one(priced, args)
+    for path in (args.output, args.plot):
+        if path:
+            _say(args, f"wrote {path}")
     return 0
 
 
-def _stats_of(path: str, tables, args: argparse.Namespace) -> tuple[ShardingPlan, PlanStats]:
-    plan, recorded = load_plan(path)
-    topology = _topology(plan.world_size, plan.ranks_per_host, args, recorded)
-    work = _workload(args, recorded, path)
-    module = _module_for(plan, work.module)
-    try:
-        stats = plan_stats(plan, tables, topology, batch_size=work.batch_size,
-                           optimizer=work.optimizer, module_fqn=module,
-                           column_wise_statistic=work.column_wise_statistic)  # fmt: skip
-    except PlanError as e:
-        raise PlanError(f"{path}: {e}") from None
-    return plan, stats
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    tables = load_tables(args.tables)
-    _, stats = _stats_of(args.plan, tables, args)
-    print(stats.format(args.rows))
+def _plot(stats: PlanStats, args: argparse.Namespace) -> None:
     if args.plot:
         from planners.plot import plot_stats
 
-        plot_stats(stats, args.plot)
-        print(f"wrote {args.plot}")
+        plot_stats(stats, args.plot, colour_by=args.plot_by)
+
+
+def _say(args: argparse.Namespace, line: str) -> None:
+    """A progress line: on stdout for people, on stderr when stdout is JSON or CSV."""
+    print(line, file=sys.stdout if args.format == "table" else sys.stderr)
+
+
+def _price(path: str, args: argparse.Namespace) -> _Priced:
+    """A plan file priced as it was planned, with the flags given overriding its record."""
+    plan, recorded = load_plan(path)
+    overrides = []
+    if args.tables:
+        tables = load_tables(args.tables)
+        tables_path = args.tables
+        digest = recorded.get("tables_digest")
+        if digest is not None and digest != tables_digest(tables):
+            overrides.append(f"tables {args.tables} (the plan records "
+                             f"{recorded.get('tables_path', 'other tables')})")  # fmt: skip
+    else:
+        tables = recorded_tables(recorded, path)
+        if tables is None:
+            raise PlanError(f"{path} does not record the tables it was planned from (it was "
+                            "written before plans recorded them); pass --tables FILE")  # fmt: skip
+        tables_path = str(recorded.get("tables_path", path))
+    if args.constraints:
+        constraints = load_constraints(args.constraints, tables, plan.world_size)
+        if recorded.get("constraints") != {n: constraint_record(c) for n, c in constraints.items()}:
+            overrides.append(f"constraints {args.constraints}")
+    else:
+        constraints = recorded_constraints(recorded, path)
+    topology = _topology(plan.world_size, plan.ranks_per_host, args, recorded)
+    work = _workload(args, recorded, path)
+    module = _module_for(plan, work.module)
+    for name, value in (("batch_size", args.batch_size), ("optimizer", args.optimizer),
+                        ("column_wise_statistic", args.column_wise_statistic),
+                        ("module", args.module),
+                        *((n, getattr(args, n, None)) for n in _SETTINGS)):  # fmt: skip
+        was = recorded.get(name)
+        if value is not None and was is not None and value != was:
+            show = _setting_text(name)
+            overrides.append(f"{name} {show(value)} (the plan records {show(was)})")
+        elif value is not None and was is None:
+            overrides.append(f"{name} {value} (the plan records none)")
+    try:
+        stats = plan_stats(plan, tables, topology, batch_size=work.batch_size,
+                           optimizer=work.optimizer, module_fqn=module,
+                           constraints=constraints or None,
+                           column_wise_statistic=work.column_wise_statistic)  # fmt: skip
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
+    settings = _settings(tables, tables_path, constraints, topology, work.batch_size,
+                         Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module)  # fmt: skip
+    return _Priced(path, plan, stats, settings, overrides, tables, constraints)
+
+
+def _setting_text(name: str) -> Any:
+    """How a setting reads in an override line: bytes with a unit, bandwidths in B/s."""
+    if name == "device_memory":
+        return format_bytes
+    if name.endswith("bandwidth"):
+        return lambda v: f"{v:.3g} B/s" if isinstance(v, (int, float)) else repr(v)
+    return lambda v: v
+
+
+def _print_one(p: _Priced, args: argparse.Namespace) -> None:
+    stats = p.stats
+    picked = pick_tables(stats, args.table, args.sort)
+    if args.top is not None:
+        picked = picked[: max(args.top, 0)]
+    if args.format == "json":
+        data = {"plan": p.path, "overrides": p.overrides, "stats": stats.to_dict(),
+                "settings": {k: v for k, v in p.settings.items() if k != "tables"}}  # fmt: skip
+        data["stats"]["tables"] = [t.to_dict() for t in picked]
+        print(json.dumps(data, indent=2))
+        return
+    if args.format == "csv":
+        for line in p.overrides:
+            print(f"override: {line}", file=sys.stderr)
+        sys.stdout.write(tables_csv(stats, picked))
+        return
+    for line in p.overrides:
+        print(f"override: {line}")
+    if args.table:
+        print(_shard_detail(p, picked))
+    else:
+        print(stats.format_ranks(args.rows))
+        print()
+        shown = format_tables(stats, picked)
+        if len(picked) < len(stats.tables):
+            shown += f"\n  ... {plural(len(stats.tables) - len(picked), 'more table')} (--top)"
+        print(shown)
+    print()
+    print(stats.summary())
+
+
+def _shard_detail(p: _Priced, tables: Sequence[TableStats]) -> str:
+    """Each table's line of the per-table view, one line per shard, and why it is placed so."""
+    stats, out = p.stats, []
+    unit, scale = time_unit(max(t.max_cost for t in tables))
+    host = stats.topology.ranks_per_host or 1
+    for t in tables:
+        out.append(format_tables(stats, [t]))
+        out.append(f"  {t.num_embeddings:_} rows x {t.embedding_dim} columns in "
+                   f"{plural(len(t.shards), 'shard')}")  # fmt: skip
+        for s in t.shards:
+            parts = ", ".join(f"{h} {scale * getattr(s, a):.3f}" for a, h, _ in COMPONENTS
+                              if getattr(s, a))  # fmt: skip
+            out.append(f"  rank {s.rank:>4} (host {s.rank // host}): rows {s.row_offset:_}.."
+                       f"{s.row_offset + s.num_rows:_}, cols {s.col_offset}..{s.col_offset + s.num_cols}"
+                       f"; {format_bytes(s.memory)}; {scale * s.cost:.3f} {unit} ({parts})")  # fmt: skip
+        out.extend(why_lines(stats, p.tables, t.name, p.constraints or None))
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    priced = _price(args.plan, args)
+    _plot(priced.stats, args)
+    _print_one(priced, args)
+    if args.plot:
+        _say(args, f"wrote {args.plot}")
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    tables = load_tables(args.tables)
-    (plan_a, a), (plan_b, b) = (_stats_of(path, tables, args) for path in args.plans)
+    one, two = (_price(path, args) for path in args.plans)
+    a, b = one.stats, two.stats
     rows = [
-        ("slowest rank (ms)", lambda s: f"{1e3 * s.max_cost:.3f}"),
-        ("mean rank (ms)", lambda s: f"{1e3 * s.mean_cost:.3f}"),
+        ("ranks x batch", lambda s: f"{len(s.ranks)} x {s.batch_size}"),
+        ("slowest rank", lambda s: format_seconds(s.max_cost)),
+        ("mean rank", lambda s: format_seconds(s.mean_cost)),
         ("imbalance max/mean", lambda s: f"{s.imbalance:.3f}"),
-        ("lower bound (ms)", lambda s: f"{1e3 * s.lower_bound:.3f}"),
+        ("lower bound", lambda s: format_seconds(s.lower_bound)),
         ("slowest / bound", lambda s: f"{s.bound_ratio:.3f}"),
         ("max memory", lambda s: format_bytes(max(r.memory for r in s.ranks))),
         ("ranks over capacity", lambda s: str(len(s.over_capacity))),
     ]
     names = [p[-40:] for p in args.plans]
+    if args.plot:
+        from planners.plot import plot_compare
+
+        plot_compare((a, b), (names[0], names[1]), args.plot, colour_by=args.plot_by)
+    if args.format == "json":
+        moves = table_moves(a, b)
+        print(json.dumps({
+            "plans": list(args.plans),
+            "overrides": [one.overrides, two.overrides],
+            "differences": setting_differences((a, b), (one.settings, two.settings)),
+            "stats": [a.to_dict(), b.to_dict()],
+            "moved": [{"table": m.table, "what": list(m.what),
+                       "before": {"sharding_type": m.before.sharding_type.value,
+                                  "ranks": list(m.before.ranks), "sizes": list(m.before.sizes)},
+                       "after": {"sharding_type": m.after.sharding_type.value,
+                                 "ranks": list(m.after.ranks), "sizes": list(m.after.sizes)}}
+                      for m in moves],
+            "slowest_rank_ratio": b.max_cost / a.max_cost if a.max_cost > 0 else 1.0,
+        }, indent=2))  # fmt: skip
+        if args.plot:
+            _say(args, f"wrote {args.plot}")
+        return 0
     width = max(22, *(len(n) for n in names))
+    for p in (one, two):
+        for line in p.overrides:
+            print(f"override ({p.path}): {line}")
+    for line in setting_differences((a, b), (one.settings, two.settings)):
+        print(line)
     print(f"{'':<22} {names[0]:>{width}} {names[1]:>{width}}")
     for label, fn in rows:
         print(f"{label:<22} {fn(a):>{width}} {fn(b):>{width}}")
-    for label, plan in zip(names, (plan_a, plan_b)):
-        kinds = Counter(p.sharding_type.value for t in plan.modules.values() for p in t.values())
-        print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
-    flat_a = {(f, n): p for f, t in plan_a.modules.items() for n, p in t.items()}
-    flat_b = {(f, n): p for f, t in plan_b.modules.items() for n, p in t.items()}
-    differ = sum(1 for key, p in flat_a.items() if flat_b.get(key) != p)
-    print(f"tables placed differently: {differ} of {len(flat_a)}")
-    ratio = b.max_cost / a.max_cost if a.max_cost > 0 else 1.0
-    print(f"slowest rank of {names[1]} / {names[0]}: {ratio:.3f}")
+    for label, s in zip(names, (a, b)):
+        print(f"{label}: {describe_counts(s)}")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    for line in moved_tables((names[0], names[1]), (a, b)):  # the ratio last, for scripts
+        print(line)
     return 0
 
 
@@ -234,6 +454,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `... | head`: the reader stopped reading; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit does not fail again
+        return 0
     except OSError as e:
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT

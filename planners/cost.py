@@ -27,7 +27,7 @@ from planners.inputs import ColumnWiseStatistic, Optimizer, Table, Topology
 from planners.types import PlanError, ShardingType
 
 __all__ = [
-    "CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WIRE_ID_BYTES",
+    "COMPONENTS", "CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WIRE_ID_BYTES",
     "WEIGHT_BYTES", "STAT_BYTES",
 ]  # fmt: skip
 
@@ -77,18 +77,34 @@ class TableArrays(NamedTuple):
         return TableArrays(*(a[index] for a in self))
 
 
+# The parts of a shard's (and a rank's) cost, in pipeline order, as named in reports, the plot
+# and docs/planner.md: (attribute, short column header, what it is).
+COMPONENTS = (
+    ("lookup", "lookup", "lookup: pooling rows into bags, forward and fused backward"),
+    ("input_dist", "in-dist", "input dist: ids arriving from the other ranks"),
+    ("output_dist", "out-dist", "output dist: pooled bags out, their gradients back"),
+    ("grad_sync", "dp-grad", "data-parallel gradient all-reduce"),
+    ("stat_exchange", "cw-stat", "column-piece row-statistic exchange (exact row-wise Adagrad)"),
+)
+
+
 class ShardCost(NamedTuple):
-    """Seconds per training step (forward + backward) and bytes, per shard."""
+    """Seconds per training step (forward + backward) and bytes, per shard.
+
+    `grad_sync` is the all-reduce of a data-parallel table's gradient; `stat_exchange` the
+    row statistics a column piece sends to the table's other pieces under exact row-wise
+    Adagrad (zero for every other shard)."""
 
     lookup: np.ndarray
     input_dist: np.ndarray
     output_dist: np.ndarray
     grad_sync: np.ndarray
+    stat_exchange: np.ndarray
     memory: np.ndarray
 
     @property
     def total(self) -> np.ndarray:
-        return self.lookup + self.input_dist + self.output_dist + self.grad_sync
+        return self.lookup + self.input_dist + self.output_dist + self.grad_sync + self.stat_exchange
 
 
 @dataclass(frozen=True)
@@ -183,7 +199,7 @@ class CostModel:
         # Received ids: routed (wire) ids, or a data-parallel table's own batch.
         held_id_bytes = t.id_bytes if kind is ShardingType.DATA_PARALLEL else t.wire_id_bytes
         memory = memory + ids_in * held_id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
-        input_dist, output_dist, grad_sync = zero, zero, zero
+        input_dist, output_dist, grad_sync, stat_exchange = zero, zero, zero, zero
         if kind is ShardingType.COLUMN_WISE and self.exact_column_statistic:
             # Column pieces of one table (k > 1) under row-wise Adagrad, exact: the row's
             # statistic is the mean of g**2 over all its columns, so each piece runs its backward
@@ -196,7 +212,7 @@ class CostModel:
             bwd = bwd + piece * bwd
             memory = memory + piece * rows * state
             bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
-            grad_sync = piece * ids_in * STAT_BYTES / bw + zero
+            stat_exchange = piece * ids_in * STAT_BYTES / bw + zero
         if kind is ShardingType.DATA_PARALLEL:
             # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
             # steps over the whole table (read gradient, read and write weights and state).
@@ -218,4 +234,4 @@ class CostModel:
             else:
                 output_dist = 2 * bag_bytes * alpha + zero
         lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
-        return ShardCost(lookup, input_dist, output_dist, grad_sync, memory + zero)
+        return ShardCost(lookup, input_dist, output_dist, grad_sync, stat_exchange, memory + zero)

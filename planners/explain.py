@@ -11,6 +11,7 @@ from planners.cost import CostModel
 from planners.inputs import DataType, Optimizer, TableConstraint, format_bytes
 from planners.model_tables import TableSet, display_name
 from planners.options import Candidates
+from planners.stats import plural
 from planners.types import PlanError, ShardingType
 
 __all__ = ["NoPlanError", "explain_no_plan"]
@@ -49,13 +50,21 @@ def explain_no_plan(
              f"memory, {100 * topo.reserved_fraction:.0f}% reserved)")  # fmt: skip
     names = [display_name(f, t.name) for f, t in table_set]
 
-    # 1. The batch buffers alone (every rank's own ids and pooled bags) do not fit.
+    # 1. The batch buffers alone (every rank's own ids and pooled bags) do not fit. They grow
+    # linearly with the batch, so the largest batch whose buffers leave some room is
+    # ceil(cap / per_sample) - 1; at batch size 1 there is no smaller batch to suggest.
     if room <= 0:
-        most = max(1, int(batch * cap / base_memory) - 1)
+        per_sample = base_memory / batch
+        most = math.ceil(cap / per_sample) - 1
+        if most >= 1:
+            way = f"use a batch size of at most {most} (buffers {format_bytes(per_sample)} per sample)"
+        else:
+            way = (f"even one sample's buffers ({format_bytes(per_sample)}) do not fit, so no "
+                   "batch size helps; fewer or narrower tables")  # fmt: skip
         return NoPlanError(
-            f"no plan fits: the batch buffers of {len(table_set)} tables at batch size {batch} "
-            f"need {format_bytes(base_memory)} per rank but {where}; use a batch size of at most "
-            f"{most}, or devices with more memory",
+            f"no plan fits: the batch buffers of {plural(len(table_set), 'table')} at batch size "
+            f"{batch} need {format_bytes(base_memory)} per rank but {where}; {way}, or devices "
+            "with more memory",
             names,
         )
 
@@ -85,9 +94,9 @@ def explain_no_plan(
         lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
                  for i in order[:_LISTED]]  # fmt: skip
         if len(order) > _LISTED:
-            lines.append(f"  ... and {len(order) - _LISTED} more tables")
+            lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
         return NoPlanError(
-            f"no plan fits: {len(order)} table(s) cannot fit on any rank; {where}, of which "
+            f"no plan fits: {plural(len(order), 'table')} cannot fit on any rank; {where}, of which "
             f"{format_bytes(base_memory)} holds the batch buffers:\n" + "\n".join(lines),
             [names[i] for i in order],
         )
@@ -102,11 +111,11 @@ def explain_no_plan(
         pinned = f", pinned to ranks {list(pins)}" if pins else ""
         lines.append(f"  {names[i]!r}: smallest shard {format_bytes(smallest)}{pinned}")
     if len(order) > _LISTED:
-        lines.append(f"  ... and {len(order) - _LISTED} more tables")
+        lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
     need = math.ceil(foot.sum() / (0.85 * room))
     return NoPlanError(
         f"no plan fits: the tables fill {100 * fill:.0f}% of the memory of {world} ranks and "
-        f"{len(order)} table(s) found no rank with room left ({where}); ways out: about {need} "
+        f"{plural(len(order), 'table')} found no rank with room left ({where}); ways out: about {need} "
         f"ranks, unpin or allow row_wise/column_wise for the tables below, a smaller batch:\n"
         + "\n".join(lines),
         [names[i] for i in order],

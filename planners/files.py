@@ -20,6 +20,7 @@ known, names the field, and fits on one line.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -28,9 +29,13 @@ from typing import Any, Mapping
 import yaml
 
 from planners.inputs import DataType, Table, TableConstraint
+from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingPlan
 
-__all__ = ["FileFormatError", "load_constraints", "load_plan", "load_tables", "save_plan"]
+__all__ = [
+    "FileFormatError", "constraint_record", "load_constraints", "load_plan", "load_tables",
+    "recorded_constraints", "recorded_tables", "save_plan", "tables_digest",
+]  # fmt: skip
 
 _TABLE_FIELDS = ("name", "num_embeddings", "embedding_dim", "features", "pooling_factor",
                  "dtype", "weighted")  # fmt: skip
@@ -64,6 +69,16 @@ def _kind(path: str, allowed: tuple[str, ...]) -> str:
             f"use {', '.join('.' + a for a in allowed)}"
         )
     return ext
+
+
+def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
+    text = did_you_mean(str(word), choices)
+    return text + " " if text else ""
+
+
+def _unknown_field(word: Any, fields: tuple[str, ...], kind: str = "field") -> PlanError:
+    return PlanError(f"unknown {kind} {word!r}; {_suggest(str(word), fields)}the {kind}s are "
+                     f"{', '.join(fields)}")  # fmt: skip
 
 
 def _one_line(text: str) -> str:
@@ -164,9 +179,9 @@ def table_from_record(record: Mapping[str, Any]) -> Table:
     """A `Table` from one record of a table file (values may be strings, as in CSV)."""
     if not isinstance(record, Mapping):
         raise PlanError(f"a table record must be a mapping of field: value, got {record!r}")
-    unknown = sorted(set(record) - set(_TABLE_FIELDS))
+    unknown = sorted(set(record) - set(_TABLE_FIELDS), key=str)
     if unknown:
-        raise PlanError(f"unknown field {unknown[0]!r}; the fields are {', '.join(_TABLE_FIELDS)}")
+        raise _unknown_field(unknown[0], _TABLE_FIELDS)
     for required in ("name", "num_embeddings", "embedding_dim"):
         if record.get(required) in (None, ""):
             raise PlanError(f"missing field {required!r}")
@@ -201,19 +216,52 @@ def load_tables(path: str) -> tuple[Table, ...]:
             f"{_where(path, _line(node))}: expected a list of table records (or a mapping "
             f"with a 'tables' list), got {type(data).__name__}"
         )
-    tables = []
+    tables, seen = [], _Seen(path)
     items = node.value if isinstance(node, yaml.SequenceNode) else [None] * len(data)
     for i, (record, item) in enumerate(zip(data, items)):
         try:
-            tables.append(table_from_record(record))
+            table = table_from_record(record)
         except PlanError as e:
             lines = _field_lines(item)
             field = next((f for f in lines if f"{f!r}" in str(e)), None)
             line = lines.get(field) if field else _line(item)
             raise FileFormatError(f"{_where(path, line)}: table record {i + 1}: {_one_line(e)}") from None
+        seen.add(table, _line(item), f"table record {i + 1}")
+        tables.append(table)
     if not tables:
         raise FileFormatError(f"{path}: no table records")
     return tuple(tables)
+
+
+class _Seen:
+    """Table names and features met so far, with their lines: a second table of one name, or
+    a feature looked up in two tables, is an error at the second one's line."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.names: dict[str, int | None] = {}
+        self.features: dict[str, tuple[str, int | None]] = {}
+
+    def add(self, table: Table, line: int | None, what: str) -> None:
+        def at(n: int | None) -> str:
+            return f" (line {n})" if n else ""
+
+        if table.name in self.names:
+            raise FileFormatError(
+                f"{_where(self.path, line)}: {what}: a second table named {table.name!r}; the "
+                f"first is at {_where(self.path, self.names[table.name])}; table names must be "
+                "unique, rename one"
+            )
+        self.names[table.name] = line
+        for f in table.features:
+            if f in self.features:
+                other, other_line = self.features[f]
+                raise FileFormatError(
+                    f"{_where(self.path, line)}: {what}: feature {f!r} of table {table.name!r} is "
+                    f"also looked up in table {other!r}{at(other_line)}; a feature belongs to "
+                    "one table"
+                )
+            self.features[f] = (table.name, line)
 
 
 def _load_csv(path: str, text: str) -> tuple[Table, ...]:
@@ -224,10 +272,9 @@ def _load_csv(path: str, text: str) -> tuple[Table, ...]:
                               f"({', '.join(_TABLE_FIELDS)})")  # fmt: skip
     unknown = [h for h in header if h not in _TABLE_FIELDS]
     if unknown:
-        raise FileFormatError(f"{path}:1: unknown column {unknown[0]!r}; the columns are "
-                              f"{', '.join(_TABLE_FIELDS)}")  # fmt: skip
+        raise FileFormatError(f"{path}:1: {_unknown_field(unknown[0], _TABLE_FIELDS, 'column')}")
     reader.fieldnames = header
-    tables = []
+    tables, seen = [], _Seen(path)
     try:
         for row in reader:
             if None in row:
@@ -236,9 +283,11 @@ def _load_csv(path: str, text: str) -> tuple[Table, ...]:
             if not any((v or "").strip() for v in row.values()):
                 continue
             try:
-                tables.append(table_from_record({k: v for k, v in row.items() if v is not None}))
+                table = table_from_record({k: v for k, v in row.items() if v is not None})
             except PlanError as e:
                 raise FileFormatError(f"{path}:{reader.line_num}: {_one_line(e)}") from None
+            seen.add(table, reader.line_num, f"table {table.name!r}")
+            tables.append(table)
     except csv.Error as e:
         raise FileFormatError(f"{path}:{reader.line_num}: invalid CSV: {e}") from None
     if not tables:
@@ -246,23 +295,42 @@ def _load_csv(path: str, text: str) -> tuple[Table, ...]:
     return tuple(tables)
 
 
-def load_constraints(path: str) -> dict[str, TableConstraint]:
-    """Per-table constraints from a YAML or JSON mapping (see the module docstring)."""
+def load_constraints(
+    path: str, tables: tuple[Table, ...] | None = None, world_size: int | None = None
+) -> dict[str, TableConstraint]:
+    """Per-table constraints from a YAML or JSON mapping (see the module docstring).
+
+    With `tables`, a constraint naming no table is an error at its line, with the closest name;
+    with `world_size`, so is a pin to a rank the world does not have."""
     kind = _kind(path, ("yaml", "json"))
     data, node = _parse_structured(path, _read(path), kind)
+    return _constraints(data, node, path, tables, world_size)
+
+
+def _constraints(data: Any, node: Any, path: str, tables: tuple[Table, ...] | None,
+                 world_size: int | None = None) -> dict[str, TableConstraint]:  # fmt: skip
     if not isinstance(data, Mapping):
         raise FileFormatError(f"{path}: expected a mapping of table name to constraint, "
                               f"got {type(data).__name__}")  # fmt: skip
+    names = [t.name for t in tables] if tables is not None else None
     out = {}
     for name, record in data.items():
         item = _node_for(node, str(name))
+        key_line = None
+        if isinstance(node, yaml.MappingNode):
+            key_line = next((_line(k) for k, _ in node.value if getattr(k, "value", None) == str(name)), None)
+        if names is not None and str(name).rsplit(".", 1)[-1] not in names:
+            raise FileFormatError(
+                f"{_where(path, key_line)}: constraint for {name!r}, which is not a table of the "
+                f"table file; {_suggest(str(name), names)}the tables are "
+                f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
+            )
         try:
             if not isinstance(record, Mapping):
                 raise PlanError(f"expected a mapping with fields {', '.join(_CONSTRAINT_FIELDS)}")
-            unknown = sorted(set(record) - set(_CONSTRAINT_FIELDS))
+            unknown = sorted(set(record) - set(_CONSTRAINT_FIELDS), key=str)
             if unknown:
-                raise PlanError(f"unknown field {unknown[0]!r}; the fields are "
-                                f"{', '.join(_CONSTRAINT_FIELDS)}")  # fmt: skip
+                raise _unknown_field(unknown[0], _CONSTRAINT_FIELDS)
             max_shards = record.get("max_shards")
             out[str(name)] = TableConstraint(
                 sharding_types=tuple(_list(record.get("sharding_types", []))),
@@ -270,10 +338,69 @@ def load_constraints(path: str) -> dict[str, TableConstraint]:
                 min_shards=_int(record.get("min_shards", 1), "min_shards"),
                 max_shards=None if max_shards is None else _int(max_shards, "max_shards"),
             )
+            bad = [r for r in out[str(name)].ranks if world_size is not None and r >= world_size]
+            if bad:
+                raise PlanError(f"field 'ranks' pins the table to rank {bad[0]} but the world size "
+                                f"is {world_size}; pin it to ranks in [0, {world_size - 1}]")  # fmt: skip
         except PlanError as e:
-            line = _line(item.value[0][0]) if isinstance(item, yaml.MappingNode) and item.value else _line(item)
+            lines = _field_lines(item)
+            field = next((f for f in lines if f"{f!r}" in str(e)), None)
+            if field:
+                line = lines[field]
+            else:
+                line = _line(item.value[0][0]) if isinstance(item, yaml.MappingNode) and item.value else _line(item)
             raise FileFormatError(f"{_where(path, line)}: constraint for {name!r}: {_one_line(e)}") from None
     return out
+
+
+def constraint_record(c: TableConstraint) -> dict[str, Any]:
+    """A constraint as a constraints file (and a plan file's record) writes it."""
+    out: dict[str, Any] = {}
+    if c.sharding_types:
+        out["sharding_types"] = [k.value for k in c.sharding_types]
+    if c.ranks:
+        out["ranks"] = list(c.ranks)
+    if c.min_shards != 1:
+        out["min_shards"] = c.min_shards
+    if c.max_shards is not None:
+        out["max_shards"] = c.max_shards
+    return out
+
+
+def tables_digest(tables: tuple[Table, ...]) -> str:
+    """A hash of the tables as planned: two plans of the same tables have the same digest."""
+    text = json.dumps([t.to_dict() for t in tables], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def recorded_tables(settings: Mapping[str, Any], path: str) -> tuple[Table, ...] | None:
+    """The tables a plan file says it was planned from (None: it does not record them)."""
+    records = settings.get("tables")
+    if records is None:
+        return None
+    if not isinstance(records, list) or not records:
+        raise FileFormatError(f"{path}: the recorded 'tables' must be a non-empty list of table "
+                              "records; pass --tables")  # fmt: skip
+    tables, seen = [], _Seen(path)
+    for i, record in enumerate(records):
+        try:
+            table = table_from_record(record)
+        except PlanError as e:
+            raise FileFormatError(f"{path}: recorded table {i + 1}: {_one_line(e)}") from None
+        seen.add(table, None, f"recorded table {i + 1}")
+        tables.append(table)
+    return tuple(tables)
+
+
+def recorded_constraints(settings: Mapping[str, Any], path: str) -> dict[str, TableConstraint]:
+    """The constraints a plan file records ({} when none)."""
+    data = settings.get("constraints")
+    if data is None:
+        return {}
+    try:
+        return _constraints(data, None, path, None)
+    except FileFormatError as e:
+        raise FileFormatError(f"{path}: the recorded {str(e)[len(path) + 2:]}") from None
 
 
 def load_plan(path: str) -> tuple[ShardingPlan, dict[str, Any]]:

@@ -72,6 +72,11 @@ class Optimizer(enum.Enum):
 
     State bytes per row of a shard with `c` columns: sgd 0, rowwise_adagrad 4 (one fp32 per row),
     adagrad 4*c, adam 8*c (two fp32 moments per element).
+
+    One vocabulary with `modular.fuse_optimizer`: `parse` accepts its names too
+    ("exact_rowwise_adagrad" is ROWWISE_ADAGRAD), and `fused_name` gives them back. Adam has no
+    fused kernel in modular; it is priced as a dense optimizer would keep its state, and
+    reports say so (`note`).
     """
 
     SGD = "sgd"
@@ -89,9 +94,31 @@ class Optimizer(enum.Enum):
             return 4 * cols
         return 8 * cols
 
+    @property
+    def fused_name(self) -> str | None:
+        """The name `modular.fuse_optimizer` takes for this optimizer (None: no fused kernel)."""
+        return None if self is Optimizer.ADAM else f"exact_{self.value}"
+
+    @property
+    def note(self) -> str:
+        """What a report should say about pricing this optimizer ('' when nothing)."""
+        if self.fused_name is None:
+            return (f"{self.value} has no fused kernel in modular.fuse_optimizer (exact_sgd, "
+                    "exact_adagrad, exact_rowwise_adagrad); it is priced as an unfused dense "
+                    "optimizer holds its state (8 bytes per element)")  # fmt: skip
+        return ""
+
     @classmethod
     def parse(cls, value: str | Optimizer) -> Optimizer:
-        return _parse_member(cls, value, "optimizer")
+        """Accepts a member, its value, or modular's name for it ("exact_rowwise_adagrad")."""
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower()
+        for member in cls:
+            if text in (member.value, member.fused_name):
+                return member
+        names = ", ".join(f"{m.value} ({m.fused_name or 'no fused kernel'})" for m in cls)
+        raise PlanError(f"unknown optimizer {value!r}; expected one of: {names}")
 
 
 class ColumnWiseStatistic(enum.Enum):

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from planners.cost import CostModel, ShardCost, TableArrays
+from planners.cost import COMPONENTS, CostModel, ShardCost, TableArrays
 from planners.inputs import (
     ColumnWiseStatistic, Optimizer, Table, TableConstraint, Topology, format_bytes,
 )  # fmt: skip
@@ -21,14 +21,37 @@ from planners.model_tables import (
 from planners.options import enumerate_candidates, lower_bound
 from planners.types import PlanError, ShardingPlan, ShardingType, check_one_host
 
-__all__ = ["PlanStats", "RankStats", "plan_stats", "stats_for", "validate_plan"]
+__all__ = [
+    "PlanStats", "RankStats", "ShardStats", "TableStats", "format_seconds", "plan_stats", "plural",
+    "stats_for", "validate_plan",
+]  # fmt: skip
 
-_COMPONENTS = ("lookup", "input_dist", "output_dist", "grad_sync")
+_COMPONENTS = tuple(attr for attr, _, _ in COMPONENTS)
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """'1 table', '2 tables' (`many` for irregular plurals)."""
+    return f"{count} {word if count == 1 else (many or word + 's')}"
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """The unit to show `seconds` and smaller values in: ms, or us below 1 ms, or ns below
+    1 us, so that a small plan does not read 0.000 ms everywhere."""
+    if seconds >= 1e-3:
+        return ("ms", 1e3)
+    return ("us", 1e6) if seconds >= 1e-6 else ("ns", 1e9)
+
+
+def format_seconds(seconds: float) -> str:
+    """0.00123 -> '1.230 ms'; 3.1e-6 -> '3.10 us'."""
+    unit, scale = time_unit(seconds)
+    return f"{scale * seconds:.3f} {unit}" if unit == "ms" else f"{scale * seconds:.2f} {unit}"
 
 
 @dataclass(frozen=True)
 class RankStats:
-    """One rank: bytes used of its capacity, and seconds per step by step of the pipeline."""
+    """One rank: bytes used of its capacity, and seconds per step by part of the pipeline
+    (`COMPONENTS` in planners/cost.py names them)."""
 
     rank: int
     memory: float
@@ -36,20 +59,110 @@ class RankStats:
     lookup: float
     input_dist: float
     output_dist: float
-    grad_sync: float
+    grad_sync: float  # data-parallel gradient all-reduce
     tables: tuple[tuple[str, float], ...]  # (table, seconds) of each shard here, slowest first
+    stat_exchange: float = 0.0  # column pieces' row statistics (exact row-wise Adagrad)
 
     @property
     def cost(self) -> float:
-        return self.lookup + self.input_dist + self.output_dist + self.grad_sync
+        return self.lookup + self.input_dist + self.output_dist + self.grad_sync + self.stat_exchange
+
+    def __repr__(self) -> str:
+        return (f"RankStats(rank={self.rank}, cost={format_seconds(self.cost)}, memory="
+                f"{format_bytes(self.memory)} of {format_bytes(self.capacity)}, "
+                f"{plural(len(self.tables), 'shard')})")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """One shard of a table: where it is, its block of rows x columns, its bytes and seconds."""
+
+    rank: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+    memory: float
+    lookup: float
+    input_dist: float
+    output_dist: float
+    grad_sync: float
+    stat_exchange: float
+
+    @property
+    def cost(self) -> float:
+        return self.lookup + self.input_dist + self.output_dist + self.grad_sync + self.stat_exchange
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """One table: how it is placed and what each of its shards holds and costs.
+
+    A data-parallel table has one shard (replica) per rank."""
+
+    name: str  # 'fqn.table', or the bare name for the model's own EBC
+    num_embeddings: int
+    embedding_dim: int
+    sharding_type: ShardingType
+    shards: tuple[ShardStats, ...]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(s.rank for s in self.shards)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Rows per shard (row-wise kinds) or columns per shard (column-wise); () otherwise."""
+        if self.sharding_type is ShardingType.COLUMN_WISE:
+            return tuple(s.num_cols for s in self.shards)
+        if self.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+            return tuple(s.num_rows for s in self.shards)
+        return ()
+
+    @property
+    def max_cost(self) -> float:
+        """Seconds of the slowest shard: what this table adds to the rank it slows most."""
+        return max(s.cost for s in self.shards)
+
+    @property
+    def total_cost(self) -> float:
+        return sum(s.cost for s in self.shards)
+
+    @property
+    def max_memory(self) -> float:
+        return max(s.memory for s in self.shards)
+
+    @property
+    def memory(self) -> float:
+        return sum(s.memory for s in self.shards)
+
+    def __repr__(self) -> str:
+        return (f"TableStats({self.name!r}, {self.sharding_type.value} on ranks {list(self.ranks)}, "
+                f"largest shard {format_seconds(self.max_cost)} and "
+                f"{format_bytes(self.max_memory)})")  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "table": self.name, "num_embeddings": self.num_embeddings,
+            "embedding_dim": self.embedding_dim, "sharding_type": self.sharding_type.value,
+            "ranks": list(self.ranks), "sizes": list(self.sizes), "max_cost_s": self.max_cost,
+            "total_cost_s": self.total_cost, "memory": self.memory,
+            "shards": [
+                {"rank": s.rank, "row_offset": s.row_offset, "num_rows": s.num_rows,
+                 "col_offset": s.col_offset, "num_cols": s.num_cols, "memory": s.memory,
+                 "cost_s": s.cost, **{c: getattr(s, c) for c in _COMPONENTS}}
+                for s in self.shards
+            ],
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
 class PlanStats:
-    """Per-rank cost and memory of a plan, its imbalance and its gap to the lower bound.
+    """Per-rank and per-table cost and memory of a plan, its imbalance and its gap to the bound.
 
         stats = plan_stats(plan, tables, topology, batch_size=512)
         print(stats.format())
+        stats.tables[0].sharding_type, stats.tables[0].ranks, stats.tables[0].sizes
     """
 
     ranks: tuple[RankStats, ...]
@@ -63,6 +176,7 @@ class PlanStats:
     column_wise_statistic: ColumnWiseStatistic = field(
         default=ColumnWiseStatistic.EXACT, kw_only=True
     )
+    tables: tuple[TableStats, ...] = field(default=(), kw_only=True)  # in input order
 
     @property
     def max_cost(self) -> float:
@@ -91,10 +205,25 @@ class PlanStats:
     def over_capacity(self) -> tuple[int, ...]:
         return tuple(r.rank for r in self.ranks if r.memory > r.capacity)
 
+    def table(self, name: str) -> TableStats:
+        """The statistics of one table, by 'fqn.table' or its bare name."""
+        for t in self.tables:
+            if name in (t.name, t.name.rsplit(".", 1)[-1]):
+                return t
+        raise PlanError(f"no table named {name!r} in this plan")
+
+    def __repr__(self) -> str:
+        return (f"PlanStats({plural(self.num_tables, 'table')} on {plural(len(self.ranks), 'rank')}"
+                f", slowest rank {self.slowest_rank.rank} {format_seconds(self.max_cost)}, "
+                f"bound {format_seconds(self.lower_bound)}, ratio {self.bound_ratio:.3f})")  # fmt: skip
+
+    def __str__(self) -> str:
+        return self.format()
+
     def summary(self) -> str:
         """A few lines: the numbers to look at first."""
         slow = self.slowest_rank
-        top = ", ".join(f"{name} ({_ms(sec)})" for name, sec in slow.tables[:5])
+        top = ", ".join(f"{name} ({format_seconds(sec)})" for name, sec in slow.tables[:5])
         more = f" and {len(slow.tables) - 5} more" if len(slow.tables) > 5 else ""
         mem = max(r.memory for r in self.ranks)
         statistic = ""
@@ -102,39 +231,56 @@ class PlanStats:
                 and self.column_wise_statistic is not ColumnWiseStatistic.EXACT):  # fmt: skip
             statistic = f" (column_wise_statistic {self.column_wise_statistic.value})"
         lines = [
-            f"{self.num_tables} tables on {len(self.ranks)} ranks "
+            f"{plural(self.num_tables, 'table')} on {plural(len(self.ranks), 'rank')} "
             f"({self.topology.ranks_per_host} per host), batch {self.batch_size} per rank, "
             f"optimizer {self.optimizer.value}{statistic}",
-            f"slowest rank {slow.rank}: {_ms(slow.cost)} per step; mean {_ms(self.mean_cost)}; "
-            f"imbalance (max/mean) {self.imbalance:.3f}",
-            f"lower bound {_ms(self.lower_bound)}; slowest rank / bound = {self.bound_ratio:.3f} "
-            f"(gap {100 * (self.bound_ratio - 1):.1f}%)",
+            f"slowest rank {slow.rank}: {format_seconds(slow.cost)} per step; mean "
+            f"{format_seconds(self.mean_cost)}; imbalance (max/mean) {self.imbalance:.3f}",
+            f"lower bound {format_seconds(self.lower_bound)}; slowest rank / bound = "
+            f"{self.bound_ratio:.3f} (gap {100 * (self.bound_ratio - 1):.1f}%)",
             f"tables on the slowest rank: {top or 'none (data-parallel only)'}{more}",
             f"memory: max {format_bytes(mem)} of {format_bytes(self.ranks[0].capacity)} per rank "
             f"({format_bytes(self.topology.device_memory)} device, "
             f"{100 * self.topology.reserved_fraction:.0f}% reserved)",
         ]
+        defaults = _defaults_used(self.topology)
+        if defaults:
+            lines.append(f"H100 defaults in effect (give your own for other hardware, e.g. a CPU "
+                         f"gloo job): {', '.join(defaults)}")  # fmt: skip
+        if self.optimizer.note:
+            lines.append(f"note: {self.optimizer.note}")
         if self.over_capacity:
             lines.append(f"OVER CAPACITY on ranks {list(self.over_capacity)}")
         if self.plan_seconds is not None:
             lines.append(f"planned in {self.plan_seconds:.2f} s")
         return "\n".join(lines)
 
-    def format(self, max_rows: int | None = None) -> str:
-        """The per-rank table followed by the summary (all ranks unless `max_rows` is given)."""
-        head = (f"{'rank':>5} {'memory':>10} {'use%':>5} {'cost ms':>9} {'lookup':>8} "
-                f"{'in-dist':>8} {'out-dist':>8} {'dp-sync':>8} {'shards':>6}")  # fmt: skip
+    def format_ranks(self, max_rows: int | None = None) -> str:
+        """The per-rank table: memory, cost and its parts (all ranks unless `max_rows`), and a
+        line saying what the parts' short names mean."""
+        unit, scale = time_unit(self.max_cost)
+        shown_parts = [(a, h, d) for a, h, d in COMPONENTS
+                       if a in ("lookup", "input_dist", "output_dist")
+                       or any(getattr(r, a) for r in self.ranks)]  # fmt: skip
+        head = (f"{'rank':>5} {'memory':>10} {'use%':>5} {'cost ' + unit:>9} "
+                + " ".join(f"{h:>8}" for _, h, _ in shown_parts) + f" {'shards':>6}")  # fmt: skip
         rows = [head]
         shown = self.ranks if max_rows is None else self.ranks[:max_rows]
         for r in shown:
             rows.append(
                 f"{r.rank:>5} {format_bytes(r.memory):>10} {100 * r.memory / r.capacity:>5.1f} "
-                f"{1e3 * r.cost:>9.3f} {1e3 * r.lookup:>8.3f} {1e3 * r.input_dist:>8.3f} "
-                f"{1e3 * r.output_dist:>8.3f} {1e3 * r.grad_sync:>8.3f} {len(r.tables):>6}"
+                f"{scale * r.cost:>9.3f} "
+                + " ".join(f"{scale * getattr(r, a):>8.3f}" for a, _, _ in shown_parts)
+                + f" {len(r.tables):>6}"
             )
         if len(shown) < len(self.ranks):
-            rows.append(f"  ... {len(self.ranks) - len(shown)} more ranks")
-        return "\n".join(rows) + "\n\n" + self.summary()
+            rows.append(f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}")
+        rows.extend(f"  {h}: {d}" for _, h, d in shown_parts[1:])
+        return "\n".join(rows)
+
+    def format(self, max_rows: int | None = None) -> str:
+        """The per-rank table followed by the summary (all ranks unless `max_rows` is given)."""
+        return self.format_ranks(max_rows) + "\n\n" + self.summary()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,16 +290,32 @@ class PlanStats:
             "lower_bound_s": self.lower_bound,
             "bound_ratio": self.bound_ratio,
             "slowest_rank": self.slowest_rank.rank,
+            "world_size": len(self.ranks),
+            "ranks_per_host": self.topology.ranks_per_host,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer.value,
+            "column_wise_statistic": self.column_wise_statistic.value,
             "ranks": [
-                {"rank": r.rank, "memory": r.memory, "capacity": r.capacity,
+                {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
                  **{c: getattr(r, c) for c in _COMPONENTS}, "tables": [n for n, _ in r.tables]}
                 for r in self.ranks
             ],
+            "tables": [t.to_dict() for t in self.tables],
         }  # fmt: skip
 
 
-def _ms(seconds: float) -> str:
-    return f"{1e3 * seconds:.3f} ms"
+# Topology's defaults describe an H100 SXM node; a report says which of them a plan was priced
+# with, since a CPU gloo job or another GPU would have other numbers.
+_DEFAULTS = (
+    ("device_memory", "device memory 80 GiB (--device-memory)", 80 * 1024**3),
+    ("device_memory_bandwidth", "memory 3.35e12 B/s (--memory-bandwidth)", 3.35e12),
+    ("intra_host_bandwidth", "NVLink 450e9 B/s (--intra-host-bandwidth)", 450e9),
+    ("cross_host_bandwidth", "NIC 50e9 B/s (--cross-host-bandwidth)", 50e9),
+)
+
+
+def _defaults_used(topology: Topology) -> list[str]:
+    return [text for name, text, value in _DEFAULTS if getattr(topology, name) == value]
 
 
 def validate_plan(
@@ -194,35 +356,44 @@ def _validate(plan: ShardingPlan, table_set: TableSet, topology: Topology) -> No
 
 def evaluate(
     plan: ShardingPlan, table_set: TableSet, model: CostModel
-) -> tuple[np.ndarray, np.ndarray, list[list[tuple[str, float]]]]:
-    """Per-rank component seconds (W x 4), per-rank bytes, and per-rank (table, seconds) lists."""
+) -> tuple[np.ndarray, np.ndarray, list[list[tuple[str, float]]], list[list[ShardStats]]]:
+    """Per-rank component seconds (W x 5, in `COMPONENTS` order), per-rank bytes, per-rank
+    (table, seconds) lists, and per-table shard statistics (in shard order)."""
     topo = model.topology
     world = topo.world_size
     tables = [t for _, t in table_set]
     arrays = TableArrays.of(tables)
-    comp = np.zeros((world, 4))
+    comp = np.zeros((world, len(COMPONENTS)))
     mem = np.full(world, model.batch_buffer_bytes(arrays))
     held: list[list[tuple[str, float]]] = [[] for _ in range(world)]
-    groups: dict[ShardingType, list[tuple[int, int, int, int, int]]] = {}
+    per_table: list[list[ShardStats | None]] = []
+    groups: dict[ShardingType, list[tuple[int, int, int, int, int, int, int, int]]] = {}
     for i, (fqn, table) in enumerate(table_set):
         placement = plan.placement(fqn, table.name)
         shards = placement.shards(num_embeddings=table.num_embeddings,
                                   embedding_dim=table.embedding_dim, world_size=world)  # fmt: skip
         kind = placement.sharding_type
         k = 1 if kind is ShardingType.DATA_PARALLEL else len(shards)
-        for s in shards:
-            groups.setdefault(kind, []).append((i, s.rank, s.num_rows, s.num_cols, k))
+        per_table.append([None] * len(shards))
+        for j, s in enumerate(shards):
+            groups.setdefault(kind, []).append(
+                (i, s.rank, s.num_rows, s.num_cols, k, j, s.row_offset, s.col_offset)
+            )
     for kind, entries in groups.items():
-        idx, ranks, rows, cols, ks = (np.array(col) for col in zip(*entries))
+        idx, ranks, rows, cols, ks, js, row_offs, col_offs = (np.array(c) for c in zip(*entries))
         cost: ShardCost = model.shard(kind, arrays.take(idx), rows.astype(float),
                                       cols.astype(float), ks.astype(float))  # fmt: skip
-        parts = np.stack([cost.lookup, cost.input_dist, cost.output_dist, cost.grad_sync], axis=1)
+        parts = np.stack([getattr(cost, c) for c in _COMPONENTS], axis=1)
         np.add.at(comp, ranks, parts)
         np.add.at(mem, ranks, cost.memory)
         total = cost.total
-        for n, r, sec in zip(idx.tolist(), ranks.tolist(), total.tolist()):
+        for e, (n, r, sec) in enumerate(zip(idx.tolist(), ranks.tolist(), total.tolist())):
             held[r].append((display_name(*_name(table_set[n])), sec))
-    return comp, mem, held
+            per_table[n][int(js[e])] = ShardStats(
+                r, int(row_offs[e]), int(rows[e]), int(col_offs[e]), int(cols[e]),
+                float(cost.memory[e]), *(float(x) for x in parts[e]),
+            )  # fmt: skip
+    return comp, mem, held, per_table  # type: ignore[return-value]
 
 
 def _name(entry: tuple[str, Table]) -> tuple[str, str]:
@@ -273,16 +444,23 @@ def stats_for(
     """`plan_stats` for callers that already hold the flattened tables and the bound."""
     topology = model.topology
     _validate(plan, table_set, topology)
-    comp, mem, held = evaluate(plan, table_set, model)
+    comp, mem, held, per_table = evaluate(plan, table_set, model)
     ranks = tuple(
         RankStats(
             rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
             lookup=float(comp[r, 0]), input_dist=float(comp[r, 1]),
             output_dist=float(comp[r, 2]), grad_sync=float(comp[r, 3]),
             tables=tuple(sorted(held[r], key=lambda x: (-x[1], x[0]))),
+            stat_exchange=float(comp[r, 4]),
         )
         for r in range(topology.world_size)
     )  # fmt: skip
+    tables = tuple(
+        TableStats(display_name(fqn, t.name), t.num_embeddings, t.embedding_dim,
+                   plan.placement(fqn, t.name).sharding_type, tuple(shards))
+        for (fqn, t), shards in zip(table_set, per_table)
+    )  # fmt: skip
     return PlanStats(ranks, bound, topology, model.batch_size, model.optimizer, len(table_set),
-                     plan_seconds, column_wise_statistic=model.column_wise_statistic)  # fmt: skip
+                     plan_seconds, column_wise_statistic=model.column_wise_statistic,
+                     tables=tables)  # fmt: skip
 

@@ -31,6 +31,7 @@ __all__ = [
     "ShardingType",
     "TablePlacement",
     "even_split",
+    "rank_ranges",
 ]
 
 _FORMAT_VERSION = 1
@@ -87,6 +88,22 @@ def even_split(total: int, parts: int) -> tuple[int, ...]:
         raise PlanError(f"cannot split {total} into {parts} parts")
     base, extra = divmod(total, parts)
     return tuple(base + 1 if i < extra else base for i in range(parts))
+
+
+def rank_ranges(ranks: Any, world_size: int | None = None) -> str:
+    """(0, 1, 2, 3, 7) -> '0-3,7'; every rank of a world of `world_size` -> 'all 16'."""
+    ranks = list(ranks)
+    if world_size is not None and world_size > 1 and ranks == list(range(world_size)):
+        return f"all {world_size}"
+    out: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if j == i else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _as_int_tuple(values: Any, what: str) -> tuple[int, ...]:
@@ -146,6 +163,24 @@ class TablePlacement:
                 )
             if any(s <= 0 for s in self.sizes):
                 raise PlanError(f"{kind.value} shard sizes must be positive, got {self.sizes}")
+
+    def __repr__(self) -> str:
+        sizes = f", sizes={self.sizes}" if self.sizes is not None else ""
+        ranks = f", ranks={self.ranks}" if self.ranks else ""
+        return f"TablePlacement({self.sharding_type.value}{ranks}{sizes})"
+
+    def describe(self, world_size: int | None = None) -> str:
+        """'row_wise on ranks 0-7 (rows 3x12_501+5x12_500)', 'data_parallel on every rank'."""
+        kind = self.sharding_type.value
+        if self.sharding_type is ShardingType.DATA_PARALLEL:
+            return f"{kind} on every rank"
+        sizes = "" if self.sizes is None else f" (sizes {'+'.join(map(str, self.sizes))})"
+        if not self.ranks:
+            return f"{kind} on every rank{sizes}"
+        ranks = rank_ranges(self.ranks, world_size)
+        if ranks.startswith("all "):
+            return f"{kind} on {ranks} ranks{sizes}"
+        return f"{kind} on rank{'s' if len(self.ranks) > 1 else ''} {ranks}{sizes}"
 
     def shard_ranks(self, world_size: int) -> tuple[int, ...]:
         """The rank of each shard (all ranks for data-parallel and for empty RW/CW `ranks`)."""
@@ -278,6 +313,28 @@ class ShardingPlan:
                 )
         if placement.sharding_type is ShardingType.TABLE_ROW_WISE and self.ranks_per_host:
             check_one_host(placement.ranks, self.ranks_per_host, where)
+
+    def __repr__(self) -> str:
+        n = sum(len(t) for t in self.modules.values())
+        kinds: dict[str, int] = {}
+        for tables in self.modules.values():
+            for p in tables.values():
+                kinds[p.sharding_type.value] = kinds.get(p.sharding_type.value, 0) + 1
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+        mods = len(self.modules)
+        return (f"ShardingPlan(world_size={self.world_size}, ranks_per_host={self.ranks_per_host}, "
+                f"{n} table{'s' if n != 1 else ''} in {mods} module{'s' if mods != 1 else ''}"
+                f"{': ' + counts if counts else ''})")  # fmt: skip
+
+    def __str__(self) -> str:
+        """One line per table: where it goes (print(plan))."""
+        lines = [repr(self)]
+        for fqn, tables in self.modules.items():
+            lines.append(f"  module {fqn!r}:")
+            width = max((len(n) for n in tables), default=0)
+            for name, p in tables.items():
+                lines.append(f"    {name:<{width}}  {p.describe(self.world_size)}")
+        return "\n".join(lines)
 
     def placement(self, module_fqn: str, table: str) -> TablePlacement:
         try:

@@ -16,7 +16,8 @@ echo "== 1/2 train: DLRM, 26 tables planned and sharded over 2 gloo ranks =="
 
 echo "== 2/2 plan: Criteo 1TB tables on 64 GPUs (8 per host, 80 GiB each) =="
 "$VENV_PY" -m planners plan examples/tables_criteo_1tb.yaml --world-size 64 --ranks-per-host 8 \
-  --device-memory 80GiB --batch-size 512 -o "$OUT_DIR/plan.json"
-"$VENV_PY" -m planners show "$OUT_DIR/plan.json" --tables examples/tables_criteo_1tb.yaml \
-  --rows 16 --plot "$OUT_DIR/ranks.png"
+  --device-memory 80GiB --batch-size 512 --rows 16 --sort cost --top 10 \
+  -o "$OUT_DIR/plan.json" --plot "$OUT_DIR/ranks.png"
+# the plan file records its tables and settings: one table, shard by shard, needs no more flags
+"$VENV_PY" -m planners show "$OUT_DIR/plan.json" --table t_cat_0
 echo "outputs: $OUT_DIR/{checkpoints,dlrm_unsharded.pt,plan.json,ranks.png}"

@@ -182,6 +182,8 @@ def test_column_wise_statistic_is_recorded_and_priced_back(tmp_path, capsys):
     assert code == 0 and shown == planned  # the same numbers, the summary's statistic included
     code, as_exact, _ = run(capsys, "show", per_shard, "--tables", tables,
                             "--column-wise-statistic", "exact")  # fmt: skip
+    assert as_exact.startswith("override: column_wise_statistic exact (the plan records per_shard)\n")
+    as_exact = as_exact.split("\n", 1)[1]
     assert code == 0 and _table_part(as_exact) != _table_part(shown)
     assert "column_wise_statistic" not in as_exact
 

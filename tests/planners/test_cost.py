@@ -100,8 +100,8 @@ def test_column_pieces_under_rowwise_adagrad_run_backward_twice_and_exchange_sta
     ids, bags = 16 * 100 * 2, 16 * 100 * 1
     bwd = bags * 32 * 4 + ids * (2 * 32 * 4 + 2 * 4)
     assert piece["lookup"] == pytest.approx(whole["lookup"] + bwd / 1e10)
-    assert whole["grad_sync"] == 0
-    assert piece["grad_sync"] == pytest.approx(ids * 4 / 1e8)  # W > H: cross-host bandwidth
+    assert whole["stat_exchange"] == 0 and piece["grad_sync"] == 0  # no data-parallel sync
+    assert piece["stat_exchange"] == pytest.approx(ids * 4 / 1e8)  # W > H: cross-host bandwidth
     assert piece["memory"] == pytest.approx(whole["memory"] + 1000 * 4)
     assert shard(T.COLUMN_WISE, 1000, 32, k=4) == piece  # whether split, not how finely
     assert shard(T.TABLE_WISE, 1000, 32, k=1) == whole
@@ -135,7 +135,8 @@ def test_per_shard_column_pieces_pay_no_second_pass_no_scratch_and_no_exchange()
     second_pass = (bags * 32 * 4 + ids * (2 * 32 * 4 + 2 * 4)) / 1e10
     exchange = ids * 4 / 1e8  # one fp32 per id over the cross-host link (W > H)
     assert exact["lookup"] - per_shard["lookup"] == pytest.approx(second_pass)
-    assert exact["grad_sync"] == pytest.approx(exchange) and per_shard["grad_sync"] == 0
+    assert exact["stat_exchange"] == pytest.approx(exchange) and per_shard["stat_exchange"] == 0
+    assert exact["grad_sync"] == per_shard["grad_sync"] == 0
     assert exact["memory"] - per_shard["memory"] == pytest.approx(1000 * 4)  # the scratch
     for name in ("input_dist", "output_dist"):
         assert per_shard[name] == exact[name]

@@ -31,7 +31,7 @@ def test_table_wise_only_constraint_suggests_row_wise():
     with pytest.raises(NoPlanError, match="allow row_wise for 't_user'") as e:
         planners.plan(tables, Topology(8), batch_size=512, constraints=cons)
     assert e.value.tables == ("t_user",)
-    assert "no plan fits: 1 table(s) cannot fit on any rank" in str(e.value)
+    assert "no plan fits: 1 table cannot fit on any rank" in str(e.value)
 
 
 def test_total_memory_too_small_says_how_many_ranks():

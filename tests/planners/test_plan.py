@@ -173,7 +173,15 @@ def test_stats_report_the_slowest_rank_and_its_tables():
     text = stats.format()
     assert "slowest rank" in text and "lower bound" in text and "in-dist" in text
     for r in stats.ranks:
-        assert r.cost == pytest.approx(r.lookup + r.input_dist + r.output_dist + r.grad_sync)
+        assert r.cost == pytest.approx(r.lookup + r.input_dist + r.output_dist + r.grad_sync
+                                       + r.stat_exchange)
+    # the column pieces' statistic exchange is not a data-parallel gradient sync
+    pieces = [t for t in stats.tables if t.sharding_type is T.COLUMN_WISE and len(t.shards) > 1]
+    for t in pieces:
+        assert all(s.stat_exchange > 0 and s.grad_sync == 0 for s in t.shards)
+    for t in stats.tables:
+        if t.sharding_type is not T.DATA_PARALLEL:
+            assert all(s.grad_sync == 0 for s in t.shards)
 
 
 def test_constraints_are_honoured():

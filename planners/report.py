@@ -1,0 +1,249 @@
+"""What a placement engineer reads: which table went where, and how two plans differ.
+
+`format_tables` is the per-table view (type, ranks, shard sizes, memory and cost per shard),
+`tables_csv` the same one row per shard for scripts; `setting_differences` says in which settings
+two plans' pricing differs and `moved_tables` names every table that moved between them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Mapping, NamedTuple, Sequence
+
+from planners.cost import CostModel, TableArrays
+from planners.inputs import Table, TableConstraint, format_bytes
+from planners.model_tables import match_constraints
+from planners.options import enumerate_candidates
+from planners.stats import PlanStats, TableStats, format_seconds, plural, time_unit
+from planners.suggest import did_you_mean
+from planners.types import PlanError, ShardingType, rank_ranges
+
+__all__ = [
+    "SORT_KEYS", "Move", "describe_counts", "format_tables", "moved_tables", "pick_tables",
+    "setting_differences", "shard_sizes", "table_moves", "tables_csv", "why_lines",
+]  # fmt: skip
+
+# --sort: table order as planned, or the largest first
+SORT_KEYS = {
+    "order": None,
+    "name": lambda t: t.name,
+    "cost": lambda t: (-t.max_cost, t.name),
+    "total": lambda t: (-t.total_cost, t.name),
+    "memory": lambda t: (-t.max_memory, t.name),
+    "type": lambda t: (t.sharding_type.value, t.name),
+    "shards": lambda t: (-len(t.shards), t.name),
+}
+
+
+def shard_sizes(t: TableStats) -> str:
+    """'whole', 'replica', '48+80 cols', '3x62_501+13x62_500 rows'."""
+    if t.sharding_type is ShardingType.TABLE_WISE:
+        return "whole"
+    if t.sharding_type is ShardingType.DATA_PARALLEL:
+        return "replica"
+    axis = "cols" if t.sharding_type is ShardingType.COLUMN_WISE else "rows"
+    runs: list[list[int]] = []
+    for size in t.sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return "+".join(f"{n}x{size:_}" if n > 1 else f"{size:_}" for size, n in runs) + f" {axis}"
+
+
+def pick_tables(stats: PlanStats, names: Sequence[str] | None, sort: str = "order") -> list[TableStats]:
+    """The tables named (all when `names` is empty), sorted by one of `SORT_KEYS`.
+
+    Raises PlanError for a name the plan does not hold, with the closest one."""
+    tables = list(stats.tables)
+    if names:
+        known = [t.name for t in tables] + [t.name.rsplit(".", 1)[-1] for t in tables]
+        picked = []
+        for name in names:
+            match = [t for t in tables if name in (t.name, t.name.rsplit(".", 1)[-1])]
+            if not match:
+                hint = did_you_mean(name, known)
+                raise PlanError(f"--table {name!r}: no such table in the plan"
+                                + (f"; {hint}" if hint else ""))  # fmt: skip
+            picked.extend(m for m in match if m not in picked)
+        tables = picked
+    key = SORT_KEYS[sort]
+    return tables if key is None else sorted(tables, key=key)
+
+
+def format_tables(stats: PlanStats, tables: Sequence[TableStats]) -> str:
+    """The per-table view: one line per table, largest shard's memory and cost."""
+    world = len(stats.ranks)
+    unit, scale = time_unit(max((t.max_cost for t in tables), default=stats.max_cost))
+    name_w = max([5] + [len(t.name) for t in tables])
+    rows_ = [(t.name, t.sharding_type.value, rank_ranges(t.ranks, world), shard_sizes(t),
+              format_bytes(t.max_memory), f"{scale * t.max_cost:.3f}",
+              f"{scale * t.total_cost:.3f}") for t in tables]  # fmt: skip
+    head = ("table", "type", "ranks", "shard sizes", "mem/shard", f"{unit}/shard", f"{unit} total")
+    widths = [max(len(h), *(len(r[i]) for r in rows_)) if rows_ else len(h)
+              for i, h in enumerate(head)]
+    widths[0] = max(widths[0], name_w)
+    left = (True, True, True, True, False, False, False)
+
+    def line(cells: Sequence[str]) -> str:
+        return " ".join(c.ljust(w) if l else c.rjust(w)
+                        for c, w, l in zip(cells, widths, left)).rstrip()  # fmt: skip
+
+    return "\n".join([line(head)] + [line(r) for r in rows_])
+
+
+def tables_csv(stats: PlanStats, tables: Sequence[TableStats]) -> str:
+    """One row per shard: table, type, rank, rows and columns of the block, bytes, seconds."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    parts = ("lookup", "input_dist", "output_dist", "grad_sync", "stat_exchange")
+    w.writerow(("table", "sharding_type", "rank", "row_offset", "num_rows", "col_offset",
+                "num_cols", "memory_bytes", "cost_s", *(p + "_s" for p in parts)))  # fmt: skip
+    for t in tables:
+        for s in t.shards:
+            w.writerow((t.name, t.sharding_type.value, s.rank, s.row_offset, s.num_rows,
+                        s.col_offset, s.num_cols, f"{s.memory:.0f}", f"{s.cost:.9g}",
+                        *(f"{getattr(s, p):.9g}" for p in parts)))  # fmt: skip
+    return out.getvalue()
+
+
+def _placement_text(t: TableStats, world: int) -> str:
+    return f"{t.sharding_type.value} on {rank_ranges(t.ranks, world)} ({shard_sizes(t)})"
+
+
+def setting_differences(stats: tuple[PlanStats, PlanStats], settings: tuple[dict, dict]) -> list[str]:
+    """The settings two plans were priced under that differ (world size, hosts, batch,
+    optimizer, device, constraints, tables), one line each, and what that means."""
+    a, b = stats
+    lines = []
+    for key, label in (("world_size", "world size"), ("ranks_per_host", "ranks per host"),
+                       ("batch_size", "batch size per rank"), ("optimizer", "optimizer"),
+                       ("column_wise_statistic", "column_wise_statistic"),
+                       ("device_memory", "device memory"), ("reserved_fraction", "reserved fraction"),
+                       ("device_memory_bandwidth", "memory bandwidth"),
+                       ("intra_host_bandwidth", "intra-host bandwidth"),
+                       ("cross_host_bandwidth", "cross-host bandwidth"), ("module", "module"),
+                       ("constraints", "constraints"),
+                       ("tables_digest", "tables")):  # fmt: skip
+        va, vb = settings[0].get(key), settings[1].get(key)
+        if va != vb:
+            if key == "device_memory":
+                va, vb = (format_bytes(v) if isinstance(v, (int, float)) else v for v in (va, vb))
+            if key in ("constraints", "tables_digest"):
+                va, vb = ((", ".join(sorted(v)[:5]) + (", ..." if len(v) > 5 else "") or "none")
+                          if key == "constraints" else str(v)[:12] for v in (va, vb))  # fmt: skip
+            lines.append(f"DIFFERENT {label}: {va} vs {vb}")
+    if len(a.ranks) != len(b.ranks) or a.batch_size != b.batch_size:
+        ga, gb = len(a.ranks) * a.batch_size, len(b.ranks) * b.batch_size
+        lines.append(f"the global batches differ ({ga:_} vs {gb:_} samples per step): the step "
+                     "times below are for different work")  # fmt: skip
+    return lines
+
+
+class Move(NamedTuple):
+    """One table placed differently in two plans, and in what: 'type', 'ranks', 'sizes'."""
+
+    table: str
+    before: TableStats
+    after: TableStats
+    what: tuple[str, ...]
+
+
+def table_moves(a: PlanStats, b: PlanStats) -> list[Move]:
+    """Every table of both plans placed differently (type, ranks or shard sizes), in `a`'s
+    order. A data-parallel table is on every rank of either world: it moves only if its type
+    changes."""
+    by_b = {t.name: t for t in b.tables}
+    moves = []
+    for ta in a.tables:
+        tb = by_b.get(ta.name)
+        if tb is None or ta.sharding_type is tb.sharding_type is ShardingType.DATA_PARALLEL:
+            continue
+        what = []
+        if ta.sharding_type is not tb.sharding_type:
+            what.append("type")
+        if ta.ranks != tb.ranks:
+            what.append("ranks")
+        if ta.sizes != tb.sizes and ta.sharding_type is tb.sharding_type:
+            what.append("sizes")
+        if what:
+            moves.append(Move(ta.name, ta, tb, tuple(what)))
+    return moves
+
+
+def moved_tables(names: tuple[str, str], stats: tuple[PlanStats, PlanStats]) -> list[str]:
+    """`table_moves` as text, one line each, then the ratio of the slowest ranks."""
+    a, b = stats
+    lines = []
+    moves = table_moves(a, b)
+    only = sorted({t.name for t in a.tables} ^ {t.name for t in b.tables})
+    if only:
+        lines.append(f"tables in one plan only: {', '.join(only)}")
+    lines.append(f"tables placed differently: {len(moves)} of {len(a.tables)}")
+    width = max([5] + [len(m.table) for m in moves])
+    for m in moves:
+        lines.append(f"  {m.table:<{width}} {_placement_text(m.before, len(a.ranks))} -> "
+                     f"{_placement_text(m.after, len(b.ranks))}  [{', '.join(m.what)}]")  # fmt: skip
+    ratio = b.max_cost / a.max_cost if a.max_cost > 0 else 1.0
+    lines.append(f"slowest rank of {names[1]} / {names[0]}: {ratio:.3f}")
+    return lines
+
+
+def why_lines(stats: PlanStats, tables: Sequence[Table], name: str,
+              constraints: Mapping[str, TableConstraint] | None) -> list[str]:  # fmt: skip
+    """Why table `name` is placed as it is: for each sharding type, the placement of that type
+    the search would weigh against the plan's slowest rank (the fewest-work one whose largest
+    shard is under it, else the one with the smallest largest shard), or why there is none."""
+    model = CostModel(stats.topology, stats.batch_size, stats.optimizer,
+                      column_wise_statistic=stats.column_wise_statistic)  # fmt: skip
+    table_set = tuple(("", t) for t in tables)
+    cons = match_constraints(table_set, constraints, stats.topology.world_size)
+    i = next(j for j, t in enumerate(tables) if name in (t.name, stats.tables[j].name))
+    chosen = stats.tables[i]
+    room = stats.topology.capacity - model.batch_buffer_bytes(TableArrays.of(list(tables)))
+    c = enumerate_candidates([tables[i]], model, [cons[i]], room)
+    slowest = stats.max_cost
+    lines = [f"  why: the slowest rank takes {format_seconds(slowest)} (lower bound "
+             f"{format_seconds(stats.lower_bound)}); per sharding type, the best this table "
+             "could have:"]  # fmt: skip
+    for kind in ShardingType:
+        cols = [j for j, (k, _) in enumerate(c.columns) if k is kind]
+        if not cols:
+            continue
+        valid = [j for j in cols if c.valid[0, j]]
+        if not valid:
+            if cons[i] is not None and not c.allowed[0, cols].any():
+                reason = "not allowed by its constraint (or its shape)"
+            elif not c.allowed[0, cols].any():
+                reason = "not possible for its shape"
+            else:
+                reason = "no shard of it fits in a rank's memory"
+            lines.append(f"    {kind.value:<22} {reason}")
+            continue
+        under = [j for j in valid if c.max_cost[0, j] <= slowest * (1 + 1e-9)]
+        j = (min(under, key=lambda j: (c.total[0, j], c.columns[j][1])) if under
+             else min(valid, key=lambda j: (c.max_cost[0, j], c.columns[j][1])))  # fmt: skip
+        k = c.columns[j][1]
+        label = kind.value
+        if kind not in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
+            label += f" over {k}"
+        per = "per replica" if kind is ShardingType.DATA_PARALLEL else "largest shard"
+        verdict = "" if under else "  (slower than the slowest rank)"
+        lines.append(f"    {label:<22} {per} {format_seconds(c.max_cost[0, j])}, total "
+                     f"{format_seconds(c.total[0, j])}, {format_bytes(c.max_memory[0, j])}"
+                     f"{verdict}")  # fmt: skip
+    over = "" if chosen.sharding_type is ShardingType.DATA_PARALLEL else f" over {len(chosen.shards)}"
+    lines.append(f"  chosen: {chosen.sharding_type.value}{over} ({shard_sizes(chosen)}), largest "
+                 f"shard {format_seconds(chosen.max_cost)}, total {format_seconds(chosen.total_cost)}")  # fmt: skip
+    lines.append("  (the rows above split evenly; a largest shard above the slowest rank would "
+                 "slow the plan, and under it the total is work the other ranks must absorb)")  # fmt: skip
+    return lines
+
+
+def describe_counts(stats: PlanStats) -> str:
+    """'table_wise 20, row_wise 4, data_parallel 2'."""
+    counts: dict[str, int] = {}
+    for t in stats.tables:
+        counts[t.sharding_type.value] = counts.get(t.sharding_type.value, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))

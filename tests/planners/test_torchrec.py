@@ -240,6 +240,14 @@ def test_hand_made_torchrec_plan_converts():
     assert p["t_rw"] == TablePlacement(T.ROW_WISE, tuple(range(8)), sizes=(1251,) * 7 + (1244,))
     assert p["t_twrw"].sharding_type is T.TABLE_ROW_WISE and p["t_twrw"].ranks == (4, 5, 6, 7)
     assert p["t_dp"] == TablePlacement(T.DATA_PARALLEL)
+    with warnings.catch_warnings():  # TorchRec's own layouts go back unchanged, silently
+        warnings.simplefilter("error", planners.TorchRecLayoutWarning)
+        again = planners.to_torchrec(ours, TABLES[:5], ranks_per_host=4)
+    assert planners.from_torchrec(again, world_size=8, ranks_per_host=4) == ours
+    shards = {n: [(s.placement.rank(), s.shard_offsets, s.shard_sizes) for s in ps.sharding_spec.shards]
+              for n, ps in module_plan.items() if ps.sharding_spec is not None}
+    assert {n: [(s.placement.rank(), s.shard_offsets, s.shard_sizes) for s in ps.sharding_spec.shards]
+            for n, ps in again.plan[""].items() if ps.sharding_spec is not None} == shards
     stats = planners.plan_stats(ours, TABLES[:5], Topology(8, ranks_per_host=4), batch_size=64)
     assert stats.max_cost >= stats.lower_bound
 

@@ -163,6 +163,12 @@ def _torchrec_rows(kind, blocks, dim, world, host, where, moved) -> list[tuple[i
     ranks = tuple(b[0] for b in blocks)
     if kind is _T.TABLE_ROW_WISE:
         check_one_host(ranks, host, where)
+        if world % host:
+            raise PlanError(
+                f"{where} is table_row_wise with {host} ranks per host, but the world has {world} "
+                f"ranks, not a multiple of {host}; TorchRec's table-row-wise needs whole hosts: "
+                "pass the ranks_per_host you launch with (LOCAL_WORLD_SIZE)"
+            )
         first = ranks[0] // host * host
         span = tuple(range(first, first + host))
     else:

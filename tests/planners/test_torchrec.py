@@ -106,6 +106,14 @@ def test_torchrec_row_wise_has_one_shard_per_rank():
     assert tr.plan["sparse.ebc"]["t_dp"].compute_kernel == "dense"
 
 
+def test_table_row_wise_needs_whole_hosts():
+    plan = ShardingPlan(2, {"": {"t": TablePlacement(T.TABLE_ROW_WISE, (0, 1))}}, ranks_per_host=8)
+    with pytest.raises(PlanError, match=r"table 't' is table_row_wise with 8 ranks per host, but the world "
+                                        r"has 2 ranks, not a multiple of 8.*LOCAL_WORLD_SIZE"):
+        planners.to_torchrec(plan, [Table("t", 10, 8)])
+    assert planners.to_torchrec(plan, [Table("t", 10, 8)], ranks_per_host=2).plan[""]["t"].ranks == [0, 1]
+
+
 def test_row_blocks_out_of_rank_order_become_rank_order():
     plan = ShardingPlan(4, {"": {"t": TablePlacement(T.ROW_WISE, (2, 0))}})
     tr, moved, text = _converted(plan, [Table("t", 10, 8)])

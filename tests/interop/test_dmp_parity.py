@@ -2,14 +2,15 @@
 unsharded model computes, and what `modular.shard` computes with our plan (issue 24).
 
 One rank body per world size (2 and 3, CPU gloo) runs several plans: every sharding type with
-rows and columns that split unevenly (1000 rows over 3 ranks, a 20-wide table cut 8/8/4), a
-table with fewer rows than ranks (a 0-row shard), plans a user writes that TorchRec cannot hold
-as written (row blocks on a subset of ranks in reverse order, column cuts off multiples of 4),
-and the planner's own plan. For each plan, two SGD steps on the same batches: the forward output
-of DMP and of ours against the unsharded EBC on the global batch, and after the steps every
-weight shard DMP holds against the unsharded weights, and its boundaries against what
-`from_torchrec` says TorchRec holds. Routing a row to the wrong shard changes outputs by ~0.1, so
-the 1e-5 tolerance leaves no room for it.
+rows and columns that split unevenly (1000 rows over 3 ranks, a 20-wide table cut 8/8/4); plans
+a user writes that TorchRec cannot hold as written (row blocks on a subset of ranks in reverse
+order, column cuts off multiples of 4, a rank with two column pieces); the planner's own plan;
+and TorchRec's dense kernel with a 0-row block and 3-column pieces (which its fused kernel
+refuses). For each plan, two SGD steps on the same batches: the forward output of DMP and of ours
+against the unsharded EBC on the global batch, and after the steps every weight shard DMP holds
+against the unsharded weights, and its boundaries against what `from_torchrec` says TorchRec
+holds. Routing a row to the wrong shard changes outputs by ~0.1 (the old to_torchrec failed here
+at the first forward); fp32 summation order moves them by at most ~2.4e-7, within the 1e-5.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ BATCH = 4
 
 
 def _configs() -> list[EmbeddingBagConfig]:
-    # Widths are multiples of 4: TorchRec's fused kernel needs that (Note [column pieces in
-    # TorchRec]). No row count divides evenly by 3 except where it should not matter.
+    # Widths are multiples of 4 but t_odd's: TorchRec's fused kernel needs that (Note [column
+    # pieces in TorchRec]).
     return [
         EmbeddingBagConfig(name="t_tw", num_embeddings=37, embedding_dim=8, feature_names=["f_tw"]),
         EmbeddingBagConfig(name="t_rw", num_embeddings=1000, embedding_dim=8, feature_names=["f_rw", "f_rw2"]),
@@ -50,6 +51,8 @@ def _configs() -> list[EmbeddingBagConfig]:
         EmbeddingBagConfig(name="t_dp", num_embeddings=23, embedding_dim=4, feature_names=["f_dp"]),
         EmbeddingBagConfig(name="t_tiny", num_embeddings=5, embedding_dim=4, feature_names=["f_tiny"]),
         EmbeddingBagConfig(name="t_four", num_embeddings=4, embedding_dim=4, feature_names=["f_four"]),
+        # 6 wide: only data-parallel (TorchRec's dense kernel) in the fused plans
+        EmbeddingBagConfig(name="t_odd", num_embeddings=30, embedding_dim=6, feature_names=["f_odd"]),
     ]  # fmt: skip
 
 
@@ -75,24 +78,29 @@ def _plans(world: int) -> dict[str, tuple[ShardingPlan, str]]:
         "t_dp": TablePlacement(T.DATA_PARALLEL),
         "t_tiny": TablePlacement(T.ROW_WISE),  # 5 rows over 3 ranks: 2/2/1 in both
         "t_four": TablePlacement(T.TABLE_WISE, (0,)),
+        "t_odd": TablePlacement(T.DATA_PARALLEL),
     }
     # 4 rows over 3 ranks is 2/1/1 here, 2/2/0 in TorchRec, whose fused CPU kernel fails on a
     # 0-row shard; its dense kernel does not.
-    dense_kernel = {**each_type, "t_four": TablePlacement(T.ROW_WISE)}
+    # Column pieces 3 or 2 wide: only the dense kernel takes them.
+    dense_kernel = {**each_type, "t_four": TablePlacement(T.ROW_WISE), "t_odd": TablePlacement(T.COLUMN_WISE)}
     user_written = {
         "t_tw": TablePlacement(T.TABLE_WISE, (0,)),
         "t_rw": TablePlacement(T.ROW_WISE, (last, 0), sizes=(600, 400)),  # reverse order
-        "t_cw": TablePlacement(T.COLUMN_WISE, (last, 0), sizes=(7, 13)),  # cuts off multiples of 4
+        # cuts off multiples of 4; the last rank holds two pieces
+        "t_cw": TablePlacement(T.COLUMN_WISE, (last, 0, last), sizes=(7, 9, 4)),
         "t_twrw": TablePlacement(T.TABLE_ROW_WISE, everyone[::-1], sizes=(1, 59, 40) if world == 3 else (1, 99)),
         "t_dp": TablePlacement(T.ROW_WISE, (last,)),  # one rank of several
         "t_tiny": TablePlacement(T.TABLE_ROW_WISE, (last,)),
         "t_four": TablePlacement(T.COLUMN_WISE, (last,)),
+        "t_odd": TablePlacement(T.DATA_PARALLEL),
     }  # fmt: skip
     planned = planners.plan(
         _configs(), Topology(world, ranks_per_host=world), batch_size=BATCH, module_fqn="ebc",
         constraints={"t_rw": TableConstraint(sharding_types=(T.ROW_WISE,), min_shards=world),
                      "t_cw": TableConstraint(sharding_types=(T.COLUMN_WISE,), min_shards=world),
-                     "t_four": TableConstraint(sharding_types=(T.TABLE_WISE, T.DATA_PARALLEL))},
+                     "t_four": TableConstraint(sharding_types=(T.TABLE_WISE, T.DATA_PARALLEL)),
+                     "t_odd": TableConstraint(sharding_types=(T.DATA_PARALLEL,))},
         pooling_factors={"f_rw": 2.0, "f_cw": 3.0},
     )  # fmt: skip
     return {

@@ -50,6 +50,7 @@ _FROM_TORCHREC = {
     "table_row_wise": _T.TABLE_ROW_WISE,
 }
 _KERNELS = ("fused", "dense")
+_Block = tuple[int, int, int, int, int]  # (rank, row offset, rows, column offset, columns)
 
 
 class TorchRecLayoutWarning(UserWarning):
@@ -97,8 +98,9 @@ def to_torchrec(
     and table-row-wise rows become TorchRec's block split (Note [row-wise layouts in
     TorchRec]); under the fused kernel, column cuts move to multiples of 4 (Note [column
     pieces in TorchRec]). Raises PlanError for what no TorchRec plan runs: a table whose width
-    is not a multiple of 4 under the fused kernel, or more column pieces than it has 4-column
-    groups.
+    is not a multiple of 4 under the fused kernel, more column pieces than it has 4-column
+    groups, a block of 0 rows under the fused kernel on CPU (fbgemm fails on it), and
+    table-row-wise on a world that is not whole hosts.
     """
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
@@ -158,8 +160,12 @@ def _check_width(where: str, dim: int) -> None:
         )
 
 
-def _torchrec_rows(kind, blocks, dim, world, host, where, moved) -> list[tuple[int, int, int, int, int]]:
-    """One shard per rank of the world (TWRW: of the host), in the block split."""
+def _torchrec_rows(
+    kind: ShardingType, blocks: list[_Block], dim: int, world: int, host: int, where: str,
+    moved: list[str],
+) -> list[_Block]:
+    """One shard per rank of the world (TWRW: of the host), in the block split; appends a line
+    to `moved` when that is not the plan's layout."""
     ranks = tuple(b[0] for b in blocks)
     if kind is _T.TABLE_ROW_WISE:
         check_one_host(ranks, host, where)
@@ -197,7 +203,7 @@ def _placement_text(kind: ShardingType, ranks: tuple[int, ...], sizes: tuple[int
     return f"TablePlacement({kind.name}, ranks={ranks}{shown})"
 
 
-def _check_no_empty_rows(kind: ShardingType, blocks: list, where: str) -> None:
+def _check_no_empty_rows(kind: ShardingType, blocks: list[_Block], where: str) -> None:
     empty = [b[0] for b in blocks if not b[2]]
     if empty:
         rows, n = sum(b[2] for b in blocks), len(blocks)
@@ -217,7 +223,7 @@ def _rows_by_rank(shards: list[tuple[int, int, int]]) -> str:
     )
 
 
-def _torchrec_columns(blocks, dim, where, moved) -> list[tuple[int, int, int, int, int]]:
+def _torchrec_columns(blocks: list[_Block], dim: int, where: str, moved: list[str]) -> list[_Block]:
     """Column cuts moved to the nearest multiples of 4, keeping each piece's rank and order."""
     widths = [b[4] for b in blocks]
     if all(w % 4 == 0 for w in widths):

@@ -24,8 +24,9 @@ from planners.inputs import (
     format_bytes,
     parse_bytes,
 )
-from planners.model_tables import tables_from_model
+from planners.model_tables import tables_from_configs, tables_from_model
 from planners.stats import PlanStats, RankStats, ShardStats, TableStats, plan_stats, validate_plan
+from planners.torchrec_interop import TorchRecLayoutWarning, from_torchrec, to_torchrec
 from planners.types import (
     PlanError,
     ShardingPlan,
@@ -54,23 +55,17 @@ __all__ = [
     "TablePlacement",
     "TableStats",
     "Topology",
+    "TorchRecLayoutWarning",
     "even_split",
     "format_bytes",
     "parse_bytes",
     "plan",
     "plan_stats",
     "plan_with_stats",
+    "tables_from_configs",
     "tables_from_model",
     "validate_plan",
     "from_torchrec",
     "to_torchrec",
 ]
 
-
-def __getattr__(name: str):
-    # TorchRec (and with it torch.distributed) is imported only when a conversion is asked for.
-    if name in ("to_torchrec", "from_torchrec"):
-        from planners import torchrec_interop
-
-        return getattr(torchrec_interop, name)
-    raise AttributeError(f"module 'planners' has no attribute {name!r}")

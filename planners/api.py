@@ -36,6 +36,7 @@ def plan(
     optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
     module_fqn: str = "",
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
+    pooling_factors: Mapping[str, float] | None = None,
 ) -> ShardingPlan:
     """Places every table so that the slowest rank is as fast as possible and every rank fits.
 
@@ -44,8 +45,14 @@ def plan(
         plan = planners.plan(tables, planners.Topology(16, ranks_per_host=8),
                              batch_size=512)
 
-    `tables` is a list of `Table` (planned as the tables of the EBC at `module_fqn`, default the
-    model itself), a {EBC FQN: [Table, ...]} mapping, or a model whose EBCs may live on `meta`.
+    `tables` is a list of `Table` or of torchrec `EmbeddingBagConfig` (planned as the tables of
+    the EBC at `module_fqn`, default the model itself), a {EBC FQN: [Table, ...]} mapping, or a
+    model (an EBC itself included) whose EBCs may live on `meta`. Configs and models carry no
+    pooling factors: `pooling_factors` maps a feature to its mean ids per sample (default 1.0):
+
+        plan = planners.plan(ebc.embedding_bag_configs(), topology, batch_size=512,
+                             pooling_factors={"item_hist": 40.0})
+
     `batch_size` is per rank. `constraints` maps a table name (or 'fqn.table') to its
     `TableConstraint`. `optimizer` is the fused embedding optimizer; with row-wise Adagrad (the
     default), pass the `column_wise_statistic` you give `modular.fuse_optimizer`:
@@ -66,6 +73,7 @@ def plan(
     return plan_with_stats(
         tables, topology, batch_size=batch_size, constraints=constraints,
         optimizer=optimizer, module_fqn=module_fqn, column_wise_statistic=column_wise_statistic,
+        pooling_factors=pooling_factors,
     ).plan  # fmt: skip
 
 
@@ -78,6 +86,7 @@ def plan_with_stats(
     optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
     module_fqn: str = "",
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
+    pooling_factors: Mapping[str, float] | None = None,
 ) -> PlanResult:
     """Like `plan` (the same arguments), and also returns the plan's statistics, priced under
     the same optimizer and `column_wise_statistic`, and how long the search took.
@@ -86,7 +95,7 @@ def plan_with_stats(
         print(result.stats.format())
     """
     start = time.perf_counter()
-    table_set = as_table_set(tables, module_fqn)
+    table_set = as_table_set(tables, module_fqn, pooling_factors=pooling_factors)
     model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
                       column_wise_statistic=column_wise_statistic)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)

@@ -1,5 +1,10 @@
 """Tables as the planner's input: a list, a {module FQN: tables} mapping, or a model on `meta`.
 
+A list may hold `planners.Table`s or torchrec `EmbeddingBagConfig`s (read duck-typed, so no
+torchrec import is needed here); a model is any module with EmbeddingBagCollections, an EBC
+itself included. Configs carry no pooling factors: they come from an optional
+{feature: pooling factor} mapping, 1.0 otherwise.
+
 Everything is flattened to `TableSet`, an ordered tuple of (module FQN, Table); the plan's
 `modules` key is that FQN, the FQN `modular.shard` looks the EmbeddingBagCollection up by.
 """
@@ -11,15 +16,69 @@ from typing import Any, Mapping, Sequence, Union
 from planners.inputs import DataType, Table, TableConstraint
 from planners.types import PlanError
 
-__all__ = ["TableSet", "TablesLike", "as_table_set", "match_constraints", "tables_from_model"]
+__all__ = [
+    "TableSet", "TablesLike", "as_table_set", "match_constraints", "tables_from_configs",
+    "tables_from_model",
+]  # fmt: skip
 
 TableSet = tuple[tuple[str, Table], ...]
-TablesLike = Union[Sequence[Table], Mapping[str, Sequence[Table]], Any]  # Any: an nn.Module
+# Any: an nn.Module, or a torchrec EmbeddingBagConfig in place of a Table
+TablesLike = Union[Sequence[Table], Mapping[str, Sequence[Table]], Any]
 
 
 def _is_ebc(module: Any) -> bool:
     # Duck-typed so that reading a model needs neither torchrec nor torch.distributed here.
     return callable(getattr(module, "embedding_bag_configs", None))
+
+
+def _is_config(item: Any) -> bool:
+    # A torchrec EmbeddingBagConfig (or anything shaped like one), duck-typed like `_is_ebc`.
+    return not isinstance(item, Table) and all(
+        hasattr(item, a) for a in ("name", "num_embeddings", "embedding_dim", "feature_names")
+    )
+
+
+def tables_from_configs(
+    configs: Sequence[Any],
+    *,
+    pooling_factors: Mapping[str, float] | None = None,
+    weighted: bool = False,
+) -> tuple[Table, ...]:
+    """torchrec `EmbeddingBagConfig`s as planner `Table`s, in order.
+
+        tables = tables_from_configs(ebc.embedding_bag_configs(), pooling_factors={"item_hist": 40.0})
+
+    Each feature gets `pooling_factors[feature]` or 1.0; a key that is no feature of the
+    configs raises PlanError (a typo would otherwise price the feature at 1.0). `weighted` is
+    the EBC's `is_weighted()` (configs do not carry it).
+    """
+    pooling_factors = dict(pooling_factors or {})
+    tables = tuple(_table_of(cfg, pooling_factors, weighted) for cfg in configs)
+    _check_pooling_keys(pooling_factors, tables, "that no config looks up; their features are")
+    return tables
+
+
+def _table_of(cfg: Any, pooling_factors: Mapping[str, float], weighted: bool) -> Table:
+    if not _is_config(cfg):
+        raise PlanError(
+            f"expected a torchrec EmbeddingBagConfig or planners.Table, got {type(cfg).__name__}"
+        )
+    return Table(
+        name=cfg.name,
+        num_embeddings=cfg.num_embeddings,
+        embedding_dim=cfg.embedding_dim,
+        features=tuple(cfg.feature_names),
+        pooling_factor=tuple(float(pooling_factors.get(f, 1.0)) for f in cfg.feature_names),
+        dtype=DataType.parse(getattr(cfg, "data_type", DataType.FP32)),
+        weighted=weighted,
+    )
+
+
+def _check_pooling_keys(pooling_factors: Mapping[str, float], tables: Sequence[Table], that: str) -> None:
+    features = sorted({f for t in tables for f in t.features})
+    unknown = sorted(set(pooling_factors) - set(features))
+    if tables and unknown:
+        raise PlanError(f"pooling_factors names feature(s) {unknown} {that} {_some(features)}")
 
 
 def tables_from_model(
@@ -29,42 +88,29 @@ def tables_from_model(
 
         tables = tables_from_model(model, pooling_factors={"user_history": 40.0})
 
-    The model may live on `meta`: only the EBC configs are read. Pooling factors are not in the
-    configs, so each feature gets `pooling_factors[feature]` or 1.0; a key that is no feature of
-    the model raises PlanError (a typo would otherwise price the feature at 1.0).
+    The model may live on `meta`, and may be an EBC itself (its FQN is ""): only the EBC
+    configs are read. Pooling factors are not in the configs, so each feature gets
+    `pooling_factors[feature]` or 1.0; a key that is no feature of the model raises PlanError
+    (a typo would otherwise price the feature at 1.0).
     """
     pooling_factors = dict(pooling_factors or {})
     found: dict[str, tuple[Table, ...]] = {}
-    features: set[str] = set()
     for fqn, module in model.named_modules():
         inside_found = any(not f or fqn.startswith(f + ".") for f in found)  # an EBC's children
         if not _is_ebc(module) or (fqn and inside_found):
             continue
         weighted = bool(module.is_weighted()) if callable(getattr(module, "is_weighted", None)) else False
-        found[fqn] = tuple(
-            Table(
-                name=cfg.name,
-                num_embeddings=cfg.num_embeddings,
-                embedding_dim=cfg.embedding_dim,
-                features=tuple(cfg.feature_names),
-                pooling_factor=tuple(float(pooling_factors.get(f, 1.0)) for f in cfg.feature_names),
-                dtype=DataType.parse(cfg.data_type),
-                weighted=weighted,
-            )
-            for cfg in module.embedding_bag_configs()
-        )
-        features.update(f for table in found[fqn] for f in table.features)
-    unknown = sorted(set(pooling_factors) - features)
-    if found and unknown:
-        raise PlanError(
-            f"pooling_factors names feature(s) {unknown} that no EmbeddingBagCollection of "
-            f"{type(model).__name__} looks up; its features are {_some(sorted(features))}"
-        )
+        found[fqn] = tuple(_table_of(c, pooling_factors, weighted) for c in module.embedding_bag_configs())
     if not found:
         raise PlanError(
             f"{type(model).__name__} has no EmbeddingBagCollection (no submodule with "
             "embedding_bag_configs()); pass a list of planners.Table instead"
         )
+    everything = [t for group in found.values() for t in group]
+    _check_pooling_keys(
+        pooling_factors, everything,
+        f"that no EmbeddingBagCollection of {type(model).__name__} looks up; its features are",
+    )  # fmt: skip
     return found
 
 
@@ -73,24 +119,47 @@ def _some(names: list[str], shown: int = 12) -> str:
     return ", ".join(repr(n) for n in names[:shown]) + more
 
 
-def as_table_set(tables: TablesLike, module_fqn: str = "") -> TableSet:
-    """Flattens any accepted form of tables to ((module FQN, Table), ...), in input order."""
+def as_table_set(
+    tables: TablesLike, module_fqn: str = "", *, pooling_factors: Mapping[str, float] | None = None
+) -> TableSet:
+    """Flattens any accepted form of tables to ((module FQN, Table), ...), in input order.
+
+    `pooling_factors` ({feature: pooling factor}) prices the features of torchrec configs and
+    models, which carry none; a `planners.Table` carries its own, so naming one of its features
+    here is an error, as is a name no table looks up.
+    """
+    pooling_factors = dict(pooling_factors or {})
     if callable(getattr(tables, "named_modules", None)):
-        groups: Mapping[str, Sequence[Table]] = tables_from_model(tables)
+        groups: Mapping[str, Sequence[Any]] = tables_from_model(tables, pooling_factors=pooling_factors)
+        pooling_factors = {}  # checked against the model's features just now
     elif isinstance(tables, Mapping):
         groups = tables
     elif isinstance(tables, (str, bytes)) or not hasattr(tables, "__iter__"):
-        raise PlanError(f"tables must be a list of planners.Table, got {type(tables).__name__}")
+        raise PlanError(
+            "tables must be a list of planners.Table or torchrec EmbeddingBagConfig, a "
+            f"{{module FQN: list}} mapping or a model, got {type(tables).__name__}"
+        )
     else:
         groups = {module_fqn: tuple(tables)}
     out: list[tuple[str, Table]] = []
+    from_configs: list[Table] = []
     for fqn, group in groups.items():
         names: set[str] = set()
         features: dict[str, str] = {}
         for table in group:
-            if not isinstance(table, Table):
+            if _is_config(table):
+                table = _table_of(table, pooling_factors, weighted=False)
+                from_configs.append(table)
+            elif not isinstance(table, Table):
                 raise PlanError(
-                    f"module {fqn!r}: expected planners.Table, got {type(table).__name__}"
+                    f"module {fqn!r}: expected planners.Table or torchrec EmbeddingBagConfig, "
+                    f"got {type(table).__name__}"
+                )
+            elif set(table.features) & set(pooling_factors):
+                raise PlanError(
+                    f"pooling_factors names feature(s) {sorted(set(table.features) & set(pooling_factors))} "
+                    f"of planners.Table {table.name!r}, which has its own pooling_factor "
+                    f"{table.pooling_factor}; set it there (pooling_factors is for torchrec configs)"
                 )
             if table.name in names:
                 raise PlanError(f"module {fqn!r} has two tables named {table.name!r}")
@@ -105,6 +174,9 @@ def as_table_set(tables: TablesLike, module_fqn: str = "") -> TableSet:
             out.append((fqn, table))
     if not out:
         raise PlanError("there are no tables to plan")
+    if pooling_factors:
+        _check_pooling_keys(pooling_factors, from_configs or [t for _, t in out],
+                            "that no table looks up; the features are")  # fmt: skip
     return tuple(out)
 
 

@@ -30,4 +30,9 @@ from modular.clip import clip_grad_norm_
 from modular.fsdp import apply_ddp, apply_fully_shard
 
 __all__ += ["apply_ddp", "apply_fully_shard", "clip_grad_norm_"]
+
+# torch.compile around the sharded EBCs (Note [compiling a sharded model]).
+from modular.compile import apply_compile  # noqa: E402
+
+__all__ += ["apply_compile"]
 import modular.checkpoint  # noqa: E402,F401  (modular.checkpoint.save/load/export/load_unsharded)

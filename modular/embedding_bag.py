@@ -54,6 +54,15 @@ __all__ = [
 ]
 
 
+# Why a compiled model runs this module's forward eagerly; dynamo shows it with the graph break.
+EAGER_REASON = (
+    "a modular ShardedEmbeddingBagCollection runs its forward (input dist -> lookup -> output "
+    "dist: host reads of the batch, collectives, fbgemm kernels) eagerly, one deliberate graph "
+    "break per call (Note [compiling a sharded model] in modular/compile.py); under "
+    "fullgraph=True compile the dense modules instead (modular.apply_compile)"
+)
+
+
 class Received(NamedTuple):
     """What input dist hands to lookup."""
 
@@ -293,6 +302,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
 
     # -- the three steps --------------------------------------------------------------------
 
+    @torch.compiler.disable(reason=EAGER_REASON)  # Note [compiling a sharded model]
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         received = self._prefetcher.take(features) if self._prefetcher is not None else None
         if received is None:
@@ -300,6 +310,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
         remote, local = self.lookup(received)
         return self.output_dist(remote, local, received)
 
+    @torch.compiler.disable(reason=EAGER_REASON)
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Prefetches `features` for a later `forward(features)`: its input dist runs in the
         background from this module's next wait on (Note [prefetched input dist] in
@@ -411,6 +422,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, FusedTables
             out = out.index_copy(1, self._mean_columns, means)
         if self._end_of_backward and out.requires_grad:
             out.register_hook(self._queue_emulated_updates)
+        torch._dynamo.maybe_mark_dynamic(out, 0)  # the batch size (Note [compiling a sharded model])
         return KeyedTensor(
             keys=[o.key for o in self.layout.outputs],
             length_per_key=[o.dim for o in self.layout.outputs],

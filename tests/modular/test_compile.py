@@ -1,0 +1,198 @@
+"""`torch.compile` over sharded models trains exactly like eager, with a fixed set of graphs.
+
+Each rank body runs many cases back to back (compiling is slow on a small machine; the graphs of
+every case are the same dense towers, so inductor's cache serves all but the first): for each,
+the same seeded DLRM is sharded and trained twice, eagerly and compiled, on batches whose sizes,
+lengths and ids vary from step to step, and the two must give the same losses and weights. The
+compiled run asserts dynamo's counters: after the first step no graph is ever compiled again
+(`error_on_recompile`), and every graph break is a deliberate one (Note [compiling a sharded
+model] in modular/compile.py), one per sharded EBC in the traced code.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import modular
+from planners.types import ShardingPlan, ShardingType, TablePlacement
+from tests.dist import run_on_ranks
+from tests.modular.compose_helpers import DENSE_IN, DLRM, FEATURES, LR, MLP, Batch, global_loss, loss_of, mixed_plan, table_configs
+
+TIMEOUT = 240.0
+STEPS = 4
+COUNTED_STEPS = 20
+ATOL = 1e-5  # inductor may reorder float sums: ~1e-6 apart after 20 steps at lr 0.5
+PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "mixed")
+FUSED = (None, "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
+WRAPS = (None, "fsdp", "ddp")
+DISABLED = "Skip inlining `torch.compiler.disable()`d function"
+WRAPPER_BREAKS = {  # graph breaks of FSDP2's hooks (skip_fsdp_hooks) and of DDP's forward
+    None: (),
+    "fsdp": ("Attempted to call function marked as skipped",),
+    "ddp": ("Attempted to call function marked as skipped", "Unsupported method call"),
+}
+
+
+class Case(NamedTuple):
+    plan: str
+    fused: Optional[str]
+    prefetch: bool
+    wrap: Optional[str]  # FSDP2 or DDP on the dense part
+    whole: bool  # torch.compile(model) rather than apply_compile on each tower
+    steps: int = STEPS
+    # Marks the dense input's batch dimension dynamic, so nothing compiles after the first step;
+    # otherwise dynamo compiles once more on the second step's new batch size, then never again.
+    mark_dynamic: bool = False
+
+
+def cases_for(world: int) -> list[Case]:
+    """Every plan once; fused optimizers, prefetch, wrappers and compile modes rotate over them."""
+    return [
+        Case(plan, FUSED[i % 4], bool(i % 2), WRAPS[(i + world) % 3], bool((i // 2 + world) % 2))
+        for i, plan in enumerate(PLANS)
+    ]
+
+
+def plan_for(name: str, world: int) -> ShardingPlan:
+    if name == "mixed":
+        return mixed_plan(world)
+    names = [c.name for c in table_configs()]
+    kind = ShardingType[name.upper()]
+    if kind is ShardingType.TABLE_WISE:  # spread over ranks, starting at the last one
+        placements = {n: TablePlacement(kind, ranks=((world - 1 + i) % world,)) for i, n in enumerate(names)}
+    elif kind is ShardingType.TABLE_ROW_WISE:
+        placements = {n: TablePlacement(kind, ranks=tuple(range(world))) for n in names}
+    else:
+        placements = {n: TablePlacement(kind) for n in names}
+    return ShardingPlan(world_size=world, modules={"sparse": placements})
+
+
+def make_batch(step: int, rank: int, mark_dynamic: bool) -> Batch:
+    """3-5 samples, 0-3 ids per bag: the batch size, lengths and id counts vary with the step
+    (3 samples, then 4, then 3-5 by step; the same on every rank, which input dist requires)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    size = (3, 4)[step] if step < 2 else 3 + step % 3
+    rows = {f"f_{c.name[2:]}": c.num_embeddings for c in table_configs()}
+    lengths = [torch.randint(0, 4, (size,), generator=g) for _ in FEATURES]
+    values = [torch.randint(0, rows[f], (int(n.sum()),), generator=g) for f, n in zip(FEATURES, lengths)]
+    dense = torch.randn(size, DENSE_IN, generator=g)
+    if mark_dynamic:  # Note [compiling a sharded model]: varying batch sizes
+        torch._dynamo.mark_dynamic(dense, 0)
+    return Batch(
+        dense=dense,
+        sparse=KeyedJaggedTensor(keys=list(FEATURES), values=torch.cat(values), lengths=torch.cat(lengths)),
+        labels=torch.randint(0, 2, (size,), generator=g).float(),
+    )
+
+
+class Run(NamedTuple):
+    losses: list[float]
+    weights: dict[str, torch.Tensor]  # this rank's piece of every parameter, after training
+    graphs: int  # graphs dynamo compiled
+    breaks: dict[str, int]  # graph breaks by the first line of their reason
+
+
+def _train(case: Case, compiled: bool) -> Run:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = DLRM()
+    tables_opt = modular.fuse_optimizer(model, case.fused, lr=LR) if case.fused else None
+    model = modular.shard(model, plan_for(case.plan, world))
+    if case.wrap == "fsdp":
+        model = modular.apply_fully_shard(model, modules={MLP})
+    call = modular.apply_ddp(model) if case.wrap == "ddp" else model
+    if compiled and case.whole:
+        call = torch.compile(call)
+    elif compiled:
+        model = modular.apply_compile(model, modules={MLP})
+    opts = {"dense": torch.optim.SGD(modular.local_parameters(model), lr=LR)}
+    if tables_opt is not None:
+        opts["tables"] = tables_opt
+    opt = modular.CombinedOptimizer(opts)
+    batches = [make_batch(step, rank, case.mark_dynamic) for step in range(case.steps)]
+    warm_up = 1 if case.mark_dynamic else 2
+    losses = []
+    for step, batch in enumerate(batches):
+        if case.prefetch and step + 1 < case.steps:
+            modular.prefetch(model, batches[step + 1].sparse)
+        # After the warm-up nothing may compile again, whatever the batch.
+        with torch._dynamo.config.patch(error_on_recompile=step >= warm_up):
+            loss = loss_of(call, batch)
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        losses.append(global_loss(loss))
+    return Run(
+        losses=losses,
+        weights={n: _local(p) for n, p in model.named_parameters()},
+        graphs=counters["stats"]["unique_graphs"],
+        breaks=dict(Counter({k.split("\n")[0]: v for k, v in counters["graph_break"].items()})),
+    )
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, ShardedTensor):
+        return torch.cat([torch.zeros(0), *(s.tensor.detach().reshape(-1) for s in p.local_shards())])
+    if isinstance(p, DTensor):
+        return p.to_local().detach().clone()
+    return p.detach().clone()
+
+
+def _compiled_vs_eager(cases: list[Case]) -> list[tuple[Case, list[float], list[float], int, dict[str, int]]]:
+    out = []
+    for case in cases:
+        eager, compiled = _train(case, False), _train(case, True)
+        assert eager.graphs == 0 and not eager.breaks, f"{case}: the eager run compiled"
+        for name, w in eager.weights.items():
+            torch.testing.assert_close(compiled.weights[name], w, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"{case}: {name} after {case.steps} steps: {m}")
+        out.append((case, eager.losses, compiled.losses, compiled.graphs, compiled.breaks))
+    return out
+
+
+def _check(results: list, world: int) -> None:
+    for rank_results in results[1:]:
+        assert [r[2] for r in rank_results] == [r[2] for r in results[0]], "ranks saw other losses"
+    for case, eager, compiled, graphs, breaks in results[0]:
+        assert compiled == pytest.approx(eager, abs=ATOL, rel=0), f"{case}: compiled {compiled} vs eager {eager}"
+        assert eager[0] != pytest.approx(eager[-1], abs=1e-4), f"{case}: did not train"
+        if case.whole:
+            # The whole model: the one deliberate break at the sharded EBC, traced once per
+            # compile of its frame (the first step, and the second's new batch size unless the
+            # batch dimension is marked dynamic); FSDP's hooks and DDP's forward break too, as in
+            # any model they wrap. Nothing inside modular may break the graph.
+            compiles = 1 if case.mark_dynamic else 2
+            assert breaks.get(DISABLED) == compiles, f"{case}: {breaks}"
+            assert set(breaks) <= {DISABLED, *WRAPPER_BREAKS[case.wrap]}, f"{case}: {breaks}"
+        else:
+            # Each tower compiles without a break (the EBC runs outside the compiled code), once
+            # and once more on the second step's batch size.
+            assert not breaks, f"{case}: {breaks}"
+        assert 0 < graphs <= 12, f"{case}: {graphs} graphs"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_compiled_training_matches_eager_for_every_plan(world: int) -> None:
+    cases = cases_for(world)
+    if world == 2:  # 20 steps of the mixed plan, fused, prefetched, whole model, no warm-up
+        cases.append(Case("mixed", "exact_rowwise_adagrad", True, None, True, COUNTED_STEPS, True))
+    _check(run_on_ranks(world, _compiled_vs_eager, cases, timeout=TIMEOUT), world)
+
+
+def test_cases_cover_every_plan_fused_optimizer_prefetch_wrapper_and_mode() -> None:
+    cases = [c for world in (1, 2, 3) for c in cases_for(world)]
+    assert {c.plan for c in cases} == set(PLANS)
+    assert {c.fused for c in cases} == set(FUSED)
+    assert {(c.prefetch, c.whole) for c in cases} == {(p, w) for p in (True, False) for w in (True, False)}
+    assert {(c.wrap, c.whole) for c in cases} == {(w, m) for w in WRAPS for m in (True, False)}

@@ -196,3 +196,42 @@ def test_cases_cover_every_plan_fused_optimizer_prefetch_wrapper_and_mode() -> N
     assert {c.fused for c in cases} == set(FUSED)
     assert {(c.prefetch, c.whole) for c in cases} == {(p, w) for p in (True, False) for w in (True, False)}
     assert {(c.wrap, c.whole) for c in cases} == {(w, m) for w in WRAPS for m in (True, False)}
+
+
+class _Wrapped(torch.nn.Module):
+    """The DLRM one level down: a module that contains a sharded EBC and can be picked."""
+
+    def __init__(self, inner: DLRM) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.inner(dense, kjt)
+
+
+def _refusals() -> dict[str, str]:
+    torch.manual_seed(0)
+    model = _Wrapped(modular.shard(DLRM(), plan_for("row_wise", 1)))
+    got = {}
+    for what, call in {
+        "fullgraph": lambda: modular.apply_compile(model, modules={DLRM}, fullgraph=True),
+        "ebc": lambda: modular.apply_compile(model.inner.sparse, modules={MLP}),
+    }.items():
+        with pytest.raises(modular.ShardingError) as e:
+            call()
+        got[what] = str(e.value)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as e:
+        torch.compile(model, fullgraph=True)(*make_batch(0, 0, False)[:2])
+    got["dynamo"] = str(e.value)
+    return got
+
+
+def test_configurations_that_cannot_compile_are_refused_naming_the_module() -> None:
+    got = run_on_ranks(1, _refusals, timeout=TIMEOUT)[0]
+    assert "module 'inner' contains the sharded EmbeddingBagCollection 'sparse'" in got["fullgraph"]
+    assert "drop fullgraph=True" in got["fullgraph"]
+    assert "given a ShardedEmbeddingBagCollection" in got["ebc"]
+    # torch.compile(fullgraph=True) over the whole model fails in dynamo with our reason.
+    assert "runs its forward (input dist -> lookup -> output dist" in got["dynamo"]
+    assert "Note [compiling a sharded model]" in got["dynamo"]

@@ -6,6 +6,7 @@
     python examples/train_dlrm.py --world-size 2 --steps 0 --resume --export out/dlrm.pt
     python examples/train_dlrm.py --world-size 2 --no-prefetch # no overlap of the next input dist
     python examples/train_dlrm.py --world-size 4 --column-wise-statistic per_shard  # TorchRec's
+    python examples/train_dlrm.py --world-size 2 --compile     # torch.compile around the tables
 
 One training setup, in the order Note [order of sharding calls] (modular/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` -> `modular.shard`
@@ -99,6 +100,10 @@ class TrainConfig:
     # ("exact", as unsharded) or each piece's own ("per_shard", TorchRec's approximation,
     # cheaper); the planner prices the same choice (Note [fused tables] in modular/optim.py).
     column_wise_statistic: str = "exact"
+    # Trains through torch.compile(model): the dense towers and the interaction compile, each
+    # sharded EBC runs eagerly behind one graph break (Note [compiling a sharded model] in
+    # modular/compile.py); the first step pays the compile. Evaluation stays eager.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -318,6 +323,7 @@ def train(config: TrainConfig) -> TrainResult:
         say(f"resumed from {path} (step {start})")
     end = max(start, config.steps)
 
+    forward = torch.compile(model) if config.compile else model
     data = Data(config, rank, world)
     losses: list[float] = []
     examples, seconds, interrupted = 0, 0.0, False
@@ -332,7 +338,7 @@ def train(config: TrainConfig) -> TrainResult:
                 upcoming = to_device(data.batch_at(step + 1), device)
                 if config.prefetch:  # its input dist overlaps this step (modular.prefetch)
                     modular.prefetch(model, upcoming.sparse)
-            loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
+            loss = F.binary_cross_entropy_with_logits(forward(batch.dense, batch.sparse), batch.labels)
             opt.zero_grad()
             loss.backward()  # the tables are updated here (fused)
             opt.step()
@@ -417,6 +423,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
                    default=d.column_wise_statistic,
                    help="row-wise Adagrad on column pieces: the whole row's statistic, or each "
                         "piece's own (TorchRec's approximation)")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="train through torch.compile(model)")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                    help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
@@ -426,6 +433,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         resume=a.resume, export=a.export, eval_batches=a.eval_batches,
         device_memory=a.device_memory, progress=not a.no_progress, prefetch=not a.no_prefetch,
         collective_timeout=a.collective_timeout, column_wise_statistic=a.column_wise_statistic,
+        compile=a.compile,
     )  # fmt: skip
     return config, a.world_size
 

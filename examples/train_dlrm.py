@@ -100,9 +100,10 @@ class TrainConfig:
     # ("exact", as unsharded) or each piece's own ("per_shard", TorchRec's approximation,
     # cheaper); the planner prices the same choice (Note [fused tables] in modular/optim.py).
     column_wise_statistic: str = "exact"
-    # Trains through torch.compile(model): the dense towers and the interaction compile, each
+    # Trains with both MLP towers compiled (modular.apply_compile: FSDP2 keeps dynamo out of a
+    # fully sharded module's call) and through torch.compile(model) for the interaction; the
     # sharded EBC runs eagerly behind one graph break (Note [compiling a sharded model] in
-    # modular/compile.py); the first step pays the compile. Evaluation stays eager.
+    # modular/compile.py). The first step pays the compile.
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -323,7 +324,11 @@ def train(config: TrainConfig) -> TrainResult:
         say(f"resumed from {path} (step {start})")
     end = max(start, config.steps)
 
-    forward = torch.compile(model) if config.compile else model
+    forward = model
+    if config.compile:  # the towers' forwards inside FSDP's hooks, then what lies between them
+        towers = (model.dense, model.over)
+        model = modular.apply_compile(model, modules=lambda m: any(m is t for t in towers))
+        forward = torch.compile(model)
     data = Data(config, rank, world)
     losses: list[float] = []
     examples, seconds, interrupted = 0, 0.0, False

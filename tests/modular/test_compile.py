@@ -47,19 +47,24 @@ class Case(NamedTuple):
     fused: Optional[str]
     prefetch: bool
     wrap: Optional[str]  # FSDP2 or DDP on the dense part
-    whole: bool  # torch.compile(model) rather than apply_compile on each tower
+    whole: bool  # torch.compile(model), not only apply_compile on each tower (both under FSDP2)
     steps: int = STEPS
     # Marks the dense input's batch dimension dynamic, so nothing compiles after the first step;
     # otherwise dynamo compiles once more on the second step's new batch size, then never again.
     mark_dynamic: bool = False
+    # Batch sizes 3, 4, then 3-5; otherwise 4 samples every step (lengths and ids still vary).
+    vary_batch: bool = False
 
 
 def cases_for(world: int) -> list[Case]:
     """Every plan once; fused optimizers, prefetch, wrappers and compile modes rotate over them."""
-    return [
+    cases = [
         Case(plan, FUSED[i % 4], bool(i % 2), WRAPS[(i + world) % 3], bool((i // 2 + world) % 2))
         for i, plan in enumerate(PLANS)
     ]
+    # One case per world whose batch size varies, unmarked: a second compile at the first new
+    # size (dynamo's automatic dynamic shapes), then none.
+    return [c._replace(vary_batch=True) if i == world else c for i, c in enumerate(cases)]
 
 
 def plan_for(name: str, world: int) -> ShardingPlan:
@@ -76,11 +81,12 @@ def plan_for(name: str, world: int) -> ShardingPlan:
     return ShardingPlan(world_size=world, modules={"sparse": placements})
 
 
-def make_batch(step: int, rank: int, mark_dynamic: bool) -> Batch:
-    """3-5 samples, 0-3 ids per bag: the batch size, lengths and id counts vary with the step
-    (3 samples, then 4, then 3-5 by step; the same on every rank, which input dist requires)."""
+def make_batch(step: int, rank: int, vary_batch: bool, mark_dynamic: bool) -> Batch:
+    """0-3 ids per bag: lengths and id counts vary with the step, and with `vary_batch` the
+    batch size too (3 samples, then 4, then 3-5 by step; the same on every rank, which input
+    dist requires)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    size = (3, 4)[step] if step < 2 else 3 + step % 3
+    size = 4 if not vary_batch else (3, 4)[step] if step < 2 else 3 + step % 3
     rows = {f"f_{c.name[2:]}": c.num_embeddings for c in table_configs()}
     lengths = [torch.randint(0, 4, (size,), generator=g) for _ in FEATURES]
     values = [torch.randint(0, rows[f], (int(n.sum()),), generator=g) for f, n in zip(FEATURES, lengths)]
@@ -112,16 +118,18 @@ def _train(case: Case, compiled: bool) -> Run:
     if case.wrap == "fsdp":
         model = modular.apply_fully_shard(model, modules={MLP})
     call = modular.apply_ddp(model) if case.wrap == "ddp" else model
+    if compiled and (not case.whole or case.wrap == "fsdp"):
+        # FSDP2 keeps dynamo out of a fully sharded module's call, so under FSDP2 the towers
+        # compile only this way (Note [compiling a sharded model]).
+        model = modular.apply_compile(model, modules={MLP})
     if compiled and case.whole:
         call = torch.compile(call)
-    elif compiled:
-        model = modular.apply_compile(model, modules={MLP})
     opts = {"dense": torch.optim.SGD(modular.local_parameters(model), lr=LR)}
     if tables_opt is not None:
         opts["tables"] = tables_opt
     opt = modular.CombinedOptimizer(opts)
-    batches = [make_batch(step, rank, case.mark_dynamic) for step in range(case.steps)]
-    warm_up = 1 if case.mark_dynamic else 2
+    batches = [make_batch(step, rank, case.vary_batch, case.mark_dynamic) for step in range(case.steps)]
+    warm_up = 2 if case.vary_batch and not case.mark_dynamic else 1
     losses = []
     for step, batch in enumerate(batches):
         if case.prefetch and step + 1 < case.steps:
@@ -172,12 +180,11 @@ def _check(results: list, world: int) -> None:
             # compile of its frame (the first step, and the second's new batch size unless the
             # batch dimension is marked dynamic); FSDP's hooks and DDP's forward break too, as in
             # any model they wrap. Nothing inside modular may break the graph.
-            compiles = 1 if case.mark_dynamic else 2
+            compiles = 2 if case.vary_batch and not case.mark_dynamic else 1
             assert breaks.get(DISABLED) == compiles, f"{case}: {breaks}"
             assert set(breaks) <= {DISABLED, *WRAPPER_BREAKS[case.wrap]}, f"{case}: {breaks}"
         else:
-            # Each tower compiles without a break (the EBC runs outside the compiled code), once
-            # and once more on the second step's batch size.
+            # Each tower compiles without a break (the EBC runs outside the compiled code).
             assert not breaks, f"{case}: {breaks}"
         assert 0 < graphs <= 12, f"{case}: {graphs} graphs"
 
@@ -186,7 +193,7 @@ def _check(results: list, world: int) -> None:
 def test_compiled_training_matches_eager_for_every_plan(world: int) -> None:
     cases = cases_for(world)
     if world == 2:  # 20 steps of the mixed plan, fused, prefetched, whole model, no warm-up
-        cases.append(Case("mixed", "exact_rowwise_adagrad", True, None, True, COUNTED_STEPS, True))
+        cases.append(Case("mixed", "exact_rowwise_adagrad", True, None, True, COUNTED_STEPS, True, True))
     _check(run_on_ranks(world, _compiled_vs_eager, cases, timeout=TIMEOUT), world)
 
 
@@ -196,6 +203,7 @@ def test_cases_cover_every_plan_fused_optimizer_prefetch_wrapper_and_mode() -> N
     assert {c.fused for c in cases} == set(FUSED)
     assert {(c.prefetch, c.whole) for c in cases} == {(p, w) for p in (True, False) for w in (True, False)}
     assert {(c.wrap, c.whole) for c in cases} == {(w, m) for w in WRAPS for m in (True, False)}
+    assert {(c.wrap, c.whole) for c in cases if c.vary_batch} == {(None, False), ("fsdp", True), ("ddp", True)}
 
 
 class _Wrapped(torch.nn.Module):
@@ -222,7 +230,7 @@ def _refusals() -> dict[str, str]:
         got[what] = str(e.value)
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported) as e:
-        torch.compile(model, fullgraph=True)(*make_batch(0, 0, False)[:2])
+        torch.compile(model, fullgraph=True)(*make_batch(0, 0, False, False)[:2])
     got["dynamo"] = str(e.value)
     return got
 

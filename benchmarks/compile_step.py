@@ -19,7 +19,9 @@ modular/compile.py), on the same synthetic batches:
               alternating blocks of eager and compiled steps so both see the same machine load
 
 A step's time is the max over ranks. The losses of the two runs are compared at the end (they
-must agree to 1e-4; inductor may reorder float sums). CPU only; each rank runs one thread.
+must agree to 1e-3: inductor may reorder float sums, and Adam's normalised steps carry a 1e-7
+difference forward; 7.7e-5 was seen after 33 steps of the wide towers). CPU only (no GPU was lent
+to the session that wrote this); each rank runs one thread.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def _worker(rank: int, a: argparse.Namespace, port: int) -> None:
     for towers, fsdp in [(t, f) for t in a.towers for f in (True, False)]:
         got = _measure(towers, fsdp, a)
         gap = max(abs(x - y) for x, y in zip(got["eager"].losses, got["compiled"].losses))
-        if gap > 1e-4:
+        if gap > 1e-3:
             raise RuntimeError(f"{towers}: compiled losses differ from eager by {gap:.2e}")
         e, c = got["eager"], got["compiled"]
         rows.append(

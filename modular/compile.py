@@ -3,15 +3,15 @@
     model = modular.shard(model, plan)
     model = modular.apply_fully_shard(model, modules={MLP})     # or apply_ddp, or neither
     model = modular.apply_compile(model, modules={MLP})         # each dense tower's forward
-    # or the whole model: compiled = torch.compile(model), with one graph break per sharded EBC
+    compiled = torch.compile(model)   # and the rest, with one graph break per sharded EBC call
 
 # Note [compiling a sharded model]
 A sharded EBC's forward is input dist -> lookup -> output dist: it reads the batch on the host
 (the input checks' `bool(tensor)`, lengths and split sizes for the all-to-alls), runs collectives
 whose sizes depend on the data, and calls fbgemm lookup kernels that have no fake-tensor
-implementation. Traced by dynamo, that was ~46 graph breaks and ~34 graphs for a small DLRM, a
-60 s first step on CPU, and new graphs whenever the ids per feature changed. There is nothing to
-gain from compiling it: the work is collectives and fbgemm kernels already. So
+implementation. Traced by dynamo, that was 46 graph breaks and 34 graphs for the tests' small
+DLRM and a 60 s first step on CPU (one rank, 2 cores). Nothing is gained by compiling it: its
+work is collectives and fbgemm kernels already. So
 `ShardedEmbeddingBagCollection.forward` (and `prefetch`) sit behind `torch.compiler.disable`:
 
 - The boundary is the module's call. Dynamo stops before it, runs it eagerly, and resumes after
@@ -27,8 +27,16 @@ gain from compiling it: the work is collectives and fbgemm kernels already. So
   lookup's backward) is the eager autograd graph, so fused tables update once per step inside
   it, and data-parallel tables all-reduce their own gradients, exactly as without compile.
 - The tables are `ShardedTensor`s (or replicas) that only the eager forward reads, so dynamo
-  never sees them as graph inputs; FSDP2's DTensors and DDP's parameters are handled by dynamo
-  and FSDP2 as for any model (FSDP's hooks run eagerly, `torch._dynamo.config.skip_fsdp_hooks`).
+  never sees them as graph inputs, and the fused kernels' weights and optimizer state change in
+  place where no guard looks.
+- The dense part is dynamo's and FSDP2's business as in any model, with one consequence: FSDP2
+  keeps dynamo out of a fully sharded module's call (its hooks are skipped, the call runs
+  eagerly), so `torch.compile(model)` over an FSDP2 model compiles only what lies between the
+  fully sharded towers. `apply_compile` compiles each tower's `forward` on the instance: FSDP2's
+  all-gather and reduce-scatter hooks run eagerly around the compiled code, which sees the
+  unsharded parameters, as torchtitan compiles each block. Use both (as `examples/train_dlrm.py
+  --compile` does): towers by `apply_compile`, the rest by `torch.compile(model)`. Under DDP,
+  `torch.compile(ddp)` compiles the towers too (DDP's forward adds graph breaks of its own).
 
 `fullgraph=True` cannot hold a graph break, so a compiled module that contains a sharded EBC
 cannot use it: `apply_compile` refuses that up front, naming the module; `torch.compile(model,

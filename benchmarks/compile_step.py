@@ -6,22 +6,20 @@
 For each dense configuration ("default": the example's towers, bottom 64-16 and top 64-32-1;
 "wide": bottom 512-256-16 and top 1024-1024-512-256-1) the ranks build the example's model twice
 from the same seed, the way `examples/train_dlrm.py` does (its plan, `modular.shard`, fused
-row-wise Adagrad for the tables, FSDP2 on the two towers or not ("replicated": plain parameters,
-as DDP would leave them), Adam for them), and train one eagerly
-and one compiled as `examples/train_dlrm.py --compile` does: each tower's forward by
-`modular.apply_compile`, then `torch.compile(model)` for the interaction between them (each
-sharded EBC eager behind its one graph break, Note [compiling a sharded model] in
-modular/compile.py), on the same synthetic batches:
+row-wise Adagrad for the tables, FSDP2 on the two towers, or DDP instead, Adam for them), and
+train one eagerly and one compiled (see `_build`; each sharded EBC eager behind its one graph
+break, Note [compiling a sharded model] in modular/compile.py), on the same synthetic batches:
 
   first step  the first step's wall time: for "compiled", dynamo and inductor's compile (with
               whatever inductor's on-disk cache already holds: run twice to see a warm cache)
   step        the median step (forward + backward + optimizer) after `--warmup` steps, in
               alternating blocks of eager and compiled steps so both see the same machine load
 
-A step's time is the max over ranks. The losses of the two runs are compared at the end (they
-must agree to 1e-3: inductor may reorder float sums, and Adam's normalised steps carry a 1e-7
-difference forward; 7.7e-5 was seen after 33 steps of the wide towers). CPU only (no GPU was lent
-to the session that wrote this); each rank runs one thread.
+A step's time is the max over ranks. The two runs' losses are compared: at the first step (same
+weights, same batch) they must agree to 1e-5, since inductor only reorders float sums; the
+largest gap over the run is printed too; it grows because Adam's normalised updates turn 1e-7
+gradient differences into lr-sized steps (the tests, with SGD, hold compiled training to eager
+within 1e-5). CPU only (no GPU was lent to the session that wrote this); each rank runs one thread.
 """
 
 from __future__ import annotations
@@ -73,14 +71,25 @@ def _step(call, opt, batch) -> tuple[float, float]:
     return took.item(), loss.item()
 
 
-def _build(model: DLRM, plan, config: TrainConfig, fsdp: bool):
-    """`examples/train_dlrm.py`'s shard_model, with FSDP2 on the towers optional."""
+def _build(model: DLRM, plan, config: TrainConfig, fsdp: bool, compiled: bool):
+    """`examples/train_dlrm.py`'s shard_model (FSDP2 on the towers), or with DDP instead; what
+    to call and the optimizer. Compiled as `examples/train_dlrm.py --compile` does: under FSDP2
+    each tower's forward by `modular.apply_compile` (FSDP2 keeps dynamo out of its modules'
+    calls), then `torch.compile` over the model (or the DDP wrapper, which compiles the towers)."""
     model = modular.shard(model, plan)
     fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8)
+    towers = lambda m: m is model.dense or m is model.over  # noqa: E731
     if fsdp:
-        model = modular.apply_fully_shard(model, modules=lambda m: m is model.dense or m is model.over)
+        model = modular.apply_fully_shard(model, modules=towers)
+        if compiled:
+            model = modular.apply_compile(model, modules=towers)
+        call = model
+    else:
+        call = modular.apply_ddp(model)
+    if compiled:
+        call = torch.compile(call)
     dense = torch.optim.Adam(modular.local_parameters(model), lr=config.dense_lr)
-    return model, modular.CombinedOptimizer({"tables": fused, "dense": dense})
+    return call, modular.CombinedOptimizer({"tables": fused, "dense": dense})
 
 
 def _measure(towers: str, fsdp: bool, a: argparse.Namespace) -> dict[str, Timing]:
@@ -93,11 +102,7 @@ def _measure(towers: str, fsdp: bool, a: argparse.Namespace) -> dict[str, Timing
         torch.manual_seed(0)
         model = DLRM(table_configs(), bottom_mlp=bottom, top_mlp=top, device="meta")
         plan, _ = make_plan(model, world_size=world, batch_size=a.batch_size, device_memory=config.device_memory)
-        model, opt = _build(model, plan, config, fsdp)
-        if mode == "compiled":  # as examples/train_dlrm.py --compile does
-            model = modular.apply_compile(model, modules=lambda m: m is model.dense or m is model.over)
-            model = torch.compile(model)
-        models[mode] = (model, opt)
+        models[mode] = _build(model, plan, config, fsdp, mode == "compiled")
     data = Data(config, rank, world)
     batches = [data.batch_at(s) for s in range(a.warmup + a.steps)]
     times = {m: [] for m in models}
@@ -126,21 +131,21 @@ def _worker(rank: int, a: argparse.Namespace, port: int) -> None:
     rows = []
     for towers, fsdp in [(t, f) for t in a.towers for f in (True, False)]:
         got = _measure(towers, fsdp, a)
-        gap = max(abs(x - y) for x, y in zip(got["eager"].losses, got["compiled"].losses))
-        if gap > 1e-3:
-            raise RuntimeError(f"{towers}: compiled losses differ from eager by {gap:.2e}")
+        gaps = [abs(x - y) for x, y in zip(got["eager"].losses, got["compiled"].losses)]
+        if gaps[0] > 1e-5:
+            raise RuntimeError(f"{towers}: the compiled first step's loss differs from eager by {gaps[0]:.2e}")
         e, c = got["eager"], got["compiled"]
         rows.append(
-            f"| {towers} | {'FSDP2' if fsdp else 'replicated'} | {e.step_ms:.2f} | {c.step_ms:.2f} | {e.step_ms / c.step_ms:.2f}x "
-            f"| {e.first_s:.2f} | {c.first_s:.1f} | {gap:.1e} |"
+            f"| {towers} | {'FSDP2' if fsdp else 'DDP'} | {e.step_ms:.2f} | {c.step_ms:.2f} | {e.step_ms / c.step_ms:.2f}x "
+            f"| {e.first_s:.2f} | {c.first_s:.1f} | {gaps[0]:.1e} | {max(gaps):.1e} |"
         )
     if rank == 0:
         print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
               f"{a.world_size} gloo rank(s) x 1 thread, {os.cpu_count()} cores, batch {a.batch_size} per rank, "
               f"{a.steps} timed steps after {a.warmup} ({a.blocks} alternating blocks)")
         print("| towers | dense part | eager step (ms) | compiled step (ms) | speed-up | eager first step (s) "
-              "| compiled first step (s) | max loss gap |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| compiled first step (s) | first loss gap | max loss gap |")
+        print("|---|---|---|---|---|---|---|---|---|")
         print("\n".join(rows))
     dist.destroy_process_group()
 

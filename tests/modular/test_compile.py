@@ -2,11 +2,13 @@
 
 Each rank body runs many cases back to back (compiling is slow on a small machine; the graphs of
 every case are the same dense towers, so inductor's cache serves all but the first): for each,
-the same seeded DLRM is sharded and trained twice, eagerly and compiled, on batches whose sizes,
-lengths and ids vary from step to step, and the two must give the same losses and weights. The
-compiled run asserts dynamo's counters: after the first step no graph is ever compiled again
-(`error_on_recompile`), and every graph break is a deliberate one (Note [compiling a sharded
-model] in modular/compile.py), one per sharded EBC in the traced code.
+the same seeded DLRM is sharded and trained twice, eagerly and compiled, on batches whose
+lengths and ids (and in some cases sizes) vary from step to step, and the two must give the same
+losses and every rank's weights to 1e-5 (so fused tables updated once per step, inside backward,
+and parameters stayed current). The compiled run asserts dynamo's counters: after the warm-up
+(the first step; the second too where an unmarked batch size changes) no graph is ever compiled
+again (`error_on_recompile`), and every graph break is a deliberate one (Note [compiling a
+sharded model] in modular/compile.py), one per sharded EBC in the traced code, or FSDP2's / DDP's.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
     python examples/train_dlrm.py --world-size 2 --steps 0 --resume --export out/dlrm.pt
     python examples/train_dlrm.py --world-size 2 --no-prefetch # no overlap of the next input dist
     python examples/train_dlrm.py --world-size 4 --column-wise-statistic per_shard  # TorchRec's
+    python examples/train_dlrm.py --world-size 2 --compile     # torch.compile around the tables
 
 One training setup, in the order Note [order of sharding calls] (modular/compose/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` ->
@@ -100,6 +101,11 @@ class TrainConfig:
     # ("exact", as unsharded) or each piece's own ("per_shard", TorchRec's approximation,
     # cheaper); the planner prices the same choice (Note [fused tables] in modular/optim.py).
     column_wise_statistic: str = "exact"
+    # Trains with both MLP towers compiled (modular.apply_compile: FSDP2 keeps dynamo out of a
+    # fully sharded module's call) and through torch.compile(model) for the interaction; the
+    # sharded EBC runs eagerly behind one graph break (Note [compiling a sharded model] in
+    # modular/compose/compile.py). The first step pays the compile.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -320,6 +326,11 @@ def train(config: TrainConfig) -> TrainResult:
         say(f"resumed from {path} (step {start})")
     end = max(start, config.steps)
 
+    forward = model
+    if config.compile:  # the towers' forwards inside FSDP's hooks, then what lies between them
+        towers = (model.dense, model.over)
+        model = modular.apply_compile(model, modules=lambda m: any(m is t for t in towers))
+        forward = torch.compile(model)
     data = Data(config, rank, world)
     losses: list[float] = []
     examples, seconds, interrupted = 0, 0.0, False
@@ -334,7 +345,7 @@ def train(config: TrainConfig) -> TrainResult:
                 upcoming = to_device(data.batch_at(step + 1), device)
                 if config.prefetch:  # its input dist overlaps this step (modular.prefetch)
                     modular.prefetch(model, upcoming.sparse)
-            loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
+            loss = F.binary_cross_entropy_with_logits(forward(batch.dense, batch.sparse), batch.labels)
             opt.zero_grad()
             loss.backward()  # the tables are updated here (fused)
             opt.step()
@@ -419,6 +430,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
                    default=d.column_wise_statistic,
                    help="row-wise Adagrad on column pieces: the whole row's statistic, or each "
                         "piece's own (TorchRec's approximation)")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="train through torch.compile(model)")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                    help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
@@ -428,6 +440,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         resume=a.resume, export=a.export, eval_batches=a.eval_batches,
         device_memory=a.device_memory, progress=not a.no_progress, prefetch=not a.no_prefetch,
         collective_timeout=a.collective_timeout, column_wise_statistic=a.column_wise_statistic,
+        compile=a.compile,
     )  # fmt: skip
     return config, a.world_size
 

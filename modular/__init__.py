@@ -10,12 +10,13 @@ Every call that changes the model does so in place and returns the model it was 
 [order of sharding calls] in modular/compose/fsdp.py). The packages follow a training step
 (docs/design.md): `tables` (plan -> layout, the tables' weights), `routing` (input dist and output
 dist: ids to their shards, pooled columns back; collectives), `kernels` (lookups), `fused` (the
-update inside backward), `compose` (FSDP2 / DDP, clipping, which parameters a torch optimizer
+update inside backward), `compose` (FSDP2 / DDP, compile, clipping, which parameters a torch optimizer
 takes) and `checkpoint`; `sharding.py` and `optim.py` hold the model-level calls.
 """
 
 from modular import checkpoint
 from modular.compose.clip import clip_grad_norm_
+from modular.compose.compile import apply_compile
 from modular.compose.ddp import apply_ddp
 from modular.compose.fsdp import apply_fully_shard
 from modular.compose.params import ignored_params, local_parameters
@@ -33,6 +34,7 @@ __all__ = [
     "PlanError",
     "ShardedEmbeddingBagCollection",
     "ShardingError",
+    "apply_compile",
     "apply_ddp",
     "apply_fully_shard",
     "checkpoint",

@@ -39,7 +39,15 @@ from modular.tables.layout import KernelGroup, RankLayout, build_layout, kernel_
 from modular.tables.weights import ShardedTable, check_widths_off_cpu, table_infos, table_weight
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
-__all__ = ["ShardedEmbeddingBagCollection"]
+__all__ = ["EAGER_REASON", "ShardedEmbeddingBagCollection"]
+
+# Why a compiled model runs this module's forward eagerly; dynamo shows it with the graph break.
+EAGER_REASON = (
+    "a modular ShardedEmbeddingBagCollection runs its forward (input dist -> lookup -> output "
+    "dist: host reads of the batch, collectives, fbgemm kernels) eagerly, one deliberate graph "
+    "break per call (Note [compiling a sharded model] in modular/compose/compile.py); under "
+    "fullgraph=True compile the dense modules instead (modular.apply_compile)"
+)
 
 
 class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -218,6 +226,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # -- the three steps --------------------------------------------------------------------
 
+    @torch.compiler.disable(reason=EAGER_REASON)  # Note [compiling a sharded model]
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         received = self._prefetcher.take(features) if self._prefetcher is not None else None
         if received is None:
@@ -225,6 +234,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         remote, local = self.lookup(received)
         return self.output_dist(remote, local, received)
 
+    @torch.compiler.disable(reason=EAGER_REASON)
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Prefetches `features` for a later `forward(features)`: its input dist runs in the
         background from this module's next wait on (Note [prefetched input dist] in
@@ -346,6 +356,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             out = out.index_copy(1, self._mean_columns, means)
         if self.fused_tables is not None and self.fused_tables.end_of_backward is not None:
             self.fused_tables.end_of_backward.arm(out)  # the deferred updates (Note [fused tables])
+        torch._dynamo.maybe_mark_dynamic(out, 0)  # the batch size (Note [compiling a sharded model])
         return KeyedTensor(
             keys=[o.key for o in self.layout.outputs],
             length_per_key=[o.dim for o in self.layout.outputs],

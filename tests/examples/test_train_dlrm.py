@@ -62,6 +62,20 @@ def test_prefetching_the_next_batch_does_not_change_the_run() -> None:
     assert with_prefetch == without  # the same ops on the same ids: the same losses, bit for bit
 
 
+def _losses_compiled(config_kwargs: dict) -> tuple:
+    torch._dynamo.reset()  # a fresh compile, whatever ran on this pooled rank before
+    return _losses(dict(config_kwargs, compile=True))
+
+
+def test_compile_trains_like_eager() -> None:
+    # --compile: the towers and the interaction compiled, the tables eager behind their boundary
+    # (Note [compiling a sharded model]); inductor may reorder float sums, so 1e-5, not bit for bit.
+    compiled = run_on_ranks(2, _losses_compiled, dict(steps=4), timeout=180)[0][2]
+    eager = run_on_ranks(2, _losses, dict(steps=4), timeout=90)[0][2]
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=1e-5, rtol=0)
+    assert eager[-1] != eager[0]
+
+
 def _exported_logits_match(checkpoint_dir: str, export: str) -> float:
     from examples import train_dlrm
     from examples.dlrm import concat_batches

@@ -7,6 +7,7 @@
     python examples/train_dlrm.py --world-size 2 --no-prefetch # no overlap of the next input dist
     python examples/train_dlrm.py --world-size 4 --column-wise-statistic per_shard  # TorchRec's
     python examples/train_dlrm.py --world-size 2 --compile     # torch.compile around the tables
+    python examples/train_dlrm.py --world-size 2 --fp16 --fp16-comms  # FP16 tables and comms
 
 One training setup, in the order Note [order of sharding calls] (modular/compose/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` ->
@@ -55,6 +56,7 @@ from torch import nn
 
 import modular
 import planners
+from torchrec.modules.embedding_configs import DataType
 from examples.dlrm import (
     DLRM,
     Batch,
@@ -106,6 +108,11 @@ class TrainConfig:
     # sharded EBC runs eagerly behind one graph break (Note [compiling a sharded model] in
     # modular/compose/compile.py). The first step pays the compile.
     compile: bool = False
+    # FP16 tables (half the table memory; FP32 optimizer state and pooled outputs) and, with
+    # fp16_comms, pooled embeddings and their gradients sent as FP16 (Note [low-precision
+    # tables] in modular/kernels/precision.py, Note [low-precision comms] in modular/comm.py).
+    fp16: bool = False
+    fp16_comms: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -131,24 +138,30 @@ class TrainResult:
     checkpoint: Optional[str] = None
 
 
-def table_configs():
-    return criteo_table_configs(scale_rows_to=ROWS_CAP, dim=DIM)
+def table_configs(fp16: bool = False):
+    configs = criteo_table_configs(scale_rows_to=ROWS_CAP, dim=DIM)
+    for c in configs if fp16 else ():
+        c.data_type = DataType.FP16
+    return configs
 
 
-def build_model(device: str | torch.device) -> DLRM:
-    """The example's DLRM; dense towers always on CPU and seeded, tables on `device`."""
+def build_model(device: str | torch.device, fp16: bool = False) -> DLRM:
+    """The example's DLRM; dense towers always on CPU and seeded, tables on `device` (FP16 tables
+    with `fp16`)."""
     torch.manual_seed(0)  # the dense init is the same on every rank and in `export` checks
-    return DLRM(table_configs(), bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP, device=device)
+    return DLRM(table_configs(fp16), bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP, device=device)
 
 
 def make_plan(
     model: nn.Module, *, world_size: int, batch_size: int, device_memory: str,
-    column_wise_statistic: str = "exact",
+    column_wise_statistic: str = "exact", comm_dtype: str = "fp32",
 ):  # fmt: skip
-    """The planner's plan for this model (EBC at `sparse.ebc`) on `world_size` ranks of one host."""
+    """The planner's plan for this model (EBC at `sparse.ebc`) on `world_size` ranks of one host
+    (its tables priced in their own dtype, the output dist in `comm_dtype`)."""
     topology = planners.Topology(world_size, ranks_per_host=world_size, device_memory=device_memory)
     result = planners.plan_with_stats(
-        model, topology, batch_size=batch_size, column_wise_statistic=column_wise_statistic
+        model, topology, batch_size=batch_size, column_wise_statistic=column_wise_statistic,
+        comm_dtype=comm_dtype,
     )
     return result.plan, result.stats
 
@@ -167,7 +180,8 @@ def shard_model(
         model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8,
         column_wise_statistic=config.column_wise_statistic,
     )  # fmt: skip
-    model = modular.shard(model, plan, device=device)
+    comm_dtype = torch.float16 if config.fp16_comms else None
+    model = modular.shard(model, plan, device=device, comm_dtype=comm_dtype)
     towers = (model.dense, model.over)
     for tower in towers:  # built on CPU by DLRM; the tables already live on `device`
         tower.to(device)
@@ -300,10 +314,11 @@ def train(config: TrainConfig) -> TrainResult:
     say = print if rank == 0 else (lambda *a, **k: None)
 
     # 1. Plan on a meta model (no memory), for this world size.
-    model = build_model("meta")
+    model = build_model("meta", fp16=config.fp16)
     plan, stats = make_plan(
         model, world_size=world, batch_size=config.batch_size, device_memory=config.device_memory,
         column_wise_statistic=config.column_wise_statistic,
+        comm_dtype="fp16" if config.fp16_comms else "fp32",
     )  # fmt: skip
     kinds: dict[str, int] = {}
     for placement in plan.modules["sparse.ebc"].values():
@@ -431,6 +446,9 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
                    help="row-wise Adagrad on column pieces: the whole row's statistic, or each "
                         "piece's own (TorchRec's approximation)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="train through torch.compile(model)")
+    p.add_argument("--fp16", action="store_true", help="FP16 tables (half their memory)")
+    p.add_argument("--fp16-comms", action="store_true",
+                   help="send pooled embeddings and their gradients as FP16")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                    help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
@@ -441,6 +459,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         device_memory=a.device_memory, progress=not a.no_progress, prefetch=not a.no_prefetch,
         collective_timeout=a.collective_timeout, column_wise_statistic=a.column_wise_statistic,
         compile=a.compile,
+        fp16=a.fp16, fp16_comms=a.fp16_comms,
     )  # fmt: skip
     return config, a.world_size
 

@@ -106,30 +106,41 @@ class _PooledAllToAll(torch.autograd.Function):
         group: Optional[ProcessGroup],
         grad_scale: float,
         buffers: Optional[KeptBuffers],
+        wire: Optional[torch.dtype],
     ) -> torch.Tensor:
         ctx.splits = (input_splits, output_splits)
         ctx.group = group
         ctx.grad_scale = grad_scale
         ctx.shape = tensor.shape
         ctx.buffers = buffers
+        ctx.wire = wire
+        dtype = tensor.dtype
+        if wire is not None:  # Note [low-precision comms]
+            tensor = tensor.to(wire)
         out = buffers.empty("pooled", sum(output_splits), tensor) if buffers else None
-        return all_to_all(
+        out = all_to_all(
             tensor.reshape(-1), input_splits=input_splits, output_splits=output_splits, group=group,
             what="the output-dist all-to-all of pooled embeddings", out=out,
         )
+        return out if wire is None else out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         input_splits, output_splits = ctx.splits
         buffers = ctx.buffers
+        dtype = grad.dtype
+        if ctx.wire is not None:
+            grad = grad.to(ctx.wire)
         out = buffers.empty("pooled grad", sum(input_splits), grad) if buffers else None
         out = all_to_all(
             grad.contiguous(), input_splits=output_splits, output_splits=input_splits,
             group=ctx.group, what="the backward all-to-all of pooled-embedding gradients", out=out,
         )
+        if ctx.wire is not None:
+            out = out.to(dtype)
         if ctx.grad_scale != 1.0:
             out.mul_(ctx.grad_scale)
-        return out.view(ctx.shape), None, None, None, None, None
+        return out.view(ctx.shape), None, None, None, None, None, None
 
 
 def pooled_all_to_all(
@@ -140,16 +151,29 @@ def pooled_all_to_all(
     group: Optional[ProcessGroup],
     grad_scale: float,
     buffers: Optional[KeptBuffers] = None,
+    wire: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Differentiable all_to_all of a tensor flattened to 1-D; see Note [grad scaling across ranks].
-    With `buffers`, both directions receive into kept buffers (Note [kept receive buffers])."""
+    With `buffers`, both directions receive into kept buffers (Note [kept receive buffers]).
+
+    # Note [low-precision comms]
+    With `wire` (FP16 or BF16, TorchRec's "qcomms"), both directions travel in that dtype, half
+    the bytes of FP32: the pooled embeddings are rounded to it once before the all-to-all and
+    widened back to the tensor's dtype on arrival, so row-wise partial sums are added in FP32
+    (`Arrival`), and the gradients likewise, scaled by `grad_scale` after widening. Each value
+    is rounded once per direction: a relative error of at most 2**-11 (FP16, in its normal range)
+    or 2**-8 (BF16) per pooled value, which tests/modular/test_low_precision.py checks against
+    FP32 comms. FP16's range ends at 65504: a pooled sum beyond it becomes inf (BF16 has FP32's
+    range)."""
     if torch.is_grad_enabled() and not tensor.requires_grad:
         # The backward is a collective too, so every rank must run it once its peers do. A rank
         # that looks up nothing trainable (it holds no shard of the module) sends an input without
         # a grad_fn; its output would then have none either, its backward would never reach this
         # all-to-all, and the ranks that do would wait for it forever.
         tensor = tensor.detach().requires_grad_()
-    return _PooledAllToAll.apply(tensor, input_splits, output_splits, group, grad_scale, buffers)
+    return _PooledAllToAll.apply(
+        tensor, input_splits, output_splits, group, grad_scale, buffers, wire
+    )
 
 
 def all_gather(

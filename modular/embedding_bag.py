@@ -34,7 +34,8 @@ from modular.kernels.dense import DenseKernel
 from modular.kernels.lookups import batch_offsets
 from modular.fused.config import FusedConfig
 from modular.fused.tables import FusedTables
-from modular.tables.init import agree_on_init, fill_local_shards
+from modular.kernels.precision import check_table_dtypes
+from modular.tables.init import init_shards
 from modular.tables.layout import KernelGroup, RankLayout, build_layout, kernel_groups
 from modular.tables.weights import ShardedTable, check_widths_off_cpu, table_infos, table_weight
 from planners.types import ShardingType, ShardSpec, TablePlacement
@@ -68,9 +69,17 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         device: torch.device,
         local: bool = False,
         fused: Optional[FusedConfig] = None,
+        output_dtype: torch.dtype = torch.float32,
+        comm_dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         tables = table_infos(ebc, module)
+        check_table_dtypes(tables, module, device)
+        # Note [low-precision tables] and Note [low-precision comms] (modular/comm.py): the
+        # pooled outputs are FP32 unless `output_dtype` says otherwise; `comm_dtype` is the
+        # output dist's wire dtype (None: the outputs' own, FP32).
+        self.output_dtype = output_dtype
+        self.comm_dtype = None if comm_dtype is torch.float32 else comm_dtype
         self._module_fqn = module
         self._pg = process_group
         # A local module (see `unsharded`) is a world of one that never communicates.
@@ -128,7 +137,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         self.embedding_bags = nn.ModuleDict()
         views = self._local_views()
-        self._init_weights(ebc, views)
+        replicas = [view for k in self._local_kernels for view in k.views]
+        init_shards(ebc, views, replicas, at=self._at)  # Note [agreeing on the shards' init]
         for t, table in enumerate(tables):  # collective, in table order on every rank
             weight = table_weight(t, views, at=self._at, global_rank=self._global_rank)
             self.embedding_bags[table.name] = ShardedTable(weight)
@@ -179,31 +189,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for key, view in zip(k.group.shards, k.views):
                 views[key] = view
         return views
-
-    @torch.no_grad()
-    def _init_weights(self, ebc: EmbeddingBagCollection, views: dict) -> None:
-        """Copies the unsharded weights into the local shards, or runs init_fn on meta tables;
-        a failure on any rank is raised on every rank (Note [agreeing on the shards' init])."""
-        failure: Optional[BaseException] = None
-        try:
-            fill_local_shards(ebc, views, layout=self.layout, module=self._module_fqn)
-        except Exception as e:
-            failure = e
-        if self._local_only:
-            if failure is not None:
-                raise failure
-            return
-        # Shards are copied from each rank's own copy of a table, replicas broadcast below.
-        copied = [
-            t.name
-            for t, p in zip(self.layout.tables, self.layout.placements)
-            if p.sharding_type is not ShardingType.DATA_PARALLEL
-        ]
-        agree_on_init(failure, self._module_fqn, self._pg, ebc, copied)
-        source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
-        for k in self._local_kernels:  # replicas start equal everywhere
-            for view in k.views:
-                dist.broadcast(view.data, src=source, group=self._pg)
 
     def _replicate_data_parallel_kernels(self) -> None:
         if self._world == 1:
@@ -345,6 +330,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 group=self._pg,
                 grad_scale=1.0 / self._world,
                 buffers=self._recv_buffers,
+                wire=self.comm_dtype,
             )
         if local is not None:  # this rank's data-parallel columns come last
             local = local.reshape(-1)
@@ -356,6 +342,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             out = out.index_copy(1, self._mean_columns, means)
         if self.fused_tables is not None and self.fused_tables.end_of_backward is not None:
             self.fused_tables.end_of_backward.arm(out)  # the deferred updates (Note [fused tables])
+        if self.output_dtype is not out.dtype:
+            out = out.to(self.output_dtype)
         torch._dynamo.maybe_mark_dynamic(out, 0)  # the batch size (Note [compiling a sharded model])
         return KeyedTensor(
             keys=[o.key for o in self.layout.outputs],

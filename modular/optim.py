@@ -65,6 +65,7 @@ def fuse_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     column_wise_statistic: str | ColumnWiseStatistic = "exact",
+    stochastic_rounding: bool = True,
 ) -> FusedOptimizer:
     """Fuses `optimizer` into every EmbeddingBagCollection of `model`, in place.
 
@@ -92,6 +93,12 @@ def fuse_optimizer(
     Tables not cut into column pieces train identically either way. Exact SGD and Adagrad keep
     no row statistic, so for them only "exact" is accepted (a ValueError otherwise).
 
+    `stochastic_rounding` (FP16/BF16 tables): how fbgemm rounds an update into the table,
+    passed to fbgemm's kernels as it is; True is fbgemm's default, which its CUDA kernels honour
+    (unbiased, so small updates are not lost to round-to-nearest) and its CPU kernels ignore
+    (they round to nearest). The torch emulation always rounds to nearest, so replicas stay
+    bit-identical (Note [low-precision tables] in modular/kernels/precision.py). The optimizer
+    state is FP32 whatever the table's dtype.
     Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
     `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op). Supported:
     "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad".
@@ -141,6 +148,7 @@ def fuse_optimizer(
         kind,
         {"lr": lr, "eps": eps, "weight_decay": weight_decay},
         column_wise_statistic=statistic,
+        stochastic_rounding=bool(stochastic_rounding),
     )
     for name, m in targets:
         if _on_meta(m):

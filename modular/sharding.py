@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
+from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -23,6 +24,8 @@ from modular.comm import all_gather_bytes, collective_device, raise_shared_failu
 from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
+from modular.kernels.precision import check_table_dtypes
+from modular.routing.precision import DtypeOption, per_module
 from modular.tables.weights import table_infos
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
@@ -35,6 +38,8 @@ def shard(
     *,
     process_group: Optional[ProcessGroup] = None,
     device: Optional[torch.device] = None,
+    output_dtype: DtypeOption = None,
+    comm_dtype: DtypeOption = None,
 ) -> nn.Module:
     """Shards the EmbeddingBagCollections named in `plan`, in place, and returns `model`.
 
@@ -52,6 +57,13 @@ def shard(
     Every problem with the plan is raised on every rank, also when only one rank sees it (its
     plan or model differs): see Note [agreeing on the plan]. `device` defaults to the current
     CUDA device under NCCL and to the CPU otherwise.
+
+    Tables keep their config's data type (FP32, FP16; BF16 where fbgemm has kernels for it:
+    Note [low-precision tables] in modular/kernels/precision.py). `output_dtype` is the dtype of
+    the sharded modules' pooled outputs (default torch.float32), `comm_dtype` the dtype their
+    pooled embeddings and gradients travel in (default: FP32; torch.float16 or torch.bfloat16
+    halve those bytes, Note [low-precision comms] in modular/comm.py); either is one dtype
+    for every planned module or a dict by module FQN.
     """
     if not dist.is_initialized():
         raise ShardingError(
@@ -77,10 +89,14 @@ def shard(
                 f"make a plan for world_size={world}"
             )
         targets = _find_targets(model, plan)
-        resolved = {fqn: _resolve(fqn, ebc, plan, world) for fqn, ebc in targets}
+        resolved = {fqn: _resolve(fqn, ebc, plan, world, device) for fqn, ebc in targets}
+        fqns = [fqn for fqn, _ in targets]
+        outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)
+        wires = per_module(comm_dtype, fqns, "comm_dtype", None)
     except ShardingError as e:
         problem = e
-    _agree_on_every_rank(plan, targets, process_group, problem)
+    options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}
+    _agree_on_every_rank(plan, targets, process_group, problem, options)
 
     built = []
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
@@ -90,7 +106,7 @@ def shard(
         fused = local.fused if local is not None else lifecycle.pending_fuse(ebc)
         sharded = ShardedEmbeddingBagCollection(
             ebc, placements, shards, module=fqn, process_group=process_group, device=device,
-            fused=fused,
+            fused=fused, output_dtype=outputs[fqn], comm_dtype=wires[fqn],
         )
         if local is not None and local.fused_tables is not None:
             state = fused_state(local.fused_tables, local.table_weights())
@@ -156,9 +172,10 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
 
 
 def _resolve(
-    fqn: str, ebc: EmbeddingBagCollection, plan: ShardingPlan, world: int
+    fqn: str, ebc: EmbeddingBagCollection, plan: ShardingPlan, world: int, device: torch.device
 ) -> tuple[dict, dict[str, tuple[ShardSpec, ...]]]:
     tables = table_infos(ebc, fqn)
+    check_table_dtypes(tables, fqn, device)  # before anything is allocated
     placements = dict(plan.modules[fqn])
     names = [t.name for t in tables]
     missing = [n for n in names if n not in placements]
@@ -196,6 +213,7 @@ def _agree_on_every_rank(
     targets: list[tuple[str, EmbeddingBagCollection]],
     group,
     problem: Optional[ShardingError],
+    options: Optional[dict] = None,
 ) -> None:
     """# Note [agreeing on the plan]
     Every rank joins one small all-gather, always, even when its own plan check failed: each
@@ -211,12 +229,15 @@ def _agree_on_every_rank(
             "tables": {
                 fqn: [
                     [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
+                    + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
                     for c in ebc.embedding_bag_configs()
                 ]
                 + [ebc.is_weighted()]
                 for fqn, ebc in targets
             },
         }
+        if options and any(o != [str(torch.float32), "None"] for o in options.values()):
+            described["precision"] = options  # output and comm dtypes, when not the defaults
         payload = b"\x00" + hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
     else:
         payload = b"\x01" + bytes(32)

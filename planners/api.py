@@ -8,7 +8,7 @@ from typing import Mapping
 
 from planners.cost import CostModel, TableArrays
 from planners.explain import explain_no_plan
-from planners.inputs import ColumnWiseStatistic, Optimizer, TableConstraint, Topology
+from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology
 from planners.model_tables import TablesLike, as_table_set, match_constraints
 from planners.options import enumerate_candidates, lower_bound
 from planners.search import search
@@ -37,6 +37,7 @@ def plan(
     module_fqn: str = "",
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
     pooling_factors: Mapping[str, float] | None = None,
+    comm_dtype: DataType | str = DataType.FP32,
 ) -> ShardingPlan:
     """Places every table so that the slowest rank is as fast as possible and every rank fits.
 
@@ -65,7 +66,10 @@ def plan(
     second backward pass, a scratch statistic per row and one fp32 per id exchanged between the
     pieces); "per_shard" prices each piece as a plain fused table, so cutting costs less and
     the plan may cut where "exact" would not. Under the other optimizers it changes nothing (any
-    valid value is accepted). The same input always gives the same plan.
+    valid value is accepted). `comm_dtype` ("fp32", "fp16" or "bf16") is the dtype pooled
+    embeddings travel in, as given to `modular.shard(comm_dtype=...)`; tables are priced in their
+    own dtype (`Table.dtype`, FP16/BF16 at 2 bytes an element, optimizer state in FP32). The
+    same input always gives the same plan.
 
     Raises `NoPlanError` (a PlanError) naming the tables that do not fit, with the numbers and
     the ways out; PlanError for invalid input.
@@ -74,6 +78,7 @@ def plan(
         tables, topology, batch_size=batch_size, constraints=constraints,
         optimizer=optimizer, module_fqn=module_fqn, column_wise_statistic=column_wise_statistic,
         pooling_factors=pooling_factors,
+        comm_dtype=comm_dtype,
     ).plan  # fmt: skip
 
 
@@ -87,6 +92,7 @@ def plan_with_stats(
     module_fqn: str = "",
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
     pooling_factors: Mapping[str, float] | None = None,
+    comm_dtype: DataType | str = DataType.FP32,
 ) -> PlanResult:
     """Like `plan` (the same arguments), and also returns the plan's statistics, priced under
     the same optimizer and `column_wise_statistic`, and how long the search took.
@@ -97,7 +103,8 @@ def plan_with_stats(
     start = time.perf_counter()
     table_set = as_table_set(tables, module_fqn, pooling_factors=pooling_factors)
     model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
-                      column_wise_statistic=column_wise_statistic)  # parsed by CostModel
+                      column_wise_statistic=column_wise_statistic,
+                      comm_dtype=comm_dtype)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     base = model.batch_buffer_bytes(TableArrays.of(plain))

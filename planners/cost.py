@@ -23,7 +23,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from planners.inputs import ColumnWiseStatistic, Optimizer, Table, Topology
+from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, Table, Topology
 from planners.types import PlanError, ShardingType
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
     "WEIGHT_BYTES", "STAT_BYTES",
 ]  # fmt: skip
 
-OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32
+OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32 (also for FP16/BF16 tables)
 ID_BYTES = 8  # a batch's ids are int64
 # Routed ids travel as int32 while the table has fewer than 2**31 rows (modular's Note [ids on
 # the wire]); a taller table's ids stay int64.
@@ -125,6 +125,9 @@ class CostModel:
     column_wise_statistic: ColumnWiseStatistic = field(
         default=ColumnWiseStatistic.EXACT, kw_only=True
     )
+    # The dtype pooled embeddings and their gradients travel in (`modular.shard(comm_dtype=)`,
+    # modular's Note [low-precision comms]): FP16/BF16 halve the output dist's bytes.
+    comm_dtype: DataType = field(default=DataType.FP32, kw_only=True)
 
     def __post_init__(self) -> None:
         b = self.batch_size
@@ -133,6 +136,7 @@ class CostModel:
         object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer))
         statistic = ColumnWiseStatistic.parse(self.column_wise_statistic)
         object.__setattr__(self, "column_wise_statistic", statistic)
+        object.__setattr__(self, "comm_dtype", DataType.parse(self.comm_dtype))
 
     @property
     def exact_column_statistic(self) -> bool:
@@ -227,7 +231,7 @@ class CostModel:
                 ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE) else b * t.ids * frac
             input_dist = ids_from_each * t.wire_id_bytes * alpha + zero
             # Output dist: bags (or partial sums) leave in forward, their gradients come back.
-            bag_bytes = b * t.bags * out_cols * OUTPUT_BYTES  # to each rank
+            bag_bytes = b * t.bags * out_cols * self.comm_dtype.num_bytes  # to each rank
             if kind is ShardingType.TABLE_ROW_WISE:
                 intra = world * bag_bytes * (k - 1) / k / topo.intra_host_bandwidth
                 output_dist = 2 * (intra + bag_bytes * alpha / k) + zero

@@ -76,7 +76,7 @@ def explain_no_plan(
         biggest = ", ".join(f"{names[i]} ({format_bytes(foot[i])})" for i in big)
         ways = [f"use at least {need} ranks", "devices with more memory"]
         if any(t.dtype is DataType.FP32 for _, t in table_set):
-            ways.append("fp16 weights (half the bytes; with TorchRec: modular.shard takes fp32)")
+            ways.append("fp16 weights (half the bytes; modular.shard takes them: DataType.FP16)")
         if model.optimizer in (Optimizer.ADAM, Optimizer.ADAGRAD):
             ways.append("rowwise_adagrad (4 bytes of optimizer state per row)")
         return NoPlanError(
@@ -147,7 +147,7 @@ def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, ro
     if buffers > 0.25 * room:
         ways.append(f"a smaller batch (its id and output buffers alone take {format_bytes(buffers)})")
     if table.dtype is DataType.FP32:
-        ways.append("fp16 weights (with TorchRec: modular.shard takes fp32)")
+        ways.append("fp16 weights (DataType.FP16: half the bytes)")
     need = format_bytes(smallest) if np.isfinite(smallest) else "n/a (no allowed sharding type)"
     return (f"  {name!r} ({table.num_embeddings:_} rows x {table.embedding_dim}, "
             f"{table.dtype.value}, {format_bytes(foot)} with optimizer state): smallest allowed "

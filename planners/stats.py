@@ -13,7 +13,7 @@ import numpy as np
 
 from planners.cost import COMPONENTS, CostModel, ShardCost, TableArrays
 from planners.inputs import (
-    ColumnWiseStatistic, Optimizer, Table, TableConstraint, Topology, format_bytes,
+    ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
 )  # fmt: skip
 from planners.model_tables import (
     TableSet, TablesLike, as_table_set, display_name, match_constraints,
@@ -411,6 +411,7 @@ def plan_stats(
     module_fqn: str = "",
     plan_seconds: float | None = None,
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
+    comm_dtype: DataType | str = DataType.FP32,
 ) -> PlanStats:
     """Prices `plan` for `tables` on `topology` and compares it with the lower bound.
 
@@ -426,7 +427,8 @@ def plan_stats(
     """
     table_set = as_table_set(tables, module_fqn)
     model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
-                      column_wise_statistic=column_wise_statistic)  # parsed by CostModel
+                      column_wise_statistic=column_wise_statistic,
+                      comm_dtype=comm_dtype)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))

@@ -110,7 +110,10 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     agree(error)
 
 
-def load(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> None:
+def load(
+    path: PathLike, model: nn.Module, optimizer: Optional[Any] = None, *,
+    convert_dtypes: bool = False,
+) -> None:
     """Loads a checkpoint written by `save` into `model` (and `optimizer`). Collective.
 
     The model may be sharded by any plan over any number of ranks: each rank reads just the
@@ -118,7 +121,9 @@ def load(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     recorded at save time and every table's name and global shape against the checkpoint's
     metadata; any problem raises `CheckpointError` on every rank naming the file or table. The
     state is read into fresh buffers and copied into the model only after every rank has read
-    all of it, so a failed load leaves the model and optimizer as they were.
+    all of it, so a failed load leaves the model and optimizer as they were. Tables (and every
+    model entry) keep their dtype: an entry saved in another dtype (FP32 into an FP16 table, or
+    back) is refused naming it, unless `convert_dtypes=True` converts it.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     error, manifest = None, None
@@ -131,7 +136,7 @@ def load(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     names = sorted(manifest["files"])
     problems = [verify_file(found, n, manifest["files"][n]) for n in names[rank::world]]
     agree(next((p for p in problems if p is not None), None))
-    staged, error = stage(read_metadata(found), model, optimizer, str(found))
+    staged, error = stage(read_metadata(found), model, optimizer, str(found), convert_dtypes)
     agree(error)
     dcp.load(staged.buffers, storage_reader=SafeReader(found), planner=SafeLoadPlanner())
     agree(check_loaded(staged))

@@ -26,7 +26,7 @@ from modular.comm import collective_device
 from modular.checkpoint._files import MANIFEST, agree
 from modular.errors import CheckpointError
 from modular.checkpoint._staging import apply_model
-from modular.checkpoint._state import describe, global_shape
+from modular.checkpoint._state import describe, dtype_of, dtype_problem, global_shape
 from modular.sharding import sharded_modules
 
 
@@ -109,7 +109,8 @@ def _gather_sharded(st: ShardedTensor, dst: int) -> Optional[torch.Tensor]:
 
 
 def load_unsharded(
-    model: nn.Module, state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike]
+    model: nn.Module, state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike], *,
+    convert_dtypes: bool = False,
 ) -> None:
     """Initialises a sharded model from a single-process `state_dict` (or a `torch.save` file).
 
@@ -117,9 +118,11 @@ def load_unsharded(
     mapped, so a rank reads just the pages of its shards). The file is read, and names, shapes
     and types checked strictly, on every rank before any weight changes; a file that cannot be
     read or does not match raises `CheckpointError` on every rank naming the file and the table.
+    A tensor of another dtype than the model's (an FP32 table into an FP16 one, or back) is
+    refused unless `convert_dtypes=True`.
     """
     live = get_model_state_dict(model)
-    source, error = _read_unsharded(state_dict_or_path, live)
+    source, error = _read_unsharded(state_dict_or_path, live, convert_dtypes)
     agree(error)
     values = {}
     for fqn, target in live.items():
@@ -140,7 +143,8 @@ def load_unsharded(
 
 
 def _read_unsharded(
-    state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike], live: dict[str, Any]
+    state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike], live: dict[str, Any],
+    convert_dtypes: bool = False,
 ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """(the state dict, None) if it matches the model's state `live`, else (None, why not)."""
     source, what = state_dict_or_path, "the unsharded state dict"
@@ -181,6 +185,10 @@ def _read_unsharded(
                     f"{describe(fqn)}: the state dict holds shape {tuple(value.shape)}, "
                     f"the model {global_shape(target)}"
                 )
+            elif not convert_dtypes and (
+                why := dtype_problem(describe(fqn), value.dtype, dtype_of(target), "the state dict")
+            ):
+                problems.append(why)
     unexpected = [k for k in source if k not in live]
     if unexpected:
         problems.append(

@@ -27,6 +27,8 @@ from modular.checkpoint._state import (
     index_slots,
     keyed_by_fqn,
     describe,
+    dtype_of,
+    dtype_problem,
     empty_like,
     global_shape,
     model_state,
@@ -57,9 +59,11 @@ class Staged(NamedTuple):
 
 
 def stage(
-    metadata: Metadata, model: nn.Module, optimizer: Optional[Any], path: str
+    metadata: Metadata, model: nn.Module, optimizer: Optional[Any], path: str,
+    convert_dtypes: bool = False,
 ) -> tuple[Optional[Staged], Optional[str]]:
-    """Checks names and global shapes against `metadata`; returns buffers to load or the error."""
+    """Checks names, global shapes and (unless `convert_dtypes`) the model's dtypes against
+    `metadata`; returns buffers to load or the error."""
     saved = metadata.state_dict_metadata
     live = model_state(model)
     buffers: dict[str, Any] = {}
@@ -77,6 +81,11 @@ def stage(
                     f"{global_shape(value)}"
                 )
                 return
+            if key.startswith(MODEL) and not convert_dtypes:
+                problem = dtype_problem(owner, md.properties.dtype, dtype_of(value), "the checkpoint")
+                if problem is not None:
+                    problems.append(problem)
+                    return
             buffers[key] = empty_like(value, md.properties.dtype)
         elif key in saved:
             buffers[key] = value

@@ -183,6 +183,27 @@ def empty_like(value: Any, dtype: Optional[torch.dtype] = None) -> Any:
     return value  # a non-tensor entry: DCP replaces it
 
 
+def dtype_of(value: Any) -> torch.dtype:
+    """A tensor's or ShardedTensor's dtype."""
+    if isinstance(value, ShardedTensor):
+        return value.metadata().tensor_properties.dtype
+    return value.dtype
+
+
+def dtype_problem(owner: str, saved: torch.dtype, live: torch.dtype, source: str) -> Optional[str]:
+    """Why an entry of dtype `saved` does not load into the model's `live` one without
+    `convert_dtypes=True` (None when they agree): a table saved in FP32 and loaded into FP16
+    would lose precision silently, one saved in FP16 would look like FP32 training resumed."""
+    if saved == live:
+        return None
+    name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+    return (
+        f"{owner}: {source} holds {name(saved)}, the model {name(live)}; pass "
+        "convert_dtypes=True to convert it (every value rounded to the model's dtype), or build "
+        f"the model with {name(saved)} tables"
+    )
+
+
 def global_shape(value: Any) -> tuple[int, ...]:
     return tuple(value.size()) if isinstance(value, ShardedTensor) else tuple(value.shape)
 

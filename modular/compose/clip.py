@@ -31,6 +31,8 @@ from modular.embedding_bag import ShardedEmbeddingBagCollection
 
 __all__ = ["clip_grad_norm_"]
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
 
 @torch.no_grad()
 def clip_grad_norm_(
@@ -132,7 +134,13 @@ def _part(grads: list[torch.Tensor], p: float, device: torch.device) -> torch.Te
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), device=device)
-    norm = get_total_norm(grads, p).to(device=device, dtype=torch.float32)
+    # FP16/BF16 gradients (of FP16 tables: Note [low-precision tables]) are normed in FP32, as
+    # their norm easily exceeds FP16's range (65504) where no element does.
+    full = [g for g in grads if g.dtype not in LOW_PRECISION]
+    low = [torch.linalg.vector_norm(g, p, dtype=torch.float32) for g in grads if g.dtype in LOW_PRECISION]
+    norms = [get_total_norm(full, p).to(device=device, dtype=torch.float32)] if full else []
+    norms += [n.to(device) for n in low]
+    norm = torch.linalg.vector_norm(torch.stack(norms), p)
     return norm if math.isinf(p) else norm**p
 
 

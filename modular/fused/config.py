@@ -66,10 +66,13 @@ class FusedConfig:
         param_group: dict[str, Any],
         *,
         column_wise_statistic: ColumnWiseStatistic = ColumnWiseStatistic.EXACT,
+        stochastic_rounding: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.param_group = param_group
         self.column_wise_statistic = column_wise_statistic
+        # fbgemm's rounding of FP16/BF16 updates (Note [low-precision tables]).
+        self.stochastic_rounding = stochastic_rounding
 
     @property
     def per_shard_rows(self) -> bool:

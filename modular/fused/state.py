@@ -6,6 +6,8 @@ See Note [fused tables] in modular/optim.py. The functions take the module's `Fu
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 from typing import Optional
 
@@ -179,7 +181,8 @@ def fused_state(
         meta = ShardedTensorMetadata(
             [s for m in meta.shards_metadata if (s := form.shard(m, pieces)) is not None],
             torch.Size(form.shape(table, len(pieces))),
-            meta.tensor_properties,
+            # FP32 whatever the table's dtype (Note [low-precision tables]).
+            dataclasses.replace(meta.tensor_properties, dtype=torch.float32),
         )
         local = []
         for j, shard_meta in local_shard_metadata(layout.shards[t], at.rank, weight):

@@ -21,6 +21,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from modular.kernels.lookups import Lookup
+from modular.kernels.precision import sparse_type
 from modular.tables.layout import KernelGroup, Pooling
 
 __all__ = [
@@ -69,12 +70,15 @@ class Kernel(Protocol):
 def dense_tbe(
     group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device
 ) -> DenseTableBatchedEmbeddingBagsCodegen:
-    """fbgemm's dense TBE over one kernel group's shards: one flat fp32 buffer, tables in order."""
+    """fbgemm's dense TBE over one kernel group's shards: one flat buffer of the group's dtype
+    (Note [low-precision tables] in modular/kernels/precision.py), tables in order; its pooled
+    outputs are FP32."""
     tbe = DenseTableBatchedEmbeddingBagsCodegen(
         embedding_specs=sizes,
         feature_table_map=list(group.feature_table_map),
         pooling_mode=POOLING[group.pooling],
         use_cpu=device.type == "cpu",
+        weights_precision=sparse_type(group.dtype),
     )
     return tbe.to(device)
 

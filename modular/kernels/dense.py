@@ -95,6 +95,10 @@ class DenseKernel:
         mean over ranks of their batches' gradients in the buffer (Note [dense replicas])."""
         if self._on_cpu:
             self._replicas = (group, world)
+            if self.tbe.weights.dtype is not torch.float32:
+                # An FP16 buffer all-reduced would round once per rank's partial sum; the replay
+                # sums every rank's rows in FP32 and rounds once (Note [low-precision tables]).
+                self.replay_ratio = float("inf")
             return
 
         def all_reduce_mean(flat: torch.Tensor) -> None:

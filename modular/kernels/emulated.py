@@ -123,7 +123,7 @@ class EmulatedFusedKernel:
         wd = self.config.weight_decay
         if wd == 0.0:
             return g.grad
-        return g.grad + wd * self.views[t].detach().index_select(0, g.rows)
+        return g.grad + wd * self.views[t].detach().index_select(0, g.rows).float()
 
     def all_gather_mean(
         self, grads: list[Optional[RowGrad]], *, world: int, group
@@ -176,7 +176,7 @@ class EmulatedFusedKernel:
             grad = self.decayed(t, g)
             spread = rows[:, None].expand(-1, weight.shape[1])
             if name is None:
-                weight.scatter_add_(0, spread, grad * -cfg.lr)  # rows are unique: a scatter
+                _add_rows(weight, rows, spread, grad * -cfg.lr, round_step=True)
                 continue
             state = self.states[t][name]
             if cfg.optimizer.rowwise():
@@ -194,7 +194,26 @@ class EmulatedFusedKernel:
                 total = state.index_select(0, rows) + grad * grad
                 state.index_copy_(0, rows, total)
                 step = grad / (total.sqrt() + cfg.eps)
-            weight.scatter_add_(0, spread, step.mul_(-cfg.lr))
+            rowwise = cfg.optimizer.rowwise()
+            _add_rows(weight, rows, spread, step.mul_(-cfg.lr), round_step=not rowwise)
+
+
+def _add_rows(
+    weight: torch.Tensor, rows: torch.Tensor, spread: torch.Tensor, step: torch.Tensor, *,
+    round_step: bool,
+) -> None:
+    """weight[rows] += step (rows unique). An FP16/BF16 table's rows are widened to FP32 and
+    the sum rounded to nearest once; with `round_step` the FP32 step is first rounded to the
+    table's dtype too, as fbgemm's CPU exact-SGD and Adagrad kernels do (its row-wise Adagrad
+    does not): Note [low-precision tables] in modular/kernels/precision.py. Deterministic, so
+    replicas that apply the same step stay bit-identical."""
+    if weight.dtype is torch.float32:
+        weight.scatter_add_(0, spread, step)  # rows are unique: a scatter
+        return
+    if round_step:
+        step = step.to(weight.dtype).float()
+    updated = weight.index_select(0, rows).float().add_(step)
+    weight.index_copy_(0, rows, updated.to(weight.dtype))
 
 
 def _coalesce(ids: torch.Tensor, grads: torch.Tensor, cols: int) -> RowGrad:

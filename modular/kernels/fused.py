@@ -14,6 +14,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from modular.kernels.base import POOLING, lookup_without_weight_grads, no_weight_grads
+from modular.kernels.precision import sparse_type
 from modular.tables.layout import KernelGroup
 
 __all__ = ["FusedKernel"]
@@ -44,6 +45,11 @@ class FusedKernel:
             # Input dist has checked every id against its table (Router.check), so fbgemm's own
             # per-forward bounds check would only repeat it.
             bounds_check_mode=BoundsCheckMode.NONE,
+            # Note [low-precision tables] in modular/kernels/precision.py: FP32 state, one
+            # rounding per update (stochastic where fbgemm's kernels for the device do it).
+            weights_precision=sparse_type(group.dtype),
+            output_dtype=sparse_type(torch.float32),
+            stochastic_rounding=config.stochastic_rounding,
             **_weight_decay_args(config),
         )
         self.views = [

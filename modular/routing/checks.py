@@ -279,7 +279,11 @@ class BatchChecks:
                     Problem.DTYPE,
                     -1,
                     f"per-sample weights for module {self.module!r} must be float32, got "
-                    f"{weights.dtype}",
+                    f"{weights.dtype}" + (
+                        " (also for FP16/BF16 tables, which pool in FP32; torchrec's unsharded "
+                        "FP16 EBC wants them in the table's dtype): pass weights.float()"
+                        if weights.dtype in (torch.float16, torch.bfloat16) else ""
+                    ),
                 )
             if weights.requires_grad:
                 # The unsharded EBC back-propagates into its weights. Here nothing would: the

@@ -9,15 +9,48 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular.comm import all_gather_bytes, raise_shared_failure
 from modular.errors import ShardingError
-from modular.tables.layout import Layout
-from planners.types import ShardSpec
+from modular.tables.layout import Layout, RankLayout
+from planners.types import ShardingType, ShardSpec
 
-__all__ = ["agree_on_init", "fill_local_shards", "shard_seed", "weights_fingerprints"]
+__all__ = ["agree_on_init", "fill_local_shards", "init_shards", "shard_seed", "weights_fingerprints"]
+
+
+@torch.no_grad()
+def init_shards(
+    ebc: EmbeddingBagCollection,
+    views: dict[tuple[str, int], torch.Tensor],
+    replicas: list[torch.Tensor],
+    *,
+    at: RankLayout,
+) -> None:
+    """Fills this rank's shards (`views`) from `ebc`'s weights or init_fn; a failure on any rank
+    is raised on every rank (Note [agreeing on the shards' init]); data-parallel `replicas` then
+    take rank 0's values, so they start equal everywhere."""
+    failure: Optional[BaseException] = None
+    try:
+        fill_local_shards(ebc, views, layout=at.layout, module=at.module)
+    except Exception as e:
+        failure = e
+    if at.local:
+        if failure is not None:
+            raise failure
+        return
+    # Shards are copied from each rank's own copy of a table, replicas broadcast below.
+    copied = [
+        t.name
+        for t, p in zip(at.layout.tables, at.layout.placements)
+        if p.sharding_type is not ShardingType.DATA_PARALLEL
+    ]
+    agree_on_init(failure, at.module, at.group, ebc, copied)
+    source = 0 if at.group is None else dist.get_global_rank(at.group, 0)
+    for view in replicas:
+        dist.broadcast(view.data, src=source, group=at.group)
 
 
 def fill_local_shards(

@@ -45,6 +45,8 @@ class TableInfo:
     embedding_dim: int
     features: tuple[str, ...]
     pooling: Pooling
+    # The weights' dtype (torchrec's data_type): FP32, FP16 or BF16 (modular/tables/precision.py).
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Route:
     shard_index: int  # index among the table's shards
     pooling: Pooling  # the kernel's pooling (SUM for row-split MEAN tables, divided on arrival)
     column_piece: bool = False  # one of several column-wise shards of its table
+    dtype: torch.dtype = torch.float32  # its table's weights' dtype: one kernel holds one dtype
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class Layout:
     shards: tuple[tuple[ShardSpec, ...], ...]  # aligned with tables
     features: tuple[str, ...]  # the KJT keys the EBC consumes, in first-use order
     outputs: tuple[Output, ...]
-    # global, ordered by (destination rank, pooling, odd width, column piece, table, shard,
+    # global, ordered by (destination rank, pooling, dtype, odd width, column piece, table, shard,
     # output): see build_layout and kernel_groups
     routes: tuple[Route, ...]
     local: tuple[Route, ...]  # data-parallel lookups, done on every rank from its own batch
@@ -181,6 +184,7 @@ def build_layout(
                 shard_index=j,
                 pooling=pooling,
                 column_piece=column_piece,
+                dtype=tables[t].dtype,
             )
             if kind is ShardingType.DATA_PARALLEL:
                 if spec.rank == rank:
@@ -198,11 +202,11 @@ def build_layout(
         first_output.setdefault(r.table, r.output)
     routes.sort(
         key=lambda r: (
-            r.shard.rank, pooling_order[r.pooling], _odd_width(r), r.column_piece,
-            first_output[r.table], r.shard_index, r.output,
+            r.shard.rank, pooling_order[r.pooling], _dtype_order(r), _odd_width(r),
+            r.column_piece, first_output[r.table], r.shard_index, r.output,
         )
     )  # fmt: skip
-    local.sort(key=lambda r: (pooling_order[r.pooling], _odd_width(r), r.output))
+    local.sort(key=lambda r: (pooling_order[r.pooling], _dtype_order(r), _odd_width(r), r.output))
     return Layout(
         world_size=world_size,
         rank=rank,
@@ -224,10 +228,19 @@ class KernelGroup:
     routes: tuple[Route, ...]
     shards: tuple[tuple[str, int], ...]  # (table, shard_index) of each kernel table, first-use order
     feature_table_map: tuple[int, ...]  # for each route, its kernel table
+    dtype: torch.dtype = torch.float32  # the weights' dtype of every table in the group
 
     @property
     def dim(self) -> int:
         return sum(r.shard.num_cols for r in self.routes)
+
+
+def _dtype_order(route: Route) -> int:
+    """FP32 first, so that the order of an all-FP32 layout's routes is what it always was."""
+    return _DTYPE_ORDER.get(route.dtype, len(_DTYPE_ORDER))
+
+
+_DTYPE_ORDER = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def odd_width(cols: int) -> bool:
@@ -240,8 +253,9 @@ def _odd_width(route: Route) -> bool:
 
 
 def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
-    """Splits a rank's routes (already ordered by pooling, odd width, then column piece) into one
-    group per pooling mode, width class and column piece or not:
+    """Splits a rank's routes (already ordered by pooling, dtype, odd width, then column piece)
+    into one group per pooling mode, weights' dtype (one fbgemm TBE has one weights precision),
+    width class and column piece or not:
     - a shard whose width fbgemm's fused kernels cannot take is emulated with the rest of its
       group (modular/optim.py), so it gets a group of its own instead of taking every table of
       its pooling mode with it;
@@ -257,6 +271,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
         while (
             end < len(routes)
             and routes[end].pooling is head.pooling
+            and routes[end].dtype == head.dtype
             and _odd_width(routes[end]) == _odd_width(head)
             and routes[end].column_piece == head.column_piece
         ):
@@ -274,6 +289,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
         groups.append(
             KernelGroup(
                 pooling=routes[start].pooling,
+                dtype=routes[start].dtype,
                 routes=members,
                 shards=tuple(shards),
                 feature_table_map=tuple(ftm),

@@ -29,6 +29,7 @@ from modular.tables.layout import Layout, Pooling, RankLayout, TableInfo, odd_wi
 from planners.types import ShardingType, ShardSpec
 
 __all__ = [
+    "TABLE_DTYPES",
     "ShardedTable",
     "check_widths_off_cpu",
     "frozen",
@@ -39,14 +40,24 @@ __all__ = [
 ]
 
 
+# The weights' dtype of each torchrec data type that sharding takes (fbgemm's TBE weights
+# precision follows it: modular/kernels/precision.py).
+TABLE_DTYPES = {
+    DataType.FP32: torch.float32,
+    DataType.FP16: torch.float16,
+    DataType.BF16: torch.bfloat16,
+}
+
+
 def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ...]:
     """Reads the tables of a torchrec EBC, rejecting what sharding does not support."""
     infos = []
     for cfg in ebc.embedding_bag_configs():
-        if cfg.data_type != DataType.FP32:
+        if cfg.data_type not in TABLE_DTYPES:
             raise ShardingError(
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
-                "only FP32 tables can be sharded"
+                f"sharding takes {', '.join(d.name for d in TABLE_DTYPES)} tables (quantised "
+                "tables are for inference, which modular does not shard)"
             )
         if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
             raise ShardingError(
@@ -69,6 +80,7 @@ def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ..
                 embedding_dim=cfg.embedding_dim,
                 features=tuple(cfg.feature_names),
                 pooling=Pooling.SUM if cfg.pooling == PoolingType.SUM else Pooling.MEAN,
+                dtype=TABLE_DTYPES[cfg.data_type],
             )
         )
     return tuple(infos)

@@ -411,7 +411,7 @@ def test_tables_copied_from_copies_that_differ_warn_on_every_rank(how: str, name
 @pytest.mark.parametrize(
     "change, weighted, message",
     [
-        ({"data_type": "FP16"}, False, r"table 't' of module 'm' has data type FP16; only FP32 tables can be sharded"),
+        ({"data_type": "INT8"}, False, r"table 't' of module 'm' has data type INT8; sharding takes FP32, FP16, BF16 tables"),
         ({"pooling": "MEAN"}, True, r"table 't' of module 'm' has MEAN pooling in a weighted EmbeddingBagCollection; .*use PoolingType\.SUM"),
     ],
 )

@@ -5,6 +5,8 @@
     modular.shard(model, plan)                  # EmbeddingBagCollections, in place
     modular.apply_fully_shard(model, modules={MLP})  # or modular.apply_ddp(model)
     dense_opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)
+    with modular.unshard(model, tables=["ads_id"]) as full:  # full tables, written back on exit
+        ...
 
 Every call that changes the model does so in place and returns the model it was given (Note
 [order of sharding calls] in modular/compose/fsdp.py). The packages follow a training step
@@ -24,6 +26,7 @@ from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
 from modular.sharding import prefetch, shard, sharded_modules
+from modular.full_tables import unshard
 
 __all__ = [
     "CheckpointError",
@@ -45,6 +48,7 @@ __all__ = [
     "prefetch",
     "shard",
     "sharded_modules",
+    "unshard",
 ]
 
 

@@ -37,6 +37,7 @@ from modular.fused.tables import FusedTables
 from modular.kernels.precision import check_table_dtypes
 from modular.tables.init import init_shards
 from modular.tables.layout import KernelGroup, RankLayout, build_layout, kernel_groups
+from modular.tables.forms import TensorType
 from modular.tables.weights import ShardedTable, check_widths_off_cpu, table_infos, table_weight
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
@@ -71,6 +72,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         fused: Optional[FusedConfig] = None,
         output_dtype: torch.dtype = torch.float32,
         comm_dtype: Optional[torch.dtype] = None,
+        tensor_type: TensorType = TensorType.SHARDED_TENSOR,
     ) -> None:
         super().__init__()
         tables = table_infos(ebc, module)
@@ -140,7 +142,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         replicas = [view for k in self._local_kernels for view in k.views]
         init_shards(ebc, views, replicas, at=self._at)  # Note [agreeing on the shards' init]
         for t, table in enumerate(tables):  # collective, in table order on every rank
-            weight = table_weight(t, views, at=self._at, global_rank=self._global_rank)
+            weight = table_weight(
+                t, views, at=self._at, global_rank=self._global_rank, tensor_type=tensor_type
+            )
             self.embedding_bags[table.name] = ShardedTable(weight)
         self._replicate_data_parallel_kernels()
 
@@ -356,6 +360,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Each table's registered weight (ShardedTensor or replica), by table name."""
         return {n: holder._parameters["weight"] for n, holder in self.embedding_bags.items()}
+
+    def local_shard_views(self) -> dict[tuple[str, int], torch.Tensor]:
+        """This rank's shards by (table, shard index in the layout), aliasing the kernels'
+        weights: writing into one changes what the next lookup reads (`modular.unshard`)."""
+        return self._local_views()
 
     # -- what torchrec's EBC also offers ----------------------------------------------------
 

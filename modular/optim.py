@@ -52,6 +52,7 @@ from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import ShardingError
 from modular.fused.config import ColumnWiseStatistic, FusedConfig, FusedOptimizerKind
 from modular.fused.state import check_fused_state, fused_state, load_fused_state
+from modular.tables.deprecation import quietly
 from modular.sharding import sharded_modules
 
 __all__ = ["CombinedOptimizer", "FusedOptimizer", "fuse_optimizer"]
@@ -198,6 +199,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Fused tables have no gradients: nothing to clear."""
 
+    @quietly  # Note [ShardedTensor warnings]
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, dict[str, torch.Tensor]] = {}
         for fqn, m in self._fused_modules():
@@ -209,6 +211,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         group["params"] = sorted(state)
         return {"state": state, "param_groups": [group]}
 
+    @quietly
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads state saved by `state_dict()`: every module's is checked before anything (the
         learning rate included) changes, so a refused load leaves this optimizer as it was."""

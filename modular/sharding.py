@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -26,6 +25,7 @@ from modular.errors import ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.precision import check_table_dtypes
 from modular.routing.precision import DtypeOption, per_module
+from modular.tables.forms import TensorType, is_sharded, local_pieces
 from modular.tables.weights import table_infos
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
@@ -40,6 +40,7 @@ def shard(
     device: Optional[torch.device] = None,
     output_dtype: DtypeOption = None,
     comm_dtype: DtypeOption = None,
+    tensor_type: str = "sharded_tensor",
 ) -> nn.Module:
     """Shards the EmbeddingBagCollections named in `plan`, in place, and returns `model`.
 
@@ -64,7 +65,11 @@ def shard(
     pooled embeddings and gradients travel in (default: FP32; torch.float16 or torch.bfloat16
     halve those bytes, Note [low-precision comms] in modular/comm.py); either is one dtype
     for every planned module or a dict by module FQN.
+    `tensor_type="dtensor"` makes every sharded table weight (and the fused optimizer's state
+    laid out like it) a DTensor instead of a ShardedTensor, with the same FQNs and values (Note
+    [table tensor types]).
     """
+    tensor_type = TensorType.parse(tensor_type)
     if not dist.is_initialized():
         raise ShardingError(
             "modular.shard needs a process group: call torch.distributed.init_process_group first"
@@ -106,7 +111,7 @@ def shard(
         fused = local.fused if local is not None else lifecycle.pending_fuse(ebc)
         sharded = ShardedEmbeddingBagCollection(
             ebc, placements, shards, module=fqn, process_group=process_group, device=device,
-            fused=fused, output_dtype=outputs[fqn], comm_dtype=wires[fqn],
+            fused=fused, output_dtype=outputs[fqn], comm_dtype=wires[fqn], tensor_type=tensor_type,
         )
         if local is not None and local.fused_tables is not None:
             state = fused_state(local.fused_tables, local.table_weights())
@@ -124,7 +129,7 @@ def _retire(ebc: nn.Module, fqn: str) -> None:
     raises at its first step instead of training tensors no forward reads any more
     (Note [sharded tables and torch optimizers] in modular/compose/params.py)."""
     for name, p in ebc.named_parameters():
-        tensors = [s.tensor for s in p.local_shards()] if isinstance(p, ShardedTensor) else [p]
+        tensors = [piece.tensor for piece in local_pieces(p)] if is_sharded(p) else [p]
         for t in tensors:
             lifecycle.retire(t, f"{name!r} of module {fqn!r}")
 
@@ -159,7 +164,9 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
                 "would keep the unsharded tables. Register it once, shard it, then share the "
                 "sharded module (e.g. model.b = model.a after modular.shard)"
             )
-        if any(isinstance(p, DTensor) for p in module.parameters()):
+        if not isinstance(module, ShardedEmbeddingBagCollection) and any(
+            isinstance(p, DTensor) for p in module.parameters()
+        ):
             raise ShardingError(
                 f"module {fqn!r}'s tables are DTensors: fully_shard (or apply_fully_shard) ran on "
                 "them before modular.shard. Call modular.shard first, then "

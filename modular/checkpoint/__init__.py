@@ -49,6 +49,7 @@ from modular.checkpoint._staging import (
 )
 from modular.checkpoint._state import MODEL, model_state, optimizer_state
 from modular.errors import CheckpointError
+from modular.tables.deprecation import quietly
 
 __all__ = ["CheckpointError", "export", "load", "load_unsharded", "save"]
 
@@ -59,6 +60,7 @@ def __dir__() -> list[str]:
 PathLike = Union[str, os.PathLike]
 
 
+@quietly  # Note [ShardedTensor warnings]
 def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> None:
     """Saves the model (and optimizer) state to the directory `path`, atomically. Collective.
 
@@ -110,6 +112,7 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     agree(error)
 
 
+@quietly
 def load(
     path: PathLike, model: nn.Module, optimizer: Optional[Any] = None, *,
     convert_dtypes: bool = False,

@@ -18,7 +18,6 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -26,10 +25,13 @@ from modular.comm import collective_device
 from modular.checkpoint._files import MANIFEST, agree
 from modular.errors import CheckpointError
 from modular.checkpoint._staging import apply_model
-from modular.checkpoint._state import describe, dtype_of, dtype_problem, global_shape
+from modular.checkpoint._state import describe, dtype_problem, global_shape
 from modular.sharding import sharded_modules
+from modular.tables.deprecation import quietly
+from modular.tables.forms import dtype_of, global_pieces, global_size, is_sharded, local_pieces
 
 
+@quietly  # Note [ShardedTensor warnings]
 def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:
     """The whole model as an unsharded state dict of CPU tensors on `rank`; None on other ranks.
 
@@ -74,7 +76,7 @@ def _check_destination(model: nn.Module, rank: int) -> None:
 def gather(value: Any, dst: int) -> Any:
     """The full tensor of one state entry on global rank `dst` (CPU), None elsewhere."""
     me = dist.get_rank()
-    if isinstance(value, ShardedTensor):
+    if is_sharded(value):
         return _gather_sharded(value, dst)
     if isinstance(value, DTensor):
         full = value.full_tensor()
@@ -84,15 +86,14 @@ def gather(value: Any, dst: int) -> Any:
     return value if me == dst else None
 
 
-def _gather_sharded(st: ShardedTensor, dst: int) -> Optional[torch.Tensor]:
+def _gather_sharded(st: torch.Tensor, dst: int) -> Optional[torch.Tensor]:
     me = dist.get_rank()
-    meta = st.metadata()
     device = collective_device(None)  # send / recv below run on the world group
-    full = torch.empty(tuple(st.size()), dtype=meta.tensor_properties.dtype) if me == dst else None
-    local = {tuple(s.metadata.shard_offsets): s.tensor for s in st.local_shards()}
-    for shard in meta.shards_metadata:  # the global shard list: the same order on every rank
-        owner = shard.placement.rank()  # placements name global ranks, also over a subgroup
-        (r0, c0), (rows, cols) = shard.shard_offsets, shard.shard_sizes
+    local = {p.offsets: p.tensor for p in local_pieces(st)}
+    full = torch.empty(global_size(st), dtype=dtype_of(st)) if me == dst else None
+    # The global shard list, the same on every rank; owners are global ranks, also over a
+    # subgroup (Note [table tensor types]: a DTensor's list is gathered, a collective).
+    for owner, (r0, c0), (rows, cols) in global_pieces(st):
         if me == owner == dst:
             full[r0 : r0 + rows, c0 : c0 + cols].copy_(local[(r0, c0)])
         elif me == owner:
@@ -108,6 +109,7 @@ def _gather_sharded(st: ShardedTensor, dst: int) -> Optional[torch.Tensor]:
     return full
 
 
+@quietly
 def load_unsharded(
     model: nn.Module, state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike], *,
     convert_dtypes: bool = False,
@@ -127,10 +129,9 @@ def load_unsharded(
     values = {}
     for fqn, target in live.items():
         full = source[fqn]
-        if isinstance(target, ShardedTensor):
+        if is_sharded(target):
             slices = []
-            for s in target.local_shards():
-                (r0, c0), (rows, cols) = s.metadata.shard_offsets, s.metadata.shard_sizes
+            for (r0, c0), (rows, cols), _ in local_pieces(target):
                 slices.append(full[r0 : r0 + rows, c0 : c0 + cols])
             values[fqn] = slices
         elif isinstance(target, DTensor):
@@ -174,7 +175,7 @@ def _read_unsharded(
     for fqn, target in live.items():
         if fqn not in source:
             problems.append(f"{describe(fqn)}: missing from the state dict")
-        elif isinstance(target, (torch.Tensor, ShardedTensor)):
+        elif isinstance(target, torch.Tensor):
             value = source[fqn]
             if not isinstance(value, torch.Tensor):
                 problems.append(

@@ -7,7 +7,6 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from modular.tables.forms import dtype_of, is_sharded, local_pieces
 from modular.checkpoint._state import (
     MODEL,
     OPTIM,
@@ -27,7 +27,6 @@ from modular.checkpoint._state import (
     index_slots,
     keyed_by_fqn,
     describe,
-    dtype_of,
     dtype_problem,
     empty_like,
     global_shape,
@@ -71,7 +70,7 @@ def stage(
 
     def check(key: str, value: Any, owner: str) -> None:
         md = saved.get(key)
-        if isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor):
+        if isinstance(value, torch.Tensor):  # ShardedTensors and DTensors are Tensors too
             if not isinstance(md, TensorStorageMetadata):
                 problems.append(f"{owner}: missing from the checkpoint")
                 return
@@ -235,8 +234,8 @@ def apply_model(model: nn.Module, values: dict[str, Any]) -> None:
     rest = {}
     for fqn, value in values.items():
         target = live[fqn]
-        if isinstance(target, ShardedTensor):
-            for mine, loaded in zip(target.local_shards(), value):
+        if is_sharded(target):
+            for mine, loaded in zip(local_pieces(target), value):
                 mine.tensor.copy_(loaded)
         else:
             rest[fqn] = value
@@ -245,8 +244,8 @@ def apply_model(model: nn.Module, values: dict[str, Any]) -> None:
 
 def local_tensors(value: Any) -> Any:
     """What `apply_model` takes for an entry read by DCP: a ShardedTensor's local tensors."""
-    if isinstance(value, ShardedTensor):
-        return [s.tensor for s in value.local_shards()]
+    if is_sharded(value):
+        return [p.tensor for p in local_pieces(value)]
     return value
 
 
@@ -295,8 +294,8 @@ def _apply_part(plan: PartPlan, values: dict[str, Any]) -> None:
         for index, (slot, names) in enumerate(plan.entries):
             for name in names:
                 value = values[state_key(plan.prefix, slot.fqn, name)]
-                if isinstance(value, ShardedTensor):
-                    value = value.local_shards()[slot.shard].tensor
+                if is_sharded(value):
+                    value = local_pieces(value)[slot.shard].tensor
                 elif slot.shard is not None:
                     value = value.clone()  # a scalar shared by several shards
                 state.setdefault(index, {})[name] = value

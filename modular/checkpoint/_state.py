@@ -23,13 +23,13 @@ Optimizer state moves with its weight because its key and global shape do not de
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from modular.tables.forms import global_size, is_sharded, laid_out_like, local_pieces
 
 MODEL = "model."
 OPTIM = "optim."
@@ -71,9 +71,9 @@ class Slot(NamedTuple):
 def _slots(model: nn.Module) -> dict[int, Slot]:
     slots = {}
     for fqn, p in model.named_parameters():
-        if isinstance(p, ShardedTensor):
-            for i, s in enumerate(p.local_shards()):
-                slots[id(s.tensor)] = Slot(fqn, p, i)
+        if is_sharded(p):
+            for i, piece in enumerate(local_pieces(p)):
+                slots[id(piece.tensor)] = Slot(fqn, p, i)
         else:
             slots[id(p)] = Slot(fqn, p, None)
     return slots
@@ -128,15 +128,15 @@ def _part_state(model: nn.Module, prefix: str, optimizer: Any) -> dict[str, Any]
                 out[state_key(prefix, fqn, name)] = value
         return out
     slots = index_slots(model, optimizer)
-    per_shard: dict[str, tuple[ShardedTensor, dict[int, torch.Tensor]]] = {}
+    per_shard: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
     for index, states in sd["state"].items():
         slot = slots[index]
         for name, value in states.items():
             key = state_key(prefix, slot.fqn, name)
-            if not isinstance(slot.weight, ShardedTensor) or value.dim() == 0:
+            if not is_sharded(slot.weight) or value.dim() == 0:
                 out.setdefault(key, value)  # a scalar (`step`) is the same for every shard
                 continue
-            shard = slot.weight.local_shards()[slot.shard]
+            shard = local_pieces(slot.weight)[slot.shard]
             if value.shape != shard.tensor.shape:
                 raise TypeError(
                     f"optimizer state {name!r} of {describe(slot.fqn)} has shape "
@@ -145,10 +145,10 @@ def _part_state(model: nn.Module, prefix: str, optimizer: Any) -> dict[str, Any]
                 )
             per_shard.setdefault(key, (slot.weight, {}))[1][slot.shard] = value
     for key, (weight, tensors) in per_shard.items():
-        if len(tensors) != len(weight.local_shards()):
+        if len(tensors) != len(local_pieces(weight)):
             raise TypeError(
                 f"the optimizer updates {len(tensors)} of this rank's "
-                f"{len(weight.local_shards())} shards behind {key}; give it all of "
+                f"{len(local_pieces(weight))} shards behind {key}; give it all of "
                 "modular.local_parameters(model)"
             )
         out[key] = like_sharded(weight, [tensors[i] for i in range(len(tensors))])
@@ -156,38 +156,24 @@ def _part_state(model: nn.Module, prefix: str, optimizer: Any) -> dict[str, Any]
 
 
 def like_sharded(
-    weight: ShardedTensor, tensors: list[torch.Tensor], dtype: Optional[torch.dtype] = None
-) -> ShardedTensor:
-    """A ShardedTensor laid out like `weight` whose local shards are `tensors` (no collective)."""
-    meta = weight.metadata()
-    dtype = dtype or (tensors[0].dtype if tensors else meta.tensor_properties.dtype)
-    props = dataclasses.replace(meta.tensor_properties, dtype=dtype, requires_grad=False)
-    meta = dataclasses.replace(meta, tensor_properties=props)
-    shards = [Shard(t.detach(), s.metadata) for t, s in zip(tensors, weight.local_shards())]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, meta, process_group=weight._process_group
-    )
+    weight: torch.Tensor, tensors: list[torch.Tensor], dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """A sharded tensor of `weight`'s form laid out like it whose local shards are `tensors` (no
+    collective; Note [table tensor types] in modular/tables/forms.py)."""
+    return laid_out_like(weight, tensors, dtype)
 
 
 def empty_like(value: Any, dtype: Optional[torch.dtype] = None) -> Any:
     """A fresh buffer with the layout of `value`, for DCP to read into."""
-    if isinstance(value, ShardedTensor):
-        dtype = dtype or value.metadata().tensor_properties.dtype
+    if is_sharded(value):
         tensors = [
-            torch.empty(s.tensor.shape, dtype=dtype, device=s.tensor.device)
-            for s in value.local_shards()
+            torch.empty(p.sizes, dtype=dtype or p.tensor.dtype, device=p.tensor.device)
+            for p in local_pieces(value)
         ]
         return like_sharded(value, tensors, dtype)
-    if isinstance(value, torch.Tensor):  # DTensor stays a DTensor
+    if isinstance(value, torch.Tensor):  # an FSDP2 DTensor stays a DTensor
         return torch.empty_like(value.detach(), dtype=dtype)
     return value  # a non-tensor entry: DCP replaces it
-
-
-def dtype_of(value: Any) -> torch.dtype:
-    """A tensor's or ShardedTensor's dtype."""
-    if isinstance(value, ShardedTensor):
-        return value.metadata().tensor_properties.dtype
-    return value.dtype
 
 
 def dtype_problem(owner: str, saved: torch.dtype, live: torch.dtype, source: str) -> Optional[str]:
@@ -205,7 +191,7 @@ def dtype_problem(owner: str, saved: torch.dtype, live: torch.dtype, source: str
 
 
 def global_shape(value: Any) -> tuple[int, ...]:
-    return tuple(value.size()) if isinstance(value, ShardedTensor) else tuple(value.shape)
+    return global_size(value) if is_sharded(value) else tuple(value.shape)
 
 
 # -- checking against the checkpoint and staging ---------------------------------------------

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils import get_total_norm
 
 from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.tables.forms import is_sharded, local_pieces
 
 __all__ = ["clip_grad_norm_"]
 
@@ -69,12 +69,12 @@ def clip_grad_norm_(
             continue
         for w in m.parameters():
             table_ids.add(id(w))
-            if isinstance(w, ShardedTensor):
+            if is_sharded(w):
                 # Keyed by the table, not by its gradients, which a rank may lack: every rank must
                 # run the same collectives. A module with no ShardedTensor (all data-parallel, or
                 # a single-process fused EBC) runs none.
                 _, shard_grads = by_group.setdefault(m.process_group, (m.device, []))
-                shard_grads.extend(_grads(s.tensor for s in w.local_shards()))
+                shard_grads.extend(_grads(piece.tensor for piece in local_pieces(w)))
             else:
                 replicated.extend(_grads([w]))
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
 from modular import lifecycle
 from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.tables.forms import is_sharded, local_pieces
 
 __all__ = ["ignored_params", "local_parameters"]
 
@@ -71,8 +71,8 @@ def local_parameters(model: nn.Module) -> list[torch.Tensor]:
     for _, p in model.named_parameters():
         if id(p) in fused:
             continue
-        if isinstance(p, ShardedTensor):
-            out.extend(s.tensor for s in p.local_shards() if s.tensor.requires_grad)
+        if is_sharded(p):
+            out.extend(piece.tensor for piece in local_pieces(p) if piece.tensor.requires_grad)
         elif p.requires_grad:
             out.append(p)
     return out
@@ -90,9 +90,10 @@ def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> Non
                     "built before sharding and would silently never update the sharded table. "
                     "Build optimizers after modular.shard, from modular.local_parameters(model)"
                 )
-            if isinstance(p, ShardedTensor):
+            if is_sharded(p):
                 raise TypeError(
-                    f"{type(optimizer).__name__} param group {g}, parameter {i} is a ShardedTensor "
+                    f"{type(optimizer).__name__} param group {g}, parameter {i} is a "
+                    f"{type(p).__name__} "
                     f"of size {tuple(p.size())}: a table sharded by modular, whose gradient lives "
                     "on its local shards, so this optimizer would silently never update it. Build "
                     "the optimizer from modular.local_parameters(model), not model.parameters()"

@@ -19,8 +19,9 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from modular.fused.config import ColumnWiseStatistic
 from modular.fused.tables import FusedTables
+from modular.tables.forms import dtensor_from_pieces, is_sharded, local_pieces
 from modular.tables.weights import frozen, local_shard_metadata, sharded_from_metadata
-from planners.types import ShardSpec
+from planners.types import ShardingType, ShardSpec
 
 __all__ = [
     "StateForm",
@@ -132,13 +133,14 @@ def column_statistic_mismatch(
 
 
 def local_piece(
-    source: ShardedTensor, form: StateForm, spec: ShardSpec, pieces: dict[int, int]
+    source: torch.Tensor, form: StateForm, spec: ShardSpec, pieces: dict[int, int]
 ) -> Optional[torch.Tensor]:
-    """The local shard of `source` that holds `spec`'s state, or None (row-wise column copies)."""
-    want = form.offsets(spec, pieces)
-    for shard in source.local_shards():
-        if list(shard.metadata.shard_offsets) == want:
-            return shard.tensor
+    """The local shard of `source` (a ShardedTensor or a table DTensor) that holds `spec`'s
+    state, or None (row-wise column copies)."""
+    want = tuple(form.offsets(spec, pieces))
+    for piece in local_pieces(source):
+        if piece.offsets == want:
+            return piece.tensor
     if form is StateForm.ROWS and spec.col_offset != 0:
         return None
     raise ValueError(
@@ -173,10 +175,13 @@ def fused_state(
     out = {}
     for t, table in enumerate(layout.tables):
         weight = weights[table.name]
-        if not isinstance(weight, ShardedTensor):
+        if not is_sharded(weight):
             out[table.name] = {name: states[(table.name, at.shard_of_rank(t))][name]}
             continue
         form, pieces = _state_form(fused, table.name), _pieces(fused, t)
+        if not isinstance(weight, ShardedTensor):  # a DTensor (Note [table tensor types])
+            out[table.name] = {name: _dtensor_state(fused, t, form, pieces, states, name)}
+            continue
         meta = frozen(weight.metadata())
         meta = ShardedTensorMetadata(
             [s for m in meta.shards_metadata if (s := form.shard(m, pieces)) is not None],
@@ -193,6 +198,31 @@ def fused_state(
             local.append(Shard(tensor=tensor, metadata=state_meta))
         out[table.name] = {name: sharded_from_metadata(local, meta, at.group)}
     return out
+
+
+def _dtensor_state(
+    fused: FusedTables, t: int, form: StateForm, pieces: dict[int, int], states, name: str
+) -> torch.Tensor:
+    """Table `t`'s state `name` as a DTensor laid out like its weight's (Note [fused tables])."""
+    layout, at = fused.at.layout, fused.at
+    table = layout.tables[t]
+    local = []
+    for j, spec in enumerate(layout.shards[t]):
+        if spec.rank != at.rank or (form is StateForm.ROWS and spec.col_offset != 0):
+            continue  # column shards after the first hold copies of the same rows
+        sizes = {
+            StateForm.WEIGHT: (spec.num_rows, spec.num_cols),
+            StateForm.ROWS: (spec.num_rows,),
+            StateForm.PIECES: (spec.num_rows, 1),
+        }[form]
+        local.append((tuple(form.offsets(spec, pieces)), states[(table.name, j)][name].view(sizes)))
+    column_wise = form is StateForm.WEIGHT and layout.placements[t].sharding_type is (
+        ShardingType.COLUMN_WISE
+    )
+    return dtensor_from_pieces(
+        local, form.shape(table, len(pieces)), group=at.group, device=at.device,
+        column_wise=column_wise,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -212,7 +242,7 @@ def load_fused_state(fused: FusedTables, per_table: dict[str, dict[str, torch.Te
             if spec.rank != rank:
                 continue
             target = states[(table.name, j)][name]
-            if isinstance(source, ShardedTensor):
+            if is_sharded(source):
                 piece = local_piece(source, form, spec, pieces)
                 if piece is None:
                     target.zero_()  # filled by the all-reduce below
@@ -220,7 +250,7 @@ def load_fused_state(fused: FusedTables, per_table: dict[str, dict[str, torch.Te
             else:
                 piece = source[form.region(spec, pieces)]
             target.copy_(piece.view(target.shape))
-        if table.name in fused.column_rowwise and isinstance(source, ShardedTensor):
+        if table.name in fused.column_rowwise and is_sharded(source):
             # every column shard needs the first one's row state
             _sync_column_shard_rows(fused, t, name, states)
 

@@ -8,7 +8,6 @@ Reads a torchrec EBC's tables (`table_infos`), refuses shard widths the device c
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional
 
 import torch
@@ -25,6 +24,8 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular.errors import ShardingError
+from modular.tables.deprecation import quiet_sharded_tensor, quietly
+from modular.tables.forms import TensorType, dtensor_from_pieces, is_sharded, local_pieces
 from modular.tables.layout import Layout, Pooling, RankLayout, TableInfo, odd_width
 from planners.types import ShardingType, ShardSpec
 
@@ -121,6 +122,11 @@ class ShardedTable(nn.Module):
     def weight(self) -> torch.Tensor:
         return self._parameters["weight"]
 
+    @quietly  # Note [ShardedTensor warnings]
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    @quietly
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
@@ -140,8 +146,8 @@ class ShardedTable(nn.Module):
             )
             return
         with torch.no_grad():
-            if not isinstance(weight, ShardedTensor):
-                if isinstance(value, ShardedTensor):
+            if not is_sharded(weight):
+                if is_sharded(value):
                     error_msgs.append(
                         f"table weight {key!r} is replicated here but sharded in the state; "
                         "load it with modular.checkpoint.load, which reshards"
@@ -149,42 +155,54 @@ class ShardedTable(nn.Module):
                     return
                 weight.copy_(value)
                 return
-            if not isinstance(value, ShardedTensor):  # a full table: keep this rank's slices
-                for shard in weight.local_shards():
-                    (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    shard.tensor.copy_(value[r0 : r0 + nr, c0 : c0 + nc])
+            if not is_sharded(value):  # a full table: keep this rank's slices
+                for (r0, c0), (nr, nc), tensor in local_pieces(weight):
+                    tensor.copy_(value[r0 : r0 + nr, c0 : c0 + nc])
                 return
-            theirs = {
-                (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)): s.tensor
-                for s in value.local_shards()
-            }
-            for shard in weight.local_shards():
-                where = (tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes))
-                if where not in theirs:
+            theirs = {(p.offsets, p.sizes): p.tensor for p in local_pieces(value)}
+            for offsets, sizes, tensor in local_pieces(weight):
+                if (offsets, sizes) not in theirs:
                     error_msgs.append(
                         f"table weight {key!r}: the state was sharded under another plan (no "
-                        f"shard at offsets {list(where[0])} with sizes {list(where[1])} on this "
+                        f"shard at offsets {list(offsets)} with sizes {list(sizes)} on this "
                         "rank); load it with modular.checkpoint.load, which reshards"
                     )
                     return
-                shard.tensor.copy_(theirs[where])
+                tensor.copy_(theirs[(offsets, sizes)])
 
     def extra_repr(self) -> str:
         w = self._parameters["weight"]
-        kind = "sharded" if isinstance(w, ShardedTensor) else "replicated"
+        kind = "sharded" if is_sharded(w) else "replicated"
         return f"{kind}, size={tuple(w.size())}"
 
 
 def table_weight(
-    t: int, views: dict[tuple[str, int], torch.Tensor], *, at: RankLayout, global_rank: int
+    t: int,
+    views: dict[tuple[str, int], torch.Tensor],
+    *,
+    at: RankLayout,
+    global_rank: int,
+    tensor_type: TensorType = TensorType.SHARDED_TENSOR,
 ) -> torch.Tensor:
     """Table `t`'s weight from this rank's shards: a ShardedTensor made with
-    `init_from_local_shards` (a collective, in table order on every rank), or the replica of a
-    data-parallel table."""
+    `init_from_local_shards` (a collective, in table order on every rank) or a DTensor (none;
+    Note [table tensor types] in modular/tables/forms.py), or the replica of a data-parallel
+    table."""
     layout = at.layout
     table = layout.tables[t]
-    if layout.placements[t].sharding_type is ShardingType.DATA_PARALLEL:
+    sharding = layout.placements[t].sharding_type
+    if sharding is ShardingType.DATA_PARALLEL:
         return views[(table.name, at.shard_of_rank(t))]
+    if tensor_type is TensorType.DTENSOR:
+        mine = [
+            ((spec.row_offset, spec.col_offset), views[(table.name, j)])
+            for j, spec in enumerate(layout.shards[t])
+            if spec.rank == at.rank
+        ]
+        return dtensor_from_pieces(
+            mine, (table.num_embeddings, table.embedding_dim), group=at.group,
+            device=at.device, column_wise=sharding is ShardingType.COLUMN_WISE,
+        )  # fmt: skip
     local = []
     for j, spec in enumerate(layout.shards[t]):
         if spec.rank != at.rank:
@@ -195,8 +213,7 @@ def table_weight(
             placement=f"rank:{global_rank}/{at.device}",
         )
         local.append(Shard(tensor=views[(table.name, j)], metadata=meta))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+    with quiet_sharded_tensor():
         return init_from_local_shards(
             local, table.num_embeddings, table.embedding_dim, process_group=at.group
         )
@@ -212,8 +229,7 @@ def sharded_from_metadata(
     local: list[Shard], metadata: ShardedTensorMetadata, group: Optional[ProcessGroup]
 ) -> ShardedTensor:
     """A ShardedTensor from known global metadata (no collective: the plan is already agreed)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+    with quiet_sharded_tensor():
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             local, metadata, process_group=group
         )

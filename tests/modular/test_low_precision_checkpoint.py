@@ -1,6 +1,6 @@
 """Checkpoints of FP16 tables keep each table's dtype (Note [low-precision tables]).
 
-The model of tests/modular/checkpoint_helpers.py with 't0', 't1' and 't3' in FP16 and 't2' in
+The model of tests/modular/helpers.py (the checkpoint model) with 't0', 't1' and 't3' in FP16 and 't2' in
 FP32, fused row-wise Adagrad on the tables (FP32 state) and Adam on the dense layer: saved from 2
 ranks under plan "A", loaded on 3 under plan "B" (every table changes sharding type), exported to
 one process and loaded with `load_unsharded`. A checkpoint of another dtype than the model's

@@ -9,13 +9,12 @@ from typing import Any, Optional
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 # Row-wise Adagrad's per-row statistic on a table cut into column pieces (Note [fused tables]);
-# the planner's enum, so that a plan can be priced for what the model was fused with.
-from planners.inputs import ColumnWiseStatistic
+# the planner's enum, so that a plan can be priced for what the model was fused with. The
+# optimizer's name goes through the planner's `Optimizer` too: one vocabulary for both.
+from planners.inputs import ColumnWiseStatistic, Optimizer
+from planners.types import PlanError
 
 __all__ = ["ColumnWiseStatistic", "FusedConfig", "FusedOptimizerKind"]
-
-# The planner's spellings (`planners.plan(optimizer=...)`) name the same fused kernels.
-_ALIASES = {"sgd": "exact_sgd", "adagrad": "exact_adagrad", "rowwise_adagrad": "exact_rowwise_adagrad"}
 
 
 class FusedOptimizerKind(enum.Enum):
@@ -25,18 +24,22 @@ class FusedOptimizerKind(enum.Enum):
 
     @classmethod
     def parse(cls, name: str | FusedOptimizerKind) -> FusedOptimizerKind:
+        """A member, its name, or the planner's name for it (`planners.Optimizer`: "sgd",
+        "adagrad", "rowwise_adagrad"), so a plan's optimizer and the fused one are spelt alike."""
         if isinstance(name, cls):
             return name
-        key = str(name).lower()
-        key = _ALIASES.get(key, key)
-        for kind in cls:
-            if key == kind.value:
-                return kind
         supported = ", ".join(repr(k.value) for k in cls)
-        raise ValueError(
-            f"fused optimizer {name!r} is not supported; fbgemm's fused kernels support {supported} "
-            "(the planner's 'sgd', 'adagrad' and 'rowwise_adagrad' name the same three)"
-        )
+        try:
+            fused = Optimizer.parse(name).fused_name
+        except PlanError:
+            fused = None
+        if fused is None:  # unknown, or a planner optimizer without a fused kernel (adam)
+            raise ValueError(
+                f"fused optimizer {name!r} is not supported; fbgemm's fused kernels support "
+                f"{supported} (the planner's 'sgd', 'adagrad' and 'rowwise_adagrad' name the same "
+                "three; train other optimizers unfused, from modular.local_parameters(model))"
+            )
+        return cls(fused)
 
     def fbgemm_type(self) -> EmbOptimType:
         return {

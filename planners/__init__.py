@@ -14,6 +14,7 @@ The cost model, the search and the lower bound are described in docs/planner.md.
 from planners.api import PlanResult, plan, plan_with_stats
 from planners.cost import CostModel
 from planners.explain import NoPlanError
+from planners.files import FileFormatError
 from planners.inputs import (
     ColumnWiseStatistic,
     DataType,
@@ -40,6 +41,7 @@ __all__ = [
     "ColumnWiseStatistic",
     "CostModel",
     "DataType",
+    "FileFormatError",
     "NoPlanError",
     "Optimizer",
     "PlanError",

@@ -28,7 +28,7 @@ from modular.routing.exchange import IdsExchange
 from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
 from modular.routing.router import INT32_MAX, Received, Router
-from modular.errors import InputError
+from modular.errors import InputError, ShardingError
 from modular.kernels.base import Kernel, pool
 from modular.kernels.dense import DenseKernel
 from modular.kernels.lookups import batch_offsets
@@ -217,6 +217,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @torch.compiler.disable(reason=EAGER_REASON)  # Note [compiling a sharded model]
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if torch._dynamo.config.compiled_autograd:  # Note [compiling a sharded model]
+            raise ShardingError(
+                f"module {self._module_fqn!r}: compiled autograd (torch._dynamo.config."
+                "compiled_autograd) is not supported over a sharded EBC: traced, its backward "
+                "drifted from eager's; compile with it off (docs/compiling.md)"
+            )
         received = self._prefetcher.take(features) if self._prefetcher is not None else None
         if received is None:
             received = self.input_dist(features)

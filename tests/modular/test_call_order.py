@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from modular import lifecycle
@@ -74,3 +75,13 @@ def test_namespaces_show_their_public_names_only() -> None:
     for name in ("ShardingError", "InputError", "CollectiveError", "CheckpointError", "PlanError"):
         assert issubclass(getattr(modular, name), Exception), name
     assert modular.CheckpointError is modular.checkpoint.CheckpointError
+
+
+def test_compiled_autograd_is_refused_naming_the_module() -> None:
+    model = _Model("cpu")
+    modular.fuse_optimizer(model, "exact_sgd", lr=0.1)  # a one-process sharded module
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    assert model.ebc(kjt).values().shape == (2, 4)
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        with pytest.raises(modular.ShardingError, match="module 'ebc': compiled autograd"):
+            model.ebc(kjt)

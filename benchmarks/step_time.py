@@ -102,7 +102,7 @@ def _loss(pooled: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
     return (pooled * probe).sum()
 
 
-def _ours(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
+def ours_step(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module, Callable]:
     import modular
 
     model = Model(copy.deepcopy(ebc))
@@ -126,7 +126,7 @@ def _ours(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> tuple[nn.Module,
 def _prefetching(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) -> Callable:
     import modular
 
-    model, plain = _ours(cfg, ebc, plan, opt_kind, probe)
+    model, plain = ours_step(cfg, ebc, plan, opt_kind, probe)
     position = {id(k): i for i, k in enumerate(kjts)}
 
     def step(kjt) -> None:
@@ -148,11 +148,9 @@ def _dmp(cfg: Config, module: nn.Module, plan: str, opt_kind: str):
     from planners.torchrec_interop import to_torchrec
 
     kernel = "fused" if opt_kind == "fused" else "dense"
-    tr_plan = to_torchrec(our_plan(cfg, plan), Model(module.ebc), device_type=cfg.device)
-    for ps_by_table in tr_plan.plan.values():
-        for name, ps in ps_by_table.items():
-            if ps.sharding_type != "data_parallel":
-                ps_by_table[name] = dataclasses.replace(ps, compute_kernel=kernel)
+    tr_plan = to_torchrec(
+        our_plan(cfg, plan), Model(module.ebc), device_type=cfg.device, compute_kernel=kernel
+    )
     fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": EPS}
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
     model = DistributedModelParallel(
@@ -165,7 +163,7 @@ def _dmp(cfg: Config, module: nn.Module, plan: str, opt_kind: str):
     return model, (torch.optim.SGD(dense, lr=LR) if dense else None)
 
 
-def _torchrec(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> Callable:
+def torchrec_step(cfg: Config, ebc, plan: str, opt_kind: str, probe) -> Callable:
     model, opt = _dmp(cfg, Model(copy.deepcopy(ebc)), plan, opt_kind)
 
     def step(kjt) -> None:
@@ -338,11 +336,11 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
     torch.manual_seed(0)
     contenders: dict[str, Callable] = {}
     notes = {}
-    ours_model, contenders["ours"] = _ours(cfg, ebc, plan, opt_kind, probe)
+    ours_model, contenders["ours"] = ours_step(cfg, ebc, plan, opt_kind, probe)
     contenders["prefetch"] = _prefetching(cfg, ebc, plan, opt_kind, probe, kjts)
     if cfg.torchrec and cfg.only in (None, "torchrec", "pipeline"):
         builders = {
-            "torchrec": lambda: _torchrec(cfg, ebc, plan, opt_kind, probe),
+            "torchrec": lambda: torchrec_step(cfg, ebc, plan, opt_kind, probe),
             "pipeline": lambda: _torchrec_pipeline(cfg, ebc, plan, opt_kind, probe, kjts),
         }
         for name, build in builders.items():

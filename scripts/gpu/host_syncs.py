@@ -61,8 +61,8 @@ def main() -> None:
                     plans=(plan,), optimizers=("fused",), steps=20, blocks=1, warmup=3,
                     profile=None, torchrec=True, device="cuda")  # fmt: skip
     ebc, kjts, probe = st.workload(cfg, 0)
-    steps = {"ours": st._ours(cfg, ebc, plan, "fused", probe)[1],
-             "torchrec": st._torchrec(cfg, ebc, plan, "fused", probe)}  # fmt: skip
+    steps = {"ours": st.ours_step(cfg, ebc, plan, "fused", probe)[1],
+             "torchrec": st.torchrec_step(cfg, ebc, plan, "fused", probe)}  # fmt: skip
     for name, step in steps.items():
         time_block(step, kjts, 5, 0)
         sites = _sync_sites(step, kjts)

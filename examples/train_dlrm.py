@@ -546,13 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, world_size = parse_args(argv)
     if "RANK" in os.environ:  # under torchrun, or one of the ranks `launch` started
-        status = run_rank(config)
-        # Skip interpreter teardown: with gloo and fbgemm loaded, tearing down the process after
-        # destroy_process_group aborts now and then ("terminate called without an active
-        # exception", about 1 run in 8 here), which would turn a finished run into a failure.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        # Ends as any script may: `import modular` frees what destroy_process_group leaves
+        # alive before the interpreter exits (Note [exit after destroy_process_group]).
+        return run_rank(config)
     if world_size < 1:
         raise SystemExit(f"--world-size must be at least 1, got {world_size}")
     return launch(argv, world_size)

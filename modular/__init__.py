@@ -17,6 +17,7 @@ takes) and `checkpoint`; `sharding.py` and `optim.py` hold the model-level calls
 """
 
 from modular import checkpoint
+from modular import exit as _exit_hook  # noqa: F401  an atexit hook: Note [exit after destroy_process_group]
 from modular.compose.clip import clip_grad_norm_
 from modular.compose.compile import apply_compile
 from modular.compose.ddp import apply_ddp

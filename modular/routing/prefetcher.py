@@ -55,7 +55,7 @@ from modular.comm import backend_for
 from modular.routing.exchange import IdsExchange
 from modular.routing.router import Received
 
-__all__ = ["MAX_PENDING", "Prefetcher"]
+__all__ = ["MAX_PENDING", "Prefetcher", "release_side_groups"]
 
 # More batches than this prefetched and not yet looked up is a loop that prefetches batches it
 # never runs (each holds its KJT, and once released its routed ids, in memory).
@@ -173,3 +173,17 @@ def _side_group(
         group = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
         side = _SIDE_GROUPS[pg] = (group, ThreadPoolExecutor(1, "modular-input-dist"))
     return side
+
+
+def release_side_groups() -> None:
+    """Forgets every background group and thread once `destroy_process_group()` has run.
+
+    `_SIDE_GROUPS` would otherwise keep those groups, and the module groups they are keyed by,
+    alive until interpreter exit, with their gloo threads (Note [exit after destroy_process_group]
+    in modular/exit.py). While the default group lives, prefetching still uses them: nothing.
+    """
+    if dist.is_initialized():
+        return
+    for _, executor in _SIDE_GROUPS.values():
+        executor.shutdown(wait=True)
+    _SIDE_GROUPS.clear()

@@ -2,7 +2,7 @@
 
     import modular
     opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)  # optional, first
-    modular.shard(model, plan)                  # EmbeddingBagCollections, in place
+    modular.shard(model, plan)                  # EBCs and EmbeddingCollections, in place
     modular.apply_fully_shard(model, modules={MLP})  # or modular.apply_ddp(model)
     dense_opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)
     with modular.unshard(model, tables=["ads_id"]) as full:  # full tables, written back on exit
@@ -23,6 +23,7 @@ from modular.compose.compile import apply_compile
 from modular.compose.ddp import apply_ddp
 from modular.compose.fsdp import apply_fully_shard
 from modular.compose.params import ignored_params, local_parameters
+from modular.embedding import ShardedEmbeddingCollection
 from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
@@ -37,6 +38,7 @@ __all__ = [
     "InputError",
     "PlanError",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "ShardingError",
     "apply_compile",
     "apply_ddp",

@@ -45,15 +45,17 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from modular import lifecycle
+from modular.embedding import ShardedEmbeddingCollection
 from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import ShardingError
 from modular.fused.config import ColumnWiseStatistic, FusedConfig, FusedOptimizerKind
 from modular.fused.state import check_fused_state, fused_state, load_fused_state
-from modular.tables.deprecation import quietly
+from modular.sharded_types import SHARDED_COLLECTIONS, tables_name
 from modular.sharding import sharded_modules
+from modular.tables.deprecation import quietly
 
 __all__ = ["CombinedOptimizer", "FusedOptimizer", "fuse_optimizer"]
 
@@ -68,7 +70,8 @@ def fuse_optimizer(
     column_wise_statistic: str | ColumnWiseStatistic = "exact",
     stochastic_rounding: bool = True,
 ) -> FusedOptimizer:
-    """Fuses `optimizer` into every EmbeddingBagCollection of `model`, in place.
+    """Fuses `optimizer` into every EmbeddingBagCollection and EmbeddingCollection of
+    `model`, in place.
 
         opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1, eps=1e-8)
         loss.backward()          # the tables are updated here
@@ -126,10 +129,12 @@ def fuse_optimizer(
     targets = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, (EmbeddingBagCollection, ShardedEmbeddingBagCollection))
+        if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection, *SHARDED_COLLECTIONS))
     ]
     if not targets:
-        raise ValueError("fuse_optimizer found no EmbeddingBagCollection in the model")
+        raise ValueError(
+            "fuse_optimizer found no EmbeddingBagCollection or EmbeddingCollection in the model"
+        )
     sharded = [name for name, m in targets if _is_sharded(m)]
     if sharded:
         raise ShardingError(
@@ -155,13 +160,17 @@ def fuse_optimizer(
         if _on_meta(m):
             lifecycle.set_pending_fuse(m, config)  # fused when modular.shard builds its shards
             continue
-        local = ShardedEmbeddingBagCollection.unsharded(m, module=name, fused=config)
+        sharded_type = (
+            ShardedEmbeddingCollection if isinstance(m, EmbeddingCollection)
+            else ShardedEmbeddingBagCollection
+        )  # fmt: skip
+        local = sharded_type.unsharded(m, module=name, fused=config)
         lifecycle.replace_module(model, name, local)
     return FusedOptimizer(model, config)
 
 
 def _is_sharded(m: nn.Module) -> bool:
-    return isinstance(m, ShardedEmbeddingBagCollection) and not m.is_local
+    return isinstance(m, SHARDED_COLLECTIONS) and not m.is_local
 
 
 def _on_meta(ebc: nn.Module) -> bool:
@@ -204,8 +213,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         state: dict[str, dict[str, torch.Tensor]] = {}
         for fqn, m in self._fused_modules():
             prefix = f"{fqn}." if fqn else ""
+            tables = tables_name(m)
             for table, tensors in fused_state(m.fused_tables, m.table_weights()).items():
-                state[f"{prefix}embedding_bags.{table}.weight"] = tensors
+                state[f"{prefix}{tables}.{table}.weight"] = tensors
         group = {k: v for k, v in self._config.param_group.items() if k != "params"}
         group["optimizer"] = self._config.optimizer.value
         group["params"] = sorted(state)
@@ -229,8 +239,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for fqn, m in self._fused_modules():
             prefix = f"{fqn}." if fqn else ""
             per_table = {}
-            for table in m.embedding_bags:
-                key = f"{prefix}embedding_bags.{table}.weight"
+            for table in m.table_weights():
+                key = f"{prefix}{tables_name(m)}.{table}.weight"
                 if key in state:
                     per_table[table] = state[key]
                 elif name is not None:

@@ -14,17 +14,20 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_configs import DataType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular import lifecycle
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
+from modular.embedding import ShardedEmbeddingCollection
 from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.precision import check_table_dtypes
 from modular.routing.precision import DtypeOption, per_module
+from modular.sequence.tables import sequence_table_infos
+from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.tables.forms import TensorType, is_sharded, local_pieces
 from modular.tables.weights import table_infos
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
@@ -98,6 +101,7 @@ def shard(
         fqns = [fqn for fqn, _ in targets]
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)
         wires = per_module(comm_dtype, fqns, "comm_dtype", None)
+        _check_sequence_options(targets, tensor_type, outputs, wires)
     except ShardingError as e:
         problem = e
     options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}
@@ -107,11 +111,15 @@ def shard(
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
         placements, shards = resolved[fqn]
         # A fused EBC stays fused (Note [fused tables]): unsharded and fused, or fused on meta.
-        local = ebc if isinstance(ebc, ShardedEmbeddingBagCollection) else None
+        local = ebc if isinstance(ebc, _SHARDED) else None
         fused = local.fused if local is not None else lifecycle.pending_fuse(ebc)
-        sharded = ShardedEmbeddingBagCollection(
+        kind = _sharded_type(ebc)
+        options = {}
+        if kind is ShardedEmbeddingBagCollection:
+            options = dict(output_dtype=outputs[fqn], comm_dtype=wires[fqn], tensor_type=tensor_type)
+        sharded = kind(
             ebc, placements, shards, module=fqn, process_group=process_group, device=device,
-            fused=fused, output_dtype=outputs[fqn], comm_dtype=wires[fqn], tensor_type=tensor_type,
+            fused=fused, **options,
         )
         if local is not None and local.fused_tables is not None:
             state = fused_state(local.fused_tables, local.table_weights())
@@ -124,6 +132,30 @@ def shard(
     return model
 
 
+def _check_sequence_options(targets, tensor_type, outputs, wires) -> None:
+    """The options only EmbeddingBagCollections take so far, refused for EmbeddingCollections
+    (every rank alike, before anything is built)."""
+    for fqn, module in targets:
+        if _sharded_type(module) is not ShardedEmbeddingCollection:
+            continue
+        asked = [
+            what
+            for what, given in (
+                (f"tensor_type={tensor_type.value!r}", tensor_type is not TensorType.SHARDED_TENSOR),
+                (f"output_dtype={outputs[fqn]}", outputs[fqn] != torch.float32),
+                (f"comm_dtype={wires[fqn]}", wires[fqn] is not None),
+            )
+            if given
+        ]
+        if asked:
+            raise ShardingError(
+                f"module {fqn!r} is an EmbeddingCollection: {', '.join(asked)} apply to "
+                "EmbeddingBagCollections only so far; shard its EmbeddingCollections with the "
+                "defaults (ShardedTensor tables, FP32 outputs and comms), e.g. by giving the "
+                "dtypes per module: output_dtype={'<ebc fqn>': torch.float16}"
+            )
+
+
 def _retire(ebc: nn.Module, fqn: str) -> None:
     """Records the parameters `shard` replaces (Note [lifecycle state]), so that an optimizer built on them before sharding
     raises at its first step instead of training tensors no forward reads any more
@@ -134,11 +166,43 @@ def _retire(ebc: nn.Module, fqn: str) -> None:
             lifecycle.retire(t, f"{name!r} of module {fqn!r}")
 
 
+# The collections `shard` takes, and their sharded counterparts: EmbeddingBagCollections
+# (pooled) and EmbeddingCollections (sequences, modular/embedding.py).
+_SHARDED = SHARDED_COLLECTIONS
+_TARGETS = (EmbeddingBagCollection, EmbeddingCollection, *_SHARDED)
+
+
+def _sharded_type(module: nn.Module) -> type:
+    if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
+        return ShardedEmbeddingCollection
+    return ShardedEmbeddingBagCollection
+
+
+def _tables(module: nn.Module, fqn: str):
+    if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
+        return sequence_table_infos(module, fqn)
+    return table_infos(module, fqn)
+
+
+def _described(module: nn.Module) -> list:
+    """The planned facts of one collection's tables, for Note [agreeing on the plan]."""
+    if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
+        configs = module.embedding_configs()
+        return [[c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names)] for c in configs] + [
+            "sequence"
+        ]
+    return [
+        [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
+        + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
+        for c in module.embedding_bag_configs()
+    ] + [module.is_weighted()]
+
+
 def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, EmbeddingBagCollection]]:
     found = {
         name: m
         for name, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, (EmbeddingBagCollection, ShardedEmbeddingBagCollection))
+        if isinstance(m, _TARGETS)
     }
     names_of: dict[int, list[str]] = {}
     for name, m in found.items():
@@ -149,13 +213,16 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
         if module is None:
             try:
                 other = type(model.get_submodule(fqn)).__name__
-                why = f"is a {other}, not an EmbeddingBagCollection"
+                why = f"is a {other}, not an EmbeddingBagCollection or EmbeddingCollection"
             except AttributeError:
                 why = "does not exist in the model"
             ebcs = sorted(k for k, v in found.items() if isinstance(v, EmbeddingBagCollection))
+            ecs = sorted(k for k, v in found.items() if isinstance(v, EmbeddingCollection))
             raise ShardingError(
                 f"the plan names module {fqn!r}, which {why}; the model's "
-                f"EmbeddingBagCollections are {ebcs} (use '' for the model itself)"
+                f"EmbeddingBagCollections are {ebcs}"
+                + (f" and its EmbeddingCollections {ecs}" if ecs else "")
+                + " (use '' for the model itself)"
             )
         if len(names_of[id(module)]) > 1:
             raise ShardingError(
@@ -172,7 +239,7 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
                 "them before modular.shard. Call modular.shard first, then "
                 "modular.apply_fully_shard, which leaves the sharded tables to modular"
             )
-        if isinstance(module, ShardedEmbeddingBagCollection) and not module.is_local:
+        if isinstance(module, _SHARDED) and not module.is_local:
             raise ShardingError(f"module {fqn!r} is already sharded; shard a model only once")
         targets.append((fqn, module))
     return targets
@@ -181,7 +248,7 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
 def _resolve(
     fqn: str, ebc: EmbeddingBagCollection, plan: ShardingPlan, world: int, device: torch.device
 ) -> tuple[dict, dict[str, tuple[ShardSpec, ...]]]:
-    tables = table_infos(ebc, fqn)
+    tables = _tables(ebc, fqn)
     check_table_dtypes(tables, fqn, device)  # before anything is allocated
     placements = dict(plan.modules[fqn])
     names = [t.name for t in tables]
@@ -233,15 +300,7 @@ def _agree_on_every_rank(
     if problem is None:
         described = {
             "plan": plan.to_dict(),
-            "tables": {
-                fqn: [
-                    [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
-                    + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
-                    for c in ebc.embedding_bag_configs()
-                ]
-                + [ebc.is_weighted()]
-                for fqn, ebc in targets
-            },
+            "tables": {fqn: _described(ebc) for fqn, ebc in targets},
         }
         if options and any(o != [str(torch.float32), "None"] for o in options.values()):
             described["precision"] = options  # output and comm dtypes, when not the defaults
@@ -269,10 +328,11 @@ def _agree_on_every_rank(
         )
 
 
-def sharded_modules(model: nn.Module) -> Iterator[tuple[str, ShardedEmbeddingBagCollection]]:
-    """(FQN, module) of every sharded EBC in `model`, in `named_modules()` order."""
+def sharded_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(FQN, module) of every sharded EBC and EmbeddingCollection in `model`, in
+    `named_modules()` order."""
     for name, m in model.named_modules():
-        if isinstance(m, ShardedEmbeddingBagCollection):
+        if isinstance(m, SHARDED_COLLECTIONS):
             yield name, m
 
 

@@ -39,11 +39,12 @@ examples:
   python -m planners compare plan.json other.json --plot both.png
 
 TABLES is a YAML or JSON list of records, or a CSV file with a header, with the fields
-name, num_embeddings, embedding_dim, features, pooling_factor, dtype, weighted
-(only the first three are required). A plan file written by 'plan -o' records the tables,
-constraints, cluster and workload it was planned from, so 'show' and 'compare' need no more
-flags; a flag given again overrides the record, and the output says so. Sizes need a unit
-(80GiB, 512MiB, 80GB). The cost model is described in docs/planner.md.
+name, num_embeddings, embedding_dim, features, pooling_factor, dtype, weighted, sequence
+(only the first three are required; sequence: true for an EmbeddingCollection's table, whose
+pooling_factor is then the average sequence length). A plan file written by 'plan -o' records
+the tables, constraints, cluster and workload it was planned from, so 'show' and 'compare' need
+no more flags; a flag given again overrides the record, and the output says so. Sizes need a
+unit (80GiB, 512MiB, 80GB). The cost model is described in docs/planner.md.
 Exit codes: 0 ok, 1 no plan fits (the message names the tables and the ways out),
 2 bad input (a one-line error naming the file, line or field).
 """

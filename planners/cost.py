@@ -51,6 +51,7 @@ class TableArrays(NamedTuple):
     bags: np.ndarray  # F, bags per sample (number of features)
     id_bytes: np.ndarray  # bytes of the batch per id (8, plus 4 for a weight)
     wire_id_bytes: np.ndarray  # bytes per routed id (4, or 8 past 2**31 rows; plus 4 for a weight)
+    sequence: np.ndarray  # 1 for a sequence table (one output row per id), else 0
 
     @classmethod
     def of(cls, tables: Sequence[Table]) -> TableArrays:
@@ -71,7 +72,13 @@ class TableArrays(NamedTuple):
                 ],
                 dtype=np.float64,
             ),
+            sequence=np.array([float(t.sequence) for t in tables], dtype=np.float64),
         )
+
+    @property
+    def outputs(self) -> np.ndarray:
+        """Output rows per sample: one per feature (pooled), one per id (sequence)."""
+        return np.where(self.sequence > 0, self.ids, self.bags)
 
     def take(self, index: np.ndarray) -> TableArrays:
         return TableArrays(*(a[index] for a in self))
@@ -160,10 +167,11 @@ class CostModel:
     def batch_buffer_bytes(self, t: TableArrays) -> float:
         """Bytes every rank holds for its own batch, whatever the plan: its ids and pooled bags.
 
-        sum over tables of B*P*id_bytes + 2*B*F*d*4 (bags and their gradients)
+        sum over tables of B*P*id_bytes + 2*B*F*d*4 (bags and their gradients; a sequence
+        table's outputs are rows of ids, P instead of F)
         """
         b = self.batch_size
-        return float(np.sum(b * t.ids * t.id_bytes + 2 * b * t.bags * t.dim * OUTPUT_BYTES))
+        return float(np.sum(b * t.ids * t.id_bytes + 2 * b * t.outputs * t.dim * OUTPUT_BYTES))
 
     def shard(
         self,
@@ -193,6 +201,9 @@ class CostModel:
             ids_in, bags_out = world * b * t.ids, world * b * t.bags
         else:
             ids_in, bags_out = world * b * t.ids * frac, world * b * t.bags
+        # A sequence table outputs one row per id it looks up, never a partial sum.
+        seq = t.sequence > 0
+        bags_out = np.where(seq, ids_in, bags_out)
         # Lookup, forward: read each id's row, write each bag. Backward (fused optimizer): read
         # each bag's gradient, then read and write each id's row and its optimizer state.
         out_cols = cols if kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE,
@@ -237,5 +248,8 @@ class CostModel:
                 output_dist = 2 * (intra + bag_bytes * alpha / k) + zero
             else:
                 output_dist = 2 * bag_bytes * alpha + zero
+            # A sequence table sends each id's row back (its shard's columns), bytes per id.
+            row_bytes = ids_from_each * out_cols * OUTPUT_BYTES
+            output_dist = np.where(seq, 2 * row_bytes * alpha + zero, output_dist)
         lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
         return ShardCost(lookup, input_dist, output_dist, grad_sync, stat_exchange, memory + zero)

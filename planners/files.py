@@ -38,7 +38,7 @@ __all__ = [
 ]  # fmt: skip
 
 _TABLE_FIELDS = ("name", "num_embeddings", "embedding_dim", "features", "pooling_factor",
-                 "dtype", "weighted")  # fmt: skip
+                 "dtype", "weighted", "sequence")  # fmt: skip
 _CONSTRAINT_FIELDS = ("sharding_types", "ranks", "min_shards", "max_shards")
 
 
@@ -199,6 +199,8 @@ def table_from_record(record: Mapping[str, Any]) -> Table:
         kwargs["dtype"] = DataType.parse(str(record["dtype"]))
     if record.get("weighted") not in (None, ""):
         kwargs["weighted"] = _bool(record["weighted"], "weighted")
+    if record.get("sequence") not in (None, ""):
+        kwargs["sequence"] = _bool(record["sequence"], "sequence")
     return Table(**kwargs)
 
 

@@ -203,7 +203,10 @@ class Table:
 
     `features` are the features looked up in this table (default: one feature named after the
     table); `pooling_factor` is the average number of ids per sample, one number for all features
-    or one per feature. `weighted` tables carry a float weight per id.
+    or one per feature. `weighted` tables carry a float weight per id. A `sequence` table belongs
+    to an EmbeddingCollection: every id's row is returned, not pooled, so its output (and the
+    output dist's bytes) is one row per id instead of one per feature and sample, and its
+    `pooling_factor` is the average sequence length.
     """
 
     name: str
@@ -213,6 +216,7 @@ class Table:
     pooling_factor: float | tuple[float, ...] = 1.0
     dtype: DataType = DataType.FP32
     weighted: bool = False
+    sequence: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -244,6 +248,13 @@ class Table:
         object.__setattr__(self, "dtype", DataType.parse(self.dtype))
         if not isinstance(self.weighted, bool):
             raise PlanError(f"{where}: weighted must be true or false, got {self.weighted!r}")
+        if not isinstance(self.sequence, bool):
+            raise PlanError(f"{where}: sequence must be true or false, got {self.sequence!r}")
+        if self.sequence and self.weighted:
+            raise PlanError(
+                f"{where}: a sequence table (an EmbeddingCollection's) has no per-id weights; "
+                "drop weighted=True"
+            )
 
     @property
     def pooling_factors(self) -> tuple[float, ...]:
@@ -264,6 +275,7 @@ class Table:
             "pooling_factor": pf[0] if len(set(pf)) == 1 else list(pf),
             "dtype": self.dtype.value,
             "weighted": self.weighted,
+            **({"sequence": True} if self.sequence else {}),
         }
 
 

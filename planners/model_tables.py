@@ -28,7 +28,14 @@ TablesLike = Union[Sequence[Table], Mapping[str, Sequence[Table]], Any]
 
 def _is_ebc(module: Any) -> bool:
     # Duck-typed so that reading a model needs neither torchrec nor torch.distributed here.
-    return callable(getattr(module, "embedding_bag_configs", None))
+    return callable(getattr(module, "embedding_bag_configs", None)) or _is_ec(module)
+
+
+def _is_ec(module: Any) -> bool:
+    """An EmbeddingCollection (sequences): it has `embedding_configs()` and no bags."""
+    return callable(getattr(module, "embedding_configs", None)) and not callable(
+        getattr(module, "embedding_bag_configs", None)
+    )
 
 
 def _is_config(item: Any) -> bool:
@@ -58,7 +65,9 @@ def tables_from_configs(
     return tables
 
 
-def _table_of(cfg: Any, pooling_factors: Mapping[str, float], weighted: bool) -> Table:
+def _table_of(
+    cfg: Any, pooling_factors: Mapping[str, float], weighted: bool, sequence: bool = False
+) -> Table:
     if not _is_config(cfg):
         raise PlanError(
             f"expected a torchrec EmbeddingBagConfig or planners.Table, got {type(cfg).__name__}"
@@ -71,6 +80,7 @@ def _table_of(cfg: Any, pooling_factors: Mapping[str, float], weighted: bool) ->
         pooling_factor=tuple(float(pooling_factors.get(f, 1.0)) for f in cfg.feature_names),
         dtype=DataType.parse(getattr(cfg, "data_type", DataType.FP32)),
         weighted=weighted,
+        sequence=sequence,
     )
 
 
@@ -84,7 +94,9 @@ def _check_pooling_keys(pooling_factors: Mapping[str, float], tables: Sequence[T
 def tables_from_model(
     model: Any, *, pooling_factors: Mapping[str, float] | None = None
 ) -> dict[str, tuple[Table, ...]]:
-    """The tables of every EmbeddingBagCollection in `model`, keyed by the EBC's FQN.
+    """The tables of every EmbeddingBagCollection and EmbeddingCollection in `model`, keyed by
+    the collection's FQN (an EmbeddingCollection's tables are `sequence` tables, whose pooling
+    factor is the average sequence length of each feature).
 
         tables = tables_from_model(model, pooling_factors={"user_history": 40.0})
 
@@ -100,11 +112,14 @@ def tables_from_model(
         if not _is_ebc(module) or (fqn and inside_found):
             continue
         weighted = bool(module.is_weighted()) if callable(getattr(module, "is_weighted", None)) else False
-        found[fqn] = tuple(_table_of(c, pooling_factors, weighted) for c in module.embedding_bag_configs())
+        sequence = _is_ec(module)
+        configs = module.embedding_configs() if sequence else module.embedding_bag_configs()
+        found[fqn] = tuple(_table_of(c, pooling_factors, weighted, sequence) for c in configs)
     if not found:
         raise PlanError(
-            f"{type(model).__name__} has no EmbeddingBagCollection (no submodule with "
-            "embedding_bag_configs()); pass a list of planners.Table instead"
+            f"{type(model).__name__} has no EmbeddingBagCollection or EmbeddingCollection (no "
+            "submodule with embedding_bag_configs() or embedding_configs()); pass a list of "
+            "planners.Table instead"
         )
     everything = [t for group in found.values() for t in group]
     _check_pooling_keys(

@@ -177,6 +177,7 @@ class PlanStats:
         default=ColumnWiseStatistic.EXACT, kw_only=True
     )
     tables: tuple[TableStats, ...] = field(default=(), kw_only=True)  # in input order
+    num_sequence_tables: int = field(default=0, kw_only=True)  # an EmbeddingCollection's
 
     @property
     def max_cost(self) -> float:
@@ -231,7 +232,9 @@ class PlanStats:
                 and self.column_wise_statistic is not ColumnWiseStatistic.EXACT):  # fmt: skip
             statistic = f" (column_wise_statistic {self.column_wise_statistic.value})"
         lines = [
-            f"{plural(self.num_tables, 'table')} on {plural(len(self.ranks), 'rank')} "
+            f"{plural(self.num_tables, 'table')}"
+            + (f" ({self.num_sequence_tables} sequence)" if self.num_sequence_tables else "")
+            + f" on {plural(len(self.ranks), 'rank')} "
             f"({self.topology.ranks_per_host} per host), batch {self.batch_size} per rank, "
             f"optimizer {self.optimizer.value}{statistic}",
             f"slowest rank {slow.rank}: {format_seconds(slow.cost)} per step; mean "
@@ -464,5 +467,6 @@ def stats_for(
     )  # fmt: skip
     return PlanStats(ranks, bound, topology, model.batch_size, model.optimizer, len(table_set),
                      plan_seconds, column_wise_statistic=model.column_wise_statistic,
-                     tables=tables)  # fmt: skip
+                     tables=tables,
+                     num_sequence_tables=sum(t.sequence for _, t in table_set))  # fmt: skip
 

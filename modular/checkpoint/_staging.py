@@ -212,7 +212,7 @@ def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) ->
     that = f"fused {saved_by[0]!r}" if saved_by else "another optimizer"
     modules = ", ".join(
         f"module {m!r}" if m else "the root module"
-        for m in sorted({fqn.rpartition("embedding_bags.")[0].rstrip(".") for fqn in sd["state"]})
+        for m in sorted({fqn.rsplit(".", 3)[0] if fqn.count(".") >= 3 else "" for fqn in sd["state"]})
     )
     fix = f"fuse with {saved_by[0]!r} to load it" if saved_by else "use the one it was saved with"
     return (

@@ -43,7 +43,7 @@ SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "b
 def describe(fqn: str) -> str:
     """How an error names a state entry: by its table when it is one."""
     parts = fqn.split(".")
-    if len(parts) >= 3 and parts[-3] == "embedding_bags" and parts[-1] == "weight":
+    if len(parts) >= 3 and parts[-3] in ("embedding_bags", "embeddings") and parts[-1] == "weight":
         return f"table {parts[-2]!r} ({fqn})"
     return repr(fqn)
 

@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils import get_total_norm
 
-from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.tables.forms import is_sharded, local_pieces
 
 __all__ = ["clip_grad_norm_"]
@@ -65,7 +65,7 @@ def clip_grad_norm_(
     by_group: dict[Optional[ProcessGroup], tuple[torch.device, list[torch.Tensor]]] = {}
     replicated: list[torch.Tensor] = []
     for _, m in model.named_modules():
-        if not isinstance(m, ShardedEmbeddingBagCollection):
+        if not isinstance(m, SHARDED_COLLECTIONS):
             continue
         for w in m.parameters():
             table_ids.add(id(w))

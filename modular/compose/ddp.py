@@ -10,7 +10,7 @@ from torch.distributed._composable import replicate
 
 from modular.compose.fsdp import refuse_meta_dense
 from modular.compose.params import ignored_params
-from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.errors import ShardingError
 
 __all__ = ["apply_ddp"]
@@ -34,12 +34,12 @@ def apply_ddp(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
     fused tables update inside backward. `ddp_kwargs` go to DistributedDataParallel
     (`bucket_cap_mb`, `find_unused_parameters`, `device_id`, ...).
     """
-    if isinstance(model, ShardedEmbeddingBagCollection):
+    if isinstance(model, SHARDED_COLLECTIONS):
         raise ShardingError(
-            "apply_ddp was given a ShardedEmbeddingBagCollection: it has no dense parameters to "
+            f"apply_ddp was given a {type(model).__name__}: it has no dense parameters to "
             "replicate; call it on the model that contains the EBC"
         )
     refuse_meta_dense(model, ignored_params(model), "apply_ddp")
-    sharded = [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+    sharded = [m for m in model.modules() if isinstance(m, SHARDED_COLLECTIONS)]
     replicate(model, ignored_modules=sharded, **ddp_kwargs)
     return model

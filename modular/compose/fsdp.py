@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from modular.compose.params import ignored_params
-from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.errors import ShardingError
 
 __all__ = ["ModuleSelector", "apply_fully_shard", "dense_modules", "refuse_meta_dense"]
@@ -60,7 +60,7 @@ def dense_modules(model: nn.Module, modules: ModuleSelector) -> list[nn.Module]:
 
     def walk(module: nn.Module) -> None:
         for child in module.children():
-            if id(child) in seen or isinstance(child, ShardedEmbeddingBagCollection):
+            if id(child) in seen or isinstance(child, SHARDED_COLLECTIONS):
                 continue
             seen.add(id(child))
             if picks(child):
@@ -95,9 +95,9 @@ def apply_fully_shard(
     `ignored_params` you pass. `mesh` (1-D for FSDP, 2-D ("replicate", "shard") for HSDP) and the
     other keyword arguments (`mp_policy`, `reshard_after_forward`, ...) go to every call.
     """
-    if isinstance(model, ShardedEmbeddingBagCollection):
+    if isinstance(model, SHARDED_COLLECTIONS):
         raise ShardingError(
-            "apply_fully_shard was given a ShardedEmbeddingBagCollection: it has no dense "
+            f"apply_fully_shard was given a {type(model).__name__}: it has no dense "
             "parameters to shard; call it on the model that contains the EBC"
         )
     ignored = ignored_params(model) | set(fully_shard_kwargs.pop("ignored_params", None) or ())

@@ -25,14 +25,14 @@ from torch import nn
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
 from modular import lifecycle
-from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.tables.forms import is_sharded, local_pieces
 
 __all__ = ["ignored_params", "local_parameters"]
 
 
-def _sharded(model: nn.Module) -> list[ShardedEmbeddingBagCollection]:
-    return [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+def _sharded(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, SHARDED_COLLECTIONS)]
 
 
 def ignored_params(model: nn.Module) -> set[torch.Tensor]:

@@ -1,0 +1,55 @@
+"""The tables of a torchrec EmbeddingCollection, in the terms of modular/tables/layout.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import DataType
+from torchrec.modules.embedding_modules import EmbeddingCollection
+
+from modular.errors import ShardingError
+from modular.tables.layout import Pooling, TableInfo
+
+__all__ = ["AsBags", "sequence_table_infos", "weights_device"]
+
+
+def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInfo, ...]:
+    """Reads the tables of an EmbeddingCollection, rejecting what sharding does not support.
+
+    Every id is its own bag of one (Note [sequence lookups as bags of one] in
+    modular/sequence/lookup.py), so each table is a SUM table to the layout and the kernels."""
+    infos = []
+    for cfg in ec.embedding_configs():
+        if cfg.data_type != DataType.FP32:
+            raise ShardingError(
+                f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
+                "only FP32 tables can be sharded"
+            )
+        infos.append(
+            TableInfo(
+                name=cfg.name,
+                num_embeddings=cfg.num_embeddings,
+                embedding_dim=cfg.embedding_dim,
+                features=tuple(cfg.feature_names),
+                pooling=Pooling.SUM,
+            )
+        )
+    return tuple(infos)
+
+
+class AsBags:
+    """An EmbeddingCollection seen through the two names modular/tables/init.py reads
+    (`embedding_bag_configs()`, `embedding_bags[table].weight`), so that shard init, its
+    agreement and its fingerprints serve both collections."""
+
+    def __init__(self, ec: EmbeddingCollection) -> None:
+        self._ec = ec
+        self.embedding_bags: nn.ModuleDict = ec.embeddings
+
+    def embedding_bag_configs(self):
+        return self._ec.embedding_configs()
+
+
+def weights_device(ec: EmbeddingCollection) -> torch.device:
+    """Where `ec`'s tables live (an unsharded stand-in keeps them there)."""
+    return next(iter(ec.parameters())).device

@@ -14,7 +14,13 @@ import torch.distributed as dist
 import modular
 from tests.dist import run_on_ranks
 from tests.modular.helpers import close, local_blocks
-from tests.modular.sequence_cases import CASES, global_batch, make_model, plan_for, rank_batches
+from tests.modular.helpers import (
+    CASES,
+    seq_global_batch as global_batch,
+    make_seq_model as make_model,
+    seq_plan_for as plan_for,
+    seq_rank_batches as rank_batches,
+)
 
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
 LR, EPS, STEPS = 0.3, 1e-3, 3

@@ -26,17 +26,13 @@ from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
 from modular.routing.router import INT32_MAX, Router
 from modular.errors import InputError
-from modular.kernels.base import Kernel
-from modular.kernels.dense import DenseKernel
 from modular.fused.config import FusedConfig
-from modular.fused.tables import FusedTables
+from modular.local_shards import LocalShards
 from modular.sequence.lookup import lookup_routes
 from modular.sequence.output import Placement, place_rows, send_rows
 from modular.sequence.tables import AsBags, sequence_table_infos, weights_device
-from modular.tables.init import agree_on_init, fill_local_shards
-from modular.tables.layout import KernelGroup, RankLayout, build_layout, kernel_groups
-from modular.tables.weights import ShardedTable, check_widths_off_cpu, table_weight
-from planners.types import ShardingType, ShardSpec, TablePlacement
+from modular.tables.layout import RankLayout
+from modular.tables.weights import check_widths_off_cpu
 
 __all__ = ["ShardedEmbeddingCollection"]
 
@@ -59,67 +55,31 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
     """
 
     def __init__(
-        self,
-        ec: EmbeddingCollection,
-        placements: dict[str, TablePlacement],
-        shards: dict[str, tuple[ShardSpec, ...]],
-        *,
-        module: str,
-        process_group: Optional[ProcessGroup],
-        device: torch.device,
-        local: bool = False,
-        fused: Optional[FusedConfig] = None,
+        self, ec: EmbeddingCollection, at: RankLayout, *, fused: Optional[FusedConfig] = None
     ) -> None:
         super().__init__()
-        tables = sequence_table_infos(ec, module)
-        self._module_fqn = module
-        self._pg = process_group
-        self._local_only = local
-        self._world = 1 if local else dist.get_world_size(process_group)
-        self._alone = self._world == 1
-        self._rank = 0 if local else dist.get_rank(process_group)
-        self._global_rank = (
-            self._rank if local or process_group is None
-            else dist.get_global_rank(process_group, self._rank)
-        )  # fmt: skip
-        self._device = device
+        self._at = at  # the tables' layout from the plan, seen from this rank
+        module, process_group, device = at.module, at.group, at.device
+        self._module_fqn, self._pg, self._local_only, self._device = module, process_group, at.local, device
+        self.layout, self._world, self._rank = self._at.layout, self._at.world, self._at.rank
+        self._alone = self._world == 1  # as the EBC's: a world of one sends nothing
         self._configs = ec.embedding_configs()
         self._need_indices = ec.need_indices()
         self._embedding_dim = ec.embedding_dim()
         self._names_by_table = ec.embedding_names_by_table()
-        self.layout = build_layout(
-            tables,
-            tuple(placements[t.name] for t in tables),
-            tuple(shards[t.name] for t in tables),
-            world_size=self._world,
-            rank=self._rank,
-        )
-        self._at = RankLayout(
-            layout=self.layout, module=module, rank=self._rank, world=self._world,
-            group=process_group, device=device, local=local,
-        )  # fmt: skip
         if device.type != "cpu":
             check_widths_off_cpu(self.layout, module, device)
         self._router = Router(self.layout, module=module, is_weighted=False, device=device)
-        self.fused_tables = None if fused is None else FusedTables(fused, at=self._at)
-        self._kernels = [self._make_kernel(g, False) for g in kernel_groups(self.layout.routes_to(self._rank))]
-        self._local_kernels = [self._make_kernel(g, True) for g in kernel_groups(self.layout.local)]
-        if self.fused_tables is not None:
-            self.fused_tables.attach(self._kernels, self._local_kernels)
+        self._shards = LocalShards(at=self._at, fused=fused)
+        self.fused_tables = self._shards.fused_tables  # Note [fused tables]
+        self._kernels, self._local_kernels = self._shards.kernels, self._shards.local_kernels
         self._local_features = Permutation([r.feature for r in self.layout.local])
         self._exchange = None if self._alone else self.make_exchange(process_group)
         self._prefetcher: Optional[Prefetcher] = None  # Note [prefetched input dist]
 
-        self.embeddings = nn.ModuleDict()
-        views = self._local_views()
-        self._init_weights(ec, views)
-        for t, table in enumerate(tables):  # collective, in table order on every rank
-            weight = table_weight(t, views, at=self._at, global_rank=self._global_rank)
-            self.embeddings[table.name] = ShardedTable(weight)
-        if not self._alone:
-            for k in self._local_kernels:
-                if isinstance(k, DenseKernel):
-                    k.replicate(self._pg, self._world)
+        self.embeddings = nn.ModuleDict(  # collective: fills the shards, makes the weights
+            self._shards.build_tables(AsBags(ec), global_rank=self._at.global_rank)
+        )
 
     @classmethod
     def unsharded(
@@ -127,69 +87,19 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
     ) -> ShardedEmbeddingCollection:
         """A single-process stand-in for `ec` (every table local, no communication), with `ec`'s
         weights: what `fuse_optimizer` makes of a materialised EmbeddingCollection."""
-        placements = {
-            c.name: TablePlacement(ShardingType.DATA_PARALLEL) for c in ec.embedding_configs()
-        }
-        shards = {
-            c.name: (ShardSpec(0, 0, c.num_embeddings, 0, c.embedding_dim),)
-            for c in ec.embedding_configs()
-        }
-        return cls(
-            ec, placements, shards, module=module, process_group=None,
-            device=weights_device(ec), local=True, fused=fused,
-        )  # fmt: skip
+        tables = sequence_table_infos(ec, module)
+        at = RankLayout.one_process(tables, module=module, device=weights_device(ec))
+        return cls(ec, at, fused=fused)
 
-    @property
-    def is_local(self) -> bool:
-        return self._local_only
-
-    @property
-    def fused(self) -> Optional[FusedConfig]:
-        """The fused optimizer's config, or None (Note [fused tables])."""
-        return None if self.fused_tables is None else self.fused_tables.config
-
-    # -- construction -----------------------------------------------------------------------
-
-    def _make_kernel(self, group: KernelGroup, is_local: bool) -> Kernel:
-        sizes = []
-        for table, j in group.shards:
-            spec = self.layout.shards[self.layout.table_index(table)][j]
-            sizes.append((spec.num_rows, spec.num_cols))
-        if self.fused_tables is not None:
-            return self.fused_tables.kernel(group, sizes, is_local=is_local)
-        return DenseKernel(group, sizes, self._device)
-
-    def _local_views(self) -> dict[tuple[str, int], torch.Tensor]:
-        views = {}
-        for k in (*self._kernels, *self._local_kernels):
-            for key, view in zip(k.group.shards, k.views):
-                views[key] = view
-        return views
-
-    @torch.no_grad()
-    def _init_weights(self, ec: EmbeddingCollection, views: dict) -> None:
-        """As the sharded EBC's: copies or init_fn, agreed on every rank (Note [agreeing on the
-        shards' init]); data-parallel replicas start as rank 0's."""
-        bags = AsBags(ec)
-        failure: Optional[BaseException] = None
-        try:
-            fill_local_shards(bags, views, layout=self.layout, module=self._module_fqn)
-        except Exception as e:
-            failure = e
-        if self._local_only:
-            if failure is not None:
-                raise failure
-            return
-        copied = [
-            t.name
-            for t, p in zip(self.layout.tables, self.layout.placements)
-            if p.sharding_type is not ShardingType.DATA_PARALLEL
-        ]
-        agree_on_init(failure, self._module_fqn, self._pg, bags, copied)
-        source = 0 if self._pg is None else dist.get_global_rank(self._pg, 0)
-        for k in self._local_kernels:
-            for view in k.views:
-                dist.broadcast(view.data, src=source, group=self._pg)
+    # Where this module lives and what it fuses, read as the sharded EBC's are (`RankLayout`).
+    is_local = property(lambda self: self._at.local, doc="A one-process module (`unsharded`).")
+    device = property(lambda self: self._at.device, doc="The device of this rank's shards.")
+    process_group = property(lambda self: self._at.group, doc="The group the tables span.")
+    module_fqn = property(lambda self: self._at.module, doc="This module's FQN in the model.")
+    fused = property(
+        lambda self: None if self.fused_tables is None else self.fused_tables.config,
+        doc="The fused optimizer's config, or None (Note [fused tables]).",
+    )
 
     # -- the three steps --------------------------------------------------------------------
 
@@ -204,10 +114,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
         """Prefetches `features` for a later `forward(features)`, as the sharded EBC's
         `prefetch` (Note [prefetched input dist]); call it on every rank, in the same order."""
         if self._prefetcher is None:
-            self._prefetcher = Prefetcher(
-                self._input_dist, self.make_exchange, module=self._module_fqn, group=self._pg,
-                device=self._device, local=self._local_only,
-            )  # fmt: skip
+            self._prefetcher = Prefetcher(self._input_dist, self.make_exchange, at=self._at)
         self._prefetcher.start(features)
 
     def make_exchange(self, group: Optional[ProcessGroup]) -> IdsExchange:
@@ -221,16 +128,10 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
     def _input_dist(
         self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange] = None
     ) -> SequenceReceived:
+        batch, world = features.stride(), self._world
+        rejection, kjt, routed = self._router.accept(features, alone=self._alone)
         exchange = exchange or self._exchange
-        rejection, kjt = self._router.normalise(features)
-        routed = None
-        if rejection is None:
-            rejection, routed = self._router.check_and_route(kjt)
-        batch = features.stride()
-        world = self._world
         if self._alone:
-            if rejection is not None:
-                raise InputError(rejection.message)
             routes = len(self.layout.routes)
             per_source = routed.lengths.view(routes, batch).sum(1).view(routes, 1).tolist()
             return self._received(kjt, routed.values, per_source)
@@ -344,15 +245,3 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
 
     def embedding_names_by_table(self) -> list[list[str]]:
         return self._names_by_table
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def process_group(self) -> Optional[ProcessGroup]:
-        return self._pg
-
-    @property
-    def module_fqn(self) -> str:
-        return self._module_fqn

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torchrec.modules.embedding_modules import (
@@ -29,17 +28,14 @@ from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
 from modular.routing.router import INT32_MAX, Received, Router
 from modular.errors import InputError, ShardingError
-from modular.kernels.base import Kernel, pool
-from modular.kernels.dense import DenseKernel
+from modular.kernels.base import pool
 from modular.kernels.lookups import batch_offsets
 from modular.fused.config import FusedConfig
-from modular.fused.tables import FusedTables
 from modular.kernels.precision import check_table_dtypes
-from modular.tables.init import init_shards
-from modular.tables.layout import KernelGroup, RankLayout, build_layout, kernel_groups
+from modular.local_shards import LocalShards
+from modular.tables.layout import RankLayout
 from modular.tables.forms import TensorType
-from modular.tables.weights import ShardedTable, check_widths_off_cpu, table_infos, table_weight
-from planners.types import ShardingType, ShardSpec, TablePlacement
+from modular.tables.weights import check_widths_off_cpu, table_infos
 
 __all__ = ["EAGER_REASON", "ShardedEmbeddingBagCollection"]
 
@@ -62,20 +58,17 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def __init__(
         self,
         ebc: EmbeddingBagCollection,
-        placements: dict[str, TablePlacement],
-        shards: dict[str, tuple[ShardSpec, ...]],
+        at: RankLayout,
         *,
-        module: str,
-        process_group: Optional[ProcessGroup],
-        device: torch.device,
-        local: bool = False,
         fused: Optional[FusedConfig] = None,
         output_dtype: torch.dtype = torch.float32,
         comm_dtype: Optional[torch.dtype] = None,
         tensor_type: TensorType = TensorType.SHARDED_TENSOR,
     ) -> None:
         super().__init__()
-        tables = table_infos(ebc, module)
+        # `at`: the tables' layout from the plan, seen from this rank (`RankLayout.build`).
+        tables, module, device = at.layout.tables, at.module, at.device
+        process_group, local = at.group, at.local
         check_table_dtypes(tables, module, device)
         # Note [low-precision tables] and Note [low-precision comms] (modular/comm.py): the
         # pooled outputs are FP32 unless `output_dtype` says otherwise; `comm_dtype` is the
@@ -86,42 +79,24 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._pg = process_group
         # A local module (see `unsharded`) is a world of one that never communicates.
         self._local_only = local
-        self._world = 1 if local else dist.get_world_size(process_group)
-        # A world of one sends nothing either: each all-to-all would copy a tensor onto itself
-        # (four a step; on a GPU each costs a NCCL launch), and no peer needs the agreement.
+        self._at = at
+        self.layout = self._at.layout
+        self._world, self._rank = self._at.world, self._at.rank
+        # A world of one sends nothing: each all-to-all would copy a tensor onto itself (four a
+        # step; on a GPU each costs a NCCL launch), and no peer needs the agreement.
         self._alone = self._world == 1
-        self._rank = 0 if local else dist.get_rank(process_group)
-        # ShardedTensor placements name global ranks, also when sharding over a subgroup.
-        self._global_rank = (
-            self._rank if local or process_group is None
-            else dist.get_global_rank(process_group, self._rank)
-        )
+        self._global_rank = self._at.global_rank
         self._device = device
         self._is_weighted = ebc.is_weighted()
         self._configs = ebc.embedding_bag_configs()
-        self.layout = build_layout(
-            tables,
-            tuple(placements[t.name] for t in tables),
-            tuple(shards[t.name] for t in tables),
-            world_size=self._world,
-            rank=self._rank,
-        )
-        self._at = RankLayout(
-            layout=self.layout, module=module, rank=self._rank, world=self._world,
-            group=process_group, device=device, local=local,
-        )  # fmt: skip
         if device.type != "cpu":  # every rank raises alike, before any collective
             check_widths_off_cpu(self.layout, module, device)
         self._router = Router(
             self.layout, module=module, is_weighted=self._is_weighted, device=device
         )
-        # The fused optimizer's part (Note [fused tables]): it picks every fused kernel.
-        self.fused_tables = None if fused is None else FusedTables(fused, at=self._at)
-        remote_groups = kernel_groups(self.layout.routes_to(self._rank))
-        self._kernels = [self._make_kernel(g, False) for g in remote_groups]
-        self._local_kernels = [self._make_kernel(g, True) for g in kernel_groups(self.layout.local)]
-        if self.fused_tables is not None:
-            self.fused_tables.attach(self._kernels, self._local_kernels)
+        self._shards = LocalShards(at=self._at, fused=fused)
+        self.fused_tables = self._shards.fused_tables  # Note [fused tables]
+        self._kernels, self._local_kernels = self._shards.kernels, self._shards.local_kernels
         self._local_features = Permutation([r.feature for r in self.layout.local])
         self._recv_dims = self.layout.dims_per_rank()
         self._my_dim = self._recv_dims[self._rank]
@@ -137,16 +112,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         )
         self._mean_columns, self._mean_features = self._mean_column_maps()
 
-        self.embedding_bags = nn.ModuleDict()
-        views = self._local_views()
-        replicas = [view for k in self._local_kernels for view in k.views]
-        init_shards(ebc, views, replicas, at=self._at)  # Note [agreeing on the shards' init]
-        for t, table in enumerate(tables):  # collective, in table order on every rank
-            weight = table_weight(
-                t, views, at=self._at, global_rank=self._global_rank, tensor_type=tensor_type
-            )
-            self.embedding_bags[table.name] = ShardedTable(weight)
-        self._replicate_data_parallel_kernels()
+        self.embedding_bags = nn.ModuleDict(  # collective: fills the shards, makes the weights
+            self._shards.build_tables(ebc, global_rank=self._global_rank, tensor_type=tensor_type)
+        )
 
     @classmethod
     def unsharded(
@@ -155,17 +123,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """A single-process stand-in for `ebc` (every table local, no communication), with
         `ebc`'s weights: what `fuse_optimizer` makes of a materialised EBC, which `modular.shard`
         accepts."""
-        names = [c.name for c in ebc.embedding_bag_configs()]
-        placements = {n: TablePlacement(ShardingType.DATA_PARALLEL) for n in names}
-        shards = {
-            c.name: (ShardSpec(0, 0, c.num_embeddings, 0, c.embedding_dim),)
-            for c in ebc.embedding_bag_configs()
-        }
         device = next(iter(ebc.parameters())).device
-        return cls(
-            ebc, placements, shards, module=module, process_group=None, device=device,
-            local=True, fused=fused,
-        )  # fmt: skip
+        at = RankLayout.one_process(table_infos(ebc, module), module=module, device=device)
+        return cls(ebc, at, fused=fused)
 
     @property
     def is_local(self) -> bool:
@@ -177,29 +137,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return None if self.fused_tables is None else self.fused_tables.config
 
     # -- construction -----------------------------------------------------------------------
-
-    def _make_kernel(self, group: KernelGroup, is_local: bool) -> Kernel:
-        sizes = []
-        for table, j in group.shards:
-            spec = self.layout.shards[self.layout.table_index(table)][j]
-            sizes.append((spec.num_rows, spec.num_cols))
-        if self.fused_tables is not None:
-            return self.fused_tables.kernel(group, sizes, is_local=is_local)
-        return DenseKernel(group, sizes, self._device)
-
-    def _local_views(self) -> dict[tuple[str, int], torch.Tensor]:
-        views = {}
-        for k in (*self._kernels, *self._local_kernels):
-            for key, view in zip(k.group.shards, k.views):
-                views[key] = view
-        return views
-
-    def _replicate_data_parallel_kernels(self) -> None:
-        if self._world == 1:
-            return
-        for k in self._local_kernels:
-            if isinstance(k, DenseKernel):
-                k.replicate(self._pg, self._world)
 
     def _mean_column_maps(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         cols, feats = [], []
@@ -235,10 +172,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         background from this module's next wait on (Note [prefetched input dist] in
         modular/routing/prefetcher.py); call it on every rank, in the same order."""
         if self._prefetcher is None:
-            self._prefetcher = Prefetcher(
-                self._input_dist, self.make_exchange, module=self._module_fqn, group=self._pg,
-                device=self._device, local=self._local_only,
-            )  # fmt: skip
+            self._prefetcher = Prefetcher(self._input_dist, self.make_exchange, at=self._at)
         self._prefetcher.start(features)
 
     def input_dist(self, features: KeyedJaggedTensor) -> Received:
@@ -254,15 +188,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange] = None
     ) -> Received:
         exchange = exchange or self._exchange
-        rejection, kjt = self._router.normalise(features)
-        routed = None
-        if rejection is None:
-            rejection, routed = self._router.check_and_route(kjt)
+        rejection, kjt, routed = self._router.accept(features, alone=self._alone)
         batch = features.stride()
         world = self._world
         if self._alone:
-            if rejection is not None:
-                raise InputError(rejection.message)
             return self._received(kjt, routed.lengths, routed.values, routed.weights, batch)
         # Every rank hears how much is coming and whether anyone failed (so a bad batch raises
         # on every rank instead of hanging the others) in the header of the ids' own all-to-all
@@ -370,7 +299,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def local_shard_views(self) -> dict[tuple[str, int], torch.Tensor]:
         """This rank's shards by (table, shard index in the layout), aliasing the kernels'
         weights: writing into one changes what the next lookup reads (`modular.unshard`)."""
-        return self._local_views()
+        return self._shards.views()
 
     # -- what torchrec's EBC also offers ----------------------------------------------------
 

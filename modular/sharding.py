@@ -29,6 +29,7 @@ from modular.routing.precision import DtypeOption, per_module
 from modular.sequence.tables import sequence_table_infos
 from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.tables.forms import TensorType, is_sharded, local_pieces
+from modular.tables.layout import RankLayout
 from modular.tables.weights import table_infos
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
@@ -117,10 +118,11 @@ def shard(
         options = {}
         if kind is ShardedEmbeddingBagCollection:
             options = dict(output_dtype=outputs[fqn], comm_dtype=wires[fqn], tensor_type=tensor_type)
-        sharded = kind(
-            ebc, placements, shards, module=fqn, process_group=process_group, device=device,
-            fused=fused, **options,
-        )
+        at = RankLayout.build(
+            _tables(ebc, fqn), placements, shards, module=fqn, group=process_group,
+            device=device, local=False,
+        )  # fmt: skip
+        sharded = kind(ebc, at, fused=fused, **options)
         if local is not None and local.fused_tables is not None:
             state = fused_state(local.fused_tables, local.table_weights())
             load_unsharded_fused_state(sharded.fused_tables, state)

@@ -54,6 +54,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from modular.comm import backend_for
 from modular.routing.exchange import IdsExchange
 from modular.routing.router import Received
+from modular.tables.layout import RankLayout
 
 __all__ = ["MAX_PENDING", "Prefetcher", "release_side_groups"]
 
@@ -73,11 +74,10 @@ class Prefetcher:
         input_dist: InputDist,
         make_exchange: Callable[[Optional[ProcessGroup]], IdsExchange],
         *,
-        module: str,
-        group: Optional[ProcessGroup],
-        device: torch.device,
-        local: bool,
+        at: RankLayout,
     ) -> None:
+        """`input_dist` and `make_exchange` are the module's; `at` says where it lives."""
+        module, group, device, local = at.module, at.group, at.device, at.local
         self._input_dist = input_dist
         self._module = module
         self._group = group

@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from modular.errors import InputError
 from modular.routing.checks import BatchChecks, Problem, Rejection
 from modular.routing.permute import Permutation, permute
 from modular.tables.layout import ROW_SPLIT, Layout
@@ -211,6 +212,20 @@ class Router(BatchChecks):
         if perm is None:
             perm = self._permutations[keys] = Permutation([keys.index(f) for f in self.features])
         return None, permute(kjt, perm)
+
+    def accept(
+        self, features: KeyedJaggedTensor, *, alone: bool
+    ) -> tuple[Optional[Rejection], Optional[KeyedJaggedTensor], Optional[Routed]]:
+        """`normalise`, `check` and `route` a batch: (rejection, kjt, routed), one of the last two
+        None when rejected. `alone` (a world of one, with no peer to tell) raises the
+        rejection as `InputError` at once; otherwise the exchange's header shares it first."""
+        rejection, kjt = self.normalise(features)
+        routed = None
+        if rejection is None:
+            rejection, routed = self.check_and_route(kjt)
+        if alone and rejection is not None:
+            raise InputError(rejection.message)
+        return rejection, kjt, routed
 
     def check_and_route(
         self, kjt: KeyedJaggedTensor

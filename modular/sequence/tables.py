@@ -9,6 +9,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from modular.errors import ShardingError
 from modular.tables.layout import Pooling, TableInfo
+from modular.tables.weights import table_info
 
 __all__ = ["AsBags", "sequence_table_infos", "weights_device"]
 
@@ -25,15 +26,7 @@ def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInf
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
                 "only FP32 tables can be sharded"
             )
-        infos.append(
-            TableInfo(
-                name=cfg.name,
-                num_embeddings=cfg.num_embeddings,
-                embedding_dim=cfg.embedding_dim,
-                features=tuple(cfg.feature_names),
-                pooling=Pooling.SUM,
-            )
-        )
+        infos.append(table_info(cfg, Pooling.SUM))
     return tuple(infos)
 
 

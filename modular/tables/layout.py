@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from planners.types import ShardingType, ShardSpec, TablePlacement
@@ -313,6 +314,54 @@ class RankLayout:
     group: Optional[ProcessGroup]
     device: torch.device
     local: bool  # a one-process module that never communicates (`unsharded`)
+
+    @classmethod
+    def build(
+        cls,
+        tables: tuple[TableInfo, ...],
+        placements: dict[str, TablePlacement],
+        shards: dict[str, tuple[ShardSpec, ...]],
+        *,
+        module: str,
+        group: Optional[ProcessGroup],
+        device: torch.device,
+        local: bool,
+    ) -> RankLayout:
+        """The layout of `tables` under `placements` / `shards`, seen from this rank of `group`
+        (a `local` module is a world of one that never communicates)."""
+        world = 1 if local else dist.get_world_size(group)
+        rank = 0 if local else dist.get_rank(group)
+        layout = build_layout(
+            tables,
+            tuple(placements[t.name] for t in tables),
+            tuple(shards[t.name] for t in tables),
+            world_size=world,
+            rank=rank,
+        )
+        return cls(
+            layout=layout, module=module, rank=rank, world=world, group=group, device=device,
+            local=local,
+        )  # fmt: skip
+
+    @classmethod
+    def one_process(
+        cls, tables: tuple[TableInfo, ...], *, module: str, device: torch.device
+    ) -> RankLayout:
+        """Every table whole on a world of one that never communicates: a one-process module
+        (`unsharded`, what `fuse_optimizer` makes of a materialised collection)."""
+        placements = {t.name: TablePlacement(ShardingType.DATA_PARALLEL) for t in tables}
+        shards = {t.name: (ShardSpec(0, 0, t.num_embeddings, 0, t.embedding_dim),) for t in tables}
+        return cls.build(
+            tables, placements, shards, module=module, group=None, device=device, local=True
+        )
+
+    @property
+    def global_rank(self) -> int:
+        """This rank in the default group: ShardedTensor placements name global ranks, also when
+        sharding over a subgroup."""
+        if self.local or self.group is None:
+            return self.rank
+        return dist.get_global_rank(self.group, self.rank)
 
     def shard_of_rank(self, t: int) -> int:
         """The index of this rank's shard of table `t` (a data-parallel table's replica)."""

@@ -36,6 +36,7 @@ __all__ = [
     "frozen",
     "local_shard_metadata",
     "sharded_from_metadata",
+    "table_info",
     "table_infos",
     "table_weight",
 ]
@@ -74,17 +75,20 @@ def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ..
                 "EmbeddingBagCollection; per-sample weights work only with SUM pooling (torchrec's "
                 "unsharded EBC refuses them too): use PoolingType.SUM or an unweighted EBC"
             )
-        infos.append(
-            TableInfo(
-                name=cfg.name,
-                num_embeddings=cfg.num_embeddings,
-                embedding_dim=cfg.embedding_dim,
-                features=tuple(cfg.feature_names),
-                pooling=Pooling.SUM if cfg.pooling == PoolingType.SUM else Pooling.MEAN,
-                dtype=TABLE_DTYPES[cfg.data_type],
-            )
-        )
+        infos.append(table_info(cfg, Pooling.SUM if cfg.pooling == PoolingType.SUM else Pooling.MEAN))
     return tuple(infos)
+
+
+def table_info(cfg, pooling: Pooling) -> TableInfo:
+    """One torchrec table config (an EBC's or an EC's) as the layout sees it."""
+    return TableInfo(
+        name=cfg.name,
+        num_embeddings=cfg.num_embeddings,
+        embedding_dim=cfg.embedding_dim,
+        features=tuple(cfg.feature_names),
+        pooling=pooling,
+        dtype=TABLE_DTYPES[cfg.data_type],
+    )
 
 
 def check_widths_off_cpu(layout: Layout, module: str, device: torch.device) -> None:

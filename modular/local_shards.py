@@ -1,0 +1,83 @@
+"""This rank's shards of one sharded collection (an EBC's or an EC's): the kernels that hold them,
+their views, and the tables' weights made from them.
+
+Both sharded collections own one `LocalShards`, built from the collection's `RankLayout` and its
+fused config: it picks each kernel in one place (`FusedTables.kernel` for a fused module, the
+dense kernel otherwise), fills the shards (Note [agreeing on the shards' init] in
+modular/tables/init.py) and makes each table's weight under its unsharded name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from modular.fused.config import FusedConfig
+from modular.fused.tables import FusedTables
+from modular.kernels.base import Kernel
+from modular.kernels.dense import DenseKernel
+from modular.tables.forms import TensorType
+from modular.tables.init import init_shards
+from modular.tables.layout import KernelGroup, RankLayout, kernel_groups
+from modular.tables.weights import ShardedTable, table_weight
+
+__all__ = ["LocalShards"]
+
+
+class LocalShards:
+    """The kernels of one collection on this rank: `kernels` look up the routes this rank holds
+    (for every rank's batch), `local_kernels` its data-parallel replicas (for its own batch)."""
+
+    def __init__(self, *, at: RankLayout, fused: Optional[FusedConfig]) -> None:
+        self.at = at
+        # The fused optimizer's part (Note [fused tables]): it picks every fused kernel.
+        self.fused_tables = None if fused is None else FusedTables(fused, at=at)
+        layout = at.layout
+        self.kernels = [self._kernel(g, False) for g in kernel_groups(layout.routes_to(at.rank))]
+        self.local_kernels = [self._kernel(g, True) for g in kernel_groups(layout.local)]
+        if self.fused_tables is not None:
+            self.fused_tables.attach(self.kernels, self.local_kernels)
+
+    def _kernel(self, group: KernelGroup, is_local: bool) -> Kernel:
+        layout = self.at.layout
+        sizes = []
+        for table, j in group.shards:
+            spec = layout.shards[layout.table_index(table)][j]
+            sizes.append((spec.num_rows, spec.num_cols))
+        if self.fused_tables is not None:
+            return self.fused_tables.kernel(group, sizes, is_local=is_local)
+        return DenseKernel(group, sizes, self.at.device)
+
+    def views(self) -> dict[tuple[str, int], torch.Tensor]:
+        """Every local shard's weights, by (table, shard index)."""
+        views = {}
+        for k in (*self.kernels, *self.local_kernels):
+            for key, view in zip(k.group.shards, k.views):
+                views[key] = view
+        return views
+
+    def build_tables(
+        self,
+        source: Any,
+        *,
+        global_rank: int,
+        tensor_type: TensorType = TensorType.SHARDED_TENSOR,
+    ) -> dict[str, ShardedTable]:
+        """Fills the shards from `source`'s weights (or their init_fn on meta), then makes each
+        table's weight in table order (both collective), then has dense replicas average their
+        gradients over ranks (Note [dense replicas])."""
+        views = self.views()
+        replicas = [view for k in self.local_kernels for view in k.views]
+        init_shards(source, views, replicas, at=self.at)  # Note [agreeing on the shards' init]
+        tables = {}
+        for t, table in enumerate(self.at.layout.tables):
+            weight = table_weight(
+                t, views, at=self.at, global_rank=global_rank, tensor_type=tensor_type
+            )
+            tables[table.name] = ShardedTable(weight)
+        if self.at.world > 1:
+            for k in self.local_kernels:
+                if isinstance(k, DenseKernel):
+                    k.replicate(self.at.group, self.at.world)
+        return tables

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -338,19 +338,38 @@ def sharded_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, m
 
 
-def prefetch(model: nn.Module, features: KeyedJaggedTensor) -> nn.Module:
-    """Prefetches `features` for every sharded EBC of `model`: its input dist runs in the
-    background from the module's next wait on (Note [prefetched input dist] in
-    modular/routing/prefetcher.py), and a later `model(...)` whose sharded EBCs receive this same KJT
-    object uses it. Returns `model`. Call it on every rank, in the same order."""
+def prefetch(
+    model: nn.Module, features: KeyedJaggedTensor, *, modules: Optional[Iterable[str]] = None
+) -> nn.Module:
+    """Prefetches `features` for the sharded collections of `model`: their input dist runs in
+    the background from the module's next wait on (Note [prefetched input dist] in
+    modular/routing/prefetcher.py), and a later `model(...)` whose sharded modules receive this
+    same KJT object uses it. Returns `model`. Call it on every rank, in the same order.
+
+    `modules` (FQNs) limits it to the collections that take this KJT, for a model whose
+    collections take different ones (an EBC's batch and an EC's):
+
+        modular.prefetch(model, batch.sparse, modules=["sparse"])
+        modular.prefetch(model, batch.sequences, modules=["seq"])
+
+    Without it every sharded collection gets `features`; one that never receives that KJT would
+    keep it pending (and refuse more than 8 such). The choice is the caller's, not read from
+    the batch, so every rank makes the same one even when a rank's batch is wrong."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
-    found = False
-    for _, module in sharded_modules(model):
-        module.prefetch(features)
-        found = True
+    found = dict(sharded_modules(model))
     if not found:
         raise ValueError(
-            "prefetch: the model has no sharded EmbeddingBagCollection (call modular.shard first)"
+            "prefetch: the model has no sharded EmbeddingBagCollection or EmbeddingCollection "
+            "(call modular.shard first)"
         )
+    names = list(found) if modules is None else list(modules)
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        raise ValueError(
+            f"prefetch: modules {unknown} are not sharded collections of the model; its sharded "
+            f"collections are {sorted(found)}"
+        )
+    for name in names:
+        found[name].prefetch(features)
     return model

@@ -85,3 +85,27 @@ def test_compiled_autograd_is_refused_naming_the_module() -> None:
     with torch._dynamo.config.patch(compiled_autograd=True):
         with pytest.raises(modular.ShardingError, match="module 'ebc': compiled autograd"):
             model.ebc(kjt)
+
+
+class _TwoCollections(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        config = lambda name, feature: EmbeddingBagConfig(  # noqa: E731
+            name=name, num_embeddings=10, embedding_dim=4, feature_names=[feature]
+        )
+        self.a = EmbeddingBagCollection(tables=[config("ta", "f")])
+        self.b = EmbeddingBagCollection(tables=[config("tb", "g")])
+
+
+def test_prefetch_goes_to_the_modules_named_and_the_forward_takes_it() -> None:
+    torch.manual_seed(0)
+    model = _TwoCollections()
+    modular.fuse_optimizer(model, "exact_sgd", lr=0.1)  # two one-process sharded modules
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    expected = model.a(kjt).values()
+    assert modular.prefetch(model, kjt, modules=["a"]) is model
+    assert model.b._prefetcher is None, "module 'b' takes another batch: nothing prefetched for it"
+    assert torch.equal(model.a(kjt).values(), expected)
+    assert not model.a._prefetcher._pending, "the forward took the prefetched batch"
+    with pytest.raises(ValueError, match=r"modules \['c'\] are not sharded collections of the model; its sharded collections are \['a', 'b'\]"):
+        modular.prefetch(model, kjt, modules=["c"])

@@ -22,12 +22,17 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["pending_fuse", "replace_module", "replaced_table", "retire", "set_pending_fuse"]
+__all__ = [
+    "pending_fuse", "replace_module", "replaced_table", "retire", "retired_count", "set_pending_fuse",
+]
 
 # torchrec EBC on meta -> the FusedConfig `fuse_optimizer` gave it.
 _PENDING_FUSE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 # tensor `shard` replaced -> which table it was, for the optimizer hook's message.
 _RETIRED = WeakIdKeyDictionary()
+# How many times `retire` ran: a cache of "no optimizer holds a replaced tensor" is valid until it
+# changes (the optimizer hook's, modular/compose/params.py).
+_RETIRE_CALLS = 0
 
 
 def set_pending_fuse(ebc: nn.Module, config: Any) -> None:
@@ -42,7 +47,14 @@ def pending_fuse(ebc: nn.Module) -> Optional[Any]:
 
 def retire(tensor: torch.Tensor, what: str) -> None:
     """Records that `shard` replaced `tensor`, which was table `what`."""
+    global _RETIRE_CALLS
     _RETIRED[tensor] = what
+    _RETIRE_CALLS += 1
+
+
+def retired_count() -> int:
+    """How many tensors `retire` has recorded so far (it only grows)."""
+    return _RETIRE_CALLS
 
 
 def replaced_table(tensor: torch.Tensor) -> Optional[str]:

@@ -332,10 +332,27 @@ def _agree_on_every_rank(
 
 def sharded_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(FQN, module) of every sharded EBC and EmbeddingCollection in `model`, in
-    `named_modules()` order."""
-    for name, m in model.named_modules():
+    `named_modules()` order.
+
+    The walk does not enter a sharded collection (they do not nest), so its cost is the model's
+    other modules, not its tables: `prefetch` and the fused optimizer's step call it every step
+    (issue 29, tests/modular/test_step_python.py)."""
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, m = stack.pop()
+        if id(m) in seen:  # a module registered twice is listed once, as named_modules does
+            continue
+        seen.add(id(m))
         if isinstance(m, SHARDED_COLLECTIONS):
             yield name, m
+            continue
+        children = [
+            (f"{name}.{child_name}" if name else child_name, child)
+            for child_name, child in m._modules.items()
+            if child is not None
+        ]
+        stack.extend(reversed(children))
 
 
 def prefetch(

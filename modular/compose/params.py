@@ -12,12 +12,16 @@ register_optimizer_step_pre_hook`) that raises on the first `step()` of any opti
 ShardedTensor, before anything is updated. The same hook catches an optimizer built before
 `shard`: `shard` records the parameters it replaces (`lifecycle.retire`, Note [lifecycle state]),
 which no forward reads any more.
-The check is an isinstance test and an attribute lookup per parameter per step, and either
-finding is always a bug, so it cannot fire on a correct program.
+Either finding is always a bug, so the hook cannot fire on a correct program. It reads every
+parameter only when something it could find may have changed: at an optimizer's first step, after
+its param groups change (a group added, a group's list replaced or resized), and after `shard`
+replaced more tensors. Other steps cost one comparison per param group, so the step path holds no
+per-table Python (issue 29; tests/modular/test_step_python.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -78,8 +82,23 @@ def local_parameters(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+# optimizer -> what its last full check saw (`_signature`).
+_CHECKED: weakref.WeakKeyDictionary[Optimizer, tuple] = weakref.WeakKeyDictionary()
+
+
+def _signature(optimizer: Optimizer) -> tuple:
+    groups = optimizer.param_groups
+    return (
+        lifecycle.retired_count(),
+        tuple((id(g["params"]), len(g["params"])) for g in groups),
+    )
+
+
 def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     """Global step pre-hook; see Note [sharded tables and torch optimizers]."""
+    signature = _signature(optimizer)
+    if _CHECKED.get(optimizer) == signature:
+        return
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             replaced = lifecycle.replaced_table(p)
@@ -98,6 +117,7 @@ def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> Non
                     "on its local shards, so this optimizer would silently never update it. Build "
                     "the optimizer from modular.local_parameters(model), not model.parameters()"
                 )
+    _CHECKED[optimizer] = signature
 
 
 _HOOK = register_optimizer_step_pre_hook(_reject_sharded_tensors)

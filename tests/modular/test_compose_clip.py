@@ -103,6 +103,14 @@ def _local_parameters_and_guard() -> dict[str, object]:
     with pytest.raises(TypeError) as raised:
         opt.step()
     after = [full_value(p) for p in s.model.parameters()]
+
+    # The hook remembers an optimizer it checked; a sharded table added later is still caught.
+    good = torch.optim.SGD(mine, lr=0.0)
+    loss_of(s.forward, dlrm_batch(1, rank)).backward()
+    good.step()
+    good.add_param_group({"params": [p for p in s.model.sparse.parameters() if isinstance(p, ShardedTensor)][:1]})
+    with pytest.raises(TypeError, match="param group 1, parameter 0 is a ShardedTensor"):
+        good.step()
     return {
         "same_as_named_order": len(mine) == len(expected) and all(a is b for a, b in zip(mine, expected)),
         "kinds": sorted({type(p).__name__ for p in mine}),

@@ -153,18 +153,22 @@ def test_init_fn_failing_on_one_rank_raises_on_every_rank_and_leaves_the_model()
     assert re.fullmatch(r"module 'b': rank 1 could not initialise its shards: ShardingError: " + own + r".* \(ranks \[1\] failed; this rank stops too so that no rank hangs\)", messages[0]), messages[0]
 
 
-def _optimizer_built_before_shard() -> None:
+def _optimizer_built_before_shard(step_first: bool) -> None:
     world = dist.get_world_size()
     model = _Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # holds the unsharded tables
+    if step_first:  # the hook's check passes and is remembered; shard must invalidate it
+        model.ebc(make_batch(model.ebc, seed=dist.get_rank())).values().sum().backward()
+        opt.step()
     modular.shard(model, plan_for("row_wise", model.ebc, world, module="ebc"))
     model.ebc(make_batch(model.ebc, seed=dist.get_rank())).values().sum().backward()
     opt.step()
 
 
 @pytest.mark.timeout(120)
-def test_an_optimizer_built_before_shard_raises_at_its_first_step() -> None:
-    messages = expect_errors_on_all_ranks(2, _optimizer_built_before_shard, timeout=TIMEOUT_S)
+@pytest.mark.parametrize("step_first", [False, True], ids=["new", "stepped-before-shard"])
+def test_an_optimizer_built_before_shard_raises_at_its_first_step(step_first: bool) -> None:
+    messages = expect_errors_on_all_ranks(2, _optimizer_built_before_shard, step_first, timeout=TIMEOUT_S)
     assert messages[0] == messages[1]
     assert messages[0].startswith(
         "SGD param group 0, parameter 0 is table 'embedding_bags.t_sum.weight' of module 'ebc', which modular.shard has since replaced: "

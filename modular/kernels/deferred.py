@@ -14,6 +14,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from modular.kernels.base import KernelLookup, sum_weights
 from modular.kernels.fused import FusedKernel
 from modular.kernels.lookups import Lookup, merge_lookups
+from modular.kernels.row_sums import RowGradSquares
 from modular.tables.layout import KernelGroup
 
 
@@ -97,9 +98,12 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     Row-wise Adagrad keeps one statistic per row, the running sum of mean(g**2) over the row's
     columns; a column shard alone sees only its own columns, which is the approximation TorchRec
     makes. Exact, with fbgemm's kernel doing the work, in two passes on CPU:
-      1. at the end of backward, fbgemm's row-wise Adagrad backward with learning rate 0 into a
-         scratch state that is zero: each touched row gets s = mean over this shard's columns
-         of g**2 (the weights are left as they are: w -= 0 * ...);
+      1. at the end of backward, each touched row's s = mean over this shard's columns of g**2:
+         from one pooling kernel over the pooled gradients where the group's routes have one
+         width (Note [row statistics from a pooling kernel], modular/kernels/row_sums.py: a
+         fraction of a backward's cost), else from fbgemm's row-wise Adagrad backward with
+         learning rate 0 into a scratch state that is zero (the weights are left as they are:
+         w -= 0 * ...);
       2. the owning module sums cols * s over the table's column shards, which gives every shard
          the whole row's mean m, sets the row's state to state + m - s, and runs the same
          backward with the real learning rate: fbgemm adds s back, so the state grows by m and
@@ -112,8 +116,8 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     twice carries the same s, m and state twice, so setting the state (not adding to it) is
     right whichever copy lands. A table with a shard on the torch emulation (widths fbgemm
     cannot take, weight decay; Note [emulated fused kernels]) uses the emulation's form instead,
-    its touched rows sorted and unique (`ROW_FORM_ROWS`: one sort of its ids). Pass 1's scratch
-    is cleared on the rows it touched. A step costs O(ids), never O(rows): no table-sized buffer
+    its touched rows sorted and unique (`ROW_FORM_ROWS`). The backward form of pass 1 clears its
+    scratch on the rows it touched. A step costs O(ids), never O(rows): no table-sized buffer
     is reduced, cleared or scanned.
     The result equals the unsharded table's update up to float rounding (tests/modular/
     test_fused.py, atol 1e-5). Several lookups before one backward are merged into one batch,
@@ -148,6 +152,11 @@ class RowStatsFusedKernel(DeferredFusedKernel):
             [r for r, t in enumerate(group.feature_table_map) if t == table]
             for table in range(len(sizes))
         ]
+        # Pass 1 through a pooling kernel where the routes have one width (Note [row statistics
+        # from a pooling kernel]); else fbgemm's backward into the scratch state.
+        self._pooled_pass = (
+            RowGradSquares(group, sizes, device) if RowGradSquares.supports(group) else None
+        )
 
     def row_stats(self) -> Optional[list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
         """Pass 1 over the pending lookups: per kernel table, its rows (int64: one per id, or
@@ -156,6 +165,8 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         self._batch = self.take_batch()
         if self._batch is None:
             return None
+        if self._pooled_pass is not None:
+            return self._pooled_row_stats(self._batch)
         if self._scratch_flat is None:  # zero once; afterwards only touched rows are cleared
             self._scratch_flat = torch.zeros_like(self.tbe.momentum1_host.detach())
             self._scratch = list(self._scratch_flat.split([rows for rows, _ in self.sizes]))
@@ -168,6 +179,27 @@ class RowStatsFusedKernel(DeferredFusedKernel):
                 rows = ids.long()
             out.append(None if form is None else (rows, scratch.index_select(0, rows)))
             scratch.index_fill_(0, rows, 0.0)
+        return out
+
+    def _pooled_row_stats(self, batch: Lookup) -> list[Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """`row_stats` from the pooling kernel: every touched row's s at once, then each kernel
+        table's share in its form (its ids are one slice of the batch, its keys one run)."""
+        pas = self._pooled_pass
+        keys, s, inverse, order = pas(batch)
+        per_id = s.new_empty(batch.indices.numel())
+        per_id[order] = s[inverse]
+        cuts = batch.route_slices(len(self.group.routes))
+        key_cuts = torch.searchsorted(keys, pas.first_row).tolist() + [keys.numel()]
+        out: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
+        for t, (form, mine) in enumerate(zip(self._forms, self._routes_of)):
+            if form is None or not mine:
+                out.append(None)
+            elif form == ROW_FORM_ROWS:
+                lo, hi = key_cuts[t], key_cuts[t + 1]
+                out.append((keys[lo:hi] - pas.first_row[t], s[lo:hi]))
+            else:
+                ids = slice(cuts[mine[0]].start, cuts[mine[-1]].stop)
+                out.append((batch.indices[ids].long(), per_id[ids]))
         return out
 
     def _table_ids(self, batch: Lookup) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from modular.kernels.base import Kernel
 from modular.kernels.deferred import ReplicaFusedKernel, RowStatsFusedKernel
 from modular.kernels.emulated import EmulatedFusedKernel
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
+from modular.fused.row_means import IdRowMeans
 from modular.tables.layout import RankLayout
 
 __all__ = ["EndOfBackward"]
@@ -33,11 +34,17 @@ class EndOfBackward:
         replicas: set[int],
         column_rowwise: tuple[str, ...],
         at: RankLayout,
+        per_id: bool = False,
     ) -> None:
+        """`per_id`: every column-wise table reports its statistics per id (a property of the
+        layout, the same on every rank), so they are combined all at once (Note [row means
+        without a loop over tables] in modular/fused/row_means.py)."""
         self.kernels = kernels  # those with deferred work, remote routes' first
         self.replicas = replicas  # ids of data-parallel replica kernels (gradients averaged)
         self.column_rowwise = column_rowwise
         self.at = at
+        two_pass = [k for k in kernels if isinstance(k, RowStatsFusedKernel)]
+        self._id_means = IdRowMeans(two_pass, column_rowwise, at) if per_id and column_rowwise else None
 
     def arm(self, out: torch.Tensor) -> None:
         """Queues `run` for the end of the backward that reaches `out` (the module's output)."""
@@ -53,11 +60,15 @@ class EndOfBackward:
         gradients kernel by kernel (the same collectives in the same order on every rank), then
         each kernel's update on the rows it touched."""
         emulated = [k for k in self.kernels if isinstance(k, EmulatedFusedKernel)]
-        two_pass = [k for k in self.kernels if isinstance(k, RowStatsFusedKernel)]
         grads = {id(k): k.take_pending() for k in emulated}
-        stats = {id(k): k.row_stats() for k in two_pass}
+        two_pass: list[RowStatsFusedKernel] = []
         row_means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if self.column_rowwise:
+        if self._id_means is not None:  # no emulated shard holds a column-wise table
+            self._id_means.run([k.id_stats() for k in self._id_means.kernels])
+        else:
+            two_pass = [k for k in self.kernels if isinstance(k, RowStatsFusedKernel)]
+        stats = {id(k): k.row_stats() for k in two_pass}
+        if self.column_rowwise and self._id_means is None:
             row_means = self._column_row_means(emulated, grads, two_pass, stats)
         for k in emulated:
             g = grads[id(k)]

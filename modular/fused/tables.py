@@ -75,9 +75,11 @@ class FusedTables:
         # all-to-all (with nothing to send), or the ranks that hold them wait on it forever.
         if pending or (self.column_rowwise and not self.at.local):
             replicas = {id(k) for k in local_kernels} if self.at.world > 1 else set()
+            per_id = all(self._row_form(t) == ROW_FORM_IDS for t in self.column_rowwise)
             self.end_of_backward = EndOfBackward(
-                pending, replicas=replicas, column_rowwise=self.column_rowwise, at=self.at
-            )
+                pending, replicas=replicas, column_rowwise=self.column_rowwise, at=self.at,
+                per_id=per_id,
+            )  # fmt: skip
 
     def states(self) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
         """Every local shard's optimizer state, keyed by (table, shard index)."""

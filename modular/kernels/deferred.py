@@ -107,7 +107,9 @@ class RowStatsFusedKernel(DeferredFusedKernel):
       2. the owning module sums cols * s over the table's column shards, which gives every shard
          the whole row's mean m, sets the row's state to state + m - s, and runs the same
          backward with the real learning rate: fbgemm adds s back, so the state grows by m and
-         the update divides by the exact statistic.
+         the update divides by the exact statistic. Where every column-wise table reports per
+         id, this runs for all tables at once (`id_stats`, `update_ids`; Note [row means without
+         a loop over tables] in modular/fused/row_means.py), else table by table.
     Every column shard of a table looks up the same ids in the same order (each id is routed to
     all of them, and they arrive source rank by source rank, feature by feature), so the holders
     agree on the statistics' order without sorting anything: s travels as one float per id of
@@ -152,11 +154,62 @@ class RowStatsFusedKernel(DeferredFusedKernel):
             [r for r, t in enumerate(group.feature_table_map) if t == table]
             for table in range(len(sizes))
         ]
+        # Each route's first row in the flat state (fbgemm's row-wise state: one float per row,
+        # the kernel's tables one after another).
+        first_row = [0]
+        for rows, _ in sizes[:-1]:
+            first_row.append(first_row[-1] + rows)
+        self._route_first_row = torch.tensor(
+            [first_row[t] for t in group.feature_table_map], dtype=torch.int64, device=device
+        )
+        self.forms = forms
         # Pass 1 through a pooling kernel where the routes have one width (Note [row statistics
         # from a pooling kernel]); else fbgemm's backward into the scratch state.
         self._pooled_pass = (
             RowGradSquares(group, sizes, device) if RowGradSquares.supports(group) else None
         )
+
+    # -- per id, all tables at once (modular/fused/row_means.py) ------------------------------
+
+    def id_stats(self) -> Optional[tuple[Lookup, torch.Tensor, torch.Tensor]]:
+        """Pass 1 over the pending lookups for a group whose tables all report per id: the
+        batch, each id's row as a key into the flat state (table offset + row), and this shard's
+        mean(g**2) over its columns at that row, ids in batch order; None if nothing is pending."""
+        batch = self._batch = self.take_batch()
+        if batch is None:
+            return None
+        if self._pooled_pass is not None:
+            keys, s, inverse, order = self._pooled_pass(batch)
+            per_id = s.new_empty(batch.indices.numel())
+            per_id[order] = s[inverse]
+            return batch, self._keys(batch), per_id
+        if self._scratch_flat is None:
+            self._scratch_flat = torch.zeros_like(self.tbe.momentum1_host.detach())
+            self._scratch = list(self._scratch_flat.split([rows for rows, _ in self.sizes]))
+        self.run_backward(batch, state=self._scratch_flat, lr=self._zero_lr)
+        key_of_id = self._keys(batch)
+        per_id = self._scratch_flat.index_select(0, key_of_id)
+        self._scratch_flat.index_fill_(0, key_of_id, 0.0)
+        return batch, key_of_id, per_id
+
+    def _keys(self, batch: Lookup) -> torch.Tensor:
+        routes = len(self.group.routes)
+        bags = (batch.offsets.numel() - 1) // routes
+        per_route = batch.offsets[::bags].diff() if bags else batch.offsets.new_zeros(routes)
+        first = self._route_first_row.repeat_interleave(per_route.long(), output_size=batch.indices.numel())
+        return first + batch.indices.long()
+
+    @torch.no_grad()
+    def update_ids(self, key_of_id: torch.Tensor, delta: torch.Tensor) -> None:
+        """Pass 2 for `id_stats`: the state at each id's key becomes state + delta (an id's row
+        repeated carries the same delta, so whichever copy lands is right), then the update."""
+        state = self.tbe.momentum1_host.detach()
+        state.index_copy_(0, key_of_id, state.index_select(0, key_of_id).add_(delta))
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            self.run_backward(batch)
+
+    # -- per kernel table (the general form) ------------------------------------------------
 
     def row_stats(self) -> Optional[list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
         """Pass 1 over the pending lookups: per kernel table, its rows (int64: one per id, or

@@ -116,14 +116,6 @@ def _events_per_step(
     return out
 
 
-EXACT_STATISTIC_LOOPS = pytest.mark.xfail(
-    strict=True,
-    reason="the exact column-wise row statistic (Note [row statistics across column shards]) "
-    "still reads and exchanges its statistics table by table (kernels/deferred.py row_stats, "
-    "update; fused/backward.py _column_row_means): issue 29, docs/benchmarks.md",
-)
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "kind, optimizer, weighted, prefetch, statistic",
@@ -131,7 +123,8 @@ EXACT_STATISTIC_LOOPS = pytest.mark.xfail(
         ("table_wise", "fused", False, False, "exact"),
         ("row_wise", "fused", True, False, "exact"),
         ("column_wise", "fused", False, False, "per_shard"),
-        pytest.param("column_wise", "fused", False, False, "exact", marks=EXACT_STATISTIC_LOOPS),
+        ("mixed", "fused", False, False, "exact"),
+        ("column_wise", "fused", False, False, "exact"),  # the exact row statistic's two passes
         ("data_parallel", "fused", False, False, "exact"),  # replicas replay the global batch
         ("mixed", "fused", True, True, "per_shard"),
         ("mixed", "dense", False, True, "exact"),

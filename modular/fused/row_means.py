@@ -1,0 +1,128 @@
+"""The exact column-wise row statistic for every table at once, one float per id.
+
+# Note [row means without a loop over tables]
+Note [row statistics across column shards] (modular/kernels/deferred.py) gives each column
+piece's rank, for every id its step looked up, the whole row's mean of g**2: its own pieces'
+cols * s, plus what the other holders of the table send, divided by the table's dim. Where every
+column-wise table reports per id (`ROW_FORM_IDS`: none of its shards is emulated, a property of
+the layout, so every rank agrees), this runs on flat tensors, with no Python per table or
+feature (issue 29, tests/modular/test_step_python.py):
+  - a *slot* is one of the module's outputs (a feature read from a table) whose table is
+    column-wise and has a piece here; every piece of that table looks up the slot's ids in the
+    same order (each id goes to every piece), so a slot's ids line up across pieces and ranks;
+  - slots are ordered by the table's place in `column_rowwise`, then by output: the order in
+    which the per-table form sends them (a peer gets, per table both hold, the table's routes one
+    after another), so the bytes on the wire are those of the general path;
+  - each kernel's ids add cols * s into their slot's entries (`index_add_` through one index per
+    id, built from the routes' id counts), one all-to-all with each peer exchanges the entries of
+    the slots both hold, and each id's state changes by entry / dim - s in one `index_copy_`.
+Only the peers are looped over (the all-to-all's splits), as in every collective of a step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from modular.comm import all_to_all
+from modular.kernels.deferred import RowStatsFusedKernel
+from modular.kernels.lookups import Lookup
+from modular.tables.layout import RankLayout
+
+__all__ = ["IdRowMeans"]
+
+
+class IdRowMeans:
+    """Pass 2's state adjustment of a module's column pieces, all tables at once."""
+
+    def __init__(self, kernels: list[RowStatsFusedKernel], column_rowwise: tuple[str, ...], at: RankLayout) -> None:
+        layout, device = at.layout, at.device
+        self.at = at
+        self.kernels = kernels
+        place = {name: i for i, name in enumerate(column_rowwise)}
+        outputs = {r.output for k in kernels for r in k.group.routes if r.table in place}
+        slots = sorted(outputs, key=lambda o: (place[layout.outputs[o].table], o))
+        slot_of = {o: i for i, o in enumerate(slots)}
+        as_long = dict(dtype=torch.int64, device=device)
+        self.slots = len(slots)
+        self._route_slot = [torch.tensor([slot_of[r.output] for r in k.group.routes], **as_long) for k in kernels]
+        self._route_cols = [
+            torch.tensor([float(r.shard.num_cols) for r in k.group.routes], device=device) for k in kernels
+        ]
+        self._slot_dim = torch.tensor([float(layout.outputs[o].dim) for o in slots], device=device)
+        holders = {
+            name: {spec.rank for spec in layout.shards[layout.table_index(name)]} for name in column_rowwise
+        }
+        # For each peer, which of this rank's slots it also holds (none for this rank itself).
+        self._shared = [
+            torch.tensor(
+                [p != at.rank and p in holders[layout.outputs[o].table] for o in slots],
+                dtype=torch.bool, device=device,
+            )
+            for p in range(at.world)
+        ]  # fmt: skip
+
+    def run(self, stats: list[Optional[tuple[Lookup, torch.Tensor, torch.Tensor]]]) -> None:
+        """`stats[i]`: kernel i's `id_stats()`. Adjusts every kernel's state and runs its update;
+        joins the all-to-all even with nothing pending (its peers may have ids)."""
+        device = self.at.device
+        counts: list[Optional[torch.Tensor]] = []
+        slot_ids = torch.zeros(self.slots, dtype=torch.int64, device=device)
+        for k, got, route_slot in zip(self.kernels, stats, self._route_slot):
+            if got is None:
+                counts.append(None)
+                continue
+            batch = got[0]
+            bags = (batch.offsets.numel() - 1) // len(k.group.routes)
+            per_route = batch.offsets[::bags].diff().long() if bags else torch.zeros_like(route_slot)
+            counts.append(per_route)
+            slot_ids.scatter_(0, route_slot, per_route)  # every piece of a slot has its ids
+        starts = torch.cumsum(slot_ids, 0) - slot_ids
+        total = int(slot_ids.sum()) if self.slots else 0
+        entries = torch.zeros(total, device=device)
+        places: list[Optional[torch.Tensor]] = []
+        for got, per_route, route_slot, cols in zip(stats, counts, self._route_slot, self._route_cols):
+            if got is None:
+                places.append(None)
+                continue
+            batch, _, s = got
+            n = batch.indices.numel()
+            if not torch.equal(slot_ids[route_slot], per_route):
+                raise RuntimeError(
+                    f"column pieces on rank {self.at.rank} looked up different numbers of ids for "
+                    f"one feature in one step ({per_route.tolist()} against "
+                    f"{slot_ids[route_slot].tolist()}); every piece must see the same ids"
+                )
+            route_start = torch.cumsum(per_route, 0) - per_route
+            place = torch.arange(n, device=device) + (starts[route_slot] - route_start).repeat_interleave(
+                per_route, output_size=n
+            )
+            places.append(place)
+            entries.index_add_(0, place, s * cols.repeat_interleave(per_route, output_size=n))
+        self._exchange(entries, slot_ids)
+        slot_of_entry = torch.repeat_interleave(
+            torch.arange(self.slots, device=device), slot_ids, output_size=total
+        )
+        means = entries.div_(self._slot_dim[slot_of_entry])
+        for k, got, place in zip(self.kernels, stats, places):
+            if got is not None:
+                _, keys, s = got
+                k.update_ids(keys, means[place] - s)
+
+    def _exchange(self, entries: torch.Tensor, slot_ids: torch.Tensor) -> None:
+        """Adds the other holders' sums into `entries`: one all-to-all, each peer sent this
+        rank's entries of the slots both hold, in slot order (their order on the peer too)."""
+        if self.at.local:
+            return
+        slot_of_entry = torch.repeat_interleave(
+            torch.arange(self.slots, device=entries.device), slot_ids, output_size=entries.numel()
+        )
+        picks = [torch.nonzero(shared[slot_of_entry]).view(-1) for shared in self._shared]
+        splits = [int(p.numel()) for p in picks]
+        order = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=entries.device)
+        received = all_to_all(
+            entries.index_select(0, order), input_splits=splits, output_splits=splits,
+            group=self.at.group, what="the all-to-all of column-wise row statistics",
+        )  # fmt: skip
+        entries.index_add_(0, order, received)

@@ -26,7 +26,6 @@ group) keep the backward pass 1.
 
 from __future__ import annotations
 
-
 import torch
 
 from modular.kernels.base import sum_weights

@@ -6,6 +6,7 @@
     python benchmarks/step_time.py --plans mix --optimizers fused   # column pieces beside tables
     python benchmarks/step_time.py --plans tw --optimizers fused --cpu  # CPU time per thread kind
     python benchmarks/step_time.py --device cuda --world-size 1     # one rank per GPU, NCCL
+    python benchmarks/step_time.py --device cuda --world-size 2 --cuda-backend gloo  # 2 ranks, 1 GPU
     python benchmarks/step_time.py --plans cw --optimizers fused --cw-statistic per_shard
     python benchmarks/step_time.py --weighted                       # a weight per id
     perf record -g -D 20000 -- python benchmarks/step_time.py --plans tw --optimizers fused \
@@ -38,8 +39,9 @@ time. Each rank runs with one thread (OMP_NUM_THREADS=1) and, unless --no-pin, i
 own share of the cores this process may use, with gloo's threads: a rank's background work then
 fills its own cores' idle time instead of preempting another rank. `taskset -c 0-3` gives 2 ranks
 2 cores each. All contenders run on all ranks at once.
-With --device cuda each rank takes its own GPU (NCCL; at most as many ranks as GPUs), everything
-above lives on it, and a step's time ends with torch.cuda.synchronize(). There the contenders run
+With --device cuda each rank takes its own GPU (NCCL; at most as many ranks as GPUs), or with
+--cuda-backend gloo the ranks share the GPUs round-robin (gloo moves CUDA tensors through host
+memory: the shape of a multi-rank step on one GPU, not NCCL's timing); everything above lives on it, and a step's time ends with torch.cuda.synchronize(). There the contenders run
 one at a time, each freed before the next is built, with its peak memory printed (Note [one
 contender at a time on a GPU]): 26 tables x 500,000 rows x 128 dims did not fit side by side.
 A contender that fails to build or to run (out of memory, say) is reported as "not run" with its
@@ -96,6 +98,7 @@ class Config(Workload):
     cpu: bool = False
     pin: bool = True
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
+    cuda_backend: str = "nccl"  # "gloo": ranks share the GPUs round-robin
     cw_statistic: str = "exact"  # fuse_optimizer's column_wise_statistic for ours
     only: Optional[str] = None  # time this contender alone (for an outside profiler)
     cores: tuple[int, ...] = ()  # the cores the launching process may run on, shared out to ranks
@@ -690,7 +693,10 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     cores = _cores_of(rank, cfg)
     if cores:  # before the process group, so that gloo's threads stay on the rank's cores too
         os.sched_setaffinity(0, cores)
-    if cfg.device == "cuda":
+    if cfg.device == "cuda" and cfg.cuda_backend == "gloo":  # ranks may share a GPU
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    elif cfg.device == "cuda":
         torch.cuda.set_device(rank)
         dist.init_process_group(
             "nccl", rank=rank, world_size=cfg.world_size, device_id=torch.device("cuda", rank)
@@ -741,7 +747,12 @@ def _print_case(plan: str, opt_kind: str, result: dict, cfg: Config) -> None:
 
 def _print_summary(cfg: Config, results: dict) -> None:
     if cfg.device == "cuda":
-        ranks = f"{cfg.world_size} x {torch.cuda.get_device_name()} (NCCL, one GPU per rank)"
+        if cfg.cuda_backend == "gloo":
+            gpus = min(cfg.world_size, torch.cuda.device_count())
+            ranks = (f"{cfg.world_size} ranks on {gpus} x {torch.cuda.get_device_name()} (gloo, "
+                     "ranks sharing GPUs)")  # fmt: skip
+        else:
+            ranks = f"{cfg.world_size} x {torch.cuda.get_device_name()} (NCCL, one GPU per rank)"
     else:
         mine = len(_cores_of(0, cfg))
         pinned = f"each rank pinned to its own {mine} core(s)" if mine else "ranks not pinned"
@@ -839,6 +850,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--cpu", action="store_true", help="print each sharded contender's CPU per step by thread kind")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank with NCCL (--world-size at most the GPUs)")
+    p.add_argument("--cuda-backend", choices=("nccl", "gloo"), default="nccl",
+                   help="with --device cuda: gloo lets ranks share a GPU (e.g. 2 ranks on 1)")
     p.add_argument("--only", choices=CONTENDERS, default=None,
                    help="time this contender alone, one block, no summary: for perf or py-spy "
                         "(e.g. --only ours --steps 1500 --blocks 1)")  # fmt: skip
@@ -848,13 +861,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="ours' row statistic on fused column pieces (fuse_optimizer's "
                         "column_wise_statistic); per_shard is TorchRec's approximation")  # fmt: skip
     a = p.parse_args(argv)
-    if a.device == "cuda" and a.world_size > torch.cuda.device_count():
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
+    if a.device == "cuda" and a.cuda_backend == "nccl" and a.world_size > torch.cuda.device_count():
         p.error(f"--device cuda --world-size {a.world_size}: this machine has "
-                f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank")
+                f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank "
+                "(--cuda-backend gloo shares them)")
     cfg = Config(
         **workload_fields(a), weighted=a.weighted, optimizers=tuple(a.optimizers),
         profile=a.profile, torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu",
-        cpu=a.cpu, device=a.device, cw_statistic=a.cw_statistic, only=a.only,
+        cpu=a.cpu, device=a.device, cuda_backend=a.cuda_backend, cw_statistic=a.cw_statistic,
+        only=a.only,
         cores=tuple(sorted(os.sched_getaffinity(0))),
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)

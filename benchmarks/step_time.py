@@ -742,7 +742,8 @@ def _print_case(plan: str, opt_kind: str, result: dict, cfg: Config) -> None:
         memory = f" {peak[name] / 2**30:9.2f}" if name in peak else ""
         print(f"  {name:10} {_ms(xs)}{memory}")
     for name, why in result["notes"].items():
-        print(f"  {name:10} not run: {why}")
+        memory = f" (peak {peak[name] / 2**30:.2f} GiB)" if name in peak else ""
+        print(f"  {name:10} not run: {why}{memory}")
 
 
 def _print_summary(cfg: Config, results: dict) -> None:

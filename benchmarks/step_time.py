@@ -582,6 +582,7 @@ def _one_at_a_time(cfg: Config, rank: int, plan: str, opt_kind: str, builders: d
         torch.cuda.reset_peak_memory_stats()
         step = _build(cfg, name, build, notes)
         if step is None:
+            peak[name] = torch.cuda.max_memory_allocated()  # how far a failed build got
             continue
         # The ranks agree after the warm-up and after the timed steps, so that all reach the
         # next collective together when one rank raised in between (out of memory, say).

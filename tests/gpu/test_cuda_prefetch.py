@@ -127,3 +127,39 @@ def _every_case(device: torch.device, on_cpu: bool) -> dict[str, Any]:
 def test_prefetch_on_a_side_stream_trains_as_without_it(world: int, where: str) -> None:
     results = run_spawned(world, _every_case, where == "cpu")
     assert len(results) == world and all(len(r) == len(CASES) + 1 for r in results)
+
+
+def _bad_prefetched_batch(device: torch.device) -> str:
+    """The last rank prefetches a batch from the CPU with an id past its table's end: every rank's
+    forward of it raises (the side stream's input dist ran the checks), and the next batch trains
+    as on the model without prefetch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ebc = _ebc()
+    plain, _ = _model(ebc, "row_wise", device)
+    fetched, _ = _model(ebc, "row_wise", device)
+    bad = make_batch(ebc, seed=rank)
+    if rank == world - 1:  # 'f_a' feeds a 7-row table
+        jts = bad.to_dict()
+        values = jts["f_a"].values().clone()
+        values[0] = 7
+        jts["f_a"] = type(jts["f_a"])(values=values, lengths=jts["f_a"].lengths())
+        bad = type(bad).from_jt_dict(jts)
+    modular.prefetch(fetched, bad)
+    try:
+        fetched(bad)
+    except modular.InputError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"rank {rank}: a prefetched batch with id 7 in a 7-row table was accepted")
+    good = make_batch(ebc, seed=100 + rank)
+    modular.prefetch(fetched, good)
+    _close(fetched(good).values(), plain(good.to(device)).values(), "the batch after a bad one")
+    return message
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_bad_prefetched_batch_raises_at_its_forward_and_the_next_one_trains(world: int) -> None:
+    messages = run_spawned(world, _bad_prefetched_batch)
+    assert "has id 7, outside table" in messages[-1], messages
+    if world == 2:
+        assert messages[0].startswith("rank 1 rejected its batch for module ''"), messages

@@ -1,4 +1,6 @@
-"""benchmarks/step_time.py's pure helpers: which cases meet issue 7's ratios, per-thread CPU (no ranks)."""
+"""benchmarks/step_time.py's pure helpers: which cases meet issue 7's ratios, per-thread CPU (no
+ranks), the floor's bytes and the devices' peaks (benchmarks/_bandwidth.py); and its one-at-a-time
+loop for CUDA on 2 CPU ranks, with torch.cuda's allocator calls stubbed."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+
+from benchmarks import _bandwidth
 
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
 _spec = importlib.util.spec_from_file_location("step_time", _PATH)
@@ -64,20 +68,20 @@ def test_thread_cpu_charges_a_busy_thread_and_names_it() -> None:
 
 def test_fused_floor_bytes_counts_every_read_and_write_of_the_formula() -> None:
     # Two tables: 10 ids (4 distinct) 8 wide, and 6 ids (6 distinct) 4 wide, over 3 bags each.
-    got = step_time.fused_floor_bytes(ids=[10, 6], unique=[4, 6], dims=[8, 4], bags=3)
+    got = _bandwidth.fused_floor_bytes(ids=[10, 6], unique=[4, 6], dims=[8, 4], bags=3)
     first = 10 * 8 * 4 + 3 * 8 * 4 + 3 * 8 * 4 + 2 * 4 * 8 * 4 + 2 * 4 * 4 + 2 * (10 + 3) * 4
     second = 6 * 4 * 4 + 3 * 4 * 4 + 3 * 4 * 4 + 2 * 6 * 4 * 4 + 2 * 6 * 4 + 2 * (6 + 3) * 4
     assert got == first + second == 904 + 504
     # FP16 rows halve what the rows move, and only that.
-    half = step_time.fused_floor_bytes(ids=[10], unique=[4], dims=[8], bags=3, weight_bytes=2)
+    half = _bandwidth.fused_floor_bytes(ids=[10], unique=[4], dims=[8], bags=3, weight_bytes=2)
     assert first - half == (10 * 8 + 2 * 4 * 8) * 2
 
 
 def test_fused_floor_bytes_refuses_counts_that_cannot_be() -> None:
     with pytest.raises(ValueError, match="4 distinct rows among only 3 ids"):
-        step_time.fused_floor_bytes(ids=[3], unique=[4], dims=[8], bags=1)
+        _bandwidth.fused_floor_bytes(ids=[3], unique=[4], dims=[8], bags=1)
     with pytest.raises(ValueError, match="2 id counts, 1 distinct-row counts, 2 widths"):
-        step_time.fused_floor_bytes(ids=[3, 3], unique=[1], dims=[8, 8], bags=1)
+        _bandwidth.fused_floor_bytes(ids=[3, 3], unique=[1], dims=[8, 8], bags=1)
 
 
 def test_ids_per_table_splits_a_tbe_batch_by_table_and_counts_distinct_rows() -> None:
@@ -86,27 +90,27 @@ def test_ids_per_table_splits_a_tbe_batch_by_table_and_counts_distinct_rows() ->
     # 2 tables x 2 bags: table 0's bags [5, 5] and [7]; table 1's bags [] and [1, 2, 1].
     values = torch.tensor([5, 5, 7, 1, 2, 1], dtype=torch.int32)
     offsets = torch.tensor([0, 2, 3, 3, 6], dtype=torch.int32)
-    assert step_time.ids_per_table(values, offsets, 2) == ([3, 3], [2, 2])
+    assert _bandwidth.ids_per_table(values, offsets, 2) == ([3, 3], [2, 2])
     received = [(values, offsets, None)]
-    assert step_time.floor_bytes_per_step(received, [(10, 4), (10, 8)]) == (
-        step_time.fused_floor_bytes(ids=[3, 3], unique=[2, 2], dims=[4, 8], bags=2)
+    assert _bandwidth.floor_bytes_per_step(received, [(10, 4), (10, 8)]) == (
+        _bandwidth.fused_floor_bytes(ids=[3, 3], unique=[2, 2], dims=[4, 8], bags=2)
     )
 
 
 def test_peak_bandwidth_knows_the_lent_machines_and_nothing_else() -> None:
-    assert step_time.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
-    assert step_time.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
-    assert step_time.peak_bandwidth("NVIDIA H200") == 4.8e12
-    assert step_time.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.0e12
-    assert step_time.peak_bandwidth("NVIDIA A100-SXM4-40GB") is None  # not in the table
-    assert step_time.peak_bandwidth("NVIDIA A100 80GB PCIe") == 2.0e12
-    assert step_time.peak_bandwidth("NVIDIA GeForce RTX 4090") is None
-    line = step_time.bandwidth_line("rw/fused", 6.7e9, 4e-3, "NVIDIA H100 80GB HBM3")
+    assert _bandwidth.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert _bandwidth.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert _bandwidth.peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert _bandwidth.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.0e12
+    assert _bandwidth.peak_bandwidth("NVIDIA A100-SXM4-40GB") is None  # not in the table
+    assert _bandwidth.peak_bandwidth("NVIDIA A100 80GB PCIe") == 2.0e12
+    assert _bandwidth.peak_bandwidth("NVIDIA GeForce RTX 4090") is None
+    line = _bandwidth.bandwidth_line("rw/fused", 6.7e9, 4e-3, "NVIDIA H100 80GB HBM3")
     assert line == (
         "rw/fused: floor moved at least 6.7 GB per step (per rank) in 4.00 ms: 1.675 TB/s; "
         "peak of NVIDIA H100 80GB HBM3: 3.35 TB/s (50% of it)"
     )
-    assert step_time.bandwidth_line("rw/fused", 1e9, 1.0, None).endswith("peak of this CPU: unknown")
+    assert _bandwidth.bandwidth_line("rw/fused", 1e9, 1.0, None).endswith("peak of this CPU: unknown")
 
 
 def test_summary_and_targets_leave_out_a_contender_that_did_not_run(capsys) -> None:

@@ -6,6 +6,7 @@
     python benchmarks/step_time.py --plans mix --optimizers fused   # column pieces beside tables
     python benchmarks/step_time.py --plans tw --optimizers fused --cpu  # CPU time per thread kind
     python benchmarks/step_time.py --device cuda --world-size 1     # one rank per GPU, NCCL
+    python benchmarks/step_time.py --device cuda --world-size 2 --cuda-backend gloo  # 2 ranks, 1 GPU
     python benchmarks/step_time.py --plans cw --optimizers fused --cw-statistic per_shard
     python benchmarks/step_time.py --weighted                       # a weight per id
     perf record -g -D 20000 -- python benchmarks/step_time.py --plans tw --optimizers fused \
@@ -38,8 +39,18 @@ time. Each rank runs with one thread (OMP_NUM_THREADS=1) and, unless --no-pin, i
 own share of the cores this process may use, with gloo's threads: a rank's background work then
 fills its own cores' idle time instead of preempting another rank. `taskset -c 0-3` gives 2 ranks
 2 cores each. All contenders run on all ranks at once.
-With --device cuda each rank takes its own GPU (NCCL; at most as many ranks as GPUs), everything
-above lives on it, and a step's time ends with torch.cuda.synchronize().
+With --device cuda each rank takes its own GPU (NCCL; at most as many ranks as GPUs), or with
+--cuda-backend gloo the ranks share the GPUs round-robin (gloo moves CUDA tensors through host
+memory: the shape of a multi-rank step on one GPU, not NCCL's timing); everything above lives on it, and a step's time ends with torch.cuda.synchronize(). There the contenders run
+one at a time, each freed before the next is built, with its peak memory printed (Note [one
+contender at a time on a GPU]): 26 tables x 500,000 rows x 128 dims did not fit side by side.
+A contender that fails to build or to run (out of memory, say) is reported as "not run" with its
+error, on every rank, and the others still run; a rank that fails inside a collective of a step
+still leaves its peers waiting there, at the process group's timeout.
+
+Under the table, each fused case prints the floor's achieved bandwidth: the bytes its kernel must
+move per step, counted from the step's own ids, over its median step time, next to the device's
+peak, or "unknown" (benchmarks/_bandwidth.py): the gap to the physical limit.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import copy
 import cProfile
 import dataclasses
 import datetime
+import gc
 import io
 import logging
 import os
@@ -68,6 +80,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._bandwidth import bandwidth_line, floor_bytes_per_step  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     PLANS, Model, Workload, add_workload_args, free_port, make_batches, make_ebc, max_over_ranks,
     our_plan, time_block, workload_fields,
@@ -86,6 +99,7 @@ class Config(Workload):
     cpu: bool = False
     pin: bool = True
     device: str = "cpu"  # "cuda": one GPU per rank, NCCL
+    cuda_backend: str = "nccl"  # "gloo": ranks share the GPUs round-robin
     cw_statistic: str = "exact"  # fuse_optimizer's column_wise_statistic for ours
     only: Optional[str] = None  # time this contender alone (for an outside profiler)
     cores: tuple[int, ...] = ()  # the cores the launching process may run on, shared out to ranks
@@ -208,15 +222,10 @@ def _torchrec_pipeline(cfg: Config, ebc, plan: str, opt_kind: str, probe, kjts) 
     return step
 
 
-def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
-    """The TBE on this rank's shard shapes and on exactly the ids our input dist gives it."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        DenseTableBatchedEmbeddingBagsCodegen,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
+def _floor_inputs(ours_model, kjts) -> tuple[list, list[tuple[int, int]]]:
+    """Exactly the ids our input dist gives this rank for each batch, as the floor's TBE takes
+    them ((ids, offsets, weights), int32), and this rank's shard shapes (rows, cols) in the same
+    table order (collective: runs ours' input dist)."""
     sebc = ours_model.ebc
     received = []
     with torch.no_grad():
@@ -237,6 +246,19 @@ def _floor(cfg: Config, ours_model, opt_kind: str, kjts) -> Callable:
     sizes = []
     for k in (*sebc._kernels, *sebc._local_kernels):
         sizes.extend(k.sizes)
+    return received, sizes
+
+
+def _floor(cfg: Config, received: list, sizes: list[tuple[int, int]], opt_kind: str) -> Callable:
+    """The TBE on this rank's shard shapes and on exactly the ids our input dist gives it
+    (`_floor_inputs`)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        DenseTableBatchedEmbeddingBagsCodegen,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
     bags = [int(o.numel() - 1) for _, o, _ in received]
     per_table = bags[0] // len(sizes)
     where, compute = _tbe_placement(cfg)
@@ -333,36 +355,99 @@ def _dense_part(probe) -> Callable:
 
 
 def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe) -> dict:
+    """Builds and times each contender of one (plan, optimizer): side by side in alternating
+    blocks on CPU; one at a time on CUDA, each freed before the next is built, so that a config
+    whose every contender fits the GPU alone runs (Note [one contender at a time on a GPU])."""
     torch.manual_seed(0)
-    contenders: dict[str, Callable] = {}
-    notes = {}
-    ours_model, contenders["ours"] = ours_step(cfg, ebc, plan, opt_kind, probe)
-    contenders["prefetch"] = _prefetching(cfg, ebc, plan, opt_kind, probe, kjts)
-    if cfg.torchrec and cfg.only in (None, "torchrec", "pipeline"):
-        builders = {
-            "torchrec": lambda: torchrec_step(cfg, ebc, plan, opt_kind, probe),
-            "pipeline": lambda: _torchrec_pipeline(cfg, ebc, plan, opt_kind, probe, kjts),
-        }
-        for name, build in builders.items():
-            try:
-                contenders[name] = build()
-            except Exception as e:  # reported in the table: TorchRec cannot run this case on CPU
-                notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-            # A failure to build on one rank must skip it on all ranks.
-            ok = torch.tensor([int(name in contenders)], device=_device(cfg))
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-            if not ok.item() and name in contenders:
-                del contenders[name]
-                notes.setdefault(name, "failed on another rank")
-    contenders["floor"] = _floor(cfg, ours_model, opt_kind, kjts)
-    contenders["unsharded"] = _unsharded(cfg, ebc, opt_kind, probe)
-    contenders["dense"] = _dense_part(probe)
-    if cfg.only is not None:
-        contenders = {k: v for k, v in contenders.items() if k == cfg.only}
+    notes: dict[str, str] = {}
+    floor_in: dict = {}  # the floor's ids and shard shapes, from ours' model once built
 
+    def ours() -> Callable:
+        model, step = ours_step(cfg, ebc, plan, opt_kind, probe)
+        floor_in["received"], floor_in["sizes"] = _floor_inputs(model, kjts)
+        return step
+
+    def floor() -> Callable:
+        if "received" not in floor_in:  # ours was not built (--only floor): build it for its ids
+            _floor_inputs_from_a_model(cfg, plan, opt_kind, ebc, kjts, probe, floor_in)
+        return _floor(cfg, floor_in["received"], floor_in["sizes"], opt_kind)
+
+    builders: dict[str, Callable[[], Callable]] = {
+        "ours": ours,
+        "prefetch": lambda: _prefetching(cfg, ebc, plan, opt_kind, probe, kjts),
+    }
+    if cfg.torchrec:
+        builders["torchrec"] = lambda: torchrec_step(cfg, ebc, plan, opt_kind, probe)
+        builders["pipeline"] = lambda: _torchrec_pipeline(cfg, ebc, plan, opt_kind, probe, kjts)
+    builders["floor"] = floor
+    builders["unsharded"] = lambda: _unsharded(cfg, ebc, opt_kind, probe)
+    builders["dense"] = lambda: _dense_part(probe)
+    if cfg.only is not None:
+        builders = {k: v for k, v in builders.items() if k == cfg.only}
+
+    if cfg.device == "cuda":
+        times, peak = _one_at_a_time(cfg, rank, plan, opt_kind, builders, kjts, notes)
+    else:
+        times, peak = _side_by_side(cfg, rank, plan, opt_kind, builders, kjts, notes), {}
+    moved = None
+    if opt_kind == "fused" and "floor" in times:  # every rank agrees (times are agreed)
+        mine = floor_bytes_per_step(floor_in["received"], floor_in["sizes"])
+        moved = torch.tensor([mine], dtype=torch.float64, device=_device(cfg))
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        moved = moved.item()
+    return {"times": times, "notes": notes, "peak": peak, "floor_bytes": moved}
+
+
+def _floor_inputs_from_a_model(cfg, plan, opt_kind, ebc, kjts, probe, floor_in: dict) -> None:
+    model, _ = ours_step(cfg, ebc, plan, opt_kind, probe)
+    floor_in["received"], floor_in["sizes"] = _floor_inputs(model, kjts)
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+
+
+def _agreed(cfg: Config, name: str, ok: bool, why: Optional[str], notes: dict) -> bool:
+    """Whether `name` succeeded on every rank (collective): a contender that failed on one rank
+    is skipped on all, with the failure's message or "failed on another rank"."""
+    flag = torch.tensor([int(ok)], device=_device(cfg))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        notes.setdefault(name, why or "failed on another rank")
+    return bool(flag.item())
+
+
+def _attempt(run: Callable[[], object]) -> tuple[bool, Optional[str]]:
+    """(True, None) once `run()` returned, or (False, why) where it raised."""
+    try:
+        run()
+    except Exception as e:  # reported in the table, and the next contender runs
+        return False, _why(e)
+    return True, None
+
+
+def _build(cfg: Config, name: str, build: Callable[[], Callable], notes: dict) -> Optional[Callable]:
+    """`build()`, or None where it raised on any rank (e.g. TorchRec cannot run a case on CPU, or
+    the GPU ran out of memory): the other contenders still run."""
+    try:
+        step, why = build(), None
+    except Exception as e:  # reported in the table, and the next contender runs
+        step, why = None, _why(e)
+    return step if _agreed(cfg, name, step is not None, why, notes) else None
+
+
+def _side_by_side(cfg: Config, rank: int, plan: str, opt_kind: str, builders: dict, kjts,
+                  notes: dict) -> dict[str, list[float]]:  # fmt: skip
+    """Every contender built, then timed in alternating blocks (block b runs them in reverse
+    order when b is odd), so that drifts of the machine fall on all alike."""
+    contenders: dict[str, Callable] = {}
+    for name, build in builders.items():
+        step = _build(cfg, name, build, notes)
+        if step is not None:
+            contenders[name] = step
     for name, step in contenders.items():
         time_block(step, kjts, cfg.warmup, 0)
-    if cfg.profile == f"{plan}:{opt_kind}":
+    if cfg.profile == f"{plan}:{opt_kind}" and "ours" in contenders:
         _profile(rank, contenders["ours"], kjts, cfg)
     if cfg.cpu:
         _cpu_breakdown(rank, contenders, kjts, cfg, f"{plan}/{opt_kind}")
@@ -375,7 +460,51 @@ def _run_case(cfg: Config, rank: int, plan: str, opt_kind: str, ebc, kjts, probe
         for name in names:
             dist.barrier()
             times[name] += max_over_ranks(time_block(contenders[name], kjts, per_block, b))
-    return {"times": times, "notes": notes}
+    return times
+
+
+# Note [one contender at a time on a GPU]
+# On CPU the contenders run side by side in alternating blocks. On a GPU, memory is what limits
+# the config: 26 tables x 500,000 rows x 128 dims are 6.7 GB of FP32 weights, and each contender
+# holds its own copy (and its optimizer's state, a dense gradient as large for the dense kernels),
+# so keeping all six alive ran out of an H100's 80 GB at the third plan. There each contender is
+# built, warmed up, timed for all its steps and freed (then `empty_cache`) before the next, and
+# its peak allocation is reported; the source EBC and the batches stay throughout and are part of
+# every peak. A contender that raises (out of memory, say) is reported and the next one runs.
+# Steps of one contender then run back to back: a drift of the machine is no longer shared out.
+
+
+def _one_at_a_time(cfg: Config, rank: int, plan: str, opt_kind: str, builders: dict, kjts,
+                   notes: dict) -> tuple[dict[str, list[float]], dict[str, int]]:  # fmt: skip
+    """Note [one contender at a time on a GPU]: each contender's times and peak bytes allocated."""
+    times: dict[str, list[float]] = {}
+    peak: dict[str, int] = {}
+    steps = max(1, cfg.steps // cfg.blocks) * cfg.blocks  # as many as side by side
+    for name, build in builders.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        step = _build(cfg, name, build, notes)
+        if step is None:
+            peak[name] = torch.cuda.max_memory_allocated()  # how far a failed build got
+            continue
+        # The ranks agree after the warm-up and after the timed steps, so that all reach the
+        # next collective together when one rank raised in between (out of memory, say).
+        if _agreed(cfg, name, *_attempt(lambda: time_block(step, kjts, cfg.warmup, 0)), notes):
+            if name == "ours" and cfg.profile == f"{plan}:{opt_kind}":
+                _profile(rank, step, kjts, cfg)
+            if cfg.cpu and name in ("ours", "prefetch", "torchrec", "pipeline"):
+                _cpu_breakdown(rank, {name: step}, kjts, cfg, f"{plan}/{opt_kind}")
+            dist.barrier()
+            mine: list = []
+            ok, why = _attempt(lambda: mine.extend(time_block(step, kjts, steps, 0)))
+            if _agreed(cfg, name, ok, why, notes):
+                times[name] = max_over_ranks(mine)
+        peak[name] = torch.cuda.max_memory_allocated()
+        del step  # its model, optimizer state and kept batches go before the next is built
+    gc.collect()
+    torch.cuda.empty_cache()
+    return times, peak
 
 
 def _profile(rank: int, step: Callable, kjts, cfg: Config) -> None:
@@ -469,7 +598,10 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     cores = _cores_of(rank, cfg)
     if cores:  # before the process group, so that gloo's threads stay on the rank's cores too
         os.sched_setaffinity(0, cores)
-    if cfg.device == "cuda":
+    if cfg.device == "cuda" and cfg.cuda_backend == "gloo":  # ranks may share a GPU
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    elif cfg.device == "cuda":
         torch.cuda.set_device(rank)
         dist.init_process_group(
             "nccl", rank=rank, world_size=cfg.world_size, device_id=torch.device("cuda", rank)
@@ -507,16 +639,26 @@ def _print_case(plan: str, opt_kind: str, result: dict, cfg: Config) -> None:
     if opt_kind == "fused":
         statistic = f", ours with column_wise_statistic={cfg.cw_statistic!r}"
     print(f"\n{plan}/{opt_kind}: step time, ms (max over ranks per step{statistic})", flush=True)
-    print(f"  {'':10} {'median':>8} {'min':>8} {'max':>8}")
+    peak = result.get("peak", {})
+    # On CUDA each contender ran alone: its peak allocation on rank 0 (Note [one contender at a
+    # time on a GPU]), the shared source EBC and batches included.
+    print(f"  {'':10} {'median':>8} {'min':>8} {'max':>8}" + (f" {'peak GiB':>9}" if peak else ""))
     for name, xs in result["times"].items():
-        print(f"  {name:10} {_ms(xs)}")
+        memory = f" {peak[name] / 2**30:9.2f}" if name in peak else ""
+        print(f"  {name:10} {_ms(xs)}{memory}")
     for name, why in result["notes"].items():
-        print(f"  {name:10} not run: {why}")
+        memory = f" (peak {peak[name] / 2**30:.2f} GiB)" if name in peak else ""
+        print(f"  {name:10} not run: {why}{memory}")
 
 
 def _print_summary(cfg: Config, results: dict) -> None:
     if cfg.device == "cuda":
-        ranks = f"{cfg.world_size} x {torch.cuda.get_device_name()} (NCCL, one GPU per rank)"
+        if cfg.cuda_backend == "gloo":
+            gpus = min(cfg.world_size, torch.cuda.device_count())
+            ranks = (f"{cfg.world_size} ranks on {gpus} x {torch.cuda.get_device_name()} (gloo, "
+                     "ranks sharing GPUs)")  # fmt: skip
+        else:
+            ranks = f"{cfg.world_size} x {torch.cuda.get_device_name()} (NCCL, one GPU per rank)"
     else:
         mine = len(_cores_of(0, cfg))
         pinned = f"each rank pinned to its own {mine} core(s)" if mine else "ranks not pinned"
@@ -541,21 +683,30 @@ def _print_summary(cfg: Config, results: dict) -> None:
     def ratio(t: dict, a: str, b: str) -> str:
         return f"{med(t[a]) / med(t[b]):.2f}" if a in t and b in t else "n/a"
 
+    def over_bound(t: dict, a: str) -> str:
+        if a not in t or "floor" not in t or "dense" not in t:
+            return "n/a"
+        return f"{med(t[a]) / (med(t['floor']) + med(t['dense'])):.2f}"
+
     for (plan, opt_kind), r in results.items():
         t = r["times"]
-        bound = med(t["floor"]) + med(t["dense"])
         cells = [
             PLANS[plan], opt_kind, ms(t, "ours"), ms(t, "prefetch"), ms(t, "torchrec"),
             ms(t, "pipeline"), ratio(t, "ours", "torchrec"), ratio(t, "prefetch", "torchrec"),
             ratio(t, "prefetch", "pipeline"), ms(t, "floor"), ms(t, "unsharded"),
-            f"{med(t['dense']) * 1e3:.2f}", f"{med(t['ours']) / bound:.2f}",
-            f"{med(t['prefetch']) / bound:.2f}",
+            f"{med(t['dense']) * 1e3:.2f}" if "dense" in t else "n/a",
+            over_bound(t, "ours"), over_bound(t, "prefetch"),
         ]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
     for (plan, opt_kind), r in results.items():
         for name, why in r["notes"].items():
             print(f"\n{PLANS[plan]}/{opt_kind}: {name} not run: {why}")
+    device_name = torch.cuda.get_device_name() if cfg.device == "cuda" else None
     print()
+    for (plan, opt_kind), r in results.items():
+        if r.get("floor_bytes") is not None:
+            seconds = med(r["times"]["floor"])
+            print(bandwidth_line(f"{plan}/{opt_kind}", r["floor_bytes"], seconds, device_name))
     for line in _target_lines(cfg, results):
         print(line)
 
@@ -570,8 +721,9 @@ def _target_lines(cfg: Config, results: dict) -> list[str]:
     checks = [("ours / TorchRec", TORCHREC_TARGET, lambda t: med(t["torchrec"]) if "torchrec" in t else None)]
     if cfg.world_size == 2:
         checks.append(
-            ("ours / (floor + dense)", FLOOR_TARGET, lambda t: med(t["floor"]) + med(t["dense"]))
-        )
+            ("ours / (floor + dense)", FLOOR_TARGET,
+             lambda t: med(t["floor"]) + med(t["dense"]) if "floor" in t and "dense" in t else None)
+        )  # fmt: skip
     lines = []
     for what, target, denominator in checks:
         for contender, label in (("ours", "ours"), ("prefetch", "ours + prefetch")):
@@ -579,7 +731,7 @@ def _target_lines(cfg: Config, results: dict) -> list[str]:
             for (plan, opt_kind), r in results.items():
                 t = r["times"]
                 d = denominator(t)
-                if d is None:
+                if d is None or contender not in t:  # a contender that did not run
                     continue
                 value = med(t[contender]) / d
                 (met if value <= target else missed).append(f"{plan}/{opt_kind} {value:.2f}")
@@ -604,6 +756,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--cpu", action="store_true", help="print each sharded contender's CPU per step by thread kind")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank with NCCL (--world-size at most the GPUs)")
+    p.add_argument("--cuda-backend", choices=("nccl", "gloo"), default="nccl",
+                   help="with --device cuda: gloo lets ranks share a GPU (e.g. 2 ranks on 1)")
     p.add_argument("--only", choices=CONTENDERS, default=None,
                    help="time this contender alone, one block, no summary: for perf or py-spy "
                         "(e.g. --only ours --steps 1500 --blocks 1)")  # fmt: skip
@@ -613,13 +767,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="ours' row statistic on fused column pieces (fuse_optimizer's "
                         "column_wise_statistic); per_shard is TorchRec's approximation")  # fmt: skip
     a = p.parse_args(argv)
-    if a.device == "cuda" and a.world_size > torch.cuda.device_count():
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
+    if a.device == "cuda" and a.cuda_backend == "nccl" and a.world_size > torch.cuda.device_count():
         p.error(f"--device cuda --world-size {a.world_size}: this machine has "
-                f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank")
+                f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank "
+                "(--cuda-backend gloo shares them)")
     cfg = Config(
         **workload_fields(a), weighted=a.weighted, optimizers=tuple(a.optimizers),
         profile=a.profile, torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu",
-        cpu=a.cpu, device=a.device, cw_statistic=a.cw_statistic, only=a.only,
+        cpu=a.cpu, device=a.device, cuda_backend=a.cuda_backend, cw_statistic=a.cw_statistic,
+        only=a.only,
         cores=tuple(sorted(os.sched_getaffinity(0))),
     )  # fmt: skip
     mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)

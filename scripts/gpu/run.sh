@@ -9,3 +9,9 @@ TR="python3 -m torch.distributed.run --standalone --nproc-per-node 1"
 $TR examples/train_dlrm.py --steps 200 --checkpoint-dir /tmp/ck --no-progress
 $TR examples/train_dlrm.py --steps 260 --checkpoint-dir /tmp/ck --resume --no-progress
 python3 benchmarks/step_time.py --device cuda --world-size 1 --steps 40 | tee "$OUT/step_time.txt"
+# Issue 29: the size that ran out of memory side by side (one contender at a time now), and
+# prefetch with two ranks on the one GPU over gloo.
+python3 benchmarks/step_time.py --device cuda --world-size 1 --tables 26 --rows 500000 --dim 128 \
+    --batch 16384 --optimizers fused --steps 8 --blocks 1 | tee "$OUT/step_time_26x500k.txt"
+python3 benchmarks/step_time.py --device cuda --world-size 2 --cuda-backend gloo --steps 20 \
+    --optimizers fused | tee "$OUT/step_time_gloo2.txt"

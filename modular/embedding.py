@@ -3,10 +3,10 @@
 A `ShardedEmbeddingCollection` replaces a torchrec `EmbeddingCollection` in place under the same
 contract as the sharded EBC (modular/embedding_bag.py): the unsharded parameter names
 (`embeddings.<table>.weight`, ShardedTensors or data-parallel replicas), the same input dist
-(modular/routing/: checks, router, the ids' exchange), the same kernels (modular/kernels/, each id a
-bag of one: Note [sequence lookups as bags of one] in modular/sequence/lookup.py) and an output
-dist that returns each id's row to its sample's rank (Note [sequence output dist] in
-modular/sequence/output.py).
+(modular/routing/: checks, router, the ids' exchange), the same kernels (modular/kernels/: fbgemm's
+sequence kernels where they take it, each id a bag of one elsewhere, Note [sequence lookups] in
+modular/sequence/lookup.py) and an output dist that returns each id's row to its sample's rank
+(Note [sequence output dist] in modular/sequence/output.py).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
 
     def lookup(self, received: SequenceReceived) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each route's rows for every rank's ids it received, then this rank's data-parallel
-        routes' rows for its own batch (Note [sequence lookups as bags of one])."""
+        routes' rows for its own batch (Note [sequence lookups])."""
         counts = [sum(n) for n in received.per_source]
         rows = lookup_routes(self._kernels, received.values, counts)
         local_rows: list[torch.Tensor] = []
@@ -176,7 +176,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
 
     def _replica_bags(self, counts: list[int]) -> Optional[int]:
         """Bags per route of the replicas: the longest route on any rank (replicas gather every
-        rank's bags in equal shapes, Note [sequence lookups as bags of one])."""
+        rank's bags in equal shapes, Note [sequence lookups])."""
         if self._alone:
             return None
         longest = torch.tensor([max(counts, default=0)], dtype=torch.int64)

@@ -17,8 +17,8 @@ __all__ = ["AsBags", "sequence_table_infos", "weights_device"]
 def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInfo, ...]:
     """Reads the tables of an EmbeddingCollection, rejecting what sharding does not support.
 
-    Every id is its own bag of one (Note [sequence lookups as bags of one] in
-    modular/sequence/lookup.py), so each table is a SUM table to the layout and the kernels."""
+    Each table is a `Pooling.NONE` table to the layout; Note [sequence lookups] in
+    modular/sequence/lookup.py says how each kernel looks it up."""
     infos = []
     for cfg in ec.embedding_configs():
         if cfg.data_type != DataType.FP32:
@@ -26,7 +26,7 @@ def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInf
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
                 "only FP32 tables can be sharded"
             )
-        infos.append(table_info(cfg, Pooling.SUM))
+        infos.append(table_info(cfg, Pooling.NONE))
     return tuple(infos)
 
 

@@ -190,9 +190,11 @@ def _described(module: nn.Module) -> list:
     """The planned facts of one collection's tables, for Note [agreeing on the plan]."""
     if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
         configs = module.embedding_configs()
-        return [[c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names)] for c in configs] + [
-            "sequence"
-        ]
+        return [
+            [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names)]
+            + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
+            for c in configs
+        ] + ["sequence"]
     return [
         [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
         + ([] if c.data_type is DataType.FP32 else [c.data_type.name])

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from modular.errors import ShardingError
 from modular.tables.layout import Pooling, TableInfo
-from modular.tables.weights import table_info
+from modular.tables.weights import TABLE_DTYPES, table_info
 
 __all__ = ["AsBags", "sequence_table_infos", "weights_device"]
 
@@ -18,13 +17,17 @@ def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInf
     """Reads the tables of an EmbeddingCollection, rejecting what sharding does not support.
 
     Each table is a `Pooling.NONE` table to the layout; Note [sequence lookups] in
-    modular/sequence/lookup.py says how each kernel looks it up."""
+    modular/sequence/lookup.py says how each kernel looks it up. FP16 (and, off CPU, BF16)
+    tables keep their dtype as the EBC's do (Note [low-precision tables] in
+    modular/kernels/precision.py), and their rows come out in it (Note [low-precision sequences]
+    in modular/embedding.py)."""
     infos = []
     for cfg in ec.embedding_configs():
-        if cfg.data_type != DataType.FP32:
+        if cfg.data_type not in TABLE_DTYPES:
             raise ShardingError(
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
-                "only FP32 tables can be sharded"
+                f"sharding takes {', '.join(d.name for d in TABLE_DTYPES)} tables (quantised "
+                "tables are for inference, which modular does not shard)"
             )
         infos.append(table_info(cfg, Pooling.NONE))
     return tuple(infos)

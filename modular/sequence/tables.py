@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from modular.errors import ShardingError
 from modular.tables.layout import Pooling, TableInfo
-from modular.tables.weights import TABLE_DTYPES, table_info
+from modular.tables.weights import table_info
 
 __all__ = ["AsBags", "sequence_table_infos", "weights_device"]
 
@@ -17,17 +18,19 @@ def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInf
     """Reads the tables of an EmbeddingCollection, rejecting what sharding does not support.
 
     Each table is a `Pooling.NONE` table to the layout; Note [sequence lookups] in
-    modular/sequence/lookup.py says how each kernel looks it up. FP16 (and, off CPU, BF16)
-    tables keep their dtype as the EBC's do (Note [low-precision tables] in
-    modular/kernels/precision.py), and their rows come out in it (Note [low-precision sequences]
-    in modular/embedding.py)."""
+    modular/sequence/lookup.py says how each kernel looks it up. FP16 tables keep their dtype
+    as the EBC's do (Note [low-precision tables] in modular/kernels/precision.py), and their
+    rows come out in FP32 as torchrec's do (Note [low-precision sequences] in
+    modular/embedding.py). torchrec's EC holds every non-FP32 table as FP16, so a BF16 config
+    (an FP16 table there) is refused rather than sharded as a BF16 one."""
     infos = []
     for cfg in ec.embedding_configs():
-        if cfg.data_type not in TABLE_DTYPES:
+        if cfg.data_type not in (DataType.FP32, DataType.FP16):
             raise ShardingError(
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
-                f"sharding takes {', '.join(d.name for d in TABLE_DTYPES)} tables (quantised "
-                "tables are for inference, which modular does not shard)"
+                "an EmbeddingCollection's tables can be sharded in FP32 or FP16 (torchrec's "
+                "EmbeddingCollection holds every other data type as FP16 weights): use "
+                "DataType.FP16 or DataType.FP32"
             )
         infos.append(table_info(cfg, Pooling.NONE))
     return tuple(infos)

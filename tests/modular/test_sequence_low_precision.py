@@ -209,3 +209,13 @@ def test_fused_fp16_sequences_keep_fp32_state(case: str) -> None:
 @pytest.mark.timeout(200)
 def test_fp16_sequence_checkpoints_keep_dtype(tmp_path) -> None:
     run_on_ranks(2, _checkpoint, str(tmp_path / "ckpt"), timeout=120)
+
+
+@pytest.mark.parametrize("data_type", [DataType.BF16, DataType.INT8])
+def test_other_data_types_are_refused_naming_the_table(data_type: DataType) -> None:
+    """torchrec's EC holds every non-FP32 table as FP16 weights: a BF16 config is not a BF16 table."""
+    tables = seq_b_tables()
+    tables[1].data_type = data_type
+    model = nn.ModuleDict({"seq": EmbeddingCollection(tables=tables)})
+    with pytest.raises(modular.ShardingError, match=rf"table 'v' of module 'seq' has data type {data_type.name}; .*use DataType.FP16 or DataType.FP32"):
+        modular.fuse_optimizer(model, "exact_sgd", lr=0.1)

@@ -385,8 +385,8 @@ def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
     choose other modules than its peers and hang the prefetch group, where a bad batch must
     raise InputError on every rank. It is read from the model instead, which every rank holds
     alike (`shard` agreed on each module's tables and features): collections that all read the
-    same features take one batch; if they read different ones, the caller names them
-    (`modules=`), and every rank raises the same InputError, before any collective."""
+    same features take one batch (two that read the same features from different batches need
+    `modules=` too); otherwise every rank raises the same InputError, before any collective."""
     by_features: dict[frozenset, list[str]] = {}
     for name, m in found.items():
         by_features.setdefault(frozenset(m.layout.features), []).append(name)

@@ -13,9 +13,9 @@ layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes t
   gives every table the same dim, so this rarely costs a kernel).
 - each id a bag of one in a SUM kernel, everywhere else: fbgemm-gpu-cpu 1.8.0's dense TBE
   (`DenseKernel`, and `EmulatedFusedKernel`'s forward) pools even with PoolingMode.NONE (it
-  returns (1, T * width)), and the deferred fused kernels (`RowStatsFusedKernel`,
-  `ReplicaFusedKernel`, modular/kernels/deferred.py) replay fbgemm's SUM backward ops, whose
-  gradient is per bag. A TBE batch holds the same number of bags per route, so a kernel over
+  returns (bags per route, T * width), each bag summed), and the deferred fused kernels
+  (`RowStatsFusedKernel`, `ReplicaFusedKernel`, modular/kernels/deferred.py) replay fbgemm's
+  SUM backward ops, whose gradient is per bag. A TBE batch holds the same number of bags per route, so a kernel over
   routes of n_1, ..., n_T ids takes N = max(n_t) bags per route, route t's first n_t of one id
   each and the rest empty, and returns (N, sum of the routes' widths): route t's rows are the
   first n_t rows of its columns. The empty bags cost rows of output and gradient, not lookups.
@@ -24,7 +24,7 @@ layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes t
 
 Both give the same rows and the same update up to the order fbgemm adds a repeated id's
 gradients in (tests/modular/test_sequence_fused.py, test_sequence_kernels.py). On CPU the NONE
-kernel is the slower one: fbgemm-gpu-cpu 1.8.0's nobag backward took 2.0-6.5x the SUM backward on
+kernel is the slower one: fbgemm-gpu-cpu 1.8.0's nobag backward took 2.3-6.5x the SUM backward on
 bags of one (20,480 ids, 4 tables of 64 columns, one thread, benchmarks/sequence_kernels.py:
 exact SGD 20.2 against 3.1 ms, row-wise Adagrad 22.1 against 8.5 ms), even when uneven routes pad
 the bags; the fused table-wise EC step pays it (docs/benchmarks.md). `FusedKernel.nobag` is the

@@ -2,10 +2,12 @@
 
     python benchmarks/sequence_step_time.py                        # world 2, tw/rw/cw, fused
     python benchmarks/sequence_step_time.py --plans rw --optimizers dense fused --steps 20
+    python benchmarks/sequence_step_time.py --length 5 35            # features of 5, 35, 5, ... ids
 
 The sibling of benchmarks/step_time.py for sequences (issue 27). For each (plan, optimizer) the
 ranks build both contenders from the same EmbeddingCollection and time them on the same
-synthetic batches (every feature a sequence of `--length` ids per sample), alternating blocks:
+synthetic batches (every feature a sequence of `--length` ids per sample; several lengths are
+dealt to the features in turn), alternating blocks:
 
   ours      modular.shard, with modular.fuse_optimizer(.., "exact_rowwise_adagrad") first
             ("fused") or torch SGD over modular.local_parameters ("dense")
@@ -48,7 +50,7 @@ class Config:
     rows: int
     dim: int
     batch: int
-    length: int
+    length: tuple[int, ...]  # ids per sequence, feature i's is length[i % len(length)]
     world_size: int
     plans: tuple[str, ...]
     optimizers: tuple[str, ...]
@@ -97,7 +99,8 @@ def _batches(cfg: Config, rank: int, n: int = 4):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     g = torch.Generator().manual_seed(1234 + rank)
-    lengths = torch.full((cfg.tables * cfg.batch,), cfg.length, dtype=torch.int64)
+    per_feature = [cfg.length[i % len(cfg.length)] for i in range(cfg.tables)]
+    lengths = torch.tensor(per_feature, dtype=torch.int64).repeat_interleave(cfg.batch)
     return [
         KeyedJaggedTensor(
             keys=[f"f{i}" for i in range(cfg.tables)], lengths=lengths, stride=cfg.batch,
@@ -209,7 +212,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=128, help="samples per rank")
-    p.add_argument("--length", type=int, default=20, help="ids per sequence")
+    p.add_argument("--length", type=int, nargs="+", default=[20], help="ids per sequence (per feature, in turn)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
     p.add_argument("--optimizers", nargs="+", default=["fused"], choices=["dense", "fused"])
@@ -218,7 +221,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--only", choices=["ours", "torchrec"], default=None, help="one contender")
     a = p.parse_args()
-    cfg = Config(a.tables, a.rows, a.dim, a.batch, a.length, a.world_size, tuple(a.plans),
+    cfg = Config(a.tables, a.rows, a.dim, a.batch, tuple(a.length), a.world_size, tuple(a.plans),
                  tuple(a.optimizers), a.steps, a.blocks, a.warmup, a.only)  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,7 +235,7 @@ def main() -> None:
     for proc in procs:
         proc.join()
     print(f"{cfg.tables} tables x {cfg.rows} rows x {cfg.dim}, batch {cfg.batch} per rank, "
-          f"sequences of {cfg.length} ids, world {cfg.world_size} (gloo, CPU, 1 thread per rank)")  # fmt: skip
+          f"sequences of {'/'.join(map(str, cfg.length))} ids, world {cfg.world_size} (gloo, CPU, 1 thread per rank)")  # fmt: skip
     print(f"{'case':<10} {'ours ms':>9} {'torchrec ms':>12} {'ours/torchrec':>14}")
     for (plan, kind), t in results.items():
         ours, tr = t.get("ours", float("nan")), t.get("torchrec", float("nan"))

@@ -86,8 +86,9 @@ def train(config: TrainConfig) -> TrainResult:
     for step in range(start, config.steps):
         if step + 1 < config.steps:  # the next batch travels while this one trains
             nxt = make_batch(step + 1, rank, batch_size=config.batch_size)
-            model.seq.prefetch(nxt.sequences)
-            model.user.prefetch(nxt.users)
+            # Each batch names its collections: they read different features (README).
+            modular.prefetch(model, nxt.sequences, modules=["seq"])
+            modular.prefetch(model, nxt.users, modules=["user"])
         loss = model.loss(batch)
         loss.backward()
         opt.step()

@@ -3,10 +3,10 @@
 A `ShardedEmbeddingCollection` replaces a torchrec `EmbeddingCollection` in place under the same
 contract as the sharded EBC (modular/embedding_bag.py): the unsharded parameter names
 (`embeddings.<table>.weight`, ShardedTensors or data-parallel replicas), the same input dist
-(modular/routing/: checks, router, the ids' exchange), the same kernels (modular/kernels/, each id a
-bag of one: Note [sequence lookups as bags of one] in modular/sequence/lookup.py) and an output
-dist that returns each id's row to its sample's rank (Note [sequence output dist] in
-modular/sequence/output.py).
+(modular/routing/: checks, router, the ids' exchange), the same kernels (modular/kernels/: fbgemm's
+sequence kernels where they take it, each id a bag of one elsewhere, Note [sequence lookups] in
+modular/sequence/lookup.py) and an output dist that returns each id's row to its sample's rank
+(Note [sequence output dist] in modular/sequence/output.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from modular.routing.prefetcher import Prefetcher
 from modular.routing.router import INT32_MAX, Router
 from modular.errors import InputError
 from modular.fused.config import FusedConfig
+from modular.kernels.precision import check_table_dtypes
 from modular.local_shards import LocalShards
 from modular.sequence.lookup import lookup_routes
 from modular.sequence.output import Placement, place_rows, send_rows
@@ -67,6 +68,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
         self._need_indices = ec.need_indices()
         self._embedding_dim = ec.embedding_dim()
         self._names_by_table = ec.embedding_names_by_table()
+        check_table_dtypes(self.layout.tables, module, device)
         if device.type != "cpu":
             check_widths_off_cpu(self.layout, module, device)
         self._router = Router(self.layout, module=module, is_weighted=False, device=device)
@@ -161,7 +163,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
 
     def lookup(self, received: SequenceReceived) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each route's rows for every rank's ids it received, then this rank's data-parallel
-        routes' rows for its own batch (Note [sequence lookups as bags of one])."""
+        routes' rows for its own batch (Note [sequence lookups])."""
         counts = [sum(n) for n in received.per_source]
         rows = lookup_routes(self._kernels, received.values, counts)
         local_rows: list[torch.Tensor] = []
@@ -176,7 +178,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
 
     def _replica_bags(self, counts: list[int]) -> Optional[int]:
         """Bags per route of the replicas: the longest route on any rank (replicas gather every
-        rank's bags in equal shapes, Note [sequence lookups as bags of one])."""
+        rank's bags in equal shapes, Note [sequence lookups])."""
         if self._alone:
             return None
         longest = torch.tensor([max(counts, default=0)], dtype=torch.int64)
@@ -213,6 +215,16 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
         return self._jagged(out.view(-1, self._embedding_dim), received)
 
     def _jagged(self, out: torch.Tensor, received: SequenceReceived) -> dict[str, JaggedTensor]:
+        """The output as torchrec's EC returns it.
+
+        # Note [low-precision sequences]
+        torchrec's unsharded EC returns an FP16 table's rows in FP32 (torchrec 1.8.0: its
+        forward widens each nn.Embedding lookup with `.float()`). fbgemm's kernels widen every
+        row to FP32 too (Note [low-precision tables] in modular/kernels/precision.py), and a
+        sequence row is a row, not a sum, so ours are the same bits, FP32 on the wire and out.
+        Backward differs in rounding only: torchrec rounds each row's gradient to FP16 before
+        its embedding backward adds them up; the kernels add a row's FP32 gradients in FP32 and
+        round once (into the FP16 `.grad`, or into a fused update with FP32 state)."""
         kjt = received.kjt
         features = kjt.to_dict()
         values = out.split(received.placement.rows_per_output)

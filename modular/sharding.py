@@ -22,7 +22,7 @@ from modular import lifecycle
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.embedding import ShardedEmbeddingCollection
 from modular.embedding_bag import ShardedEmbeddingBagCollection
-from modular.errors import ShardingError
+from modular.errors import InputError, ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.precision import check_table_dtypes
 from modular.routing.precision import DtypeOption, per_module
@@ -190,9 +190,11 @@ def _described(module: nn.Module) -> list:
     """The planned facts of one collection's tables, for Note [agreeing on the plan]."""
     if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
         configs = module.embedding_configs()
-        return [[c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names)] for c in configs] + [
-            "sequence"
-        ]
+        return [
+            [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names)]
+            + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
+            for c in configs
+        ] + ["sequence"]
     return [
         [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
         + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
@@ -363,15 +365,14 @@ def prefetch(
     modular/routing/prefetcher.py), and a later `model(...)` whose sharded modules receive this
     same KJT object uses it. Returns `model`. Call it on every rank, in the same order.
 
-    `modules` (FQNs) limits it to the collections that take this KJT, for a model whose
-    collections take different ones (an EBC's batch and an EC's):
+    `modules` (FQNs) names the collections that take this KJT. A model whose collections read
+    different features (an EBC's batch and an EC's) must name them, one call per batch:
 
         modular.prefetch(model, batch.sparse, modules=["sparse"])
         modular.prefetch(model, batch.sequences, modules=["seq"])
 
-    Without it every sharded collection gets `features`; one that never receives that KJT would
-    keep it pending (and refuse more than 8 such). The choice is the caller's, not read from
-    the batch, so every rank makes the same one even when a rank's batch is wrong."""
+    Without it every sharded collection gets `features`, which is only allowed when they all
+    read the same features (Note [choosing what to prefetch for])."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
     found = dict(sharded_modules(model))
@@ -380,7 +381,7 @@ def prefetch(
             "prefetch: the model has no sharded EmbeddingBagCollection or EmbeddingCollection "
             "(call modular.shard first)"
         )
-    names = list(found) if modules is None else list(modules)
+    names = _prefetch_targets(found) if modules is None else list(modules)
     unknown = [n for n in names if n not in found]
     if unknown:
         raise ValueError(
@@ -390,3 +391,27 @@ def prefetch(
     for name in names:
         found[name].prefetch(features)
     return model
+
+
+def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
+    """Every sharded collection, when `prefetch` is not told which ones take the batch.
+
+    # Note [choosing what to prefetch for]
+    A collection handed a KJT it never receives keeps it pending, and the 9th such raises. Which
+    collections take a batch cannot be read from the batch: a rank whose batch is wrong would
+    choose other modules than its peers and hang the prefetch group, where a bad batch must
+    raise InputError on every rank. It is read from the model instead, which every rank holds
+    alike (`shard` agreed on each module's tables and features): collections that all read the
+    same features take one batch (two that read the same features from different batches need
+    `modules=` too); otherwise every rank raises the same InputError, before any collective."""
+    by_features: dict[frozenset, list[str]] = {}
+    for name, m in found.items():
+        by_features.setdefault(frozenset(m.layout.features), []).append(name)
+    if len(by_features) > 1:
+        reads = "; ".join(f"{names} read {sorted(f)}" for f, names in by_features.items())
+        raise InputError(
+            f"prefetch: the model's sharded collections read different features ({reads}), so "
+            "which of them this batch is for is the caller's to say: pass modules=[...] (their "
+            f"FQNs), e.g. modules={next(iter(by_features.values()))}, the same on every rank"
+        )
+    return list(found)

@@ -34,7 +34,9 @@ __all__ = [
     "sum_weights",
 ]
 
-POOLING = {Pooling.SUM: PoolingMode.SUM, Pooling.MEAN: PoolingMode.MEAN}
+# A kernel that cannot look sequences up unpooled takes each id as a bag of one in a SUM kernel
+# (Note [sequence lookups] in modular/sequence/lookup.py); `FusedKernel` takes PoolingMode.NONE.
+POOLING = {Pooling.SUM: PoolingMode.SUM, Pooling.MEAN: PoolingMode.MEAN, Pooling.NONE: PoolingMode.SUM}
 
 
 # fbgemm 1.8's dense TBE backward goes through torch's deprecated autograd fallback, which warns on
@@ -54,11 +56,15 @@ class Kernel(Protocol):
     sizes: list[tuple[int, int]]  # (rows, cols) of each shard, in `group.shards` order
     views: list[torch.Tensor]  # each shard's weights, aliasing the kernel's own buffer
     states: list[dict[str, torch.Tensor]]  # each shard's optimizer state by name (fused only)
+    # fbgemm's PoolingMode.NONE: one bag per route in, one row per id out (Note [sequence
+    # lookups] in modular/sequence/lookup.py); False: pooled bags (of one, for sequences).
+    nobag: bool
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """The pooled outputs (bags, sum of the group's route widths)."""
+        """The pooled outputs (bags, sum of the group's route widths); a `nobag` kernel's rows
+        (ids, the group's one width)."""
         ...
 
     def backward(self, batch: Lookup) -> None:

@@ -28,6 +28,8 @@ class DeferredFusedKernel(FusedKernel):
     """fbgemm's fused kernel (CPU) whose update runs at the end of backward, on a batch the
     owning module may first complete with other ranks' data (subclasses say how)."""
 
+    replays_sum_backward = True  # sequences as bags of one (Note [sequence lookups])
+
     def __init__(
         self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
     ) -> None:

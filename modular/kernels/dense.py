@@ -59,6 +59,8 @@ class DenseKernel:
     `named_parameters()`, which lists the tables under their unsharded names instead.
     """
 
+    nobag = False  # the dense CPU TBE pools even in PoolingMode.NONE (Note [sequence lookups])
+
     def __init__(
         self,
         group: KernelGroup,

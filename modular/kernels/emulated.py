@@ -32,6 +32,8 @@ class RowGrad(NamedTuple):
 class EmulatedFusedKernel:
     """One kernel group with fbgemm's forward and the optimizer applied in torch (see the Note)."""
 
+    nobag = False  # the dense TBE's forward: sequences as bags of one (Note [sequence lookups])
+
     def __init__(
         self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
     ) -> None:

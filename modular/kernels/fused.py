@@ -6,7 +6,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    BoundsCheckMode,
+    EmbeddingLocation,
+    PoolingMode,
+)
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     SplitTableBatchedEmbeddingBagsCodegen,
@@ -15,14 +19,18 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from modular.kernels.base import POOLING, lookup_without_weight_grads, no_weight_grads
 from modular.kernels.precision import sparse_type
-from modular.tables.layout import KernelGroup
+from modular.tables.layout import KernelGroup, Pooling
 
 __all__ = ["FusedKernel"]
 
 
 class FusedKernel:
     """fbgemm's split TBE with the optimizer fused into backward: rows it touched are updated,
-    no gradient is materialised. Needs shard widths that are multiples of 4."""
+    no gradient is materialised. Needs shard widths that are multiples of 4. Sequence groups
+    take fbgemm's PoolingMode.NONE (`nobag`), except in the deferred kernels, which replay
+    fbgemm's SUM backward ops (Note [sequence lookups] in modular/sequence/lookup.py)."""
+
+    replays_sum_backward = False  # the deferred kernels (modular/kernels/deferred.py) do
 
     def __init__(
         self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
@@ -34,13 +42,14 @@ class FusedKernel:
         self.sizes = sizes
         self.config = config
         self._lr = config.lr
+        self.nobag = group.pooling is Pooling.NONE and not self.replays_sum_backward
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(rows, cols, location, compute) for rows, cols in sizes],
             feature_table_map=list(group.feature_table_map),
             optimizer=config.optimizer.fbgemm_type(),
             learning_rate=config.lr,
             eps=config.eps,
-            pooling_mode=POOLING[group.pooling],
+            pooling_mode=PoolingMode.NONE if self.nobag else POOLING[group.pooling],
             device=device,
             # Input dist has checked every id against its table (Router.check), so fbgemm's own
             # per-forward bounds check would only repeat it.

@@ -1,20 +1,34 @@
 """Looking sequences up through the EBC's kernels.
 
-# Note [sequence lookups as bags of one]
-A sequence lookup returns each id's row. That is a SUM lookup in which every id is a bag of its
-own, so the kernels of modular/kernels/ (dense, fused, emulated, deferred, replicas) serve
-EmbeddingCollections unchanged, with their fused updates, their row statistics and their
-gradients, and fbgemm's backward sums the rows an id repeats exactly as it does for bags. A TBE
-batch holds the same number of bags per feature (here: per route), so a kernel over routes of
-n_1, ..., n_T ids takes N = max(n_t) bags per route, route t's first n_t of one id each and the
-rest empty, and returns (N, sum of the routes' widths): route t's rows are the first n_t rows of
-its columns. The empty bags cost rows of output and gradient, not lookups; a route per kernel
-would cost none, but a table read by two features must stay in one kernel (its weights are one
-buffer). fbgemm's own PoolingMode.NONE returns (ids, width) with no padding, but its CPU dense
-TBE pools anyway (fbgemm-gpu-cpu 1.8.0: NONE gives (1, T * width)), and the fused kernels'
-deferred and replica paths replay fbgemm's SUM backward ops, so one form serves them all. Data-
-parallel replicas gather every rank's bags, which needs equal shapes on every rank: their N is
-the maximum over ranks (one small all-reduce a step, only where a module has replicas).
+# Note [sequence lookups]
+A sequence lookup returns each id's row. An EmbeddingCollection's tables are `Pooling.NONE` to the
+layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes them one of two ways:
+
+- fbgemm's sequence kernel, PoolingMode.NONE (`kernel.nobag`): `FusedKernel`, the plain fused
+  split TBE. Each route is one bag of all its ids (offsets: the routes' id counts), and the
+  kernel returns (ids, width) rows, no padding; its fused backward sums the rows an id repeats,
+  as the unsharded EC's gradient does. fbgemm's NONE kernels take tables of one width only
+  (fbgemm-gpu 1.8.0 asserts "Mixed dimension tables only supported for pooling tables"), so
+  `kernel_groups` cuts sequence groups by width (column pieces of unequal widths; torchrec's EC
+  gives every table the same dim, so this rarely costs a kernel).
+- each id a bag of one in a SUM kernel, everywhere else: fbgemm-gpu-cpu 1.8.0's dense TBE
+  (`DenseKernel`, and `EmulatedFusedKernel`'s forward) pools even with PoolingMode.NONE (it
+  returns (bags per route, T * width), each bag summed), and the deferred fused kernels
+  (`RowStatsFusedKernel`, `ReplicaFusedKernel`, modular/kernels/deferred.py) replay fbgemm's
+  SUM backward ops, whose gradient is per bag. A TBE batch holds the same number of bags per route, so a kernel over
+  routes of n_1, ..., n_T ids takes N = max(n_t) bags per route, route t's first n_t of one id
+  each and the rest empty, and returns (N, sum of the routes' widths): route t's rows are the
+  first n_t rows of its columns. The empty bags cost rows of output and gradient, not lookups.
+  Data-parallel replicas gather every rank's bags, which needs equal shapes on every rank: their
+  N is the maximum over ranks (one small all-reduce a step, only where a module has replicas).
+
+Both give the same rows and the same update up to the order fbgemm adds a repeated id's
+gradients in (tests/modular/test_sequence_fused.py, test_sequence_kernels.py). On CPU the NONE
+kernel is the slower one: fbgemm-gpu-cpu 1.8.0's nobag backward took 2.3-6.5x the SUM backward on
+bags of one (20,480 ids, 4 tables of 64 columns, one thread, benchmarks/sequence_kernels.py:
+exact SGD 20.2 against 3.1 ms, row-wise Adagrad 22.1 against 8.5 ms), even when uneven routes pad
+the bags; the fused table-wise EC step pays it (docs/benchmarks.md). `FusedKernel.nobag` is the
+one place that picks the form.
 """
 
 from __future__ import annotations
@@ -33,28 +47,44 @@ def lookup_routes(
 ) -> list[torch.Tensor]:
     """Each route's rows, (ids of the route, its width), in route order: `values` holds the ids
     route by route, `counts` how many each route has; the kernels take consecutive routes.
-    `bags`: the bags per route every kernel takes (replicas: agreed over ranks), else each
-    kernel's longest route."""
+    `bags`: the bags per route every bag-of-one kernel takes (replicas: agreed over ranks), else
+    each kernel's longest route (Note [sequence lookups])."""
     out: list[torch.Tensor] = []
     route, start = 0, 0
     for kernel in kernels:
         group = kernel.group.routes
         n = counts[route : route + len(group)]
         total = sum(n)
-        per_route = max(max(n), 1) if bags is None else bags
         ids = values[start : start + total]
-        lengths = torch.arange(per_route, device=ids.device).unsqueeze(0) < torch.tensor(
-            n, device=ids.device
-        ).unsqueeze(1)
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(
-            lengths.reshape(-1).to(ids.dtype)
-        )
-        rows = kernel(ids, offsets, None)  # (per_route, sum of widths)
-        col = 0
-        for r, count in zip(group, n):
-            width = r.shard.num_cols
-            out.append(rows[:count, col : col + width])
-            col += width
+        if kernel.nobag:
+            out.extend(_rows(kernel, ids, n))
+        else:
+            out.extend(_bags_of_one(kernel, ids, n, bags))
         route += len(group)
         start += total
+    return out
+
+
+def _rows(kernel: Kernel, ids: torch.Tensor, n: list[int]) -> list[torch.Tensor]:
+    """fbgemm's PoolingMode.NONE: one bag per route, one row per id."""
+    lengths = torch.tensor(n, device=ids.device, dtype=ids.dtype)
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    return list(kernel(ids, offsets, None).split(n))  # (ids, width)
+
+
+def _bags_of_one(
+    kernel: Kernel, ids: torch.Tensor, n: list[int], bags: Optional[int]
+) -> list[torch.Tensor]:
+    """A SUM kernel over bags of one id, each route padded to `bags` (or the longest route)."""
+    per_route = max(max(n), 1) if bags is None else bags
+    lengths = torch.arange(per_route, device=ids.device).unsqueeze(0) < torch.tensor(
+        n, device=ids.device
+    ).unsqueeze(1)
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.reshape(-1).to(ids.dtype))
+    rows = kernel(ids, offsets, None)  # (per_route, sum of widths)
+    out, col = [], 0
+    for r, count in zip(kernel.group.routes, n):
+        width = r.shard.num_cols
+        out.append(rows[:count, col : col + width])
+        col += width
     return out

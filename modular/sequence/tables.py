@@ -17,16 +17,22 @@ __all__ = ["AsBags", "sequence_table_infos", "weights_device"]
 def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInfo, ...]:
     """Reads the tables of an EmbeddingCollection, rejecting what sharding does not support.
 
-    Every id is its own bag of one (Note [sequence lookups as bags of one] in
-    modular/sequence/lookup.py), so each table is a SUM table to the layout and the kernels."""
+    Each table is a `Pooling.NONE` table to the layout; Note [sequence lookups] in
+    modular/sequence/lookup.py says how each kernel looks it up. FP16 tables keep their dtype
+    as the EBC's do (Note [low-precision tables] in modular/kernels/precision.py), and their
+    rows come out in FP32 as torchrec's do (Note [low-precision sequences] in
+    modular/embedding.py). torchrec's EC holds every non-FP32 table as FP16, so a BF16 config
+    (an FP16 table there) is refused rather than sharded as a BF16 one."""
     infos = []
     for cfg in ec.embedding_configs():
-        if cfg.data_type != DataType.FP32:
+        if cfg.data_type not in (DataType.FP32, DataType.FP16):
             raise ShardingError(
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "
-                "only FP32 tables can be sharded"
+                "an EmbeddingCollection's tables can be sharded in FP32 or FP16 (torchrec's "
+                "EmbeddingCollection holds every other data type as FP16 weights): use "
+                "DataType.FP16 or DataType.FP32"
             )
-        infos.append(table_info(cfg, Pooling.SUM))
+        infos.append(table_info(cfg, Pooling.NONE))
     return tuple(infos)
 
 

@@ -35,6 +35,9 @@ ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 class Pooling(enum.Enum):
     SUM = "sum"
     MEAN = "mean"
+    # An EmbeddingCollection's tables: each id's row, no pooling (Note [sequence lookups] in
+    # modular/sequence/lookup.py says which kernels take it as fbgemm's PoolingMode.NONE).
+    NONE = "none"
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,8 @@ class Layout:
     shards: tuple[tuple[ShardSpec, ...], ...]  # aligned with tables
     features: tuple[str, ...]  # the KJT keys the EBC consumes, in first-use order
     outputs: tuple[Output, ...]
-    # global, ordered by (destination rank, pooling, dtype, odd width, column piece, table, shard,
-    # output): see build_layout and kernel_groups
+    # global, ordered by (destination rank, pooling, dtype, odd width, column piece, sequence
+    # width, table, shard, output): see build_layout and kernel_groups
     routes: tuple[Route, ...]
     local: tuple[Route, ...]  # data-parallel lookups, done on every rank from its own batch
 
@@ -204,10 +207,12 @@ def build_layout(
     routes.sort(
         key=lambda r: (
             r.shard.rank, pooling_order[r.pooling], _dtype_order(r), _odd_width(r),
-            r.column_piece, first_output[r.table], r.shard_index, r.output,
+            r.column_piece, _nobag_width(r), first_output[r.table], r.shard_index, r.output,
         )
     )  # fmt: skip
-    local.sort(key=lambda r: (pooling_order[r.pooling], _dtype_order(r), _odd_width(r), r.output))
+    local.sort(
+        key=lambda r: (pooling_order[r.pooling], _dtype_order(r), _odd_width(r), _nobag_width(r), r.output)
+    )
     return Layout(
         world_size=world_size,
         rank=rank,
@@ -253,10 +258,19 @@ def _odd_width(route: Route) -> bool:
     return odd_width(route.shard.num_cols)
 
 
+def _nobag_width(route: Route) -> int:
+    """The width that splits kernel groups of sequence routes (fbgemm's PoolingMode.NONE kernels
+    take one width, Note [sequence lookups]); 0 for pooled routes, which mix widths."""
+    return route.shard.num_cols if route.pooling is Pooling.NONE else 0
+
+
 def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
-    """Splits a rank's routes (already ordered by pooling, dtype, odd width, then column piece)
-    into one group per pooling mode, weights' dtype (one fbgemm TBE has one weights precision),
-    width class and column piece or not:
+    """Splits a rank's routes (already ordered by pooling, dtype, odd width, column piece, then
+    sequence width) into one group per pooling mode, weights' dtype (one fbgemm TBE has one
+    weights precision), width class, column piece or not, and, for sequences, width:
+    - fbgemm's sequence (PoolingMode.NONE) kernels take tables of one width (fbgemm-gpu 1.8.0
+      asserts it), so sequence routes of different widths (column pieces of unequal widths:
+      torchrec's EmbeddingCollection gives every table one dim) get a group per width;
     - a shard whose width fbgemm's fused kernels cannot take is emulated with the rest of its
       group (modular/optim.py), so it gets a group of its own instead of taking every table of
       its pooling mode with it;
@@ -275,6 +289,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
             and routes[end].dtype == head.dtype
             and _odd_width(routes[end]) == _odd_width(head)
             and routes[end].column_piece == head.column_piece
+            and _nobag_width(routes[end]) == _nobag_width(head)
         ):
             end += 1
         members = routes[start:end]

@@ -27,7 +27,8 @@ from modular.embedding import ShardedEmbeddingCollection
 from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
-from modular.sharding import prefetch, shard, sharded_modules
+from modular.prefetching import prefetch
+from modular.sharding import shard, sharded_modules
 from modular.full_tables import unshard
 
 __all__ = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,13 +16,12 @@ from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular import lifecycle
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.embedding import ShardedEmbeddingCollection
 from modular.embedding_bag import ShardedEmbeddingBagCollection
-from modular.errors import InputError, ShardingError
+from modular.errors import ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.precision import check_table_dtypes
 from modular.routing.precision import DtypeOption, per_module
@@ -33,7 +32,7 @@ from modular.tables.layout import RankLayout
 from modular.tables.weights import table_infos
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
-__all__ = ["prefetch", "shard", "sharded_modules"]
+__all__ = ["shard", "sharded_modules"]
 
 
 def shard(
@@ -355,63 +354,3 @@ def sharded_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             if child is not None
         ]
         stack.extend(reversed(children))
-
-
-def prefetch(
-    model: nn.Module, features: KeyedJaggedTensor, *, modules: Optional[Iterable[str]] = None
-) -> nn.Module:
-    """Prefetches `features` for the sharded collections of `model`: their input dist runs in
-    the background from the module's next wait on (Note [prefetched input dist] in
-    modular/routing/prefetcher.py), and a later `model(...)` whose sharded modules receive this
-    same KJT object uses it. Returns `model`. Call it on every rank, in the same order.
-
-    `modules` (FQNs) names the collections that take this KJT. A model whose collections read
-    different features (an EBC's batch and an EC's) must name them, one call per batch:
-
-        modular.prefetch(model, batch.sparse, modules=["sparse"])
-        modular.prefetch(model, batch.sequences, modules=["seq"])
-
-    Without it every sharded collection gets `features`, which is only allowed when they all
-    read the same features (Note [choosing what to prefetch for])."""
-    if not isinstance(features, KeyedJaggedTensor):
-        raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
-    found = dict(sharded_modules(model))
-    if not found:
-        raise ValueError(
-            "prefetch: the model has no sharded EmbeddingBagCollection or EmbeddingCollection "
-            "(call modular.shard first)"
-        )
-    names = _prefetch_targets(found) if modules is None else list(modules)
-    unknown = [n for n in names if n not in found]
-    if unknown:
-        raise ValueError(
-            f"prefetch: modules {unknown} are not sharded collections of the model; its sharded "
-            f"collections are {sorted(found)}"
-        )
-    for name in names:
-        found[name].prefetch(features)
-    return model
-
-
-def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
-    """Every sharded collection, when `prefetch` is not told which ones take the batch.
-
-    # Note [choosing what to prefetch for]
-    A collection handed a KJT it never receives keeps it pending, and the 9th such raises. Which
-    collections take a batch cannot be read from the batch: a rank whose batch is wrong would
-    choose other modules than its peers and hang the prefetch group, where a bad batch must
-    raise InputError on every rank. It is read from the model instead, which every rank holds
-    alike (`shard` agreed on each module's tables and features): collections that all read the
-    same features take one batch (two that read the same features from different batches need
-    `modules=` too); otherwise every rank raises the same InputError, before any collective."""
-    by_features: dict[frozenset, list[str]] = {}
-    for name, m in found.items():
-        by_features.setdefault(frozenset(m.layout.features), []).append(name)
-    if len(by_features) > 1:
-        reads = "; ".join(f"{names} read {sorted(f)}" for f, names in by_features.items())
-        raise InputError(
-            f"prefetch: the model's sharded collections read different features ({reads}), so "
-            "which of them this batch is for is the caller's to say: pass modules=[...] (their "
-            f"FQNs), e.g. modules={next(iter(by_features.values()))}, the same on every rank"
-        )
-    return list(found)

@@ -21,14 +21,21 @@ from modular.kernels.base import POOLING, lookup_without_weight_grads, no_weight
 from modular.kernels.precision import sparse_type
 from modular.tables.layout import KernelGroup, Pooling
 
-__all__ = ["FusedKernel"]
+__all__ = ["FusedKernel", "SEQUENCE_KERNEL_DEVICES"]
+
+# Where sequence groups take fbgemm's PoolingMode.NONE kernel (Note [sequence lookups] in
+# modular/sequence/lookup.py): CUDA. On CPU, fbgemm-gpu-cpu 1.8.0's NONE backward measured
+# 2.3-6.5x the SUM backward on bags of one, so CPU keeps bags of one; tests set "cpu" here to
+# hold the NONE path to the same parity on CPU.
+SEQUENCE_KERNEL_DEVICES = frozenset({"cuda"})
 
 
 class FusedKernel:
     """fbgemm's split TBE with the optimizer fused into backward: rows it touched are updated,
     no gradient is materialised. Needs shard widths that are multiples of 4. Sequence groups
-    take fbgemm's PoolingMode.NONE (`nobag`), except in the deferred kernels, which replay
-    fbgemm's SUM backward ops (Note [sequence lookups] in modular/sequence/lookup.py)."""
+    take fbgemm's PoolingMode.NONE (`nobag`) on the devices in SEQUENCE_KERNEL_DEVICES, except in
+    the deferred kernels, which replay fbgemm's SUM backward ops (Note [sequence lookups] in
+    modular/sequence/lookup.py)."""
 
     replays_sum_backward = False  # the deferred kernels (modular/kernels/deferred.py) do
 
@@ -42,7 +49,11 @@ class FusedKernel:
         self.sizes = sizes
         self.config = config
         self._lr = config.lr
-        self.nobag = group.pooling is Pooling.NONE and not self.replays_sum_backward
+        self.nobag = (
+            group.pooling is Pooling.NONE
+            and not self.replays_sum_backward
+            and device.type in SEQUENCE_KERNEL_DEVICES
+        )
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(rows, cols, location, compute) for rows, cols in sizes],
             feature_table_map=list(group.feature_table_map),

@@ -5,13 +5,14 @@ A sequence lookup returns each id's row. An EmbeddingCollection's tables are `Po
 layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes them one of two ways:
 
 - fbgemm's sequence kernel, PoolingMode.NONE (`kernel.nobag`): `FusedKernel`, the plain fused
-  split TBE. Each route is one bag of all its ids (offsets: the routes' id counts), and the
+  split TBE, on CUDA (`SEQUENCE_KERNEL_DEVICES` in modular/kernels/fused.py; on CPU it is the
+  slower form, below, and tests switch it on there to hold it to the same parity). Each route is one bag of all its ids (offsets: the routes' id counts), and the
   kernel returns (ids, width) rows, no padding; its fused backward sums the rows an id repeats,
   as the unsharded EC's gradient does. fbgemm's NONE kernels take tables of one width only
   (fbgemm-gpu 1.8.0 asserts "Mixed dimension tables only supported for pooling tables"), so
   `kernel_groups` cuts sequence groups by width (column pieces of unequal widths; torchrec's EC
   gives every table the same dim, so this rarely costs a kernel).
-- each id a bag of one in a SUM kernel, everywhere else: fbgemm-gpu-cpu 1.8.0's dense TBE
+- each id a bag of one in a SUM kernel, everywhere else: the fused kernel on CPU; fbgemm-gpu-cpu 1.8.0's dense TBE
   (`DenseKernel`, and `EmulatedFusedKernel`'s forward) pools even with PoolingMode.NONE (it
   returns (bags per route, T * width), each bag summed), and the deferred fused kernels
   (`RowStatsFusedKernel`, `ReplicaFusedKernel`, modular/kernels/deferred.py) replay fbgemm's
@@ -27,8 +28,8 @@ gradients in (tests/modular/test_sequence_fused.py, test_sequence_kernels.py). O
 kernel is the slower one: fbgemm-gpu-cpu 1.8.0's nobag backward took 2.3-6.5x the SUM backward on
 bags of one (20,480 ids, 4 tables of 64 columns, one thread, benchmarks/sequence_kernels.py:
 exact SGD 20.2 against 3.1 ms, row-wise Adagrad 22.1 against 8.5 ms), even when uneven routes pad
-the bags; the fused table-wise EC step pays it (docs/benchmarks.md). `FusedKernel.nobag` is the
-one place that picks the form.
+the bags; the fused table-wise EC step paid it (docs/benchmarks.md), so CPU keeps bags of one.
+`FusedKernel.nobag` is the one place that picks the form.
 """
 
 from __future__ import annotations

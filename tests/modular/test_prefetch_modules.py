@@ -1,5 +1,5 @@
 """Which collections `modular.prefetch` prefetches for (Note [choosing what to prefetch for] in
-modular/sharding.py): decided from the model, never from the batch, so that every rank decides
+modular/prefetching.py): decided from the model, never from the batch, so that every rank decides
 alike. A model whose collections read different features (two ECs and an EBC) must name them;
 without `modules=` every rank raises the same InputError before any collective, also when one
 rank's batch has the wrong keys, and nothing is left pending."""

@@ -1,6 +1,8 @@
 """Which kernels a fused EmbeddingCollection looks its sequences up with (Note [sequence lookups]
 in modular/sequence/lookup.py): the plain fused kernel is fbgemm's PoolingMode.NONE (one row per
-id, no padding), grouped by width; the deferred kernels keep bags of one. Each case trains 3 steps
+id, no padding) on CUDA, grouped by width, and bags of one on CPU, where NONE is slower; the
+deferred kernels keep bags of one. The NONE cases switch it on for CPU
+(`SEQUENCE_KERNEL_DEVICES`), so its parity is held here too. Each case trains 3 steps
 on batches that repeat ids (within a sequence, across samples, features and ranks) and matches
 the unsharded EmbeddingCollection trained with the torch equivalent."""
 
@@ -17,6 +19,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
+import modular.kernels.fused as fused_kernels
 from modular.kernels.deferred import RowStatsFusedKernel
 from modular.kernels.fused import FusedKernel
 from planners.types import ShardingPlan, ShardingType, TablePlacement
@@ -87,9 +90,20 @@ def _kernels(ec) -> list[tuple[str, bool, tuple[int, ...]]]:
     ]  # fmt: skip
 
 
-def _train(kind: str, plan: ShardingPlan | None) -> tuple[list, float]:
+def _train(kind: str, plan: ShardingPlan | None, nobag_on_cpu: bool = True) -> tuple[list, float]:
     """3 steps of `kind` on a fused EC (sharded by `plan`, or one process), compared with the
-    reference on the global batch; its kernels and the largest difference seen."""
+    reference on the global batch; its kernels and the largest difference seen. `nobag_on_cpu`:
+    build the CPU kernels with fbgemm's NONE kernel, as on CUDA."""
+    devices = fused_kernels.SEQUENCE_KERNEL_DEVICES
+    if nobag_on_cpu:
+        fused_kernels.SEQUENCE_KERNEL_DEVICES = devices | {"cpu"}
+    try:
+        return _train_on(kind, plan)
+    finally:
+        fused_kernels.SEQUENCE_KERNEL_DEVICES = devices
+
+
+def _train_on(kind: str, plan: ShardingPlan | None) -> tuple[list, float]:
     world = 1 if plan is None else dist.get_world_size()
     rank = 0 if plan is None else dist.get_rank()
     ref = _ec()
@@ -129,6 +143,14 @@ def test_a_fused_ec_looks_sequences_up_with_fbgemms_none_kernel(kind: str) -> No
     kernels, worst = _train(kind, None)
     # One kernel for both tables (one width), fbgemm's sequence kernel, not bags of one.
     assert kernels == [("FusedKernel", True, (DIM, DIM))], kernels
+    assert worst <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_on_cpu_a_fused_ec_keeps_bags_of_one_by_default() -> None:
+    assert fused_kernels.SEQUENCE_KERNEL_DEVICES == frozenset({"cuda"})
+    kernels, worst = _train("exact_rowwise_adagrad", None, nobag_on_cpu=False)
+    assert kernels == [("FusedKernel", False, (DIM, DIM))], kernels
     assert worst <= 1e-5
 
 

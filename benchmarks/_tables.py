@@ -27,6 +27,7 @@ COLUMNS = {
     "floor ms": "floor",
     "unsharded ms": "unsharded",
     "dense part ms": "dense",
+    "comm ms": "comm",
 }
 SHORT_PLANS = {"table_wise": "tw", "row_wise": "rw", "column_wise": "cw", "data_parallel": "dp",
                "table_row_wise": "twrw", "mixed": "mix"}  # fmt: skip

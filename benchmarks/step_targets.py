@@ -16,8 +16,9 @@ default exact statistic. The targets (issue 29):
              ours (exact) / ours (per_shard) <= 1.25.
 
 Each ratio is computed within one run (both sides measured side by side), and the median of those
-per-run ratios is what counts. Also printed, not targets: ours / TorchRec everywhere, and the same
-overhead ratio for ours + prefetch against TorchRec's pipeline.
+per-run ratios is what counts. Also printed, not targets: ours / TorchRec everywhere, the same
+overhead ratio for ours + prefetch against TorchRec's pipeline, each side's ms above the base,
+and "comm": ours' collectives replayed alone (what moving the step's bytes costs here).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def main() -> None:
         f"step_time.py {' '.join(common)})\n"
     )
     print("| plan | optimizer | ours / TorchRec | overhead: ours vs TorchRec (<= 0.5) | "
-          "overhead: ours + prefetch vs TorchRec pipeline |")  # fmt: skip
-    print("|---|---|---:|---:|---:|")
+          "overhead: ours + prefetch vs TorchRec pipeline | ours - base ms | TorchRec - base ms | "
+          "comm ms |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     verdicts = []
     for case in CASES:
         ratio = _median(per_round(lambda a, e: _ratio(a.get(case), "ours", "torchrec")))
@@ -89,8 +91,12 @@ def main() -> None:
         piped = _median(per_round(
             lambda a, e: overhead_ratio(a[case], "prefetch", "pipeline") if case in a else None
         ))  # fmt: skip
+        ours_over = _median(per_round(lambda a, e: _above(a.get(case), "ours")))
+        theirs_over = _median(per_round(lambda a, e: _above(a.get(case), "torchrec")))
+        comm = _median(per_round(lambda a, e: (a.get(case) or {}).get("comm")))
         name = f"{case[0]}{' (per_shard)' if case[0] == 'cw' else ''}"
-        print(f"| {name} | {case[1]} | {_fmt(ratio)} | {_fmt(over)} | {_fmt(piped)} |")
+        print(f"| {name} | {case[1]} | {_fmt(ratio)} | {_fmt(over)} | {_fmt(piped)} | "
+              f"{_fmt(ours_over)} | {_fmt(theirs_over)} | {_fmt(comm)} |")
         verdicts.append((f"overhead {name}/{case[1]}", over, OVERHEAD_TARGET))
     cw = ("cw", "fused")
     cw_ratio = _median(per_round(lambda a, e: _ratio(a.get(cw), "ours", "torchrec")))
@@ -104,6 +110,13 @@ def main() -> None:
     for what, value, target in verdicts:
         state = "n/a" if value is None else ("met" if value <= target else "NOT met")
         print(f"target {what} <= {target}: {_fmt(value)} ({state})")
+
+
+def _above(row, who: str) -> Optional[float]:
+    """`who`'s ms above the floor + dense part in one run (its own cost per step)."""
+    if row is None or None in (row.get(who), row.get("floor"), row.get("dense")):
+        return None
+    return row[who] - row["floor"] - row["dense"]
 
 
 def _ratio(row, a: str, b: str) -> Optional[float]:

@@ -247,7 +247,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 self._local_kernels,
                 kjt.values().long(),
                 kjt.offsets().long(),
-                kjt.weights() if self._is_weighted else None,
+                kjt.weights().float() if self._is_weighted else None,  # FP32, as routed ones
                 kjt.stride(),
             )
         return remote, local

@@ -164,14 +164,50 @@ class CostModel:
         world, host = topo.world_size, int(topo.ranks_per_host or 1)
         return (host - 1) / topo.intra_host_bandwidth + (world - host) / topo.cross_host_bandwidth
 
-    def batch_buffer_bytes(self, t: TableArrays) -> float:
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes per pooled value of the output dist's low-precision copies: 2 under FP16/BF16
+        comms, 0 under FP32 comms (which send the pooled outputs themselves, no copy)."""
+        return 0 if self.comm_dtype is DataType.FP32 else self.comm_dtype.num_bytes
+
+    def batch_buffer_bytes(self, t: TableArrays, *, wire: bool = True) -> float:
         """Bytes every rank holds for its own batch, whatever the plan: its ids and pooled bags.
 
         sum over tables of B*P*id_bytes + 2*B*F*d*4 (bags and their gradients; a sequence
-        table's outputs are rows of ids, P instead of F)
+        table's outputs are rows of ids, P instead of F), plus, under low-precision comms, the
+        copies of one pooled table's worth arriving and its gradient leaving (Note [wire copies]):
+        2*B*F*d*w per pooled table, `arrival_wire_bytes` as if each table were one piece
+        (`wire=False` leaves them out).
         """
         b = self.batch_size
-        return float(np.sum(b * t.ids * t.id_bytes + 2 * b * t.outputs * t.dim * OUTPUT_BYTES))
+        w = self.wire_bytes if wire else 0
+        pooled = np.where(t.sequence > 0, 0.0, 2 * b * t.bags * t.dim * w)
+        return float(np.sum(b * t.ids * t.id_bytes + 2 * b * t.outputs * t.dim * OUTPUT_BYTES + pooled))
+
+    def arrival_wire_bytes(
+        self, kind: ShardingType, t: TableArrays, cols: np.ndarray | float
+    ) -> np.ndarray:
+        """Bytes that one shard's pooled outputs take on *every* rank under low-precision comms:
+        the copy of its columns of the rank's batch arriving and of their gradient leaving.
+
+        Note [wire copies]
+        Under `comm_dtype` FP16/BF16, `modular.comm.pooled_all_to_all` sends a copy of the
+        pooled outputs in that dtype and receives into a buffer of it, each way: the rank
+        holding a shard makes 2*W*B*F*c*w bytes for it (its pooled outputs for every rank's batch
+        leaving, their gradients arriving; in `shard`'s memory), and every rank 2*B*F*c*w for it
+        (its batch's columns arriving, their gradients leaving; here), with c the columns the
+        shard sends: its own (table-wise, column-wise) or the table's d (row-wise partial sums).
+        Data-parallel and sequence tables send nothing through it. `batch_buffer_bytes` counts
+        one table's worth per pooled table (plan-independent, for the search); `plan_stats`
+        replaces it by the sum of this over the plan's shards (more for the partial sums of
+        row-wise pieces, less for data-parallel tables).
+        """
+        cols = np.asarray(cols, dtype=np.float64)
+        if kind is ShardingType.DATA_PARALLEL:
+            return np.zeros(np.broadcast(cols, t.rows).shape)
+        out_cols = cols if kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE) else t.dim
+        pooled = np.where(t.sequence > 0, 0.0, 1.0)
+        return pooled * 2 * self.batch_size * t.bags * out_cols * self.wire_bytes + 0 * cols
 
     def shard(
         self,
@@ -214,6 +250,8 @@ class CostModel:
         # Received ids: routed (wire) ids, or a data-parallel table's own batch.
         held_id_bytes = t.id_bytes if kind is ShardingType.DATA_PARALLEL else t.wire_id_bytes
         memory = memory + ids_in * held_id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
+        if kind is not ShardingType.DATA_PARALLEL:  # the low-precision copies (Note [wire copies])
+            memory = memory + np.where(seq, 0.0, 2 * bags_out * out_cols * self.wire_bytes)
         input_dist, output_dist, grad_sync, stat_exchange = zero, zero, zero, zero
         if kind is ShardingType.COLUMN_WISE and self.exact_column_statistic:
             # Column pieces of one table (k > 1) under row-wise Adagrad, exact: the row's

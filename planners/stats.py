@@ -367,7 +367,9 @@ def evaluate(
     tables = [t for _, t in table_set]
     arrays = TableArrays.of(tables)
     comp = np.zeros((world, len(COMPONENTS)))
-    mem = np.full(world, model.batch_buffer_bytes(arrays))
+    # Each rank's own batch, with the low-precision copies of what every shard sends it
+    # (Note [wire copies] in planners/cost.py), summed over the plan's shards below.
+    mem = np.full(world, model.batch_buffer_bytes(arrays, wire=False))
     held: list[list[tuple[str, float]]] = [[] for _ in range(world)]
     per_table: list[list[ShardStats | None]] = []
     groups: dict[ShardingType, list[tuple[int, int, int, int, int, int, int, int]]] = {}
@@ -389,6 +391,7 @@ def evaluate(
         parts = np.stack([getattr(cost, c) for c in _COMPONENTS], axis=1)
         np.add.at(comp, ranks, parts)
         np.add.at(mem, ranks, cost.memory)
+        mem += float(np.sum(model.arrival_wire_bytes(kind, arrays.take(idx), cols.astype(float))))
         total = cost.total
         for e, (n, r, sec) in enumerate(zip(idx.tolist(), ranks.tolist(), total.tolist())):
             held[r].append((display_name(*_name(table_set[n])), sec))

@@ -70,6 +70,14 @@ class BatchChecks:
         self.module = module
         self.is_weighted = is_weighted
         self.features = layout.features
+        # Note [per-sample weights of low-precision tables]
+        # torchrec's unsharded EBC takes per-sample weights in its tables' dtype only (its
+        # nn.EmbeddingBag's rule): FP16 weights for FP16 tables. A sharded module takes those
+        # and FP32 ones (what it took before FP16 tables), and pools in FP32 as fbgemm does
+        # with FP32 weights: `Router.route` and the data-parallel lookup widen them first
+        # (exactly: every FP16/BF16 value is an FP32 value), the input dist sends them as FP32.
+        table_dtypes = sorted({t.dtype for t in layout.tables}, key=str)
+        self.weight_dtypes = (torch.float32, *(d for d in table_dtypes if d != torch.float32))
         # Tables each feature feeds, and the smallest of their row counts (its valid id bound).
         self.feature_tables: list[list[str]] = [[] for _ in layout.features]
         bound = [None] * len(layout.features)
@@ -274,16 +282,16 @@ class BatchChecks:
                     f"module {self.module!r} is weighted (is_weighted=True) but the batch has "
                     "no per-sample weights",
                 )
-            if weights.dtype != torch.float32:
+            if weights.dtype not in self.weight_dtypes:
+                # Note [per-sample weights of low-precision tables]
                 return Rejection(
                     Problem.DTYPE,
                     -1,
-                    f"per-sample weights for module {self.module!r} must be float32, got "
-                    f"{weights.dtype}" + (
-                        " (also for FP16/BF16 tables, which pool in FP32; torchrec's unsharded "
-                        "FP16 EBC wants them in the table's dtype): pass weights.float()"
-                        if weights.dtype in (torch.float16, torch.bfloat16) else ""
-                    ),
+                    f"per-sample weights for module {self.module!r} are {weights.dtype}, but "
+                    f"its tables take per-sample weights in "
+                    f"{' or '.join(str(d) for d in self.weight_dtypes)} (float32, or the "
+                    "tables' own dtype as torchrec's EBC takes them): pass "
+                    "weights.to(torch.float32)",
                 )
             if weights.requires_grad:
                 # The unsharded EBC back-propagates into its weights. Here nothing would: the

@@ -242,7 +242,8 @@ class Router(BatchChecks):
         """Copies each id into its routes, shifted to the shard's first row, ordered by route."""
         values = kjt.values().long().contiguous()
         lengths = kjt.lengths().long().contiguous()
-        weights = kjt.weights().contiguous() if self.is_weighted else None
+        # FP32 whatever the tables' dtype (Note [per-sample weights of low-precision tables]).
+        weights = kjt.weights().float().contiguous() if self.is_weighted else None
         batch = kjt.stride()
         nf = len(self.features)
         if self.num_routes == 0:  # data-parallel only

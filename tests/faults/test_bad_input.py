@@ -93,7 +93,7 @@ EMPTY_BATCH = (
 OWN_AND_PEER = {
     "float_ids": (r"ids and lengths for module '' must be int32 or int64, got values torch\.float32 and lengths torch\.int64", "a wrong dtype"),
     "int16_ids": (r"must be int32 or int64, got values torch\.int16", "a wrong dtype"),
-    "float64_weights": (r"per-sample weights for module '' must be float32, got torch\.float64", "a wrong dtype"),
+    "float64_weights": (r"per-sample weights for module '' are torch\.float64, but its tables take per-sample weights in torch\.float32 \(float32, or", "a wrong dtype"),
     "too_few_ids": (r"module '': lengths sum to (\d+) but there are (\d+) ids; lengths must count the ids of each bag", "lengths that do not match the values"),
     "too_many_lengths": (r"module '': lengths sum to \d+ but there are \d+ ids", "lengths that do not match the values"),
     "negative_length": (r"feature 'f_c' \(table 't_mean'\) of module '' has length -1 for sample 1; lengths must count the ids of each bag", "lengths that do not match the values in feature 'f_c'"),

@@ -9,7 +9,8 @@ table FP32, so one module holds both dtypes), shards a copy and checks, on the g
   terms carries at most L roundings of relative error u = 2**-11 each for the products with
   per-sample weights and L + 1 for the sums and the MEAN division, so |ours - ref| <=
   (2L + 2) * u * (the bag's sum of |w|), that sum pooled by an FP32 EBC on |weights| (per-sample
-  weights are FP16 values, which torchrec's FP16 EBC takes as FP16 tensors and ours as FP32);
+  weights are FP16 values, which torchrec's FP16 EBC takes as FP16 tensors and ours as FP16 or
+  FP32 tensors, bit for bit alike: Note [per-sample weights of low-precision tables]);
 - each local table gradient (FP16, the table's dtype) against the FP32 mirror's: one rounding of
   an FP32 sum, |g16 - g32| <= u * |g32| + 1e-6;
 - a torch SGD step on the FP16 shard views: one rounding of w - lr * g, and it reaches the kernels.
@@ -92,14 +93,22 @@ def _fp16_parity(cases: tuple[str, ...]) -> None:
                         raise AssertionError(f"{label}: {name} is {p.dtype}/{tensor.dtype}, want {want}")
             batches = [fp16_weights(b) for b in rank_batches(ref, world, 1)]
             glob = global_batch(batches)
-            if weighted:  # FP16 per-sample weights (as torchrec's FP16 EBC takes) are refused, saying why
-                try:
-                    ebc(fp16_weights(batches[rank], half=True))
-                    raise AssertionError(f"{label}: FP16 per-sample weights were taken")
-                except modular.InputError as e:
-                    if "pass weights.float()" not in str(e):
-                        raise
             out = ebc(batches[rank]).values()
+            if weighted:  # Note [per-sample weights of low-precision tables]
+                # FP16 weights (what torchrec's FP16 EBC takes) pool exactly as their FP32
+                # widening; dtypes that neither FP32 nor the tables' dtype are refused, saying so.
+                half = ebc(fp16_weights(batches[rank], half=True)).values()
+                if not torch.equal(half, out):
+                    raise AssertionError(f"{label}: FP16 per-sample weights pool differently from FP32 ones")
+                for bad in (torch.float64, torch.bfloat16):
+                    b = batches[rank]
+                    kjt = KeyedJaggedTensor(keys=b.keys(), values=b.values(), lengths=b.lengths(), weights=b.weights().to(bad))
+                    try:
+                        ebc(kjt)
+                        raise AssertionError(f"{label}: {bad} per-sample weights were taken")
+                    except modular.InputError as e:
+                        if f"per-sample weights for module '' are {bad}" not in str(e) or "float16" not in str(e):
+                            raise
             if out.dtype != torch.float32:
                 raise AssertionError(f"{label}: pooled outputs are {out.dtype}, want FP32")
             exact = mirror(glob).values()[mine]

@@ -117,3 +117,72 @@ def _build_and_step(plan_dict: dict) -> int:
         scratch = getattr(k, "_scratch_flat", None)
         held += 0 if scratch is None else scratch.numel() * scratch.element_size()
     return held
+
+
+# -- the low-precision copies of the output dist (Note [wire copies] in planners/cost.py) --------
+
+WIRE_TABLES = {  # name: (rows, dim, placement)
+    "w0": (40, 8, planners.TablePlacement(ShardingType.TABLE_WISE, ranks=(0,))),
+    "w1": (50, 16, planners.TablePlacement(ShardingType.ROW_WISE)),
+    "w2": (30, 12, planners.TablePlacement(ShardingType.COLUMN_WISE, ranks=(1, 0), sizes=(8, 4))),
+    "w3": (20, 4, planners.TablePlacement(ShardingType.DATA_PARALLEL)),
+    "w4": (60, 8, planners.TablePlacement(ShardingType.TABLE_WISE, ranks=(1,))),
+}
+WIRE_BATCH = 3
+
+
+def test_the_planner_prices_the_fp16_copies_that_shard_makes_and_sends() -> None:
+    """Per rank, the planner's extra memory for comm_dtype="fp16" (plan_stats against "fp32")
+    equals the FP16 tensors the output dist's all-to-alls send from and receive into (forward
+    and backward), and its output-dist seconds / alpha the FP16 bytes the rank sends each peer
+    (forward) and receives from it (backward). Exact: both are counts of elements."""
+    tables = [planners.Table(n, r, d, features=(f"g{n}",), dtype="fp16") for n, (r, d, _) in WIRE_TABLES.items()]
+    plan = ShardingPlan(WORLD, modules={"": {n: p for n, (_, _, p) in WIRE_TABLES.items()}})
+    topo = planners.Topology(WORLD)
+    low, plain = (planners.plan_stats(plan, tables, topo, batch_size=WIRE_BATCH, comm_dtype=c) for c in ("fp16", "fp32"))
+    alpha = CostModel(topo, WIRE_BATCH).alpha
+    results = run_on_ranks(WORLD, _count_wire_bytes, plan.to_dict(), timeout=120)
+    for r, (held, sent) in enumerate(results):
+        assert held > 0
+        assert low.ranks[r].memory - plain.ranks[r].memory == held, (r, held)
+        assert low.ranks[r].output_dist / alpha == pytest.approx(sent, rel=1e-12), (r, sent)
+        assert low.ranks[r].output_dist == pytest.approx(plain.ranks[r].output_dist / 2, rel=1e-12)
+
+
+def _count_wire_bytes(plan_dict: dict) -> tuple[int, float]:
+    import modular.comm
+
+    plan = ShardingPlan.from_dict(plan_dict)
+    configs = [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"g{n}"], data_type=TorchrecDataType.FP16)
+        for n, (r, d, _) in WIRE_TABLES.items()
+    ]  # fmt: skip
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=0.1)
+    ebc = modular.shard(ebc, plan, comm_dtype=torch.float16)
+    calls: list[tuple[str, int, int]] = []
+    real = modular.comm.all_to_all
+
+    def counting(tensor, **kwargs):
+        out = real(tensor, **kwargs)
+        if tensor.dtype == torch.float16:
+            calls.append((kwargs["what"], tensor.numel(), out.numel()))
+        return out
+
+    modular.comm.all_to_all = counting
+    try:
+        rank = dist.get_rank()
+        n = len(WIRE_TABLES)
+        lengths = torch.tensor([(rank + s + f) % 3 for f in range(n) for s in range(WIRE_BATCH)])
+        values = torch.arange(int(lengths.sum())) % 20
+        kjt = KeyedJaggedTensor(keys=[f"g{t}" for t in WIRE_TABLES], values=values, lengths=lengths)
+        ebc(kjt).values().float().sum().backward()
+    finally:
+        modular.comm.all_to_all = real
+    assert len(calls) == 2, calls  # one forward, one backward all-to-all, both in FP16
+    held = 2 * sum(sent + received for _, sent, received in calls)
+    (fwd,) = [c for c in calls if "backward" not in c[0]]
+    (bwd,) = [c for c in calls if "backward" in c[0]]
+    # Each peer gets an equal split of the forward's input: this rank's columns of its batch.
+    sent = 2 * (fwd[1] + bwd[2]) / WORLD
+    return held, sent

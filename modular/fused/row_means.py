@@ -62,6 +62,21 @@ class IdRowMeans:
             )
             for p in range(at.world)
         ]  # fmt: skip
+        # The usual shapes, taken without index tensors: a kernel whose routes are consecutive
+        # slots (its ids are then one run of entries), one width per kernel, one dim for all
+        # tables, peers holding every slot or none.
+        self._first_slot = [
+            int(rs[0]) if rs.numel() and torch.equal(rs, rs[0] + torch.arange(rs.numel(), device=device))
+            else None
+            for rs in self._route_slot
+        ]  # fmt: skip
+        self._cols = [float(c[0]) if c.numel() and bool((c == c[0]).all()) else None for c in self._route_cols]
+        dims = set(self._slot_dim.tolist())
+        self._dim = dims.pop() if len(dims) == 1 else None
+        self._shares = [
+            "all" if bool(shared.all()) and self.slots else "none" if not bool(shared.any()) else "some"
+            for shared in self._shared
+        ]
 
     def run(self, stats: list[Optional[tuple[Lookup, torch.Tensor, torch.Tensor]]]) -> None:
         """`stats[i]`: kernel i's `id_stats()`. Adjusts every kernel's state and runs its update;
@@ -81,30 +96,45 @@ class IdRowMeans:
         starts = torch.cumsum(slot_ids, 0) - slot_ids
         total = int(slot_ids.sum()) if self.slots else 0
         entries = torch.zeros(total, device=device)
-        places: list[Optional[torch.Tensor]] = []
-        for got, per_route, route_slot, cols in zip(stats, counts, self._route_slot, self._route_cols):
+        places: list = []
+        for i, (got, per_route) in enumerate(zip(stats, counts)):
             if got is None:
                 places.append(None)
                 continue
             batch, _, s = got
             n = batch.indices.numel()
+            route_slot = self._route_slot[i]
             if not torch.equal(slot_ids[route_slot], per_route):
                 raise RuntimeError(
                     f"column pieces on rank {self.at.rank} looked up different numbers of ids for "
                     f"one feature in one step ({per_route.tolist()} against "
                     f"{slot_ids[route_slot].tolist()}); every piece must see the same ids"
                 )
-            route_start = torch.cumsum(per_route, 0) - per_route
-            place = torch.arange(n, device=device) + (starts[route_slot] - route_start).repeat_interleave(
-                per_route, output_size=n
-            )
+            if self._first_slot[i] is not None:  # one run of entries, in the ids' order
+                lo = int(starts[self._first_slot[i]])
+                place = slice(lo, lo + n)
+            else:
+                route_start = torch.cumsum(per_route, 0) - per_route
+                place = torch.arange(n, device=device) + (
+                    starts[route_slot] - route_start
+                ).repeat_interleave(per_route, output_size=n)
             places.append(place)
-            entries.index_add_(0, place, s * cols.repeat_interleave(per_route, output_size=n))
+            if self._cols[i] is not None:
+                contribution = s * self._cols[i]
+            else:
+                contribution = s * self._route_cols[i].repeat_interleave(per_route, output_size=n)
+            if isinstance(place, slice):
+                entries[place] += contribution
+            else:
+                entries.index_add_(0, place, contribution)
         self._exchange(entries, slot_ids)
-        slot_of_entry = torch.repeat_interleave(
-            torch.arange(self.slots, device=device), slot_ids, output_size=total
-        )
-        means = entries.div_(self._slot_dim[slot_of_entry])
+        if self._dim is not None:
+            means = entries.div_(self._dim)
+        else:
+            slot_of_entry = torch.repeat_interleave(
+                torch.arange(self.slots, device=device), slot_ids, output_size=total
+            )
+            means = entries.div_(self._slot_dim[slot_of_entry])
         for k, got, place in zip(self.kernels, stats, places):
             if got is not None:
                 _, keys, s = got
@@ -115,14 +145,28 @@ class IdRowMeans:
         rank's entries of the slots both hold, in slot order (their order on the peer too)."""
         if self.at.local:
             return
-        slot_of_entry = torch.repeat_interleave(
-            torch.arange(self.slots, device=entries.device), slot_ids, output_size=entries.numel()
-        )
-        picks = [torch.nonzero(shared[slot_of_entry]).view(-1) for shared in self._shared]
-        splits = [int(p.numel()) for p in picks]
-        order = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64, device=entries.device)
+        picks: list = []
+        for shares, shared in zip(self._shares, self._shared):
+            if shares == "all":
+                picks.append(slice(None))
+            elif shares == "none":
+                picks.append(slice(0, 0))
+            else:
+                slot_of_entry = torch.repeat_interleave(
+                    torch.arange(self.slots, device=entries.device), slot_ids,
+                    output_size=entries.numel(),
+                )  # fmt: skip
+                picks.append(torch.nonzero(shared[slot_of_entry]).view(-1))
+        chunks = [entries[p] for p in picks]
+        splits = [int(c.numel()) for c in chunks]
+        nonempty = [c for c in chunks if c.numel()]
+        send = nonempty[0] if len(nonempty) == 1 else torch.cat(chunks) if chunks else entries[:0]
         received = all_to_all(
-            entries.index_select(0, order), input_splits=splits, output_splits=splits,
+            send, input_splits=splits, output_splits=splits,
             group=self.at.group, what="the all-to-all of column-wise row statistics",
         )  # fmt: skip
-        entries.index_add_(0, order, received)
+        for pick, got in zip(picks, received.split(splits)):
+            if isinstance(pick, slice):
+                entries[pick] += got
+            else:
+                entries.index_add_(0, pick, got)

@@ -181,10 +181,10 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         if batch is None:
             return None
         if self._pooled_pass is not None:
-            keys, s, inverse, order = self._pooled_pass(batch)
-            per_id = s.new_empty(batch.indices.numel())
-            per_id[order] = s[inverse]
-            return batch, self._keys(batch), per_id
+            got = self._pooled_pass(batch)
+            per_id = got.s.new_empty(batch.indices.numel())
+            per_id[got.order] = got.s[got.inverse]
+            return batch, got.id_keys, per_id
         if self._scratch_flat is None:
             self._scratch_flat = torch.zeros_like(self.tbe.momentum1_host.detach())
             self._scratch = list(self._scratch_flat.split([rows for rows, _ in self.sizes]))
@@ -240,18 +240,18 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         """`row_stats` from the pooling kernel: every touched row's s at once, then each kernel
         table's share in its form (its ids are one slice of the batch, its keys one run)."""
         pas = self._pooled_pass
-        keys, s, inverse, order = pas(batch)
+        keys, s, inverse, order, _ = pas(batch)
         per_id = s.new_empty(batch.indices.numel())
         per_id[order] = s[inverse]
         cuts = batch.route_slices(len(self.group.routes))
-        key_cuts = torch.searchsorted(keys, pas.first_row).tolist() + [keys.numel()]
+        key_cuts = torch.searchsorted(keys, pas.first_row.to(keys.dtype)).tolist() + [keys.numel()]
         out: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
         for t, (form, mine) in enumerate(zip(self._forms, self._routes_of)):
             if form is None or not mine:
                 out.append(None)
             elif form == ROW_FORM_ROWS:
                 lo, hi = key_cuts[t], key_cuts[t + 1]
-                out.append((keys[lo:hi] - pas.first_row[t], s[lo:hi]))
+                out.append((keys[lo:hi].long() - pas.first_row[t], s[lo:hi]))
             else:
                 ids = slice(cuts[mine[0]].start, cuts[mine[-1]].stop)
                 out.append((batch.indices[ids].long(), per_id[ids]))

@@ -62,7 +62,7 @@ def test_row_grad_squares_match_the_written_out_gradient(monkeypatch, chunk, ftm
     weights = torch.rand(indices.numel(), generator=g) if weighted else None
 
     kernel = RowGradSquares(_group(ftm, width, pooling), [(r, width) for r in rows], torch.device("cpu"))
-    keys, s, inverse, order = kernel(Lookup(grad, indices, offsets, weights))
+    keys, s, inverse, order, id_keys = kernel(Lookup(grad, indices, offsets, weights))
 
     want = _reference(rows, ftm, width, bags, indices, offsets, grad, weights, pooling)
     assert keys.tolist() == sorted(want)
@@ -70,8 +70,8 @@ def test_row_grad_squares_match_the_written_out_gradient(monkeypatch, chunk, ftm
     # `order` sorts the ids by key and `inverse` names each one's key.
     first = torch.tensor([sum(rows[:t]) for t in range(len(rows))])
     route_of_id = torch.repeat_interleave(torch.arange(len(ftm)), lengths.view(len(ftm), bags).sum(1))
-    id_keys = first[torch.tensor(ftm)[route_of_id]] + indices.long()
-    assert torch.equal(keys[inverse], id_keys[order])
+    assert torch.equal(keys[inverse].long(), id_keys[order])
+    assert id_keys.dtype == torch.int64 and torch.equal(id_keys, first[torch.tensor(ftm)[route_of_id]] + indices.long())
 
 
 def test_routes_of_different_widths_are_refused() -> None:

@@ -208,8 +208,11 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
                     group=self._pg, grad_scale=1.0 / self._world,
                 )  # fmt: skip
             ]
-        flat = torch.cat([*arrived, *(r.reshape(-1) for r in local_rows)])
-        out = flat.new_zeros(placement.numel).index_copy(0, placement.index, flat)
+        parts = [*arrived, *(r.reshape(-1) for r in local_rows)]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
+        g = placement.width
+        out = flat.new_zeros(placement.numel // g, g).index_copy(0, placement.index, flat.view(-1, g))
+        out = out.view(-1)
         if self.fused_tables is not None and self.fused_tables.end_of_backward is not None:
             self.fused_tables.end_of_backward.arm(out)  # the deferred updates (Note [fused tables])
         return self._jagged(out.view(-1, self._embedding_dim), received)

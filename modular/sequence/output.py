@@ -11,13 +11,15 @@ dim): route r of output o carries rows `positions` of o's feature (all of them f
 routes, the ids in its row range for row-wise ones, in batch order as the router sends them) and
 columns [col_offset, col_offset + width). Routes of one output cover each of its (id, column)
 pairs once (row-wise shards split the rows, column-wise pieces the columns), so one `index_copy`
-makes the output: no partial sums, pieces concatenated by where they land. Backward runs the same
+makes the output: no partial sums, pieces concatenated by where they land. The index is per block
+of `Placement.width` floats (a whole row unless column pieces cut it), not per float. Backward runs the same
 way reversed: the output's gradient gathered at those places, one all-to-all back to the
 routes' ranks (divided by the world size, Note [grad scaling across ranks]), into the kernels.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -31,9 +33,10 @@ class Placement(NamedTuple):
     """Where this rank's ids' rows land in the output, for one batch."""
 
     counts: list[int]  # this rank's ids in each route: global routes, then local ones
-    index: torch.Tensor  # for each arriving float, its place in the flat output
+    index: torch.Tensor  # for each arriving block of `width` floats, its block in the output
     rows_per_output: list[int]  # ids of each output's feature
     numel: int
+    width: int  # floats per block: the gcd of the dim and every route's columns and offset
 
 
 def place_rows(layout: Layout, values: torch.Tensor, feature_lengths: list[int]) -> Placement:
@@ -48,16 +51,25 @@ def place_rows(layout: Layout, values: torch.Tensor, feature_lengths: list[int])
     for n in rows_per_output[:-1]:
         first_row.append(first_row[-1] + n)
     device = values.device
+    routes = (*layout.routes, *layout.local)
+    # Whole rows (table-wise, row-wise, data-parallel) place one index per row; column pieces
+    # one per block of the widest width that tiles them all (as Note [arrival blocks] does).
+    width = dim
+    for r in routes:
+        width = math.gcd(width, math.gcd(r.shard.num_cols, r.shard.col_offset))
+    width = max(width, 1)
+    blocks = dim // width
     counts, pieces = [], []
-    for r in (*layout.routes, *layout.local):
+    for r in routes:
         f = r.feature
         ids = values[starts[f] : starts[f] + feature_lengths[f]]
         rows = _rows_of(layout, r, ids)
         counts.append(rows.numel())
-        cols = torch.arange(r.shard.col_offset, r.shard.col_offset + r.shard.num_cols, device=device)
-        pieces.append(((first_row[r.output] + rows).unsqueeze(1) * dim + cols).reshape(-1))
+        first = r.shard.col_offset // width
+        cols = torch.arange(first, first + r.shard.num_cols // width, device=device)
+        pieces.append(((first_row[r.output] + rows).unsqueeze(1) * blocks + cols).reshape(-1))
     index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
-    return Placement(counts, index, rows_per_output, sum(rows_per_output) * dim)
+    return Placement(counts, index, rows_per_output, sum(rows_per_output) * dim, width)
 
 
 def _rows_of(layout: Layout, route: Route, ids: torch.Tensor) -> torch.Tensor:
@@ -79,9 +91,11 @@ def send_rows(
     cuts = [row.split(n) for row, n in zip(rows, per_source)]
     pieces, splits = [], []
     for s in range(world):
-        mine = [c[s].reshape(-1) for c in cuts]
+        mine = [c[s] for c in cuts]
         splits.append(sum(p.numel() for p in mine))
         pieces.extend(mine)
     if not pieces:
         return torch.zeros(0), splits
-    return torch.cat(pieces), splits
+    if len({p.shape[1] for p in pieces}) == 1:  # one width (an EC's tables): one copy, no reshape
+        return torch.cat(pieces).view(-1), splits
+    return torch.cat([p.reshape(-1) for p in pieces]), splits

@@ -76,7 +76,7 @@ def test_hand_over_waits_then_records_every_tensor_of_an_ebc_input_dist(recorded
 
 
 def test_hand_over_records_the_tensors_nested_in_an_ec_input_dist(recorded) -> None:
-    placement = Placement(counts=[3], index=torch.tensor([2, 0, 1]), rows_per_output=[1, 2], numel=3)
+    placement = Placement(counts=[3], index=torch.tensor([2, 0, 1]), rows_per_output=[1, 2], numel=3, width=1)
     kjt = _kjt()
     received = SequenceReceived(
         kjt=kjt, values=torch.tensor([7, 8]), per_source=[[1, 1]], placement=placement

@@ -30,7 +30,7 @@ from modular.fused.config import FusedConfig
 from modular.kernels.precision import check_table_dtypes
 from modular.local_shards import LocalShards
 from modular.sequence.lookup import lookup_routes
-from modular.sequence.output import Placement, place_rows, send_rows
+from modular.sequence.output import Placement, RowPlacer, send_rows
 from modular.sequence.tables import AsBags, sequence_table_infos, weights_device
 from modular.tables.layout import RankLayout
 from modular.tables.weights import check_widths_off_cpu
@@ -72,6 +72,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
         if device.type != "cpu":
             check_widths_off_cpu(self.layout, module, device)
         self._router = Router(self.layout, module=module, is_weighted=False, device=device)
+        self._placer = RowPlacer(self.layout)  # Note [placing rows without a loop over routes]
         self._shards = LocalShards(at=self._at, fused=fused)
         self.fused_tables = self._shards.fused_tables  # Note [fused tables]
         self._kernels, self._local_kernels = self._shards.kernels, self._shards.local_kernels
@@ -158,7 +159,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
         return self._received(kjt, values, per_source)
 
     def _received(self, kjt, values, per_source) -> SequenceReceived:
-        placement = place_rows(self.layout, kjt.values(), kjt.length_per_key())
+        placement = self._placer(kjt.values(), kjt.length_per_key())
         return SequenceReceived(kjt, values, per_source, placement)
 
     def lookup(self, received: SequenceReceived) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -199,9 +200,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
             arrived = [r.reshape(-1) for r in rows]
         else:
             send, in_splits = send_rows(rows, received.per_source, self._world)
-            out_splits = [0] * self._world
-            for r, n in zip(self.layout.routes, placement.counts):
-                out_splits[r.shard.rank] += n * r.shard.num_cols
+            out_splits = placement.arriving
             arrived = [
                 pooled_all_to_all(
                     send.to(self._device), input_splits=in_splits, output_splits=out_splits,

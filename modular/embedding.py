@@ -29,8 +29,8 @@ from modular.errors import InputError
 from modular.fused.config import FusedConfig
 from modular.kernels.precision import check_table_dtypes
 from modular.local_shards import LocalShards
-from modular.sequence.lookup import lookup_routes
-from modular.sequence.output import Placement, RowPlacer, send_rows
+from modular.sequence.lookup import lookup_kernels
+from modular.sequence.output import Placement, RowGather, RowPlacer
 from modular.sequence.tables import AsBags, sequence_table_infos, weights_device
 from modular.tables.layout import RankLayout
 from modular.tables.weights import check_widths_off_cpu
@@ -76,6 +76,8 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
         self._shards = LocalShards(at=self._at, fused=fused)
         self.fused_tables = self._shards.fused_tables  # Note [fused tables]
         self._kernels, self._local_kernels = self._shards.kernels, self._shards.local_kernels
+        # Note [gathering rows without a loop over routes]
+        self._gather, self._local_gather = RowGather(self._kernels), RowGather(self._local_kernels)
         self._local_features = Permutation([r.feature for r in self.layout.local])
         self._exchange = None if self._alone else self.make_exchange(process_group)
         self._prefetcher: Optional[Prefetcher] = None  # Note [prefetched input dist]
@@ -165,17 +167,21 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
     def lookup(self, received: SequenceReceived) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each route's rows for every rank's ids it received, then this rank's data-parallel
         routes' rows for its own batch (Note [sequence lookups])."""
-        counts = [sum(n) for n in received.per_source]
-        rows = lookup_routes(self._kernels, received.values, counts)
+        counts = self._per_source(received).sum(1).tolist()
+        rows = lookup_kernels(self._kernels, received.values, counts)
         local_rows: list[torch.Tensor] = []
         if self.layout.local:
             kjt = permute(received.kjt, self._local_features)
             local_counts = kjt.length_per_key()
-            local_rows = lookup_routes(
+            local_rows = lookup_kernels(
                 self._local_kernels, kjt.values().long(), local_counts,
                 bags=self._replica_bags(local_counts),
             )  # fmt: skip
         return rows, local_rows
+
+    def _per_source(self, received: SequenceReceived) -> torch.Tensor:
+        """(routes on this rank, ranks): the ids of each route each rank sent (one C call)."""
+        return torch.tensor(received.per_source, dtype=torch.int64).view(-1, self._world)
 
     def _replica_bags(self, counts: list[int]) -> Optional[int]:
         """Bags per route of the replicas: the longest route on any rank (replicas gather every
@@ -196,18 +202,18 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
         placement = received.placement
         if self._prefetcher is not None:  # this thread waits next: the prefetched batch may go
             self._prefetcher.release()
-        if self._alone or not self.layout.routes:
-            arrived = [r.reshape(-1) for r in rows]
-        else:
-            send, in_splits = send_rows(rows, received.per_source, self._world)
-            out_splits = placement.arriving
-            arrived = [
-                pooled_all_to_all(
-                    send.to(self._device), input_splits=in_splits, output_splits=out_splits,
-                    group=self._pg, grad_scale=1.0 / self._world,
+        parts = []
+        if self.layout.routes:
+            send, in_splits = self._gather(rows, self._per_source(received))
+            if not self._alone:
+                send = pooled_all_to_all(
+                    send.to(self._device), input_splits=in_splits,
+                    output_splits=placement.arriving, group=self._pg, grad_scale=1.0 / self._world,
                 )  # fmt: skip
-            ]
-        parts = [*arrived, *(r.reshape(-1) for r in local_rows)]
+            parts.append(send)
+        if self.layout.local:
+            local_counts = torch.tensor(placement.counts[len(self.layout.routes):]).view(-1, 1)
+            parts.append(self._local_gather(local_rows, local_counts)[0])
         flat = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
         g = placement.width
         out = flat.new_zeros(placement.numel // g, g).index_copy(0, placement.index, flat.view(-1, g))

@@ -40,73 +40,43 @@ import torch
 
 from modular.kernels.base import Kernel
 
-__all__ = ["lookup_routes"]
+__all__ = ["lookup_kernels"]
 
 
-def lookup_routes(
+def lookup_kernels(
     kernels: list[Kernel], values: torch.Tensor, counts: list[int], *, bags: Optional[int] = None
 ) -> list[torch.Tensor]:
-    """Each route's rows, (ids of the route, its width), in route order: `values` holds the ids
-    route by route, `counts` how many each route has; the kernels take consecutive routes.
-    `bags`: the bags per route every bag-of-one kernel takes (replicas: agreed over ranks), else
-    each kernel's longest route (Note [sequence lookups])."""
+    """Each kernel's output for its routes' ids: a `nobag` kernel's (ids, width) rows, route
+    after route; a bags-of-one kernel's (bags per route, its routes' widths side by side), route
+    t's rows first in its columns (`RowGather` in modular/sequence/output.py puts them in
+    place). `values` holds the ids route by route, `counts` how many each route has; the
+    kernels take consecutive routes. `bags`: the bags per route every bag-of-one kernel takes
+    (replicas: agreed over ranks), else each kernel's longest route (Note [sequence lookups])."""
     out: list[torch.Tensor] = []
     route, start = 0, 0
     for kernel in kernels:
-        group = kernel.group.routes
-        n = counts[route : route + len(group)]
+        n = counts[route : route + len(kernel.group.routes)]
         total = sum(n)
         ids = values[start : start + total]
-        if kernel.nobag:
-            out.extend(_rows(kernel, ids, n))
-        else:
-            out.extend(_bags_of_one(kernel, ids, n, bags))
-        route += len(group)
+        out.append(_rows(kernel, ids, n) if kernel.nobag else _bags_of_one(kernel, ids, n, bags))
+        route += len(n)
         start += total
     return out
 
 
-def _rows(kernel: Kernel, ids: torch.Tensor, n: list[int]) -> list[torch.Tensor]:
-    """fbgemm's PoolingMode.NONE: one bag per route, one row per id."""
+def _rows(kernel: Kernel, ids: torch.Tensor, n: list[int]) -> torch.Tensor:
+    """fbgemm's PoolingMode.NONE: one bag per route, one row per id: (ids, width)."""
     lengths = torch.tensor(n, device=ids.device, dtype=ids.dtype)
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-    return list(kernel(ids, offsets, None).split(n))  # (ids, width)
+    return kernel(ids, offsets, None)
 
 
-def _bags_of_one(
-    kernel: Kernel, ids: torch.Tensor, n: list[int], bags: Optional[int]
-) -> list[torch.Tensor]:
-    """A SUM kernel over bags of one id, each route padded to `bags` (or the longest route)."""
+def _bags_of_one(kernel: Kernel, ids: torch.Tensor, n: list[int], bags: Optional[int]) -> torch.Tensor:
+    """A SUM kernel over bags of one id, each route padded to `bags` (or the longest route):
+    (bags per route, sum of widths)."""
     per_route = max(max(n), 1) if bags is None else bags
     lengths = torch.arange(per_route, device=ids.device).unsqueeze(0) < torch.tensor(
         n, device=ids.device
     ).unsqueeze(1)
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.reshape(-1).to(ids.dtype))
-    rows = kernel(ids, offsets, None)  # (per_route, sum of widths)
-    spans, col = [], 0
-    for r, count in zip(kernel.group.routes, n):
-        spans.append((count, col, r.shard.num_cols))
-        col += r.shard.num_cols
-    return list(_RouteRows.apply(rows, spans))
-
-
-class _RouteRows(torch.autograd.Function):
-    """Each route's (ids, width) block of a bags-of-one kernel's output, as views; backward
-    writes every block's gradient into one zeroed (bags, sum of widths) buffer. Plain slicing's
-    backward makes a zeroed buffer of the whole output per route and adds them up: with 8 routes
-    of ~2,600 rows x 64 that was 40 fills and 9 adds of 5 MB a step, most of a row-wise EC step's
-    own cost on CPU (torch.profiler, benchmarks/sequence_step_time.py)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, spans: list[tuple[int, int, int]]):  # type: ignore[override]
-        ctx.spans = spans
-        ctx.shape = rows.shape
-        return tuple(rows[:count, col : col + width] for count, col, width in spans)
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        out = grads[0].new_zeros(ctx.shape) if grads else None
-        for g, (count, col, width) in zip(grads, ctx.spans):
-            if g is not None:
-                out[:count, col : col + width] = g
-        return out, None
+    return kernel(ids, offsets, None)

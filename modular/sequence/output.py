@@ -3,7 +3,7 @@
 # Note [sequence output dist]
 A rank that holds route r looked up every rank's ids of r, source rank by source rank (the input
 dist's order, Note [routes]). It sends each source rank that rank's rows of each of its routes, in
-route order, in one all-to-all of floats (`send_rows`); every rank therefore receives, in global
+route order, in one all-to-all of floats (`RowGather`); every rank therefore receives, in global
 route order (routes are ordered by destination rank), its own ids' rows of every route, then adds
 its data-parallel routes' rows. Each received float has one place in the output, which holds the
 collection's outputs one after another ((ids of the output's feature, dim) each, all of one
@@ -15,18 +15,22 @@ makes the output: no partial sums, pieces concatenated by where they land. The i
 of `Placement.width` floats (a whole row unless column pieces cut it), not per float. Backward runs the same
 way reversed: the output's gradient gathered at those places, one all-to-all back to the
 routes' ranks (divided by the world size, Note [grad scaling across ranks]), into the kernels.
+Neither direction loops over routes in Python: `RowPlacer` makes the index (Note [placing rows
+without a loop over routes]) and `RowGather` the send buffer (Note [gathering rows without a
+loop over routes]).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from modular.kernels.base import Kernel
 from modular.tables.layout import ROW_SPLIT, Layout
 
-__all__ = ["Placement", "RowPlacer", "place_rows", "send_rows"]
+__all__ = ["Placement", "RowGather", "RowPlacer"]
 
 
 class Placement(NamedTuple):
@@ -149,26 +153,115 @@ class RowPlacer:
         )
 
 
-def place_rows(layout: Layout, values: torch.Tensor, feature_lengths: list[int]) -> Placement:
-    """This rank's Placement for a batch whose features (in `layout.features` order) have
-    `feature_lengths` ids, `values` their ids back to back (a `RowPlacer` made for one call)."""
-    return RowPlacer(layout)(values, feature_lengths)
+class RowGather:
+    """Puts the rows a set of kernels looked up in the order the output dist sends them, in one
+    copy per kernel and no loop over routes or sources.
+
+    # Note [gathering rows without a loop over routes]
+    The kernels take consecutive routes h = 0..H-1 of this rank, and route h's ids came from
+    source ranks s = 0..S-1, n[h, s] of them, in that order (route by route, source by source,
+    Note [sequence output dist]). A bags-of-one kernel returns (N, its routes' widths side by
+    side), route h's i-th row in its row i (rows past its count are padding); a `nobag` kernel
+    returns its routes' rows one after another. The send buffer wants, source by source, every
+    route's rows from that source, route by route. Every row is cut in blocks of `width` floats
+    (the gcd of the routes' widths), and each kernel's output goes into its place with one
+    `index_copy_` whose destinations come from n alone: the block offset of (h, s) in the send
+    buffer (a cumulative sum over (s, h)), and which (h, s) a kernel row belongs to (one
+    `searchsorted` over the (h, s) segments' first rows). Padding rows go to one spare block past
+    the end. Backward gathers each kernel's gradient at the same places (padding rows get
+    zeros). With S = 1 (a world of one, or a rank's own data-parallel routes) the buffer is the
+    routes' rows in route order.
+    """
+
+    def __init__(self, kernels: Sequence[Kernel]) -> None:
+        widths = [r.shard.num_cols for k in kernels for r in k.group.routes]
+        g = 0
+        for w in widths:
+            g = math.gcd(g, w)
+        self.width = g = max(g, 1)
+        self.num_routes = len(widths)
+        long = dict(dtype=torch.int64)
+        self._blocks = torch.tensor([w // g for w in widths], **long)
+        self._kernels = []  # (first route, routes, nobag, route of each block column, block within)
+        first = 0
+        for k in kernels:
+            routes = k.group.routes
+            per = [r.shard.num_cols // g for r in routes]
+            route_of = [first + h for h, b in enumerate(per) for _ in range(b)]
+            within = [j for b in per for j in range(b)]
+            self._kernels.append(
+                (first, len(routes), k.nobag, torch.tensor(route_of, **long), torch.tensor(within, **long))
+            )
+            first += len(routes)
+        self._on_device: dict[torch.device, list[tuple[torch.Tensor, ...]]] = {}
+
+    def _statics(self, device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        got = self._on_device.get(device)
+        if got is None:
+            got = self._on_device[device] = [self._blocks.to(device)] + [
+                (route_of.to(device), within.to(device)) for *_, route_of, within in self._kernels
+            ]
+        return got[0], got[1:]
+
+    def __call__(self, outs: list[torch.Tensor], n: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The send buffer (1-D) of the kernels' outputs `outs`, and the floats it holds for
+        each source; `n`: (routes, sources) ids per route and source, int64 on the host."""
+        sources = n.shape[1]
+        per_pair = n * self._blocks.view(-1, 1)  # blocks of (h, s)
+        splits = (per_pair.sum(0) * self.width).tolist()
+        if not outs:
+            return torch.zeros(0), splits
+        device = outs[0].device
+        by_source = per_pair.t().reshape(-1)
+        offset = (torch.cumsum(by_source, 0) - by_source).view(sources, -1).t().reshape(-1)
+        flat_n = n.reshape(-1)
+        starts = torch.cumsum(flat_n, 0) - flat_n  # first row of (h, s), route-major
+        counts = n.sum(1)
+        total = int(per_pair.sum())
+        blocks, columns = self._statics(device)
+        offset, starts, counts = offset.to(device), starts.to(device), counts.to(device)
+        route_start = starts[:: sources]
+        places = []
+        for (first, _, nobag, *_), (route_of, within), out in zip(self._kernels, columns, outs):
+            rows = out.shape[0]
+            p = torch.arange(rows, device=device)
+            if nobag:  # route-major rows, each of the kernel's one width
+                key = (route_start[first] + p).unsqueeze(1)
+                within = torch.arange(out.shape[1] // self.width, device=device)
+            else:  # row p of each route's block columns
+                key = route_start[route_of] + p.unsqueeze(1)  # (rows, block columns)
+            if sources == 1 and not nobag:
+                seg = route_of.expand_as(key)  # route h's one segment
+            else:  # the (h, s) segment each row falls in
+                seg = torch.searchsorted(starts, key.reshape(-1), right=True).view(key.shape) - 1
+            place = offset[seg] + (key - starts[seg]) * blocks[seg // sources] + within
+            if not nobag:  # padding rows (past their route's count) to the spare block
+                place = torch.where(p.unsqueeze(1) < counts[route_of], place, total)
+            places.append(place.reshape(-1))
+        send = _Gather.apply(total, self.width, places, *outs)
+        return send.view(-1), splits
 
 
-def send_rows(
-    rows: list[torch.Tensor], per_source: list[list[int]], world: int
-) -> tuple[torch.Tensor, list[int]]:
-    """What this rank sends each source rank (Note [sequence output dist]): for each source, its
-    rows of every route this rank holds, route by route; and the floats per source. `rows[r]`:
-    route r's rows, source rank by source rank; `per_source[r][s]`: how many came from s."""
-    cuts = [row.split(n) for row, n in zip(rows, per_source)]
-    pieces, splits = [], []
-    for s in range(world):
-        mine = [c[s] for c in cuts]
-        splits.append(sum(p.numel() for p in mine))
-        pieces.extend(mine)
-    if not pieces:
-        return torch.zeros(0), splits
-    if len({p.shape[1] for p in pieces}) == 1:  # one width (an EC's tables): one copy, no reshape
-        return torch.cat(pieces).view(-1), splits
-    return torch.cat([p.reshape(-1) for p in pieces]), splits
+class _Gather(torch.autograd.Function):
+    """`RowGather`'s copy: each kernel output's blocks to their places (the spare block past the
+    end takes padding); backward gathers them back, padding zeroed."""
+
+    @staticmethod
+    def forward(ctx, total: int, width: int, places: list[torch.Tensor], *outs):  # type: ignore[override]
+        ctx.places, ctx.shapes, ctx.total = places, [o.shape for o in outs], total
+        send = outs[0].new_empty(total + 1, width)
+        for place, out in zip(places, outs):
+            send.index_copy_(0, place, out.reshape(-1, width))
+        return send[:total]
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.contiguous()
+        width = grad.shape[1]
+        grads = []
+        for place, shape in zip(ctx.places, ctx.shapes):
+            padding = place == ctx.total
+            g = grad.index_select(0, place.clamp(max=max(ctx.total - 1, 0))) if ctx.total else (
+                grad.new_zeros(place.numel(), width))
+            grads.append(g.masked_fill_(padding.unsqueeze(1), 0).view(shape))
+        return (None, None, None, *grads)

@@ -198,9 +198,10 @@ class CostModel:
         (its batch's columns arriving, their gradients leaving; here), with c the columns the
         shard sends: its own (table-wise, column-wise) or the table's d (row-wise partial sums).
         Data-parallel and sequence tables send nothing through it. `batch_buffer_bytes` counts
-        one table's worth per pooled table (plan-independent, for the search); `plan_stats`
-        replaces it by the sum of this over the plan's shards (more for the partial sums of
-        row-wise pieces, less for data-parallel tables).
+        one table's worth per pooled table (plan-independent); `plan_stats` replaces it by the
+        sum of this over the plan's shards (more for the partial sums of row-wise pieces, less
+        for data-parallel tables), and the search charges that difference with each placement
+        (`everywhere_bytes`), so both price the same bytes.
         """
         cols = np.asarray(cols, dtype=np.float64)
         if kind is ShardingType.DATA_PARALLEL:
@@ -208,6 +209,19 @@ class CostModel:
         out_cols = cols if kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE) else t.dim
         pooled = np.where(t.sequence > 0, 0.0, 1.0)
         return pooled * 2 * self.batch_size * t.bags * out_cols * self.wire_bytes + 0 * cols
+
+    def everywhere_bytes(
+        self, kind: ShardingType, t: TableArrays, num_shards: np.ndarray | float
+    ) -> np.ndarray:
+        """Bytes that a table placed as `kind` in `num_shards` shards adds to *every* rank beyond
+        `batch_buffer_bytes`'s reserve of one table's worth of low-precision copies (Note [wire
+        copies]): 0 for table- and column-wise (their pieces' columns add up to the table's
+        width), (k - 1) copies for k row-wise pieces (each sends partial sums of every column),
+        minus the reserve for a data-parallel table (it sends nothing). 0 under FP32 comms.
+        The search charges this with the placement, so that it prices what `plan_stats` does."""
+        k = np.asarray(num_shards, dtype=np.float64)
+        placed = k * self.arrival_wire_bytes(kind, t, t.dim / k)
+        return placed - self.arrival_wire_bytes(ShardingType.TABLE_WISE, t, t.dim)
 
     def shard(
         self,

@@ -101,7 +101,28 @@ def explain_no_plan(
             [names[i] for i in order],
         )
 
-    # 4. Each table fits alone and the total fits, but packing left some without room.
+    # 4. Tables that may only be replicated, whose replicas together do not fit one rank: a
+    # replica is on every rank, so more ranks do not help.
+    dp = candidates.columns.index((ShardingType.DATA_PARALLEL, world))
+    only_dp = [i for i in range(len(table_set))
+               if candidates.valid[i, dp] and candidates.valid[i].sum() == 1]  # fmt: skip
+    replicas = float(sum(candidates.max_memory[i, dp] for i in only_dp))
+    if only_dp and replicas > room:
+        order = sorted(only_dp, key=lambda i: (-candidates.max_memory[i, dp], i))
+        lines = [f"  {names[i]!r}: {format_bytes(candidates.max_memory[i, dp])} a replica"
+                 for i in order[:_LISTED]]  # fmt: skip
+        if len(order) > _LISTED:
+            lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
+        return NoPlanError(
+            f"no plan fits: {plural(len(only_dp), 'table')} may only be data_parallel, which "
+            f"keeps a whole replica (weights, optimizer state, dense gradient) on every rank: "
+            f"{format_bytes(replicas)} per rank, but {where} and {format_bytes(base_memory)} of "
+            "it holds the batch buffers; more ranks do not help: allow table_wise or row_wise "
+            "for some of them, or devices with more memory:\n" + "\n".join(lines),
+            [names[i] for i in order],
+        )
+
+    # 5. Each table fits alone and the total fits, but packing left some without room.
     order = sorted(unplaced, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
     fill = foot.sum() / (world * room)
     lines = []

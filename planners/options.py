@@ -49,7 +49,9 @@ class Candidates(NamedTuple):
     allowed: np.ndarray  # allowed by constraints and the table's shape, memory ignored
     max_cost: np.ndarray  # seconds of the largest shard (the even split the search emits)
     total: np.ndarray  # seconds summed over all shards (W replicas for data-parallel)
-    max_memory: np.ndarray  # bytes of the largest shard
+    # bytes the largest shard needs on its rank, with what the placement adds to every rank
+    # (`CostModel.everywhere_bytes`: row-wise pieces' low-precision copies; less for a replica)
+    max_memory: np.ndarray
 
 
 def _pinned_per_host(pins: tuple[int, ...], world: int, host: int) -> int:
@@ -79,9 +81,10 @@ def enumerate_candidates(
         big = model.shard(kind, t2, big_rows, big_cols, ks)  # the largest shard
         mean = model.shard(kind, t2, rows, cols, ks)  # an exact 1/k split: k of them = total
         shape = np.broadcast(big.total, ks).shape
+        needs = big.memory + model.everywhere_bytes(kind, t2, ks)
         blocks.append((
             np.broadcast_to(big.total, shape), np.broadcast_to(mean.total * ks, shape),
-            np.broadcast_to(big.memory, shape), np.broadcast_to(ok, shape),
+            np.broadcast_to(needs, shape), np.broadcast_to(ok, shape),
         ))  # fmt: skip
         columns.extend((kind, int(k)) for k in ks.ravel())
 
@@ -101,7 +104,8 @@ def enumerate_candidates(
         add(_T.ROW_WISE, ks, np.ceil(t2.rows / ks), t2.dim, t2.rows / ks, t2.dim,
             ks <= t2.rows)  # fmt: skip
     dp = model.shard(_T.DATA_PARALLEL, t2, t2.rows, t2.dim, one)
-    blocks.append((dp.total, dp.total * world, dp.memory, np.ones((n, 1), bool)))
+    dp_needs = dp.memory + model.everywhere_bytes(_T.DATA_PARALLEL, t2, one)
+    blocks.append((dp.total, dp.total * world, dp_needs, np.ones((n, 1), bool)))
     columns.append((_T.DATA_PARALLEL, world))
 
     max_cost, total, max_mem, shape_ok = (

@@ -39,8 +39,10 @@ class Problem(NamedTuple):
     pins: tuple[np.ndarray | None, ...]  # per table, a bool mask of the ranks it may use
     capacity: float  # bytes per rank for shards and batch buffers
     base_memory: float  # batch buffers, the same on every rank
-    prices: dict  # cache for `affine`
+    prices: dict  # cache for `affine` and `everywhere`
     affine: Callable[..., Affine]  # search.affine(problem, table, kind, shards)
+    # search.everywhere(problem, table, kind, shards): bytes the placement adds to every rank
+    everywhere: Callable[..., float]
 
 
 @dataclasses.dataclass
@@ -110,6 +112,7 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
 
     def peel(i: int, j: int, r2: int, dx: int) -> None:
         r = s.ranks[i][j]
+        s.mem += _everywhere_step(p, s, i, +1)
         add(i, j, r, -1.0)
         if s.kinds[i] is _T.TABLE_WISE:
             s.kinds[i] = _T.COLUMN_WISE
@@ -122,6 +125,7 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
         on_rank[r2].append((i, len(s.ranks[i]) - 1))
 
     def merge(i: int, j: int, j2: int) -> None:
+        s.mem += _everywhere_step(p, s, i, -1)
         for jj, rr in enumerate(s.ranks[i]):
             add(i, jj, rr, -1.0)
             on_rank[rr].remove((i, jj))
@@ -201,12 +205,14 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
             if f.b > 0 and x >= 2 * f.step and _may_split(p, s, i):
                 okp = allowed(i, None)
                 g = _grown_fit(p, s, i)
-                if okp.any() and g.b > 0:
+                more = _everywhere_step(p, s, i, +1)  # a row-wise piece's copies on every rank
+                if okp.any() and g.b > 0 and float(free.min()) >= more:
                     r2 = int(np.argmin(np.where(okp, s.load, np.inf)))
                     rest = top - c + g.a + g.b * x  # this rank, with the whole shard a piece
                     dx = _floor((rest - s.load[r2] - g.a) / (2 * g.b), g.step)
                     dx = max(g.step, min(dx, x - g.step))
-                    if free[r2] >= g.am + g.bm * dx and free[r] >= (g.am - f.am) + (g.bm - f.bm) * x:
+                    if (free[r2] >= g.am + g.bm * dx + more
+                            and free[r] >= (g.am - f.am) + (g.bm - f.bm) * x + more):  # fmt: skip
                         new = max(rest - g.b * dx, s.load[r2] + g.a + g.b * dx)
                         offer(new, ("peel", i, j, r2, dx))
         action = best[1]
@@ -224,6 +230,16 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
             merge(*action[1:])
         else:
             peel(*action[1:])
+
+
+def _everywhere_step(p: Problem, s: State, i: int, dk: int) -> float:
+    """What every rank's memory changes by when table i gains (dk = +1) or loses (-1) a
+    shard: a row-wise piece's low-precision copies (`everywhere` in search.py); 0 for
+    column pieces, whose columns add up to the table's width whatever their number."""
+    kind, k = s.kinds[i], len(s.ranks[i])
+    if kind is not _T.ROW_WISE:
+        return 0.0
+    return p.everywhere(p, i, kind, k + dk) - p.everywhere(p, i, kind, k)
 
 
 def _may_take(p: Problem, s: State, i2: int, j2: int, r: int, host: int) -> bool:

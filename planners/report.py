@@ -15,7 +15,7 @@ from planners.cost import CostModel, TableArrays
 from planners.inputs import Table, TableConstraint, format_bytes
 from planners.model_tables import match_constraints
 from planners.options import enumerate_candidates
-from planners.stats import PlanStats, TableStats, format_seconds, plural, time_unit
+from planners.stats import PlanStats, TableStats, format_seconds, time_unit
 from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingType, rank_ranges
 

@@ -9,8 +9,10 @@ Note [how the search works]
 3. The shards are packed largest first (by max(cost / T, memory / capacity)) onto the least
    loaded ranks that have memory for them and that the table's pins allow; a table that does
    not fit this way tries its other candidates, cheapest first. Data-parallel tables add the
-   same cost and memory to every rank. If no target packs, the same runs again choosing the
-   ranks with the most free memory instead of the least loaded ones.
+   same cost and memory to every rank, where every rank has room (else the table tries its
+   sharded candidates); a placement's low-precision copies on every rank are charged with it
+   (`everywhere`). If no target packs, the same runs again choosing the ranks with the most
+   free memory instead of the least loaded ones.
 4. Local search on the slowest rank (planners/refine.py): move a shard away, swap it for a
    smaller one, shift rows or columns to another shard of the same table, or peel part of a
    shard off onto a new rank -- whichever leaves both ranks lowest, while that is below the
@@ -99,11 +101,26 @@ def affine(p: Problem, index: int, kind: ShardingType, k: int) -> Affine:
     return out
 
 
+def everywhere(p: Problem, index: int, kind: ShardingType, k: int) -> float:
+    """Bytes that table `index` placed as `kind` in `k` shards adds to every rank, beyond the
+    batch buffers' reserve (`CostModel.everywhere_bytes`; Note [wire copies] in cost.py)."""
+    if p.model.wire_bytes == 0:
+        return 0.0  # FP32 comms: no copies, nothing reserved for them
+    key = ("everywhere", index, kind, k)
+    if key not in p.prices:
+        t = p.arrays.take(np.array([index]))
+        p.prices[key] = float(p.model.everywhere_bytes(kind, t, float(k))[0])
+    return p.prices[key]
+
+
 def _choose_ranks(p: Problem, s: State, index: int, kind: ShardingType, mems: list[float],
-                  by_memory: bool) -> list[int] | None:  # fmt: skip
-    """The ranks for the shards of one table, least loaded first, or None if they do not fit."""
+                  by_memory: bool, extra: float = 0.0) -> list[int] | None:  # fmt: skip
+    """The ranks for the shards of one table, least loaded first, or None if they do not fit;
+    `extra` bytes go to every rank with them."""
     world = len(s.load)
-    fits = s.mem + max(mems) <= p.capacity
+    if float(s.mem.max()) + extra > p.capacity:
+        return None
+    fits = s.mem + extra + max(mems) <= p.capacity
     if p.pins[index] is not None:
         fits &= p.pins[index]
     key = s.mem if by_memory else s.load
@@ -225,8 +242,11 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
     for i, (kind, _) in enumerate(picked):
         if kind is _T.DATA_PARALLEL:
             f = affine(p, i, kind, 1)
+            add = f.am + everywhere(p, i, kind, 1)
+            if float(s.mem.max()) + add > p.capacity:
+                continue  # no room for another replica: a sharded candidate below, if any
             s.load += f.a
-            s.mem += f.am
+            s.mem += add
             s.kinds[i] = kind
     rows = np.arange(n)
     weight = np.maximum(c.max_cost[rows, choice] / max(target, 1e-30),
@@ -236,20 +256,24 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
     later = [i for i in order if mode == "fill" and _splittable(p, i, picked[i][0])]
     deferred = set(later)
     for i in order:
-        if picked[i][0] is _T.DATA_PARALLEL or i in deferred:
+        if s.kinds[i] is _T.DATA_PARALLEL or i in deferred:
             continue
         ranks = None
         for kind, k in _tries(c, i, picked[i]):
+            if kind is _T.DATA_PARALLEL:
+                continue  # a replica that did not fit above
             f = affine(p, i, kind, k)
             sizes = list(shard_sizes(p.tables[i], kind, k))
             mems = [f.am + f.bm * x for x in sizes]
-            ranks = _choose_ranks(p, s, i, kind, mems, by_memory)
+            extra = everywhere(p, i, kind, k)
+            ranks = _choose_ranks(p, s, i, kind, mems, by_memory, extra)
             if ranks is not None:
                 break
         if ranks is None:
             unplaced.append(i)
             continue
         s.kinds[i], s.ranks[i], s.sizes[i], s.fits[i] = kind, ranks, sizes, f
+        s.mem += extra
         for r, x in zip(ranks, sizes):  # the biggest shard goes to the least loaded rank
             s.load[r] += f.a + f.b * x
             s.mem[r] += f.am + f.bm * x
@@ -294,7 +318,7 @@ def search(
             pins.append(mask)
     arrays = TableArrays.of(tables)
     p = Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
-                model.batch_buffer_bytes(arrays), {}, affine)  # fmt: skip
+                model.batch_buffer_bytes(arrays), {}, affine, everywhere)  # fmt: skip
     best: tuple[float, tuple[Placement, ...]] | None = None
     first_unplaced: tuple[int, ...] = ()
     seen: set[bytes] = set()

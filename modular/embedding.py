@@ -30,7 +30,7 @@ from modular.fused.config import FusedConfig
 from modular.kernels.precision import check_table_dtypes
 from modular.local_shards import LocalShards
 from modular.sequence.lookup import lookup_kernels
-from modular.sequence.output import Placement, RowGather, RowPlacer
+from modular.sequence.output import Placement, RowGather, RowPlacer, place_rows
 from modular.sequence.tables import AsBags, sequence_table_infos, weights_device
 from modular.tables.layout import RankLayout
 from modular.tables.weights import check_widths_off_cpu
@@ -215,9 +215,7 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface):
             local_counts = torch.tensor(placement.counts[len(self.layout.routes):]).view(-1, 1)
             parts.append(self._local_gather(local_rows, local_counts)[0])
         flat = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
-        g = placement.width
-        out = flat.new_zeros(placement.numel // g, g).index_copy(0, placement.index, flat.view(-1, g))
-        out = out.view(-1)
+        out = place_rows(flat, placement)
         if self.fused_tables is not None and self.fused_tables.end_of_backward is not None:
             self.fused_tables.end_of_backward.arm(out)  # the deferred updates (Note [fused tables])
         return self._jagged(out.view(-1, self._embedding_dim), received)

@@ -30,7 +30,7 @@ import torch
 from modular.kernels.base import Kernel
 from modular.tables.layout import ROW_SPLIT, Layout
 
-__all__ = ["Placement", "RowGather", "RowPlacer"]
+__all__ = ["Placement", "RowGather", "RowPlacer", "place_rows"]
 
 
 class Placement(NamedTuple):
@@ -216,14 +216,18 @@ class RowGather:
         offset = (torch.cumsum(by_source, 0) - by_source).view(sources, -1).t().reshape(-1)
         flat_n = n.reshape(-1)
         starts = torch.cumsum(flat_n, 0) - flat_n  # first row of (h, s), route-major
-        counts = n.sum(1)
+        counts_host = n.sum(1)
         total = int(per_pair.sum())
         blocks, columns = self._statics(device)
-        offset, starts, counts = offset.to(device), starts.to(device), counts.to(device)
+        offset, starts, counts = offset.to(device), starts.to(device), counts_host.to(device)
         route_start = starts[:: sources]
-        places = []
-        for (first, _, nobag, *_), (route_of, within), out in zip(self._kernels, columns, outs):
+        places, padded = [], []
+        for (first, k, nobag, *_), (route_of, within), out in zip(self._kernels, columns, outs):
             rows = out.shape[0]
+            # a bags-of-one kernel's rows past a route's count are padding (none when every
+            # route of the kernel has as many ids as the kernel has rows)
+            pad = not nobag and k > 0 and int(counts_host[first:first + k].min()) < rows
+            padded.append(pad)
             p = torch.arange(rows, device=device)
             if nobag:  # route-major rows, each of the kernel's one width
                 key = (route_start[first] + p).unsqueeze(1)
@@ -235,10 +239,10 @@ class RowGather:
             else:  # the (h, s) segment each row falls in
                 seg = torch.searchsorted(starts, key.reshape(-1), right=True).view(key.shape) - 1
             place = offset[seg] + (key - starts[seg]) * blocks[seg // sources] + within
-            if not nobag:  # padding rows (past their route's count) to the spare block
+            if pad:  # padding rows (past their route's count) to the spare block
                 place = torch.where(p.unsqueeze(1) < counts[route_of], place, total)
             places.append(place.reshape(-1))
-        send = _Gather.apply(total, self.width, places, *outs)
+        send = _Gather.apply(total, self.width, places, padded, *outs)
         return send.view(-1), splits
 
 
@@ -247,8 +251,9 @@ class _Gather(torch.autograd.Function):
     end takes padding); backward gathers them back, padding zeroed."""
 
     @staticmethod
-    def forward(ctx, total: int, width: int, places: list[torch.Tensor], *outs):  # type: ignore[override]
-        ctx.places, ctx.shapes, ctx.total = places, [o.shape for o in outs], total
+    def forward(ctx, total: int, width: int, places: list[torch.Tensor], padded: list[bool],
+                *outs):  # type: ignore[override]  # fmt: skip
+        ctx.places, ctx.padded, ctx.shapes, ctx.total = places, padded, [o.shape for o in outs], total
         send = outs[0].new_empty(total + 1, width)
         for place, out in zip(places, outs):
             send.index_copy_(0, place, out.reshape(-1, width))
@@ -259,9 +264,33 @@ class _Gather(torch.autograd.Function):
         grad = grad.contiguous()
         width = grad.shape[1]
         grads = []
-        for place, shape in zip(ctx.places, ctx.shapes):
+        for place, pad, shape in zip(ctx.places, ctx.padded, ctx.shapes):
+            if not pad:  # every row is a route's: a plain gather
+                grads.append(grad.index_select(0, place).view(shape))
+                continue
             padding = place == ctx.total
             g = grad.index_select(0, place.clamp(max=max(ctx.total - 1, 0))) if ctx.total else (
                 grad.new_zeros(place.numel(), width))
             grads.append(g.masked_fill_(padding.unsqueeze(1), 0).view(shape))
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
+
+
+def place_rows(flat: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The output (1-D, `placement.numel` floats) with each arriving block of `flat` at its place.
+
+    Every block of the output is some route's (Note [sequence output dist]: the routes of an
+    output cover each of its (id, column) pairs once), so the output starts empty, not zeroed,
+    and is written once; backward gathers the output's gradient at the same places."""
+    g = placement.width
+    return _Place.apply(flat.view(-1, g), placement.index, placement.numel // g).view(-1)
+
+
+class _Place(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, blocks: torch.Tensor, index: torch.Tensor, num_blocks: int):  # type: ignore[override]
+        ctx.index = index
+        return blocks.new_empty(num_blocks, blocks.shape[1]).index_copy_(0, index, blocks)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.contiguous().index_select(0, ctx.index), None, None

@@ -96,3 +96,19 @@ def test_a_rank_holding_no_routes_sends_nothing() -> None:
     gather = RowGather([])
     send, splits = gather([], torch.zeros(0, 3, dtype=torch.int64))
     assert send.numel() == 0 and splits == [0, 0, 0]
+
+
+@pytest.mark.parametrize("sources", [1, 2])
+def test_row_gather_of_kernels_without_padding(sources: int) -> None:
+    # Every route of a bags-of-one kernel has as many ids as the kernel has rows (the common
+    # table-wise case): no padding rows, so the gather and its backward take the plain path.
+    kernels = [_kernel([4, 8, 4], False), _kernel([8], False), _kernel([4, 4], True)]
+    n = torch.tensor([[3, 2][:sources]] * 3 + [[1, 4][:sources]] + [[2, 0][:sources]] * 2)
+    rows = [int(n[0].sum()), int(n[3].sum()), int(n[4:].sum())]
+    outs = [torch.randn(r, c, requires_grad=True) for r, c in zip(rows, (16, 8, 4))]
+    got, _ = RowGather(kernels)(outs, n)
+    want = _reference(kernels, outs, n)
+    assert torch.equal(got, want)
+    grad = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad(got, outs, grad), torch.autograd.grad(want, outs, grad)):
+        assert torch.equal(g, w)

@@ -128,6 +128,20 @@ def _events_per_step(
     return out
 
 
+def _assert_flat(counts) -> None:
+    """Each rank's events per step at SIZES[0] and SIZES[1] tables differ by fewer than one
+    per added table (a loop over tables adds at least that)."""
+    for rank, by_tables in enumerate(counts):
+        few, many = by_tables[SIZES[0]], by_tables[SIZES[1]]
+        assert sum(few.values()) > 50, f"rank {rank}: the profile saw almost nothing ({few})"
+        changed = {k: (few[k], many[k]) for k in set(few) | set(many) if many[k] != few[k]}
+        moved = sum(abs(b - a) for a, b in changed.values())
+        assert moved < SIZES[1] - SIZES[0], (
+            f"rank {rank}: {sum(few.values())} Python events in a step of {SIZES[0]} tables, "
+            f"{sum(many.values())} of {SIZES[1]}; changed ({SIZES[0]} tables, {SIZES[1]}): {changed}"
+        )
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "kind, optimizer, weighted, prefetch, statistic",
@@ -152,15 +166,7 @@ def test_step_python_does_not_grow_with_tables(
     counts = run_on_ranks(
         2, _events_per_step, kind, optimizer, weighted, prefetch, statistic, timeout=180
     )
-    for rank, by_tables in enumerate(counts):
-        few, many = by_tables[SIZES[0]], by_tables[SIZES[1]]
-        assert sum(few.values()) > 50, f"rank {rank}: the profile saw almost nothing ({few})"
-        changed = {k: (few[k], many[k]) for k in set(few) | set(many) if many[k] != few[k]}
-        moved = sum(abs(b - a) for a, b in changed.values())
-        assert moved < SIZES[1] - SIZES[0], (
-            f"rank {rank}: {sum(few.values())} Python events in a step of {SIZES[0]} tables, "
-            f"{sum(many.values())} of {SIZES[1]}; changed ({SIZES[0]} tables, {SIZES[1]}): {changed}"
-        )
+    _assert_flat(counts)
 
 
 @pytest.mark.timeout(200)
@@ -184,12 +190,4 @@ def test_sequence_step_python_does_not_grow_with_tables(kind: str, optimizer: st
     counts = run_on_ranks(
         2, _events_per_step, kind, optimizer, False, prefetch, "exact", True, timeout=180
     )
-    for rank, by_tables in enumerate(counts):
-        few, many = by_tables[SIZES[0]], by_tables[SIZES[1]]
-        assert sum(few.values()) > 50, f"rank {rank}: the profile saw almost nothing ({few})"
-        changed = {k: (few[k], many[k]) for k in set(few) | set(many) if many[k] != few[k]}
-        moved = sum(abs(b - a) for a, b in changed.values())
-        assert moved < SIZES[1] - SIZES[0], (
-            f"rank {rank}: {sum(few.values())} Python events in a step of {SIZES[0]} tables, "
-            f"{sum(many.values())} of {SIZES[1]}; changed ({SIZES[0]} tables, {SIZES[1]}): {changed}"
-        )
+    _assert_flat(counts)

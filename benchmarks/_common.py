@@ -169,6 +169,41 @@ def max_over_ranks(times: list[float]) -> list[float]:
     return t.tolist()
 
 
+def init_ranks(rank: int, world_size: int, device: str = "cpu", cuda_backend: str = "nccl") -> torch.device:
+    """This rank's process group and device. CPU: gloo. CUDA: one GPU per rank over NCCL, or
+    with `cuda_backend="gloo"` the ranks share the GPUs round-robin (gloo moves CUDA tensors
+    through host memory: the shape of a multi-rank step on one GPU, not NCCL's timing)."""
+    if device == "cuda":
+        gpu = rank % torch.cuda.device_count() if cuda_backend == "gloo" else rank
+        torch.cuda.set_device(gpu)
+        if cuda_backend == "gloo":
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        else:
+            dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                    device_id=torch.device("cuda", gpu))  # fmt: skip
+        return torch.device("cuda", gpu)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return torch.device("cpu")
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--device and --cuda-backend, as `init_ranks` takes them."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank with NCCL (--world-size at most the GPUs)")
+    p.add_argument("--cuda-backend", choices=("nccl", "gloo"), default="nccl",
+                   help="with --device cuda: gloo lets ranks share a GPU (e.g. 2 ranks on 1)")  # fmt: skip
+
+
+def check_device_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuses, before any process starts, a device this machine does not have."""
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
+    if a.device == "cuda" and a.cuda_backend == "nccl" and a.world_size > torch.cuda.device_count():
+        p.error(f"--device cuda --world-size {a.world_size}: this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank "
+                "(--cuda-backend gloo shares them)")  # fmt: skip
+
+
 def free_port() -> int:
     """A free TCP port on this host, for MASTER_PORT."""
     with socket.socket() as s:

@@ -3,13 +3,16 @@
     python benchmarks/low_precision.py                       # 4 tables x 1M rows x 64, 2 ranks
     python benchmarks/low_precision.py --rows 250000 --steps 10 --blocks 5
     python benchmarks/low_precision.py --no-memory                       # step times only
+    python benchmarks/low_precision.py --device cuda --world-size 1      # one GPU, NCCL
+    python benchmarks/low_precision.py --device cuda --cuda-backend gloo # 2 ranks on one GPU
 
 Each configuration runs in fresh processes (peak RSS only grows): the ranks build the same EBC
 on `meta`, fuse exact row-wise Adagrad, shard it (two tables row-wise, two table-wise, so both
 partial sums and whole bags travel), then train `--steps` steps on a synthetic batch. Per rank:
 the RSS growth from before the EBC is built to the peak after the last step (`peak - before`,
-which is what the tables, state and step buffers cost), and the median step time after
-`--warmup` steps. The configurations:
+which is what the tables, state and step buffers cost; on a GPU, `--device cuda`, the growth of
+torch's peak allocation on the rank's device instead), and the median step time after
+`--warmup` steps (on a GPU a step ends with `torch.cuda.synchronize()`). The configurations:
     fp32            FP32 tables, FP32 comms (the baseline)
     fp16            FP16 tables (`EmbeddingBagConfig(data_type=DataType.FP16)`), FP32 comms
     fp16+fp16comms  FP16 tables, `modular.shard(comm_dtype=torch.float16)`
@@ -29,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+from benchmarks._common import add_device_args, check_device_args, free_port, init_ranks  # noqa: E402
 
 MiB = 1 << 20
 CONFIGS = {  # name: (tables in FP16, comm dtype)
@@ -65,7 +69,7 @@ def _init(weight: torch.Tensor) -> None:
 def _setup(rank: int, args, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    args.rank_device = init_ranks(rank, args.world_size, args.device, args.cuda_backend)
 
 
 def _batch(args, rank: int):
@@ -75,7 +79,21 @@ def _batch(args, rank: int):
     keys = [f"f{i}" for i in range(args.tables)]
     lengths = torch.randint(0, 2 * args.pooling + 1, (len(keys) * args.batch_size,), generator=g)
     values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
-    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths).to(args.rank_device)
+
+
+def _used_bytes(args) -> int:
+    """What this rank holds now: its RSS on CPU, torch's allocation on its GPU."""
+    if args.device == "cuda":
+        return torch.cuda.memory_allocated()
+    return _status_bytes("VmRSS")
+
+
+def _peak_bytes(args) -> int:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status_bytes("VmHWM")
 
 
 def _build(args, name: str):
@@ -100,15 +118,19 @@ def _build(args, name: str):
         for i, c in enumerate(configs)
     }  # fmt: skip
     modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=0.01, eps=1e-8)
-    return modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements}), comm_dtype=comm)
+    plan = ShardingPlan(world_size=world, modules={"": placements})
+    return modular.shard(ebc, plan, comm_dtype=comm, device=args.rank_device)
 
 
 def _steps(ebc, kjt, n: int) -> list[float]:
+    sync = torch.cuda.synchronize if kjt.values().is_cuda else (lambda: None)
     times = []
     for _ in range(n):
+        sync()
         dist.barrier()
         start = time.perf_counter()
         ebc(kjt).values().sum().backward()
+        sync()
         times.append(time.perf_counter() - start)
     return times
 
@@ -118,11 +140,13 @@ def _memory_worker(rank: int, args, port: int, name: str, queue) -> None:
     _setup(rank, args, port)
     kjt = _batch(args, rank)
     dist.barrier()
-    before = _status_bytes("VmRSS")
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    before = _used_bytes(args)
     ebc = _build(args, name)
     _steps(ebc, kjt, args.warmup + args.steps)
     dist.barrier()
-    queue.put((rank, before, _status_bytes("VmHWM")))
+    queue.put((rank, before, _peak_bytes(args)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -145,12 +169,6 @@ def _timing_worker(rank: int, args, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", type=int, default=4)
@@ -164,12 +182,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS))
     p.add_argument("--no-memory", action="store_true", help="skip the per-configuration memory runs")
+    add_device_args(p)
     args = p.parse_args()
+    check_device_args(p, args)
     size = args.tables * args.rows * args.dim * 4
+    if args.device == "cuda":
+        backend = "gloo, sharing" if args.cuda_backend == "gloo" else "NCCL, one GPU each"
+        where = f"{args.world_size} ranks ({backend}) on {torch.cuda.get_device_name()}"
+    else:
+        where = f"{args.world_size} gloo ranks on CPU, {os.cpu_count()} cores"
     print(f"## {args.tables} tables x {args.rows:,} rows x {args.dim} dims ({size / MiB:,.0f} MiB "
-          f"in FP32), fused row-wise Adagrad, 2 row-wise + 2 table-wise, {args.world_size} gloo "
-          f"ranks, batch {args.batch_size} per rank, ~{args.pooling} ids per bag, "
-          f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores\n")  # fmt: skip
+          f"in FP32), fused row-wise Adagrad, 2 row-wise + 2 table-wise, {where}, "
+          f"batch {args.batch_size} per rank, ~{args.pooling} ids per bag, "
+          f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
     ctx = mp.get_context("spawn")
     if not args.no_memory:
         _memory(args, ctx)
@@ -179,15 +204,16 @@ def main() -> None:
 def _spawn(ctx, worker, args, *extra) -> list:
     queue = ctx.Queue()
     mp.start_processes(
-        worker, args=(args, _free_port(), *extra, queue), nprocs=args.world_size, join=True,
+        worker, args=(args, free_port(), *extra, queue), nprocs=args.world_size, join=True,
         start_method="spawn",
     )  # fmt: skip
     return sorted((queue.get() for _ in range(args.world_size)), key=lambda r: r[0])
 
 
 def _memory(args, ctx) -> None:
+    what = "peak allocated - allocated before" if args.device == "cuda" else "peak - before"
     print(f"Memory: each configuration alone, {args.warmup + args.steps} steps\n")
-    print("| config | rank | peak - before MiB | x fp32 |")
+    print(f"| config | rank | {what} MiB | x fp32 |")
     print("|---|---:|---:|---:|")
     base: dict[int, float] = {}
     for name in args.configs:

@@ -86,8 +86,8 @@ from torch import nn  # noqa: E402
 from benchmarks._comm import record as record_collectives, replay as replay_collectives  # noqa: E402
 from benchmarks._bandwidth import bandwidth_line, floor_bytes_per_step  # noqa: E402
 from benchmarks._common import (  # noqa: E402
-    PLANS, Model, Workload, add_workload_args, free_port, make_batches, make_ebc, max_over_ranks,
-    our_plan, time_block, workload_fields,
+    PLANS, Model, Workload, add_device_args, add_workload_args, check_device_args, free_port,
+    init_ranks, make_batches, make_ebc, max_over_ranks, our_plan, time_block, workload_fields,
 )
 
 OPTIMIZERS = ("dense", "fused")
@@ -611,16 +611,7 @@ def _worker(rank: int, cfg: Config, port: int) -> None:
     cores = _cores_of(rank, cfg)
     if cores:  # before the process group, so that gloo's threads stay on the rank's cores too
         os.sched_setaffinity(0, cores)
-    if cfg.device == "cuda" and cfg.cuda_backend == "gloo":  # ranks may share a GPU
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
-    elif cfg.device == "cuda":
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl", rank=rank, world_size=cfg.world_size, device_id=torch.device("cuda", rank)
-        )
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    init_ranks(rank, cfg.world_size, cfg.device, cfg.cuda_backend)
     ebc, kjts, probe = workload(cfg, rank)
     results = {}
     for plan in cfg.plans:
@@ -797,10 +788,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-torchrec", action="store_true")
     p.add_argument("--no-pin", action="store_true", help="let the OS move ranks between cores")
     p.add_argument("--cpu", action="store_true", help="print each sharded contender's CPU per step by thread kind")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: one GPU per rank with NCCL (--world-size at most the GPUs)")
-    p.add_argument("--cuda-backend", choices=("nccl", "gloo"), default="nccl",
-                   help="with --device cuda: gloo lets ranks share a GPU (e.g. 2 ranks on 1)")
+    add_device_args(p)
     p.add_argument("--only", choices=CONTENDERS, default=None,
                    help="time this contender alone, one block, no summary: for perf or py-spy "
                         "(e.g. --only ours --steps 1500 --blocks 1)")  # fmt: skip
@@ -810,12 +798,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="ours' row statistic on fused column pieces (fuse_optimizer's "
                         "column_wise_statistic); per_shard is TorchRec's approximation")  # fmt: skip
     a = p.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA device here")
-    if a.device == "cuda" and a.cuda_backend == "nccl" and a.world_size > torch.cuda.device_count():
-        p.error(f"--device cuda --world-size {a.world_size}: this machine has "
-                f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank "
-                "(--cuda-backend gloo shares them)")
+    check_device_args(p, a)
     cfg = Config(
         **workload_fields(a), weighted=a.weighted, optimizers=tuple(a.optimizers),
         profile=a.profile, torchrec=not a.no_torchrec, pin=not a.no_pin and a.device == "cpu",

@@ -15,3 +15,9 @@ python3 benchmarks/step_time.py --device cuda --world-size 1 --tables 26 --rows 
     --batch 16384 --optimizers fused --steps 8 --blocks 1 | tee "$OUT/step_time_26x500k.txt"
 python3 benchmarks/step_time.py --device cuda --world-size 2 --cuda-backend gloo --steps 20 \
     --optimizers fused | tee "$OUT/step_time_gloo2.txt"
+# Issue 25: FP16 tables and FP16 comms against FP32 on the GPU: memory and step time, world 1
+# (NCCL) and two ranks sharing the GPU over gloo.
+python3 benchmarks/low_precision.py --device cuda --world-size 1 --rows 4000000 --dim 128 \
+    --batch-size 16384 --pooling 20 | tee "$OUT/low_precision_1.txt"
+python3 benchmarks/low_precision.py --device cuda --world-size 2 --cuda-backend gloo \
+    --rows 1000000 --batch-size 4096 | tee "$OUT/low_precision_gloo2.txt"

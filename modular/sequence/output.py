@@ -282,10 +282,17 @@ def place_rows(flat: torch.Tensor, placement: Placement) -> torch.Tensor:
     output cover each of its (id, column) pairs once), so the output starts empty, not zeroed,
     and is written once; backward gathers the output's gradient at the same places."""
     g = placement.width
+    if placement.index.numel() != placement.numel // g:  # a layout bug, never a user's input
+        raise RuntimeError(
+            f"sequence output dist: {placement.index.numel()} arriving blocks of {g} floats for an "
+            f"output of {placement.numel // g} blocks; the routes must cover the output once"
+        )
     return _Place.apply(flat.view(-1, g), placement.index, placement.numel // g).view(-1)
 
 
 class _Place(torch.autograd.Function):
+    """`place_rows`' scatter into an empty output; backward gathers at the same places."""
+
     @staticmethod
     def forward(ctx, blocks: torch.Tensor, index: torch.Tensor, num_blocks: int):  # type: ignore[override]
         ctx.index = index

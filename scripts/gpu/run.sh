@@ -1,23 +1,56 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repo root, after scripts/gpu/pack.sh here: the CUDA tests, the
-# example on one GPU (NCCL) with a resume, and step_time.py against TorchRec on one GPU.
+# On the GPU machine, from the repo root, after scripts/gpu/pack.sh here (carry .gpu/):
+#
+#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~20 min)
+#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 (several: a list)
+#
+# A lent device gives a session ~15 minutes in all and 10 per command, so run the part an issue
+# needs, one command per part. Figures go to $OUT (default /tmp/gpu-out), which the device tool
+# brings back.
+#   tests    the CUDA tests (tests/gpu), ~4-5 min
+#   example  the README example on one GPU (NCCL) for 200 steps, then resumed to 260, ~2 min
+#   speed    issue 29: step_time.py against TorchRec at world 1, at the 26 x 500k size that ran
+#            out of memory side by side (one contender at a time now), and two ranks sharing
+#            the GPU over gloo (prefetch on a side stream), ~6-8 min
+#   fp16     issue 25: the FP16/BF16 CUDA tests, then low_precision.py (FP16 tables and comms
+#            against FP32: memory and step time) at world 1 and two ranks over gloo, ~5-7 min
 source scripts/gpu/setup.sh || exit 1
 export PYTHONWARNINGS=ignore
 OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
-python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider --timeout=150
 TR="python3 -m torch.distributed.run --standalone --nproc-per-node 1"
-$TR examples/train_dlrm.py --steps 200 --checkpoint-dir /tmp/ck --no-progress
-$TR examples/train_dlrm.py --steps 260 --checkpoint-dir /tmp/ck --resume --no-progress
-python3 benchmarks/step_time.py --device cuda --world-size 1 --steps 40 | tee "$OUT/step_time.txt"
-# Issue 29: the size that ran out of memory side by side (one contender at a time now), and
-# prefetch with two ranks on the one GPU over gloo.
-python3 benchmarks/step_time.py --device cuda --world-size 1 --tables 26 --rows 500000 --dim 128 \
-    --batch 16384 --optimizers fused --steps 8 --blocks 1 | tee "$OUT/step_time_26x500k.txt"
-python3 benchmarks/step_time.py --device cuda --world-size 2 --cuda-backend gloo --steps 20 \
-    --optimizers fused | tee "$OUT/step_time_gloo2.txt"
-# Issue 25: FP16 tables and FP16 comms against FP32 on the GPU: memory and step time, world 1
-# (NCCL) and two ranks sharing the GPU over gloo.
-python3 benchmarks/low_precision.py --device cuda --world-size 1 --rows 4000000 --dim 128 \
-    --batch-size 16384 --pooling 20 | tee "$OUT/low_precision_1.txt"
-python3 benchmarks/low_precision.py --device cuda --world-size 2 --cuda-backend gloo \
-    --rows 1000000 --batch-size 4096 | tee "$OUT/low_precision_gloo2.txt"
+
+tests() {
+    python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider --timeout=150 | tee "$OUT/tests_gpu.txt"
+    RAN_TESTS=1
+}
+
+example() {
+    $TR examples/train_dlrm.py --steps 200 --checkpoint-dir /tmp/ck --no-progress
+    $TR examples/train_dlrm.py --steps 260 --checkpoint-dir /tmp/ck --resume --no-progress
+}
+
+speed() {
+    python3 benchmarks/step_time.py --device cuda --world-size 1 --steps 40 | tee "$OUT/step_time.txt"
+    python3 benchmarks/step_time.py --device cuda --world-size 1 --tables 26 --rows 500000 --dim 128 \
+        --batch 16384 --optimizers fused --steps 8 --blocks 1 | tee "$OUT/step_time_26x500k.txt"
+    python3 benchmarks/step_time.py --device cuda --world-size 2 --cuda-backend gloo --steps 20 \
+        --optimizers fused | tee "$OUT/step_time_gloo2.txt"
+}
+
+fp16() {
+    [ -n "${RAN_TESTS:-}" ] || python3 -m pytest tests/gpu/test_cuda_low_precision.py -q -rfE \
+        -p no:cacheprovider --timeout=150 | tee "$OUT/tests_gpu_low_precision.txt"
+    python3 benchmarks/low_precision.py --device cuda --world-size 1 --rows 4000000 --dim 128 \
+        --batch-size 16384 --pooling 20 | tee "$OUT/low_precision_1.txt"
+    python3 benchmarks/low_precision.py --device cuda --world-size 2 --cuda-backend gloo \
+        --rows 1000000 --batch-size 4096 | tee "$OUT/low_precision_gloo2.txt"
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16)
+for part in "${parts[@]}"; do
+    case "$part" in
+        tests|example|speed|fp16) echo "== $part" && "$part" ;;
+        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16)" >&2; exit 2 ;;
+    esac
+done

@@ -17,7 +17,7 @@ from planners.files import (
     recorded_tables, save_plan, tables_digest,
 )  # fmt: skip
 from planners.inputs import (
-    ColumnWiseStatistic, Optimizer, Table, TableConstraint, Topology, format_bytes, parse_bytes,
+    ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes, parse_bytes,
 )  # fmt: skip
 from planners.report import (
     SORT_KEYS, describe_counts, format_tables, moved_tables, pick_tables, setting_differences,
@@ -111,6 +111,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
                         "backward pass and an exchange of statistics) or per_shard (TorchRec's "
                         "approximation: plain pieces, so cutting costs less); no effect under the "
                         "other optimizers")  # fmt: skip
+    g.add_argument("--comm-dtype", choices=[d.value for d in DataType],
+                   help="dtype the pooled embeddings and their gradients travel in, as given to "
+                        "modular.shard(comm_dtype=...): fp32 (default), fp16 or bf16 (half the "
+                        "output-dist bytes, plus the low-precision copies in memory)")  # fmt: skip
     g.add_argument("--module", help="FQN of the EBC the tables belong to (default: '')")
 
 
@@ -186,6 +190,7 @@ class _Workload(NamedTuple):
     optimizer: str
     column_wise_statistic: str
     module: str | None
+    comm_dtype: str
 
 
 def _workload(args: argparse.Namespace, recorded: dict, plan_path: str) -> _Workload:
@@ -200,7 +205,9 @@ def _workload(args: argparse.Namespace, recorded: dict, plan_path: str) -> _Work
     module = args.module if args.module is not None else recorded.get("module")
     if module is not None and not isinstance(module, str):
         raise PlanError(f"{plan_path}: the recorded module must be an FQN string, got {module!r}")
-    return _Workload(batch, optimizer, statistic, module)
+    # a plan file written before the setting existed was planned with FP32 comms
+    comm = args.comm_dtype or recorded.get("comm_dtype", DataType.FP32.value)
+    return _Workload(batch, optimizer, statistic, module, comm)
 
 
 def _module_for(plan: ShardingPlan, module: str | None) -> str:
@@ -223,10 +230,10 @@ class _Priced(NamedTuple):
 
 def _settings(tables: tuple[Table, ...], tables_path: str, constraints: dict[str, TableConstraint],
               topology: Topology, batch: int, optimizer: str, statistic: str, module: str,
-              ) -> dict[str, Any]:  # fmt: skip
+              comm: str) -> dict[str, Any]:  # fmt: skip
     return {
         "batch_size": batch, "optimizer": optimizer, "column_wise_statistic": statistic,
-        "module": module, **{name: getattr(topology, name) for name in _SETTINGS},
+        "comm_dtype": comm, "module": module, **{name: getattr(topology, name) for name in _SETTINGS},
         "world_size": topology.world_size, "ranks_per_host": topology.ranks_per_host,
         "tables_path": tables_path, "tables_digest": tables_digest(tables),
         "tables": [t.to_dict() for t in tables],
@@ -242,11 +249,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     optimizer = args.optimizer or Optimizer.ROWWISE_ADAGRAD.value
     statistic = args.column_wise_statistic or ColumnWiseStatistic.EXACT.value
     module = args.module or ""
+    comm = args.comm_dtype or DataType.FP32.value
     result = plan_with_stats(tables, topology, batch_size=args.batch_size,
                              constraints=constraints or None, optimizer=optimizer,
-                             module_fqn=module, column_wise_statistic=statistic)  # fmt: skip
+                             module_fqn=module, column_wise_statistic=statistic,
+                             comm_dtype=comm)  # fmt: skip
     settings = _settings(tables, args.tables, constraints, topology, args.batch_size, optimizer,
-                         statistic, module)  # fmt: skip
+                         statistic, module, comm)  # fmt: skip
     priced = _Priced(args.output or "", result.plan, result.stats, settings, [], tables,
                      constraints)  # fmt: skip
     # Files first: neither a misspelt --table nor a reader that stops early (| head) loses them.
@@ -300,7 +309,7 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
     module = _module_for(plan, work.module)
     for name, value in (("batch_size", args.batch_size), ("optimizer", args.optimizer),
                         ("column_wise_statistic", args.column_wise_statistic),
-                        ("module", args.module),
+                        ("comm_dtype", args.comm_dtype), ("module", args.module),
                         *((n, getattr(args, n, None)) for n in _SETTINGS)):  # fmt: skip
         was = recorded.get(name)
         if value is not None and was is not None and value != was:
@@ -312,11 +321,13 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
         stats = plan_stats(plan, tables, topology, batch_size=work.batch_size,
                            optimizer=work.optimizer, module_fqn=module,
                            constraints=constraints or None,
-                           column_wise_statistic=work.column_wise_statistic)  # fmt: skip
+                           column_wise_statistic=work.column_wise_statistic,
+                           comm_dtype=work.comm_dtype)  # fmt: skip
     except PlanError as e:
         raise PlanError(f"{path}: {e}") from None
     settings = _settings(tables, tables_path, constraints, topology, work.batch_size,
-                         Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module)  # fmt: skip
+                         Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module,
+                         DataType.parse(work.comm_dtype).value)  # fmt: skip
     return _Priced(path, plan, stats, settings, overrides, tables, constraints)
 
 

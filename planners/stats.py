@@ -178,6 +178,8 @@ class PlanStats:
     )
     tables: tuple[TableStats, ...] = field(default=(), kw_only=True)  # in input order
     num_sequence_tables: int = field(default=0, kw_only=True)  # an EmbeddingCollection's
+    # the dtype pooled embeddings travel in (CostModel.comm_dtype); shown when it is not FP32
+    comm_dtype: DataType = field(default=DataType.FP32, kw_only=True)
 
     @property
     def max_cost(self) -> float:
@@ -231,12 +233,13 @@ class PlanStats:
         if (self.optimizer is Optimizer.ROWWISE_ADAGRAD
                 and self.column_wise_statistic is not ColumnWiseStatistic.EXACT):  # fmt: skip
             statistic = f" (column_wise_statistic {self.column_wise_statistic.value})"
+        comm = "" if self.comm_dtype is DataType.FP32 else f", comm_dtype {self.comm_dtype.value}"
         lines = [
             f"{plural(self.num_tables, 'table')}"
             + (f" ({self.num_sequence_tables} sequence)" if self.num_sequence_tables else "")
             + f" on {plural(len(self.ranks), 'rank')} "
             f"({self.topology.ranks_per_host} per host), batch {self.batch_size} per rank, "
-            f"optimizer {self.optimizer.value}{statistic}",
+            f"optimizer {self.optimizer.value}{statistic}{comm}",
             f"slowest rank {slow.rank}: {format_seconds(slow.cost)} per step; mean "
             f"{format_seconds(self.mean_cost)}; imbalance (max/mean) {self.imbalance:.3f}",
             f"lower bound {format_seconds(self.lower_bound)}; slowest rank / bound = "
@@ -298,6 +301,7 @@ class PlanStats:
             "batch_size": self.batch_size,
             "optimizer": self.optimizer.value,
             "column_wise_statistic": self.column_wise_statistic.value,
+            "comm_dtype": self.comm_dtype.value,
             "ranks": [
                 {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
                  **{c: getattr(r, c) for c in _COMPONENTS}, "tables": [n for n, _ in r.tables]}
@@ -471,5 +475,6 @@ def stats_for(
     return PlanStats(ranks, bound, topology, model.batch_size, model.optimizer, len(table_set),
                      plan_seconds, column_wise_statistic=model.column_wise_statistic,
                      tables=tables,
-                     num_sequence_tables=sum(t.sequence for _, t in table_set))  # fmt: skip
+                     num_sequence_tables=sum(t.sequence for _, t in table_set),
+                     comm_dtype=model.comm_dtype)  # fmt: skip
 

@@ -221,3 +221,50 @@ def test_bad_column_wise_statistic_in_a_flag_or_a_plan_file(tmp_path, capsys):
     assert code == 2 and out == "" and err.count("\n") == 1
     assert ("bad.json: unknown column_wise_statistic 'approx'; "
             "expected one of: exact, per_shard") in err  # fmt: skip
+
+
+def test_comm_dtype_is_recorded_and_priced_back(tmp_path, capsys):
+    # FP16 comms halve the output dist's bytes and add the low-precision copies to memory
+    # (Note [wire copies]); plan records the setting, show prices with it, a flag overrides it.
+    import planners
+    from planners.files import load_tables
+
+    tables = _write(tmp_path, "three.yaml", THREE)
+    low = str(tmp_path / "fp16.json")
+    code, out, _ = run(capsys, "plan", tables, *FOUR, "--comm-dtype", "fp16", "-o", low)
+    assert code == 0 and "optimizer rowwise_adagrad, comm_dtype fp16" in out
+    with open(low) as f:
+        data = json.load(f)
+    assert data["planner"]["comm_dtype"] == "fp16"
+    plan = ShardingPlan.from_dict(data)
+    want = planners.plan_stats(plan, load_tables(tables), planners.Topology(4),
+                               batch_size=128, comm_dtype="fp16")  # fmt: skip
+    code, shown, _ = run(capsys, "show", low, "--format", "json")
+    got = json.loads(shown)["stats"]
+    assert code == 0 and got["comm_dtype"] == "fp16"
+    assert [r["memory"] for r in got["ranks"]] == [r.memory for r in want.ranks]
+    assert [r["output_dist"] for r in got["ranks"]] == [r.output_dist for r in want.ranks]
+
+    code, as_fp32, _ = run(capsys, "show", low, "--comm-dtype", "fp32", "--format", "json")
+    fp32 = json.loads(as_fp32)
+    assert code == 0 and fp32["overrides"] == ["comm_dtype fp32 (the plan records fp16)"]
+    for a, b in zip(fp32["stats"]["ranks"], got["ranks"]):
+        assert a["output_dist"] == pytest.approx(2 * b["output_dist"])
+        assert a["memory"] <= b["memory"]
+
+    # a plan file from before the setting: priced with FP32 comms, and the summary says nothing
+    del data["planner"]["comm_dtype"]
+    old = _write(tmp_path, "old.json", json.dumps(data))
+    code, shown_old, _ = run(capsys, "show", old)
+    assert code == 0 and "comm_dtype" not in shown_old
+    code, as_fp32_table, _ = run(capsys, "show", low, "--comm-dtype", "fp32")
+    assert _table_part(shown_old) == _table_part(as_fp32_table.split("\n", 1)[1])
+
+    # a bad value in a flag or a plan file: one line, exit 2
+    with pytest.raises(SystemExit) as done:
+        main(["plan", tables, *FOUR, "--comm-dtype", "fp8"])
+    assert done.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+    data["planner"]["comm_dtype"] = "fp8"
+    bad = _write(tmp_path, "bad.json", json.dumps(data))
+    code, out, err = run(capsys, "show", bad)
+    assert code == 2 and out == "" and "bad.json: unknown dtype 'fp8'" in err

@@ -120,7 +120,7 @@ def setting_differences(stats: tuple[PlanStats, PlanStats], settings: tuple[dict
     for key, label in (("world_size", "world size"), ("ranks_per_host", "ranks per host"),
                        ("batch_size", "batch size per rank"), ("optimizer", "optimizer"),
                        ("column_wise_statistic", "column_wise_statistic"),
-                       ("device_memory", "device memory"), ("reserved_fraction", "reserved fraction"),
+                       ("comm_dtype", "comm_dtype"), ("device_memory", "device memory"), ("reserved_fraction", "reserved fraction"),
                        ("device_memory_bandwidth", "memory bandwidth"),
                        ("intra_host_bandwidth", "intra-host bandwidth"),
                        ("cross_host_bandwidth", "cross-host bandwidth"), ("module", "module"),

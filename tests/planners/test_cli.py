@@ -252,6 +252,12 @@ def test_comm_dtype_is_recorded_and_priced_back(tmp_path, capsys):
         assert a["output_dist"] == pytest.approx(2 * b["output_dist"])
         assert a["memory"] <= b["memory"]
 
+    # compare names the setting the two plans were priced under
+    fp32_plan = str(tmp_path / "fp32.json")
+    assert run(capsys, "plan", tables, *FOUR, "-o", fp32_plan)[0] == 0
+    code, out, _ = run(capsys, "compare", fp32_plan, low)
+    assert code == 0 and "DIFFERENT comm_dtype: fp32 vs fp16" in out
+
     # a plan file from before the setting: priced with FP32 comms, and the summary says nothing
     del data["planner"]["comm_dtype"]
     old = _write(tmp_path, "old.json", json.dumps(data))

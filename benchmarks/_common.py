@@ -169,7 +169,9 @@ def max_over_ranks(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def init_ranks(rank: int, world_size: int, device: str = "cpu", cuda_backend: str = "nccl") -> torch.device:
+def init_ranks(
+    rank: int, world_size: int, device: str = "cpu", cuda_backend: str = "nccl"
+) -> torch.device:
     """This rank's process group and device. CPU: gloo. CUDA: one GPU per rank over NCCL, or
     with `cuda_backend="gloo"` the ranks share the GPUs round-robin (gloo moves CUDA tensors
     through host memory: the shape of a multi-rank step on one GPU, not NCCL's timing)."""

@@ -17,7 +17,8 @@ from planners.files import (
     recorded_tables, save_plan, tables_digest,
 )  # fmt: skip
 from planners.inputs import (
-    ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes, parse_bytes,
+    ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
+    parse_bytes,
 )  # fmt: skip
 from planners.report import (
     SORT_KEYS, describe_counts, format_tables, moved_tables, pick_tables, setting_differences,
@@ -233,7 +234,8 @@ def _settings(tables: tuple[Table, ...], tables_path: str, constraints: dict[str
               comm: str) -> dict[str, Any]:  # fmt: skip
     return {
         "batch_size": batch, "optimizer": optimizer, "column_wise_statistic": statistic,
-        "comm_dtype": comm, "module": module, **{name: getattr(topology, name) for name in _SETTINGS},
+        "comm_dtype": comm, "module": module,
+        **{name: getattr(topology, name) for name in _SETTINGS},
         "world_size": topology.world_size, "ranks_per_host": topology.ranks_per_host,
         "tables_path": tables_path, "tables_digest": tables_digest(tables),
         "tables": [t.to_dict() for t in tables],

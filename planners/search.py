@@ -113,12 +113,17 @@ def everywhere(p: Problem, index: int, kind: ShardingType, k: int) -> float:
     return p.prices[key]
 
 
+def _room_everywhere(p: Problem, s: State, extra: float) -> bool:
+    """Whether every rank has room for `extra` more bytes (a replica, or low-precision copies)."""
+    return float(s.mem.max()) + extra <= p.capacity
+
+
 def _choose_ranks(p: Problem, s: State, index: int, kind: ShardingType, mems: list[float],
                   by_memory: bool, extra: float = 0.0) -> list[int] | None:  # fmt: skip
     """The ranks for the shards of one table, least loaded first, or None if they do not fit;
     `extra` bytes go to every rank with them."""
     world = len(s.load)
-    if float(s.mem.max()) + extra > p.capacity:
+    if not _room_everywhere(p, s, extra):
         return None
     fits = s.mem + extra + max(mems) <= p.capacity
     if p.pins[index] is not None:
@@ -243,7 +248,7 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
         if kind is _T.DATA_PARALLEL:
             f = affine(p, i, kind, 1)
             add = f.am + everywhere(p, i, kind, 1)
-            if float(s.mem.max()) + add > p.capacity:
+            if not _room_everywhere(p, s, add):
                 continue  # no room for another replica: a sharded candidate below, if any
             s.load += f.a
             s.mem += add

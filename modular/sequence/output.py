@@ -253,7 +253,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, total: int, width: int, places: list[torch.Tensor], padded: list[bool],
                 *outs):  # type: ignore[override]  # fmt: skip
-        ctx.places, ctx.padded, ctx.shapes, ctx.total = places, padded, [o.shape for o in outs], total
+        ctx.places, ctx.padded, ctx.total = places, padded, total
+        ctx.shapes = [o.shape for o in outs]
         send = outs[0].new_empty(total + 1, width)
         for place, out in zip(places, outs):
             send.index_copy_(0, place, out.reshape(-1, width))
@@ -281,13 +282,13 @@ def place_rows(flat: torch.Tensor, placement: Placement) -> torch.Tensor:
     Every block of the output is some route's (Note [sequence output dist]: the routes of an
     output cover each of its (id, column) pairs once), so the output starts empty, not zeroed,
     and is written once; backward gathers the output's gradient at the same places."""
-    g = placement.width
-    if placement.index.numel() != placement.numel // g:  # a layout bug, never a user's input
+    g, blocks = placement.width, placement.numel // placement.width
+    if placement.index.numel() != blocks:  # a layout bug, never a user's input
         raise RuntimeError(
             f"sequence output dist: {placement.index.numel()} arriving blocks of {g} floats for an "
-            f"output of {placement.numel // g} blocks; the routes must cover the output once"
+            f"output of {blocks} blocks; the routes must cover the output once"
         )
-    return _Place.apply(flat.view(-1, g), placement.index, placement.numel // g).view(-1)
+    return _Place.apply(flat.view(-1, g), placement.index, blocks).view(-1)
 
 
 class _Place(torch.autograd.Function):

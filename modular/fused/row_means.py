@@ -4,7 +4,7 @@
 Note [row statistics across column shards] (modular/kernels/deferred.py) gives each column
 piece's rank, for every id its step looked up, the whole row's mean of g**2: its own pieces'
 cols * s, plus what the other holders of the table send, divided by the table's dim. Where every
-column-wise table reports per id (`ROW_FORM_IDS`: none of its shards is emulated, a property of
+column-wise table reports per id (`RowForm.IDS`: none of its shards is emulated, a property of
 the layout, so every rank agrees), this runs on flat tensors, with no Python per table or
 feature (issue 29, tests/modular/test_step_python.py):
   - a *slot* is one of the module's outputs (a feature read from a table) whose table is
@@ -21,6 +21,7 @@ Only the peers are looped over (the all-to-all's splits), as in every collective
 
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import torch
@@ -31,6 +32,15 @@ from modular.kernels.lookups import Lookup
 from modular.tables.layout import RankLayout
 
 __all__ = ["IdRowMeans"]
+
+
+class PeerShare(enum.Enum):
+    """How many of this rank's slots a peer also holds: the all-to-all sends it every entry,
+    none, or a picked subset."""
+
+    ALL = "all"
+    NONE = "none"
+    SOME = "some"
 
 
 class IdRowMeans:
@@ -74,7 +84,8 @@ class IdRowMeans:
         dims = set(self._slot_dim.tolist())
         self._dim = dims.pop() if len(dims) == 1 else None
         self._shares = [
-            "all" if bool(shared.all()) and self.slots else "none" if not bool(shared.any()) else "some"
+            PeerShare.ALL if bool(shared.all()) and self.slots
+            else PeerShare.NONE if not bool(shared.any()) else PeerShare.SOME
             for shared in self._shared
         ]
 
@@ -147,9 +158,9 @@ class IdRowMeans:
             return
         picks: list = []
         for shares, shared in zip(self._shares, self._shared):
-            if shares == "all":
+            if shares is PeerShare.ALL:
                 picks.append(slice(None))
-            elif shares == "none":
+            elif shares is PeerShare.NONE:
                 picks.append(slice(0, 0))
             else:
                 slot_of_entry = torch.repeat_interleave(

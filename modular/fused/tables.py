@@ -15,10 +15,9 @@ import torch
 
 from modular.kernels.base import Kernel
 from modular.kernels.deferred import (
-    ROW_FORM_IDS,
-    ROW_FORM_ROWS,
     DeferredFusedKernel,
     ReplicaFusedKernel,
+    RowForm,
     RowStatsFusedKernel,
 )
 from modular.kernels.emulated import EmulatedFusedKernel
@@ -75,7 +74,7 @@ class FusedTables:
         # all-to-all (with nothing to send), or the ranks that hold them wait on it forever.
         if pending or (self.column_rowwise and not self.at.local):
             replicas = {id(k) for k in local_kernels} if self.at.world > 1 else set()
-            per_id = all(self._row_form(t) == ROW_FORM_IDS for t in self.column_rowwise)
+            per_id = all(self._row_form(t) is RowForm.IDS for t in self.column_rowwise)
             self.end_of_backward = EndOfBackward(
                 pending, replicas=replicas, column_rowwise=self.column_rowwise, at=self.at,
                 per_id=per_id,
@@ -114,10 +113,10 @@ class FusedTables:
             or (deferred and not on_cpu)
         )
 
-    def _row_form(self, table: str) -> str:
+    def _row_form(self, table: str) -> RowForm:
         """How every holder of column-wise `table` exchanges its row statistics: per id, unless
         one of its shards is emulated, whose statistics come per unique row (Note [row
         statistics across column shards])."""
         layout = self.at.layout
         widths = [s.num_cols for s in layout.shards[layout.table_index(table)]]
-        return ROW_FORM_ROWS if self._emulates(widths, True) else ROW_FORM_IDS
+        return RowForm.ROWS if self._emulates(widths, True) else RowForm.IDS

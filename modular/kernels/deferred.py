@@ -6,11 +6,13 @@ replicas] below, and Note [fused tables] in modular/optim.py.
 
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
+from modular.fused.config import FusedOptimizerKind
 from modular.kernels.base import KernelLookup, sum_weights
 from modular.kernels.fused import FusedKernel
 from modular.kernels.lookups import Lookup, merge_lookups
@@ -18,10 +20,13 @@ from modular.kernels.row_sums import RowGradSquares
 from modular.tables.layout import KernelGroup
 
 
-# How a RowStatsFusedKernel reports a table's row statistics (Note [row statistics across column
-# shards]): one per id of the step, in the order the ids arrived, or one per touched row, sorted.
-ROW_FORM_IDS = "ids"
-ROW_FORM_ROWS = "rows"
+class RowForm(enum.Enum):
+    """How a RowStatsFusedKernel reports a table's row statistics (Note [row statistics across
+    column shards]): one per id of the step, in the order the ids arrived, or one per touched
+    row, sorted and unique."""
+
+    IDS = "ids"
+    ROWS = "rows"
 
 
 class DeferredFusedKernel(FusedKernel):
@@ -65,7 +70,7 @@ class DeferredFusedKernel(FusedKernel):
     ) -> None:
         """fbgemm's fused CPU backward on `batch`: the update, with this kernel's state and
         learning rate unless others are given (SUM mode with per-id weights: `sum_weights`)."""
-        tbe, kind = self.tbe, self.config.optimizer.value
+        tbe, kind = self.tbe, self.config.optimizer
         weights = sum_weights(self.group.pooling, batch.offsets, batch.weights)
         lr = tbe.learning_rate_tensor if lr is None else lr
         common = (
@@ -75,7 +80,7 @@ class DeferredFusedKernel(FusedKernel):
             False,  # stochastic rounding
         )  # fmt: skip
         with torch.no_grad():
-            if kind == "exact_sgd":
+            if kind is FusedOptimizerKind.EXACT_SGD:
                 torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(*common, lr, 0)
                 return
             momentum = (
@@ -83,7 +88,7 @@ class DeferredFusedKernel(FusedKernel):
                 tbe.momentum1_placements,
                 tbe.momentum1_offsets,
             )
-            if kind == "exact_adagrad":
+            if kind is FusedOptimizerKind.EXACT_ADAGRAD:
                 torch.ops.fbgemm.split_embedding_backward_codegen_adagrad_cpu(
                     *common, *momentum, lr, self.config.eps, 0
                 )
@@ -115,12 +120,12 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     Every column shard of a table looks up the same ids in the same order (each id is routed to
     all of them, and they arrive source rank by source rank, feature by feature), so the holders
     agree on the statistics' order without sorting anything: s travels as one float per id of
-    the step (`ROW_FORM_IDS`), read from the scratch at the id's row, only between the ranks
+    the step (`RowForm.IDS`), read from the scratch at the id's row, only between the ranks
     that hold shards of the table (one all-to-all for all column-wise tables). A row looked up
     twice carries the same s, m and state twice, so setting the state (not adding to it) is
     right whichever copy lands. A table with a shard on the torch emulation (widths fbgemm
     cannot take, weight decay; Note [emulated fused kernels]) uses the emulation's form instead,
-    its touched rows sorted and unique (`ROW_FORM_ROWS`). The backward form of pass 1 clears its
+    its touched rows sorted and unique (`RowForm.ROWS`). The backward form of pass 1 clears its
     scratch on the rows it touched. A step costs O(ids), never O(rows): no table-sized buffer
     is reduced, cleared or scanned.
     The result equals the unsharded table's update up to float rounding (tests/modular/
@@ -139,10 +144,10 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         sizes: list[tuple[int, int]],
         device: torch.device,
         config,
-        forms: tuple[Optional[str], ...],
+        forms: tuple[Optional[RowForm], ...],
     ) -> None:
-        """`forms[t]`: how kernel table t reports its statistics (`ROW_FORM_IDS` or
-        `ROW_FORM_ROWS`), or None for a table that is not column-wise (none needed)."""
+        """`forms[t]`: how kernel table t reports its statistics (`RowForm.IDS` or
+        `RowForm.ROWS`), or None for a table that is not column-wise (none needed)."""
         super().__init__(group, sizes, device, config)
         if len(forms) != len(sizes):
             raise ValueError(f"{len(forms)} statistics forms for {len(sizes)} kernel tables")
@@ -228,7 +233,7 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         self.run_backward(self._batch, state=self._scratch_flat, lr=self._zero_lr)
         out: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []
         for form, ids, scratch in zip(self._forms, self._table_ids(self._batch), self._scratch):
-            if form == ROW_FORM_ROWS:
+            if form is RowForm.ROWS:
                 rows = torch.sort(ids, stable=True).values.unique_consecutive().long()
             else:
                 rows = ids.long()
@@ -249,7 +254,7 @@ class RowStatsFusedKernel(DeferredFusedKernel):
         for t, (form, mine) in enumerate(zip(self._forms, self._routes_of)):
             if form is None or not mine:
                 out.append(None)
-            elif form == ROW_FORM_ROWS:
+            elif form is RowForm.ROWS:
                 lo, hi = key_cuts[t], key_cuts[t + 1]
                 out.append((keys[lo:hi].long() - pas.first_row[t], s[lo:hi]))
             else:

@@ -49,7 +49,8 @@ class TableInfo:
     embedding_dim: int
     features: tuple[str, ...]
     pooling: Pooling
-    # The weights' dtype (torchrec's data_type): FP32, FP16 or BF16 (modular/tables/precision.py).
+    # The weights' dtype (torchrec's data_type): FP32, FP16 or BF16 (Note [low-precision tables]
+    # in modular/kernels/precision.py).
     dtype: torch.dtype = torch.float32
 
 
@@ -272,8 +273,8 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
       asserts it), so sequence routes of different widths (column pieces of unequal widths:
       torchrec's EmbeddingCollection gives every table one dim) get a group per width;
     - a shard whose width fbgemm's fused kernels cannot take is emulated with the rest of its
-      group (modular/optim.py), so it gets a group of its own instead of taking every table of
-      its pooling mode with it;
+      group (Note [fused tables] in modular/optim.py), so it gets a group of its own instead of
+      taking every table of its pooling mode with it;
     - under row-wise Adagrad a group with a column piece runs fbgemm's backward twice (Note [row
       statistics across column shards] in modular/kernels/deferred.py), so column pieces get a group
       of their own instead of doubling the backward of the whole tables beside them (planned

@@ -4,7 +4,7 @@
 
 Runs step_time.py's "ours" and "torchrec" contenders (fused row-wise Adagrad, world 1, NCCL)
 and prints each host sync's call site, found with torch.cuda.set_sync_debug_mode("warn"): every
-read of a device tensor on the host (Note [host syncs per step] in modular/routing/router.py). It writes
+read of a device tensor on the host (Note [host syncs per step] in modular/routing/checks.py). It writes
 a cProfile, a torch.profiler table and a Chrome trace of each into $OUT.
 """
 

@@ -45,15 +45,12 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from modular import lifecycle
-from modular.embedding import ShardedEmbeddingCollection
-from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import ShardingError
 from modular.fused.config import ColumnWiseStatistic, FusedConfig, FusedOptimizerKind
 from modular.fused.state import check_fused_state, fused_state, load_fused_state
-from modular.sharded_types import SHARDED_COLLECTIONS, tables_name
+from modular.sharded_types import SHARDED_COLLECTIONS, kind_of, sharded_class, tables_name
 from modular.sharding import sharded_modules
 from modular.tables.deprecation import quietly
 
@@ -129,7 +126,7 @@ def fuse_optimizer(
     targets = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection, *SHARDED_COLLECTIONS))
+        if kind_of(m) is not None
     ]
     if not targets:
         raise ValueError(
@@ -160,11 +157,7 @@ def fuse_optimizer(
         if _on_meta(m):
             lifecycle.set_pending_fuse(m, config)  # fused when modular.shard builds its shards
             continue
-        sharded_type = (
-            ShardedEmbeddingCollection if isinstance(m, EmbeddingCollection)
-            else ShardedEmbeddingBagCollection
-        )  # fmt: skip
-        local = sharded_type.unsharded(m, module=name, fused=config)
+        local = sharded_class(kind_of(m)).unsharded(m, module=name, fused=config)
         lifecycle.replace_module(model, name, local)
     return FusedOptimizer(model, config)
 

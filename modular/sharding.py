@@ -13,23 +13,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
-from torchrec.modules.embedding_configs import DataType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 
 from modular import lifecycle
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
-from modular.embedding import ShardedEmbeddingCollection
-from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.precision import check_table_dtypes
 from modular.routing.precision import DtypeOption, per_module
-from modular.sequence.tables import sequence_table_infos
-from modular.sharded_types import SHARDED_COLLECTIONS
+from modular.kinds import KINDS, POOLED, SEQUENCE
+from modular.sharded_types import SHARDED_COLLECTIONS, kind_of, sharded_class
 from modular.tables.forms import TensorType, is_sharded, local_pieces
 from modular.tables.layout import RankLayout
-from modular.tables.weights import table_infos
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
 __all__ = ["shard", "sharded_modules"]
@@ -45,18 +40,20 @@ def shard(
     comm_dtype: DtypeOption = None,
     tensor_type: str = "sharded_tensor",
 ) -> nn.Module:
-    """Shards the EmbeddingBagCollections named in `plan`, in place, and returns `model`.
+    """Shards the EmbeddingBagCollections and EmbeddingCollections named in `plan`, in place, and
+    returns `model`.
 
     Call it on every rank with the same plan (SPMD), after `torch.distributed.init_process_group`:
 
         model = modular.shard(model, plan)
         opt = torch.optim.SGD(modular.local_parameters(model), lr=0.1)
 
-    Each EBC named in the plan (by its FQN in `model`; "" for the model itself) is replaced by a
-    `ShardedEmbeddingBagCollection` holding only this rank's shards; every other module is left
-    alone and parameter names do not change. EBCs may live on the `meta` device: each rank then
-    allocates just its shards and fills them with the table's `init_fn`; a materialised EBC's
-    weights are copied, so the sharded model computes exactly what the original did.
+    Each collection named in the plan (by its FQN in `model`; "" for the model itself) is
+    replaced by a `ShardedEmbeddingBagCollection` or `ShardedEmbeddingCollection` holding only
+    this rank's shards (Note [collection kinds]); every other module is left alone and
+    parameter names do not change. Collections may live on the `meta` device: each rank then
+    allocates just its shards and fills them with the table's `init_fn`; a materialised
+    collection's weights are copied, so the sharded model computes exactly what the original did.
 
     Every problem with the plan is raised on every rank, also when only one rank sees it (its
     plan or model differs): see Note [agreeing on the plan]. `device` defaults to the current
@@ -64,8 +61,8 @@ def shard(
 
     Tables keep their config's data type (FP32, FP16; BF16 where fbgemm has kernels for it:
     Note [low-precision tables] in modular/kernels/precision.py). `output_dtype` is the dtype of
-    the sharded modules' pooled outputs (default torch.float32), `comm_dtype` the dtype their
-    pooled embeddings and gradients travel in (default: FP32; torch.float16 or torch.bfloat16
+    the sharded modules' outputs, pooled or sequence rows (default torch.float32), `comm_dtype`
+    the dtype those outputs and their gradients travel in (default: FP32; torch.float16 or torch.bfloat16
     halve those bytes, Note [low-precision comms] in modular/comm.py); either is one dtype
     for every planned module or a dict by module FQN.
     `tensor_type="dtensor"` makes every sharded table weight (and the fused optimizer's state
@@ -101,7 +98,6 @@ def shard(
         fqns = [fqn for fqn, _ in targets]
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)
         wires = per_module(comm_dtype, fqns, "comm_dtype", None)
-        _check_sequence_options(targets, tensor_type, outputs, wires)
     except ShardingError as e:
         problem = e
     options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}
@@ -113,15 +109,15 @@ def shard(
         # A fused EBC stays fused (Note [fused tables]): unsharded and fused, or fused on meta.
         local = ebc if isinstance(ebc, _SHARDED) else None
         fused = local.fused if local is not None else lifecycle.pending_fuse(ebc)
-        kind = _sharded_type(ebc)
-        options = {}
-        if kind is ShardedEmbeddingBagCollection:
-            options = dict(output_dtype=outputs[fqn], comm_dtype=wires[fqn], tensor_type=tensor_type)
+        kind = kind_of(ebc)
         at = RankLayout.build(
-            _tables(ebc, fqn), placements, shards, module=fqn, group=process_group,
+            kind.read_tables(ebc, fqn), placements, shards, module=fqn, group=process_group,
             device=device, local=False,
         )  # fmt: skip
-        sharded = kind(ebc, at, fused=fused, **options)
+        sharded = sharded_class(kind)(
+            ebc, at, fused=fused, output_dtype=outputs[fqn], comm_dtype=wires[fqn],
+            tensor_type=tensor_type,
+        )  # fmt: skip
         if local is not None and local.fused_tables is not None:
             state = fused_state(local.fused_tables, local.table_weights())
             load_unsharded_fused_state(sharded.fused_tables, state)
@@ -131,30 +127,6 @@ def shard(
         _retire(ebc, fqn)
         lifecycle.replace_module(model, fqn, sharded)
     return model
-
-
-def _check_sequence_options(targets, tensor_type, outputs, wires) -> None:
-    """The options only EmbeddingBagCollections take so far, refused for EmbeddingCollections
-    (every rank alike, before anything is built)."""
-    for fqn, module in targets:
-        if _sharded_type(module) is not ShardedEmbeddingCollection:
-            continue
-        asked = [
-            what
-            for what, given in (
-                (f"tensor_type={tensor_type.value!r}", tensor_type is not TensorType.SHARDED_TENSOR),
-                (f"output_dtype={outputs[fqn]}", outputs[fqn] != torch.float32),
-                (f"comm_dtype={wires[fqn]}", wires[fqn] is not None),
-            )
-            if given
-        ]
-        if asked:
-            raise ShardingError(
-                f"module {fqn!r} is an EmbeddingCollection: {', '.join(asked)} apply to "
-                "EmbeddingBagCollections only so far; shard its EmbeddingCollections with the "
-                "defaults (ShardedTensor tables, FP32 outputs and comms), e.g. by giving the "
-                "dtypes per module: output_dtype={'<ebc fqn>': torch.float16}"
-            )
 
 
 def _retire(ebc: nn.Module, fqn: str) -> None:
@@ -167,41 +139,12 @@ def _retire(ebc: nn.Module, fqn: str) -> None:
             lifecycle.retire(t, f"{name!r} of module {fqn!r}")
 
 
-# The collections `shard` takes, and their sharded counterparts: EmbeddingBagCollections
-# (pooled) and EmbeddingCollections (sequences, modular/embedding.py).
+# The collections `shard` takes, and their sharded counterparts (Note [collection kinds]).
 _SHARDED = SHARDED_COLLECTIONS
-_TARGETS = (EmbeddingBagCollection, EmbeddingCollection, *_SHARDED)
+_TARGETS = (*(k.unsharded for k in KINDS), *_SHARDED)
 
 
-def _sharded_type(module: nn.Module) -> type:
-    if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
-        return ShardedEmbeddingCollection
-    return ShardedEmbeddingBagCollection
-
-
-def _tables(module: nn.Module, fqn: str):
-    if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
-        return sequence_table_infos(module, fqn)
-    return table_infos(module, fqn)
-
-
-def _described(module: nn.Module) -> list:
-    """The planned facts of one collection's tables, for Note [agreeing on the plan]."""
-    if isinstance(module, (EmbeddingCollection, ShardedEmbeddingCollection)):
-        configs = module.embedding_configs()
-        return [
-            [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names)]
-            + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
-            for c in configs
-        ] + ["sequence"]
-    return [
-        [c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names), c.pooling.name]
-        + ([] if c.data_type is DataType.FP32 else [c.data_type.name])
-        for c in module.embedding_bag_configs()
-    ] + [module.is_weighted()]
-
-
-def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, EmbeddingBagCollection]]:
+def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, nn.Module]]:
     found = {
         name: m
         for name, m in model.named_modules(remove_duplicate=False)
@@ -219,8 +162,8 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
                 why = f"is a {other}, not an EmbeddingBagCollection or EmbeddingCollection"
             except AttributeError:
                 why = "does not exist in the model"
-            ebcs = sorted(k for k, v in found.items() if isinstance(v, EmbeddingBagCollection))
-            ecs = sorted(k for k, v in found.items() if isinstance(v, EmbeddingCollection))
+            ebcs = sorted(k for k, v in found.items() if kind_of(v) is POOLED)
+            ecs = sorted(k for k, v in found.items() if kind_of(v) is SEQUENCE)
             raise ShardingError(
                 f"the plan names module {fqn!r}, which {why}; the model's "
                 f"EmbeddingBagCollections are {ebcs}"
@@ -229,12 +172,12 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
             )
         if len(names_of[id(module)]) > 1:
             raise ShardingError(
-                f"module {fqn!r} is one EmbeddingBagCollection registered under several names "
+                f"module {fqn!r} is one {kind_of(module).name} registered under several names "
                 f"{names_of[id(module)]}; shard replaces the module at one name and the others "
                 "would keep the unsharded tables. Register it once, shard it, then share the "
                 "sharded module (e.g. model.b = model.a after modular.shard)"
             )
-        if not isinstance(module, ShardedEmbeddingBagCollection) and any(
+        if not isinstance(module, _SHARDED) and any(
             isinstance(p, DTensor) for p in module.parameters()
         ):
             raise ShardingError(
@@ -249,9 +192,9 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, Embed
 
 
 def _resolve(
-    fqn: str, ebc: EmbeddingBagCollection, plan: ShardingPlan, world: int, device: torch.device
+    fqn: str, ebc: nn.Module, plan: ShardingPlan, world: int, device: torch.device
 ) -> tuple[dict, dict[str, tuple[ShardSpec, ...]]]:
-    tables = _tables(ebc, fqn)
+    tables = kind_of(ebc).read_tables(ebc, fqn)
     check_table_dtypes(tables, fqn, device)  # before anything is allocated
     placements = dict(plan.modules[fqn])
     names = [t.name for t in tables]
@@ -287,7 +230,7 @@ def _resolve(
 
 def _agree_on_every_rank(
     plan: ShardingPlan,
-    targets: list[tuple[str, EmbeddingBagCollection]],
+    targets: list[tuple[str, nn.Module]],
     group,
     problem: Optional[ShardingError],
     options: Optional[dict] = None,
@@ -303,7 +246,7 @@ def _agree_on_every_rank(
     if problem is None:
         described = {
             "plan": plan.to_dict(),
-            "tables": {fqn: _described(ebc) for fqn, ebc in targets},
+            "tables": {fqn: kind_of(m).described(m) for fqn, m in targets},
         }
         if options and any(o != [str(torch.float32), "None"] for o in options.values()):
             described["precision"] = options  # output and comm dtypes, when not the defaults

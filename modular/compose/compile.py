@@ -3,19 +3,21 @@
     model = modular.shard(model, plan)
     model = modular.apply_fully_shard(model, modules={MLP})     # or apply_ddp, or neither
     model = modular.apply_compile(model, modules={MLP})         # each dense tower's forward
-    compiled = torch.compile(model)   # and the rest, with one graph break per sharded EBC call
+    compiled = torch.compile(model)   # and the rest, one graph break per sharded collection call
 
 # Note [compiling a sharded model]
-A sharded EBC's forward is input dist -> lookup -> output dist: it reads the batch on the host
+A sharded collection's forward (an EBC's or an EC's, one path: modular/collection.py) is input
+dist -> lookup -> output dist: it reads the batch on the host
 (the input checks' `bool(tensor)`, lengths and split sizes for the all-to-alls), runs collectives
 whose sizes depend on the data, and calls fbgemm lookup kernels that have no fake-tensor
 implementation. Traced by dynamo, that was 46 graph breaks and 34 graphs for the tests' small
 DLRM and a 60 s first step on CPU (one rank, 2 cores). Nothing is gained by compiling it: its
-work is collectives and fbgemm kernels already. So
-`ShardedEmbeddingBagCollection.forward` (and `prefetch`) sit behind `torch.compiler.disable`:
+work is collectives and fbgemm kernels already. So every sharded collection's `forward` (and
+`prefetch`) sit behind `torch.compiler.disable`, once for both kinds (`ShardedCollectionModule`
+in modular/collection.py):
 
 - The boundary is the module's call. Dynamo stops before it, runs it eagerly, and resumes after
-  it: one graph break per sharded EBC call, whatever the plan, the fused optimizer or prefetch.
+  it: one graph break per sharded collection call, whatever the kind, the plan, the fused optimizer or prefetch.
   The KeyedJaggedTensor crosses the boundary untouched (the forward receives the caller's very
   object, so a prefetched batch is found by identity as in eager mode), and nothing in a
   compiled graph depends on its lengths or id counts: batches whose ids vary never recompile.
@@ -53,7 +55,7 @@ import torch
 from torch import nn
 
 from modular.compose.fsdp import ModuleSelector, dense_modules
-from modular.embedding_bag import ShardedEmbeddingBagCollection
+from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.errors import ShardingError
 
 __all__ = ["apply_compile"]
@@ -74,20 +76,23 @@ def apply_compile(model: nn.Module, *, modules: ModuleSelector, **compile_kwargs
     compiles around it (Note [compiling a sharded model]), except under `fullgraph=True`, which
     raises a ShardingError naming it. To compile the whole model, use `torch.compile(model)`.
     """
-    if isinstance(model, ShardedEmbeddingBagCollection):
+    if isinstance(model, SHARDED_COLLECTIONS):
         raise ShardingError(
-            "apply_compile was given a ShardedEmbeddingBagCollection: its forward runs eagerly "
+            f"apply_compile was given a {type(model).__name__}: its forward runs eagerly "
             "by design (Note [compiling a sharded model]); call it on the model that contains it"
         )
     picked = dense_modules(model, modules)
     if compile_kwargs.get("fullgraph"):
         names = {id(m): n for n, m in model.named_modules()}
         for module in picked:
-            inner = [n for n, m in module.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+            inner = [
+                (n, m) for n, m in module.named_modules() if isinstance(m, SHARDED_COLLECTIONS)
+            ]
             if inner:
+                fqn, found = inner[0]
                 raise ShardingError(
                     f"apply_compile(fullgraph=True): module {names[id(module)]!r} contains the "
-                    f"sharded EmbeddingBagCollection {inner[0]!r}, whose forward runs eagerly "
+                    f"sharded {found.kind.name} {fqn!r}, whose forward runs eagerly "
                     "behind a graph break (Note [compiling a sharded model]); pick only modules "
                     "without one, or drop fullgraph=True"
                 )

@@ -81,7 +81,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.comm import backend_for
 from modular.routing.exchange import IdsExchange
-from modular.routing.router import Received
+from modular.routing.received import Received
 from modular.tables.layout import RankLayout
 
 __all__ = ["MAX_PENDING", "Overlap", "Prefetcher", "hand_over", "overlap_for", "release_side_groups"]
@@ -122,7 +122,7 @@ def overlap_for(
 class _OnStream(NamedTuple):
     """A prefetched input dist queued on a side stream, and the event that ends it."""
 
-    received: NamedTuple  # the EBC's `Received`, the EC's `SequenceReceived`
+    received: Received
     done: torch.cuda.Event
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular.embedding import SequenceReceived
+from modular.embedding import Sequences
 from modular.routing.prefetcher import Overlap, hand_over, overlap_for
-from modular.routing.router import Received
+from modular.routing.received import Received
 from modular.sequence.output import Placement
 
 
@@ -62,26 +62,31 @@ def _kjt() -> KeyedJaggedTensor:
 
 
 def test_hand_over_waits_then_records_every_tensor_of_an_ebc_input_dist(recorded) -> None:
-    local = _kjt()
+    kjt, local = _kjt(), _kjt()
     received = Received(
-        batch_size=2, lengths=torch.tensor([[1, 2]]), values=torch.tensor([4, 5, 6]),
-        weights=torch.tensor([1.0, 1.0, 1.0]), local=local, local_lengths=torch.tensor([[1, 0]]),
+        batch_size=2, kjt=kjt, lengths=torch.tensor([[1, 2]]), values=torch.tensor([4, 5, 6]),
+        weights=torch.tensor([1.0, 1.0, 1.0]), local=local, extra=None,
     )  # fmt: skip
     stream, done = _Stream(), object()
     assert hand_over(received, done, stream) is received
     assert stream.waited == [done]
-    expected = [received.lengths, received.values, received.weights, local.values(),
-                local.weights(), local.lengths(), received.local_lengths]  # fmt: skip
+    expected = [kjt.values(), kjt.weights(), kjt.lengths(), received.lengths, received.values,
+                received.weights, local.values(), local.weights(), local.lengths()]  # fmt: skip
     assert sorted(recorded) == sorted((t.data_ptr(), stream) for t in expected)
 
 
 def test_hand_over_records_the_tensors_nested_in_an_ec_input_dist(recorded) -> None:
     placement = Placement(counts=[3], index=torch.tensor([2, 0, 1]), rows_per_output=[1, 2], numel=3, width=1)
     kjt = _kjt()
-    received = SequenceReceived(
-        kjt=kjt, values=torch.tensor([7, 8]), per_source=[[1, 1]], placement=placement
-    )
+    per_source = torch.tensor([[1, 1]])
+    received = Received(
+        batch_size=2, kjt=kjt, lengths=torch.tensor([[1, 1]]), values=torch.tensor([7, 8]),
+        weights=None, local=None, extra=Sequences(per_source, placement),
+    )  # fmt: skip
     stream = _Stream()
     hand_over(received, "done", stream)
-    expected = [kjt.values(), kjt.weights(), kjt.lengths(), received.values, placement.index]
+    expected = [kjt.values(), kjt.weights(), kjt.lengths(), received.lengths, received.values,
+                per_source, placement.index]  # fmt: skip
     assert sorted(recorded) == sorted((t.data_ptr(), stream) for t in expected)
+
+

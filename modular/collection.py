@@ -1,0 +1,310 @@
+"""The one path of every sharded collection: input dist -> lookup -> output dist.
+
+`ShardedCollection` is the step both sharded modules run (the pooled EBC's and the sequence EC's),
+composed into each of them: the batch's checks and routing, the ids' exchange and its arrival
+permutation, prefetch, the output all-to-all (with `comm_dtype`), the fused optimizer's arm, the
+output dtype, the shards and the tables' weights. It owns that state; what differs by kind is a
+`KindPart` it is given (Note [collection kinds] in modular/kinds.py): how the kernels look the ids
+up, what goes on the wire, and where what arrives lands in the output.
+
+`ShardedCollectionModule` is the `nn.Module` face both sharded modules share: it holds one
+`ShardedCollection`, registers the tables under the unsharded module's names, and is where the
+compile boundary sits (Note [compiling a sharded model] in modular/compose/compile.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple, Optional, Protocol
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from modular.comm import KeptBuffers, pooled_all_to_all
+from modular.errors import InputError, ShardingError
+from modular.fused.config import FusedConfig
+from modular.kernels.precision import check_table_dtypes
+from modular.kinds import CollectionKind
+from modular.local_shards import LocalShards
+from modular.routing.exchange import IdsExchange
+from modular.routing.permute import Permutation, permute
+from modular.routing.prefetcher import Prefetcher
+from modular.routing.received import Received
+from modular.routing.router import INT32_MAX, Router
+from modular.tables.forms import TensorType
+from modular.tables.layout import RankLayout
+from modular.tables.weights import check_widths_off_cpu
+
+__all__ = [
+    "CollectionOptions", "EAGER_REASON", "KindPart", "Received", "ShardedCollection",
+    "ShardedCollectionModule", "Wire",
+]  # fmt: skip
+
+# Why a compiled model runs a sharded collection's forward eagerly; dynamo shows it with the break.
+EAGER_REASON = (
+    "a modular sharded collection (EmbeddingBagCollection or EmbeddingCollection) runs its "
+    "forward (input dist -> lookup -> output dist: host reads of the batch, collectives, fbgemm "
+    "kernels) eagerly, one deliberate graph break per call (Note [compiling a sharded model] in "
+    "modular/compose/compile.py); under fullgraph=True compile the dense modules instead "
+    "(modular.apply_compile)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectionOptions:
+    """`modular.shard`'s options for one collection, whatever its kind.
+
+    Note [low-precision tables] (modular/kernels/precision.py) and Note [low-precision comms]
+    (modular/comm.py): outputs are FP32 unless `output_dtype` says otherwise; `comm_dtype` is the
+    output dist's wire dtype (None: the outputs' own, FP32). `tensor_type`: Note [table tensor
+    types] in modular/tables/forms.py."""
+
+    output_dtype: torch.dtype = torch.float32
+    comm_dtype: Optional[torch.dtype] = None
+    tensor_type: TensorType = TensorType.SHARDED_TENSOR
+
+    def __post_init__(self) -> None:
+        if self.comm_dtype is torch.float32:  # FP32 on the wire is the default, spelled out
+            object.__setattr__(self, "comm_dtype", None)
+
+
+class Wire(NamedTuple):
+    """What a kind's part puts on the output dist's wire (`KindPart.send`)."""
+
+    send: Optional[torch.Tensor]  # for every rank, in rank order; None when no route exists
+    input_splits: list[int]
+    output_splits: list[int]
+    local: Optional[torch.Tensor]  # this rank's data-parallel result, placed after the arrivals
+
+
+class KindPart(Protocol):
+    """What differs by kind in the step (Note [collection kinds])."""
+
+    def attach(self, shards: LocalShards) -> None:
+        """Sees this rank's kernels once they are built (before any step)."""
+
+    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> Any:
+        """Per-kind facts of a batch, made in the input dist (a prefetch makes them early)."""
+
+    def lookup(self, shards: LocalShards, received: Received) -> Any:
+        """The kernels' results for the routed ids and the data-parallel ones."""
+
+    def send(self, looked: Any, received: Received) -> Wire:
+        """What goes to each rank."""
+
+    def place(self, arrived: torch.Tensor, received: Received) -> torch.Tensor:
+        """The output, from the flat arrivals (every source rank's, then the local part)."""
+
+    def wrap(self, out: torch.Tensor, received: Received) -> Any:
+        """The output as torchrec's unsharded module returns it."""
+
+
+class ShardedCollection:
+    """The step of one sharded collection on this rank (module docstring)."""
+
+    def __init__(
+        self,
+        at: RankLayout,
+        part: KindPart,
+        *,
+        fused: Optional[FusedConfig],
+        options: CollectionOptions,
+        is_weighted: bool,
+    ) -> None:
+        module, device = at.module, at.device
+        check_table_dtypes(at.layout.tables, module, device)
+        if device.type != "cpu":  # every rank raises alike, before any collective
+            check_widths_off_cpu(at.layout, module, device)
+        self.at, self.layout, self.part, self.options = at, at.layout, part, options
+        self.is_weighted = is_weighted
+        # A world of one sends nothing: each all-to-all would copy a tensor onto itself (four a
+        # step; on a GPU each costs a NCCL launch), and no peer needs the agreement.
+        self.alone = at.world == 1
+        self.router = Router(self.layout, module=module, is_weighted=is_weighted, device=device)
+        self.shards = LocalShards(at=at, fused=fused)
+        part.attach(self.shards)
+        self.local_features = Permutation([r.feature for r in self.layout.local])
+        self.recv_buffers = KeptBuffers()  # Note [kept receive buffers]
+        self.exchange = None if self.alone else self.make_exchange(at.group)
+        self.prefetcher: Optional[Prefetcher] = None  # Note [prefetched input dist]
+
+    def build_tables(self, source: nn.Module) -> dict[str, nn.Module]:
+        """Fills the shards from `source` (collective) and makes each table's weight holder."""
+        return self.shards.build_tables(
+            source, global_rank=self.at.global_rank, tensor_type=self.options.tensor_type
+        )
+
+    # -- the three steps --------------------------------------------------------------------
+
+    def forward(self, features: KeyedJaggedTensor) -> Any:
+        if torch._dynamo.config.compiled_autograd:  # Note [compiling a sharded model]
+            raise ShardingError(
+                f"module {self.at.module!r}: compiled autograd (torch._dynamo.config."
+                "compiled_autograd) is not supported over a sharded collection: traced, its "
+                "backward drifted from eager's; compile with it off (docs/compiling.md)"
+            )
+        received = self.prefetcher.take(features) if self.prefetcher is not None else None
+        if received is None:
+            received = self.input_dist(features)
+        return self.output_dist(self.lookup(received), received)
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        if self.prefetcher is None:
+            self.prefetcher = Prefetcher(self.input_dist, self.make_exchange, at=self.at)
+        self.prefetcher.start(features)
+
+    def make_exchange(self, group: Optional[ProcessGroup]) -> IdsExchange:
+        """The input dist's exchange of ids on `group`: the module's, or the prefetch thread's
+        (each keeps its own slots, Note [ids with their header])."""
+        return IdsExchange(group, self.at.rank, self.router, self.at.device, self.is_weighted)
+
+    def input_dist(
+        self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange] = None
+    ) -> Received:
+        """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
+        rejection, kjt, routed = self.router.accept(features, alone=self.alone)
+        batch, world = features.stride(), self.at.world
+        if self.alone:
+            lengths, values, weights = routed.lengths, routed.values, routed.weights
+        else:
+            # Every rank hears how much is coming and whether anyone failed (so a bad batch
+            # raises on every rank instead of hanging the others) in the header of the ids' own
+            # all-to-all (Note [ids with their header] in modular/routing/exchange.py), and
+            # whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).
+            exchange = exchange or self.exchange
+            wide = routed is not None and routed.values.numel() > INT32_MAX
+            got = exchange.exchange(routed, rejection, batch, wide, self._agreement(exchange))
+            if rejection is not None:  # unreachable: the exchange raised it
+                raise InputError(rejection.message)
+            lengths, values, weights = got.lengths, got.values, got.weights
+            mine = self.router.routes_per_rank[self.at.rank]
+            if world > 1 and mine > 0:  # arrivals are (source, route); kernels want (route, source)
+                perm = torch.arange(world * mine, device=self.at.device, dtype=torch.int32)
+                perm = perm.view(world, mine).t().reshape(-1)
+                lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                    perm, lengths.view(world * mine, batch), values, weights, values.numel()
+                )
+        lengths = lengths.reshape(-1, world * batch)
+        local = permute(kjt, self.local_features) if self.layout.local else None
+        extra = self.part.prepare(kjt, lengths)
+        return Received(batch, kjt, lengths, values, weights, local, extra)
+
+    def _agreement(self, exchange: IdsExchange) -> str:
+        """The input dist's first all-to-all on the exchange's group, as its error names it
+        (Note [a failed peer]); with a hint at prefetch where the module prefetches."""
+        what = f"the input-dist agreement of module {self.at.module!r}"
+        return what if self.prefetcher is None else self.prefetcher.describe(what, exchange.group)
+
+    def lookup(self, received: Received) -> Any:
+        return self.part.lookup(self.shards, received)
+
+    def output_dist(self, looked: Any, received: Received) -> Any:
+        """Sends each rank its samples' results and places them in the output."""
+        if self.prefetcher is not None:  # this thread waits next: the prefetched batch may go
+            self.prefetcher.release()
+        wire = self.part.send(looked, received)
+        parts = []
+        if wire.send is not None:
+            arrived = wire.send
+            if not self.alone:
+                arrived = pooled_all_to_all(
+                    wire.send,
+                    input_splits=wire.input_splits,
+                    output_splits=wire.output_splits,
+                    group=self.at.group,
+                    grad_scale=1.0 / self.at.world,
+                    buffers=self.recv_buffers,
+                    wire=self.options.comm_dtype,
+                )
+            parts.append(arrived.reshape(-1))
+        if wire.local is not None:  # this rank's data-parallel results come last
+            parts.append(wire.local.reshape(-1))
+        arrived = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
+        out = self.part.place(arrived, received)
+        fused = self.shards.fused_tables
+        if fused is not None and fused.end_of_backward is not None:
+            fused.end_of_backward.arm(out)  # the deferred updates (Note [fused tables])
+        if self.options.output_dtype is not out.dtype:
+            out = out.to(self.options.output_dtype)
+        return self.part.wrap(out, received)
+
+
+class ShardedCollectionModule(nn.Module):
+    """The `nn.Module` face of a sharded collection: one `ShardedCollection` and the tables under
+    the unsharded module's names. Built by `modular.shard`; `forward(kjt)` returns what the
+    unsharded module returns on this rank's batch; gradients follow Note [grad scaling across
+    ranks]."""
+
+    kind: ClassVar[CollectionKind]
+
+    def _attach(self, sharded: ShardedCollection, source: nn.Module) -> None:
+        """Holds `sharded` and registers its tables, filled from `source` (collective)."""
+        self._sharded = sharded
+        tables = nn.ModuleDict(sharded.build_tables(self.kind.weights_source(source)))
+        setattr(self, self.kind.tables_attr, tables)
+
+    @torch.compiler.disable(reason=EAGER_REASON)  # Note [compiling a sharded model]
+    def forward(self, features: KeyedJaggedTensor) -> Any:
+        return self._sharded.forward(features)
+
+    @torch.compiler.disable(reason=EAGER_REASON)
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Prefetches `features` for a later `forward(features)`: its input dist runs in the
+        background from this module's next wait on (Note [prefetched input dist] in
+        modular/routing/prefetcher.py); call it on every rank, in the same order."""
+        self._sharded.prefetch(features)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> Received:
+        """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
+        return self._sharded.input_dist(features)
+
+    def lookup(self, received: Received) -> Any:
+        """The kernels' results for the received ids (every rank's) and the local ones."""
+        return self._sharded.lookup(received)
+
+    def output_dist(self, looked: Any, received: Received) -> Any:
+        """Sends each rank its samples' results and places them in the output."""
+        return self._sharded.output_dist(looked, received)
+
+    # -- the tables and the fused optimizer's state (modular/fused/state.py) ----------------
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """Each table's registered weight (ShardedTensor, DTensor or replica), by table name."""
+        tables = getattr(self, self.kind.tables_attr)
+        return {n: holder._parameters["weight"] for n, holder in tables.items()}
+
+    def local_shard_views(self) -> dict[tuple[str, int], torch.Tensor]:
+        """This rank's shards by (table, shard index in the layout), aliasing the kernels'
+        weights: writing into one changes what the next lookup reads (`modular.unshard`)."""
+        return self._sharded.shards.views()
+
+    @property
+    def fused_tables(self):
+        """The fused optimizer's part, or None (Note [fused tables])."""
+        return self._sharded.shards.fused_tables
+
+    @property
+    def fused(self) -> Optional[FusedConfig]:
+        """The fused optimizer's config, or None (Note [fused tables])."""
+        fused = self._sharded.shards.fused_tables
+        return None if fused is None else fused.config
+
+    # -- where it lives and how it was sharded ----------------------------------------------
+
+    layout = property(lambda self: self._sharded.layout, doc="The tables' layout (`Layout`).")
+    is_local = property(lambda self: self._sharded.at.local, doc="A one-process module.")
+    device = property(lambda self: self._sharded.at.device, doc="Where this rank's shards live.")
+    process_group = property(lambda self: self._sharded.at.group, doc="The group of the tables.")
+    module_fqn = property(lambda self: self._sharded.at.module, doc="Its FQN in the model.")
+    output_dtype = property(lambda self: self._sharded.options.output_dtype)
+    comm_dtype = property(lambda self: self._sharded.options.comm_dtype)
+    tensor_type = property(lambda self: self._sharded.options.tensor_type)
+
+    # What tests and benchmarks inspect: this rank's kernels and its prefetcher.
+    _kernels = property(lambda self: self._sharded.shards.kernels)
+    _local_kernels = property(lambda self: self._sharded.shards.local_kernels)
+    _prefetcher = property(lambda self: self._sharded.prefetcher)
+    _exchange = property(lambda self: self._sharded.exchange)
+    _router = property(lambda self: self._sharded.router)

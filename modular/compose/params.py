@@ -11,7 +11,7 @@ silently never train. So `local_parameters` hands out the local shards instead, 
 register_optimizer_step_pre_hook`) that raises on the first `step()` of any optimizer holding a
 ShardedTensor, before anything is updated. The same hook catches an optimizer built before
 `shard`: `shard` records the parameters it replaces (`lifecycle.retire`, Note [lifecycle state]),
-which no forward reads any more.
+which no forward reads any more. `remove_optimizer_check` takes the hook out.
 Either finding is always a bug, so the hook cannot fire on a correct program. It reads every
 parameter only when something it could find may have changed: at an optimizer's first step, after
 its param groups change (a group added, a group's list replaced or resized), and after `shard`
@@ -32,7 +32,7 @@ from modular import lifecycle
 from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.tables.forms import is_sharded, local_pieces
 
-__all__ = ["ignored_params", "local_parameters"]
+__all__ = ["ignored_params", "local_parameters", "remove_optimizer_check"]
 
 
 def _sharded(model: nn.Module) -> list[nn.Module]:
@@ -121,3 +121,19 @@ def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> Non
 
 
 _HOOK = register_optimizer_step_pre_hook(_reject_sharded_tensors)
+
+
+def remove_optimizer_check() -> None:
+    """Takes out the global optimizer step pre-hook that `import modular` installs.
+
+        modular.compose.params.remove_optimizer_check()
+
+    The hook (Note [sharded tables and torch optimizers]) raises only on an optimizer that would
+    silently never train a table, so a correct program behaves the same without it. Remove it
+    only where something else in the process steps a torch optimizer over ShardedTensors (or
+    DTensors of LocalShardsWrappers) on purpose, whose updates it handles itself: the hook would
+    refuse those steps. Every later step of every optimizer in the process then goes unchecked;
+    there is no call to put the hook back. Calling this twice is harmless. README.md, "What
+    `import modular` changes", lists every global hook.
+    """
+    _HOOK.remove()

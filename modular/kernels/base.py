@@ -41,7 +41,9 @@ POOLING = {Pooling.SUM: PoolingMode.SUM, Pooling.MEAN: PoolingMode.MEAN, Pooling
 
 # fbgemm 1.8's dense TBE backward goes through torch's deprecated autograd fallback, which warns on
 # every backward that it "may lead to silently incorrect behavior". Its gradients are exact: the
-# parity tests compare every table's gradient with the unsharded EBC's (tests/modular/).
+# parity tests compare every table's gradient with the unsharded EBC's (tests/modular/). The
+# filter is global (the warning comes from the autograd engine, outside any call of ours):
+# README.md, "What `import modular` changes", says how to see the warning again.
 warnings.filterwarnings(
     "ignore",
     message="fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered",

@@ -94,7 +94,7 @@ class _PooledAllToAll(torch.autograd.Function):
     Each rank's loss is computed on its own batch, and the global objective is their mean (the
     convention of DDP and FSDP). A sharded table receives, through this function's backward, the
     sum over ranks of d loss_r / d w, so the backward divides by the world size; data-parallel
-    tables get the same 1/W in their all-reduce hook (`modular.embedding_bag`).
+    tables take the same 1/W themselves (Note [dense replicas], Note [fused replicas]).
     """
 
     @staticmethod

@@ -3,7 +3,7 @@
     python benchmarks/router.py                      # default config, all plans
     python benchmarks/router.py --plans rw mixed --repeats 50
 
-"before" is the per-id reference router kept in tests/modular/helpers.py (repeat_interleave
+"before" is the per-id reference router kept in benchmarks/_router_reference.py (repeat_interleave
 to each id's feature, searchsorted over (slot, row) keys, int16 stable argsort by route); "after"
 is modular.routing.router.Router. Both run in this process on the same batches, alternating, one thread
 (as each rank of benchmarks/step_time.py). Reported: the median ms per call over the repeats,
@@ -26,7 +26,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType  
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from planners.types import ShardingType, TablePlacement  # noqa: E402
-from tests.modular.helpers import assert_same_routes, routers  # noqa: E402
+from benchmarks._router_reference import assert_same_routes, routers  # noqa: E402
 
 PLANS = ("tw", "rw", "cw", "dp", "twrw", "mixed")
 

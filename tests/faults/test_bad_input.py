@@ -22,7 +22,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM
-from tests.modular.helpers import BATCH, CASES, close, global_batch, make_batch, make_ebc, plan_for, rank_batches, weighted_tables
+from tests.modular.compare import close
+from tests.modular.ebc_cases import (
+    BATCH, CASES, global_batch, make_batch, make_ebc, plan_for, rank_batches, weighted_tables,
+)
 
 TIMEOUT_S = 60
 

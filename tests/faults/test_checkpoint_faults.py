@@ -27,7 +27,7 @@ import modular
 from modular.checkpoint._files import MANIFEST
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM, break_victim, check_survivors, check_victim, spawn, survive
-from tests.modular import helpers as H
+from tests.modular import checkpoint_cases as H
 
 TIMEOUT = 90.0
 

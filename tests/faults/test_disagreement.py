@@ -19,7 +19,7 @@ import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import expect_errors_on_all_ranks
 from tests.faults.helpers import COLLECTIVE_TIMEOUT_S, MARGIN_S, VICTIM, spawn, survive
-from tests.modular.helpers import make_ebc, placements_for, unweighted_tables
+from tests.modular.ebc_cases import make_ebc, placements_for, unweighted_tables
 
 TIMEOUT_S = 60
 

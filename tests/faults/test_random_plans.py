@@ -26,8 +26,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.helpers import global_batch, local_blocks, make_batch, state_error
-from tests.modular.helpers import FUSED_EPS as EPS, FUSED_LR as LR, FusedReference
+from tests.modular.compare import local_blocks, state_error
+from tests.modular.ebc_cases import global_batch, make_batch
+from tests.modular.fused_reference import FUSED_EPS as EPS, FUSED_LR as LR, FusedReference
 
 CASES = int(os.environ.get("MODULAR_FUZZ_CASES", "25"))
 STEPS = 3

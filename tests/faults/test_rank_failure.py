@@ -25,7 +25,7 @@ from tests.faults.helpers import (
     spawn,
     survive,
 )
-from tests.modular.helpers import make_batch, make_ebc, plan_for
+from tests.modular.ebc_cases import make_batch, make_ebc, plan_for
 
 
 def _step_with_fault(where: str, how: str) -> Survived | None:

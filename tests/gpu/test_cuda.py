@@ -42,9 +42,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
-from tests.modular.helpers import CASES, global_batch, local_blocks, make_batch, placements_for, state_error
-from tests.modular.helpers import FUSED_EPS as EPS, FUSED_LR as LR, FUSED_STEPS as STEPS
-from tests.modular.helpers import FusedReference, fused_tables, own_pieces
+from tests.modular.compare import local_blocks, state_error
+from tests.modular.ebc_cases import CASES, global_batch, make_batch, placements_for
+from tests.modular.fused_reference import FUSED_EPS as EPS, FUSED_LR as LR, FUSED_STEPS as STEPS
+from tests.modular.fused_reference import FusedReference, fused_tables, own_pieces
 
 DEVICE_KIND = os.environ.get("MODULAR_GPU_TEST_DEVICE", "cuda")
 ATOL = 1e-4  # GPU reductions reorder sums; the CPU tests hold 1e-5

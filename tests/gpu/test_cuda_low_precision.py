@@ -26,7 +26,7 @@ from torchrec.modules.embedding_configs import DataType
 import modular
 from planners.types import ShardingPlan
 from tests.gpu.test_cuda import DEVICE_KIND, WORLDS, _ebc, run_spawned
-from tests.modular.helpers import CASES, make_batch, placements_for
+from tests.modular.ebc_cases import CASES, make_batch, placements_for
 
 pytestmark = pytest.mark.skipif(
     DEVICE_KIND == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"

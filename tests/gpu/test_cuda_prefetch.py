@@ -34,7 +34,8 @@ import modular
 from modular.routing import prefetcher
 from planners.types import ShardingPlan
 from tests.gpu.test_cuda import DEVICE_KIND, _close, _ebc, run_spawned
-from tests.modular.helpers import FUSED_EPS as EPS, FUSED_LR as LR, make_batch, placements_for
+from tests.modular.ebc_cases import make_batch, placements_for
+from tests.modular.fused_reference import FUSED_EPS as EPS, FUSED_LR as LR
 
 pytestmark = pytest.mark.skipif(
     DEVICE_KIND == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
@@ -102,7 +103,7 @@ def _parity(device: torch.device, case: str, weighted: bool, on_cpu: bool) -> di
 
 
 def _blocks(p: torch.Tensor) -> list[torch.Tensor]:
-    from tests.modular.helpers import local_blocks
+    from tests.modular.compare import local_blocks
 
     return [t for t, _, _ in local_blocks(p)]
 

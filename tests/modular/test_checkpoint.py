@@ -2,7 +2,7 @@
 
 Every test saves from one pool of gloo ranks and loads in another (possibly of another size)
 through `tmp_path`; snapshots are assembled into full tensors in this process
-(tests/modular/helpers.py) and compared with `torch.equal`.
+(`assemble` in tests/modular/checkpoint_cases.py) and compared with `torch.equal`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import modular
 from modular.checkpoint import CheckpointError
 from modular.checkpoint._files import MANIFEST, sha256_of
 from tests.dist import run_on_ranks, spawn_ranks
-from tests.modular import helpers as H
+from tests.modular import checkpoint_cases as H
 
 TIMEOUT = 90.0
 

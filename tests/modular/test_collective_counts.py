@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.helpers import make_ebc, plan_for, rank_batches
+from tests.modular.ebc_cases import make_ebc, plan_for, rank_batches
 
 
 def _count_all_to_alls(case: str, weighted: bool) -> tuple[int, int]:

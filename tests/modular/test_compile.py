@@ -27,9 +27,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    DLRM, MLP, Batch, global_loss, loss_of, mixed_plan,
-    DLRM_DENSE_IN as DENSE_IN, DLRM_FEATURES as FEATURES, DLRM_LR as LR, dlrm_tables as table_configs,
+from tests.modular.dlrm_cases import (
+    DLRM, MLP, Batch, global_loss, loss_of, mixed_plan, DLRM_DENSE_IN as DENSE_IN, DLRM_FEATURES as FEATURES,
+    DLRM_LR as LR, dlrm_tables as table_configs,
 )
 
 TIMEOUT = 240.0

@@ -14,10 +14,8 @@ from torch.distributed.tensor import DTensor
 import modular
 from modular.kernels.views import ShardView
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    MLP, assert_grads_match, build_dlrm, dlrm_batch, full_value, global_dlrm_batch, loss_of,
-    mixed_plan,
-)
+from tests.modular.compare import assert_grads_match, full_value
+from tests.modular.dlrm_cases import MLP, build_dlrm, dlrm_batch, global_dlrm_batch, loss_of, mixed_plan
 
 TIMEOUT = 90.0
 WRAPS = {

@@ -10,9 +10,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    ATOL, DLRM_LR, DLRM_STEPS, assert_grads_match, assert_weights_match, build_dlrm, dlrm_batch,
-    global_dlrm_batch, global_loss, loss_of, mixed_plan,
+from tests.modular.compare import ATOL, assert_grads_match, assert_weights_match
+from tests.modular.dlrm_cases import (
+    DLRM_LR, DLRM_STEPS, build_dlrm, dlrm_batch, global_dlrm_batch, global_loss, loss_of, mixed_plan,
 )
 
 TIMEOUT = 90.0

@@ -13,9 +13,10 @@ from torch.distributed.tensor import DTensor
 import modular
 from modular.compose.fsdp import dense_modules
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    ATOL, DLRM, DLRM_LR, DLRM_STEPS, MLP, assert_weights_match, build_dlrm, dlrm_batch,
-    global_dlrm_batch, global_loss, host_plan, loss_of, mixed_plan,
+from tests.modular.compare import ATOL, assert_weights_match
+from tests.modular.dlrm_cases import (
+    DLRM, DLRM_LR, DLRM_STEPS, MLP, build_dlrm, dlrm_batch, global_dlrm_batch, global_loss, host_plan,
+    loss_of, mixed_plan,
 )
 
 TIMEOUT = 90.0

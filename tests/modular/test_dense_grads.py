@@ -15,16 +15,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    BATCH,
-    close,
-    global_batch,
-    local_blocks,
-    make_batch,
-    make_ebc,
-    plan_for,
-    rank_batches,
-)
+from tests.modular.compare import close, local_blocks
+from tests.modular.ebc_cases import BATCH, global_batch, make_batch, make_ebc, plan_for, rank_batches
 
 
 def _backward(ebc, ref, step: int) -> None:

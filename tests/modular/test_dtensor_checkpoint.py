@@ -19,7 +19,7 @@ from modular.checkpoint._state import optimizer_state
 from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
-from tests.modular import helpers as H
+from tests.modular import checkpoint_cases as H
 
 TIMEOUT = 90.0
 

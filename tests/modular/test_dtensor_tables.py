@@ -20,8 +20,8 @@ import modular
 from modular.tables.forms import local_pieces
 from planners.types import ShardingPlan
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular import helpers as H
-from tests.modular.helpers import CASES, close, global_batch, make_batch, plan_for
+from tests.modular.compare import close
+from tests.modular.ebc_cases import CASES, global_batch, make_batch, plan_for
 
 LR, EPS = 0.3, 1e-3
 

@@ -17,9 +17,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    CASES, FUSED_EPS, FUSED_LR, FUSED_STEPS, FusedReference, close, fused_ebc, fused_tables, global_batch,
-    local_blocks, make_batch, own_pieces, placements_for, state_error,
+from tests.modular.compare import close, local_blocks, state_error
+from tests.modular.ebc_cases import CASES, global_batch, make_batch, placements_for
+from tests.modular.fused_reference import (
+    FUSED_EPS, FUSED_LR, FUSED_STEPS, FusedReference, fused_ebc, fused_tables, own_pieces,
 )
 
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")

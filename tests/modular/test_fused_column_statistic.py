@@ -1,6 +1,6 @@
 """Row-wise Adagrad with `column_wise_statistic="per_shard"`: each column piece keeps the row
 statistic of its own columns (TorchRec's approximation), against a reference that trains each
-piece as a table of its own (`FusedReference` in tests/modular/helpers.py, with `pieces`). The
+piece as a table of its own (`FusedReference` in tests/modular/fused_reference.py, with `pieces`). The
 default stays exact (test_fused.py); checkpoints of this mode: test_checkpoint.py.
 """
 
@@ -15,7 +15,9 @@ import modular
 from modular.checkpoint._state import like_sharded
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.helpers import fused_ebc, local_blocks, make_batch, placements_for
+from tests.modular.compare import local_blocks
+from tests.modular.ebc_cases import make_batch, placements_for
+from tests.modular.fused_reference import fused_ebc
 from tests.modular.test_fused import EPS, LR, STEPS, _meta_order, _same, _train
 
 CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE

@@ -46,22 +46,30 @@ def name(obj):
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
+def names(hooks):
+    return [name(h) for h in hooks.values()]
+
+
+def pattern(regex):  # a compiled filter's text; -W and PYTHONWARNINGS filters keep a string
+    return getattr(regex, "pattern", regex)
+
+
 def snapshot():
     s = {
         "atexit callbacks": atexit._ncallbacks(),
         "warnings filters": [
-            [f[0], getattr(f[1], "pattern", f[1]), f[2].__name__, getattr(f[3], "pattern", f[3]), f[4]]
-            for f in warnings.filters
+            [action, pattern(text), category.__name__, pattern(where), line]
+            for action, text, category, where, line in warnings.filters
         ],
         "torch ops": sorted(torch._C._dispatch_get_all_op_names()),
         "foreach types": {
             "torch.optim.optimizer": [name(t) for t in optimizer_hooks._foreach_supported_types],
             "torch.utils._foreach_utils": [name(t) for t in foreach_utils._foreach_supported_types],
         },
-        "optimizer step pre-hooks": [name(h) for h in optimizer_hooks._global_optimizer_pre_hooks.values()],
-        "optimizer step post-hooks": [name(h) for h in optimizer_hooks._global_optimizer_post_hooks.values()],
+        "optimizer step pre-hooks": names(optimizer_hooks._global_optimizer_pre_hooks),
+        "optimizer step post-hooks": names(optimizer_hooks._global_optimizer_post_hooks),
         "module hooks": {
-            k: [name(h) for h in getattr(module_hooks, k).values()]
+            k: names(getattr(module_hooks, k))
             for k in dir(module_hooks)
             if k.startswith("_global_") and isinstance(getattr(module_hooks, k), dict)
         },
@@ -88,7 +96,10 @@ def snapshot():
 # atexit cannot list its callbacks: record who registers one (its count catches any other way).
 registered = []
 register = atexit.register
-atexit.register = lambda fn, *args, **kwargs: registered.append(name(fn)) or register(fn, *args, **kwargs)
+def recording_register(fn, *args, **kwargs):
+    registered.append(name(fn))
+    return register(fn, *args, **kwargs)
+atexit.register = recording_register
 before, attributes_before = snapshot()
 import modular
 after, attributes_after = snapshot()
@@ -110,15 +121,16 @@ for key in before:
                 changes.setdefault(key, {})[where] = added
     elif key == "atexit callbacks":
         if registered or after[key] != before[key]:
-            changes[key] = registered + ["not through atexit.register"] * (after[key] - before[key] - len(registered))
+            others = after[key] - before[key] - len(registered)
+            changes[key] = registered + ["not through atexit.register"] * others
     elif after[key] != before[key]:
         changes[key] = after[key] if key.endswith("hooks") else "changed"
 replaced = sorted(
     k for k, v in attributes_after.items() if k in attributes_before and attributes_before[k] != v
 )
+modules_before = {k.rsplit(".", 1)[0] for k in attributes_before}
 new_attributes = sorted(
-    k for k in attributes_after
-    if k not in attributes_before and k.rsplit(".", 1)[0] in {a.rsplit(".", 1)[0] for a in attributes_before}
+    k for k in attributes_after if k not in attributes_before and k.rsplit(".", 1)[0] in modules_before
 )
 if replaced or new_attributes:
     changes["torch, torchrec or fbgemm attributes"] = replaced + new_attributes
@@ -146,7 +158,10 @@ opt_outs["optimizer step pre-hooks after remove_optimizer_check"] = [
 ]
 
 
-message = "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered to the Autograd key(s)"
+message = (
+    "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered to the "
+    "Autograd key(s)"
+)
 with warnings.catch_warnings(record=True) as shown:
     warnings.warn(message, UserWarning)
     opt_outs["warnings shown while filtered"] = len(shown)
@@ -229,8 +244,8 @@ def test_the_readme_names_every_change_and_its_opt_out() -> None:
         "_foreach_supported_types",
         "ShardView",
     ):
-        assert token in section, f"README.md's 'What `import modular` changes' no longer mentions {token!r}"
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+        assert token in section, f"README.md's 'What `import modular` changes' lacks {token!r}"
+    rows = [row for row in section.splitlines() if row.startswith("| ") and not row.startswith("| what")]
     assert len(rows) == 4, f"the README's table has {len(rows)} rows, the probe expects 4 changes"
 
 

@@ -16,7 +16,8 @@ import modular
 import modular.embedding_bag as eb
 from modular.routing.exchange import grow
 from tests.dist import run_on_ranks
-from tests.modular.helpers import close, features_of, global_batch, id_bounds, make_ebc, plan_for
+from tests.modular.compare import close
+from tests.modular.ebc_cases import features_of, global_batch, id_bounds, make_ebc, plan_for
 
 # (samples per rank, ids per bag) of each step; None: rank 1 sends a bad batch, and every rank
 # must raise. Step 2 triples the payload (more than its slot's eighth of room: a second

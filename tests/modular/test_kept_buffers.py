@@ -15,7 +15,8 @@ from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tests.modular.helpers import BATCH, close, global_batch, make_ebc, plan_for, rank_batches, unweighted_tables
+from tests.modular.compare import close
+from tests.modular.ebc_cases import BATCH, global_batch, make_ebc, plan_for, rank_batches, unweighted_tables
 
 
 def test_a_buffer_is_handed_out_again_only_once_released() -> None:

@@ -16,7 +16,8 @@ from modular.tables.layout import Layout, Pooling, TableInfo, build_layout
 from modular.errors import ShardingError
 from modular.tables.weights import check_widths_off_cpu
 from planners.types import ShardingType, TablePlacement
-from tests.modular.helpers import close, make_batch
+from tests.modular.compare import close
+from tests.modular.ebc_cases import make_batch
 
 
 def _ebc(dims: dict[str, tuple[int, PoolingType]]) -> EmbeddingBagCollection:

@@ -11,7 +11,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.helpers import close, gather_table, global_batch, make_batch, make_ebc, plan_for
+from tests.modular.compare import close, gather_table
+from tests.modular.ebc_cases import global_batch, make_batch, make_ebc, plan_for
 
 
 def _full_state_into_sharded(case: str) -> int:
@@ -94,7 +95,7 @@ def test_wrong_table_shape_names_the_table_and_both_shapes() -> None:
 ])  # fmt: skip
 def test_fused_optimizer_state_of_the_wrong_shape_is_refused(kind: str, good_shape: tuple, bad_shape: tuple) -> None:
     """One process, no process group: a fused, unsharded model. It used to copy in a slice."""
-    from tests.modular.helpers import build_checkpoint_model
+    from tests.modular.checkpoint_cases import build_checkpoint_model
 
     opt = modular.fuse_optimizer(build_checkpoint_model(seed=0), kind, lr=0.1)
     sd = opt.state_dict()
@@ -117,7 +118,7 @@ def test_a_fused_state_refused_in_one_module_leaves_every_module_and_the_lr() ->
     first module's state (loaded first) nor the learning rate."""
     from torch import nn
 
-    from tests.modular.helpers import make_ebc
+    from tests.modular.ebc_cases import make_ebc
 
     model = nn.Module()
     model.a, model.b = make_ebc(False, seed=0), make_ebc(False, seed=1)

@@ -1,7 +1,7 @@
 """FP16 tables and low-precision output dist (Note [low-precision tables] in
 modular/kernels/precision.py, Note [low-precision comms] in modular/comm.py).
 
-Every rank body builds the tables of tests/modular/helpers.py in FP16 (the `mixed` plan keeps one
+Every rank body builds the tables of tests/modular/ebc_cases.py in FP16 (the `mixed` plan keeps one
 table FP32, so one module holds both dtypes), shards a copy and checks, on the global batch:
 - the forward against an FP32 EBC holding the same (FP16-valued) weights: fbgemm widens each row
   to FP32 and sums in FP32, so the only difference is the order of FP32 additions (ATOL 1e-5);
@@ -29,15 +29,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.helpers import (
-    BATCH,
-    CASES,
-    global_batch,
-    local_blocks,
-    plan_for,
-    rank_batches,
-    unweighted_tables,
-    weighted_tables,
+from tests.modular.compare import local_blocks
+from tests.modular.ebc_cases import (
+    BATCH, CASES, global_batch, plan_for, rank_batches, unweighted_tables, weighted_tables,
 )
 
 U16 = 2.0**-11  # FP16's unit roundoff

@@ -1,6 +1,6 @@
 """Checkpoints of FP16 tables keep each table's dtype (Note [low-precision tables]).
 
-The model of tests/modular/helpers.py (the checkpoint model) with 't0', 't1' and 't3' in FP16 and 't2' in
+The checkpoint model (tests/modular/checkpoint_cases.py) with 't0', 't1' and 't3' in FP16 and 't2' in
 FP32, fused row-wise Adagrad on the tables (FP32 state) and Adam on the dense layer: saved from 2
 ranks under plan "A", loaded on 3 under plan "B" (every table changes sharding type), exported to
 one process and loaded with `load_unsharded`. A checkpoint of another dtype than the model's
@@ -20,7 +20,7 @@ from torchrec.modules.embedding_configs import DataType
 import modular
 from planners.types import ShardingPlan
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular import helpers as H
+from tests.modular import checkpoint_cases as H
 
 TIMEOUT = 120.0
 FP16_TABLES = ("t0", "t1", "t3")

@@ -25,8 +25,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
-from tests.modular.helpers import CASES, global_batch, local_blocks, make_batch, placements_for
-from tests.modular.helpers import FUSED_EPS as EPS, FUSED_LR as LR, FusedReference as _Reference, fused_tables as _tables
+from tests.modular.compare import local_blocks
+from tests.modular.ebc_cases import CASES, global_batch, make_batch, placements_for
+from tests.modular.fused_reference import (
+    FUSED_EPS as EPS, FUSED_LR as LR, FusedReference as _Reference, fused_tables as _tables,
+)
 from tests.modular.test_low_precision import fp32_mirror
 
 STEPS = 3

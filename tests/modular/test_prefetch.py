@@ -15,7 +15,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from modular.routing.prefetcher import MAX_PENDING
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.helpers import BATCH, close, global_batch, local_blocks, make_batch, make_ebc, no_collectives, plan_for, rank_batches
+from tests.modular.collectives import no_collectives
+from tests.modular.compare import close, local_blocks
+from tests.modular.ebc_cases import BATCH, global_batch, make_batch, make_ebc, plan_for, rank_batches
 
 TIMEOUT_S = 100
 

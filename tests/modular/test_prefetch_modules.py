@@ -18,7 +18,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from modular.routing.prefetcher import MAX_PENDING
 from tests.dist import run_on_ranks
-from tests.modular.helpers import close, make_seq_model, seq_global_batch, seq_plan_for, seq_rank_batches
+from tests.modular.compare import close
+from tests.modular.sequence_cases import make_seq_model, seq_global_batch, seq_plan_for, seq_rank_batches
 
 TIMEOUT_S = 100
 STEPS = MAX_PENDING + 2  # past the point where prefetching for every module would fail

@@ -2,7 +2,7 @@
 bit, what the straightforward per-id router gives, for every plan; bad batches are rejected with
 the same problem, feature and message. Pure: one process, no process group.
 
-`ReferenceRouter` (tests/modular/helpers.py) is the previous, per-id implementation (a searchsorted over (slot, row) keys and
+`ReferenceRouter` (benchmarks/_router_reference.py) is the previous, per-id implementation (a searchsorted over (slot, row) keys and
 a stable sort by route), kept as the specification; the structural checks (dtypes, lengths,
 weights' count), which have no fast path, are the router's own.
 """
@@ -19,10 +19,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.routing.router import Router
 from planners.types import ShardingType, TablePlacement
-from tests.modular.helpers import (
-    CASES, ReferenceRouter, assert_same_routes, features_of, id_bounds, make_batch, make_ebc, placements_for,
-    routers,
-)
+from benchmarks._router_reference import ReferenceRouter, assert_same_routes, routers
+from tests.modular.ebc_cases import CASES, features_of, id_bounds, make_batch, make_ebc, placements_for
 
 # -- helpers -----------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ import modular
 from examples.sequential.model import SequentialRecommender, Tower, global_batch, make_batch
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.helpers import assert_weights_match
+from tests.modular.compare import assert_weights_match
+from tests.modular.fused_reference import rowwise_adagrad_step
 
 LR, EPS, MAX_NORM = 0.2, 1e-3, 0.05
 
@@ -85,11 +86,9 @@ class _Reference:
 
     def step(self, batches) -> None:
         self.model.loss(global_batch(batches)).backward()
-        with torch.no_grad():
-            for n, p in self.tables.items():
-                self.row_sums[n] += (p.grad * p.grad).mean(1)
-                p -= LR * p.grad / (self.row_sums[n].sqrt() + EPS)[:, None]
-                p.grad = None
+        for n, p in self.tables.items():
+            rowwise_adagrad_step(p, p.grad, self.row_sums[n], lr=LR, eps=EPS)
+            p.grad = None
         self.dense.step()
         self.dense.zero_grad()
 

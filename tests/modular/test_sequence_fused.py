@@ -13,43 +13,16 @@ import torch.distributed as dist
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.helpers import close, local_blocks
-from tests.modular.helpers import (
-    CASES,
-    seq_global_batch as global_batch,
-    make_seq_model as make_model,
-    seq_plan_for as plan_for,
+from tests.modular.compare import close, local_blocks
+from tests.modular.ebc_cases import CASES
+from tests.modular.fused_reference import FUSED_EPS as EPS, FUSED_LR as LR, FusedReference
+from tests.modular.sequence_cases import (
+    seq_global_batch as global_batch, make_seq_model as make_model, seq_plan_for as plan_for,
     seq_rank_batches as rank_batches,
 )
 
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
-LR, EPS, STEPS = 0.3, 1e-3, 3
-
-
-class _Reference:
-    """The unsharded model trained with the torch equivalent of a fused optimizer."""
-
-    def __init__(self, model: torch.nn.Module, kind: str) -> None:
-        self.params = dict(model.named_parameters())
-        self.kind = kind
-        if kind == "exact_sgd":
-            self.opt = torch.optim.SGD(self.params.values(), lr=LR)
-        elif kind == "exact_adagrad":
-            self.opt = torch.optim.Adagrad(self.params.values(), lr=LR, eps=EPS)
-        else:
-            self.opt = None
-            self.row_sums = {n: torch.zeros(p.shape[0]) for n, p in self.params.items()}
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if self.opt is not None:
-            self.opt.step()
-            self.opt.zero_grad()
-            return
-        for name, p in self.params.items():
-            self.row_sums[name] += (p.grad * p.grad).mean(1)
-            p -= LR * p.grad / (self.row_sums[name].sqrt() + EPS)[:, None]
-            p.grad = None
+STEPS = 3
 
 
 def _seq_loss(rows: torch.Tensor) -> torch.Tensor:
@@ -79,7 +52,7 @@ def _train(case: str) -> dict[str, float]:
         modular.shard(model, plan_for(case, world))
         if modular.local_parameters(model):
             raise AssertionError(f"{label}: fused tables handed to a torch optimizer")
-        reference = _Reference(ref, kind)
+        reference = FusedReference(ref, kind)
         worst = 0.0
         for step in range(STEPS):
             batches = rank_batches(world, step)

@@ -24,10 +24,12 @@ from modular.kernels.deferred import RowStatsFusedKernel
 from modular.kernels.fused import FusedKernel
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.helpers import close, local_blocks, seq_global_batch
+from tests.modular.compare import close, local_blocks
+from tests.modular.fused_reference import FUSED_EPS as EPS, FUSED_LR as LR, FusedReference
+from tests.modular.sequence_cases import seq_global_batch
 
 OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
-LR, EPS, STEPS, DIM = 0.3, 1e-3, 3, 12
+STEPS, DIM = 3, 12
 
 
 def _ec() -> EmbeddingCollection:
@@ -51,30 +53,6 @@ def _batch(rank: int, step: int) -> KeyedJaggedTensor:
         values=torch.tensor(items + hist + cats),
         lengths=torch.tensor(lengths),
     )
-
-
-class _Reference:
-    """The unsharded EC trained with the torch equivalent of a fused optimizer."""
-
-    def __init__(self, ec: EmbeddingCollection, kind: str) -> None:
-        self.params = dict(ec.named_parameters())
-        self.opt = None
-        if kind == "exact_sgd":
-            self.opt = torch.optim.SGD(self.params.values(), lr=LR)
-        elif kind == "exact_adagrad":
-            self.opt = torch.optim.Adagrad(self.params.values(), lr=LR, eps=EPS)
-        self.row_sums = {n: torch.zeros(p.shape[0]) for n, p in self.params.items()}
-
-    @torch.no_grad()
-    def step(self) -> None:
-        if self.opt is not None:
-            self.opt.step()
-            self.opt.zero_grad()
-            return
-        for name, p in self.params.items():
-            self.row_sums[name] += (p.grad * p.grad).mean(1)
-            p -= LR * p.grad / (self.row_sums[name].sqrt() + EPS)[:, None]
-            p.grad = None
 
 
 def _loss(rows: torch.Tensor) -> torch.Tensor:
@@ -111,7 +89,7 @@ def _train_on(kind: str, plan: ShardingPlan | None) -> tuple[list, float]:
     modular.fuse_optimizer(model, kind, lr=LR, eps=EPS)
     if plan is not None:
         modular.shard(model, plan)
-    reference = _Reference(ref, kind)
+    reference = FusedReference(ref, kind)
     worst = 0.0
     for step in range(STEPS):
         batches = [_batch(r, step) for r in range(world)]

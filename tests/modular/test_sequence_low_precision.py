@@ -1,7 +1,7 @@
 """FP16 tables in sharded EmbeddingCollections (Note [low-precision sequences] in
 modular/embedding.py, Note [low-precision tables] in modular/kernels/precision.py).
 
-Two ECs of the sequence cases (tests/modular/helpers.py), every table FP16 but 'v' (so one module
+Two ECs of the sequence cases (tests/modular/sequence_cases.py), every table FP16 but 'v' (so one module
 holds both dtypes), sharded by each placement on 2 ranks, against the unsharded model:
 - outputs: torchrec's unsharded FP16 EC returns the table's FP16 rows widened to FP32; ours must
   return the same dtype and the same bits (a sequence row is a row, not a sum: no rounding);
@@ -29,8 +29,12 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
-from tests.modular.helpers import CASES, FUSED_EPS, FUSED_LR, FusedReference, local_blocks
-from tests.modular.helpers import seq_a_tables, seq_b_tables, seq_global_batch, seq_placements_for, seq_rank_batches
+from tests.modular.compare import local_blocks
+from tests.modular.ebc_cases import CASES
+from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference
+from tests.modular.sequence_cases import (
+    seq_a_tables, seq_b_tables, seq_global_batch, seq_placements_for, seq_rank_batches,
+)
 
 U16 = 2.0**-11
 STEPS, LR = 3, 0.5

@@ -1,7 +1,7 @@
 """A sharded EmbeddingCollection computes what the unsharded one does on the global batch.
 
 One rank body per (world size, case) runs a model of two EmbeddingCollections of different dims
-and an EBC (tests/modular/helpers.py) for 3 SGD steps, with empty sequences, a rank with
+and an EBC (tests/modular/sequence_cases.py) for 3 SGD steps, with empty sequences, a rank with
 no ids at all, a table shared by two features and a feature feeding two tables, and compares the
 outputs (keys, order, values, lengths), every local gradient and the weights after the steps with
 the unsharded model on the global batch (the loss averaged over ranks).
@@ -17,12 +17,10 @@ import torch.distributed as dist
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.helpers import close, local_blocks
-from tests.modular.helpers import (
-    CASES,
-    seq_global_batch as global_batch,
-    make_seq_model as make_model,
-    seq_plan_for as plan_for,
+from tests.modular.compare import close, local_blocks
+from tests.modular.ebc_cases import CASES
+from tests.modular.sequence_cases import (
+    seq_global_batch as global_batch, make_seq_model as make_model, seq_plan_for as plan_for,
     seq_rank_batches as rank_batches,
 )
 

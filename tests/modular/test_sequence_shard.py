@@ -16,14 +16,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.helpers import close, gather_table, local_blocks
-from tests.modular.helpers import (
-    seq_global_batch as global_batch,
-    make_seq_model as make_model,
-    seq_placements_for as placements_for,
-    seq_plan_for as plan_for,
-    seq_rank_batches as rank_batches,
-    seq_a_tables,
+from tests.modular.compare import close, gather_table, local_blocks
+from tests.modular.sequence_cases import (
+    seq_global_batch as global_batch, make_seq_model as make_model, seq_placements_for as placements_for,
+    seq_plan_for as plan_for, seq_rank_batches as rank_batches, seq_a_tables,
 )
 
 TIMEOUT_S = 90

@@ -22,17 +22,10 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import RankError, expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.helpers import (
-    BATCH,
-    close,
-    global_batch,
-    make_batch,
-    make_ebc,
-    no_collectives,
-    placements_for,
-    plan_for,
-    rank_batches,
-    unweighted_tables,
+from tests.modular.collectives import no_collectives
+from tests.modular.compare import close
+from tests.modular.ebc_cases import (
+    BATCH, global_batch, make_batch, make_ebc, placements_for, plan_for, rank_batches, unweighted_tables,
 )
 
 TIMEOUT_S = 60

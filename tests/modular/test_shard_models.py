@@ -1,6 +1,6 @@
 """`modular.shard` on whole models: nested EBCs next to a dense part, meta-device EBCs, and KJTs
 whose features come in another order. Each compares against the unsharded model in the same rank
-body (see tests/modular/helpers.py).
+body (see tests/modular/ebc_cases.py).
 """
 
 from __future__ import annotations
@@ -19,19 +19,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    BATCH,
-    close,
-    features_of,
-    gather_table,
-    global_batch,
-    local_blocks,
-    make_batch,
-    make_ebc,
-    placements_for,
-    plan_for,
-    rank_batches,
-    reorder,
+from tests.modular.compare import close, gather_table, local_blocks
+from tests.modular.ebc_cases import (
+    BATCH, features_of, global_batch, make_batch, make_ebc, placements_for, plan_for, rank_batches, reorder,
     unweighted_tables,
 )
 

@@ -3,7 +3,7 @@
 One rank body per (world size, case) checks, for an unweighted EBC (SUM and MEAN tables, a table
 shared by two features, a feature feeding two tables) and a weighted one, over 3 SGD steps with
 empty bags: the forward output, every local gradient, the weights after the steps, `gather()` of
-every table, and the state_dict / named_parameters keys. See tests/modular/helpers.py.
+every table, and the state_dict / named_parameters keys. See tests/modular/ebc_cases.py.
 """
 
 from __future__ import annotations
@@ -16,17 +16,8 @@ import torch.distributed as dist
 
 import modular
 from tests.dist import run_on_ranks
-from tests.modular.helpers import (
-    BATCH,
-    CASES,
-    close,
-    gather_table,
-    global_batch,
-    local_blocks,
-    make_ebc,
-    plan_for,
-    rank_batches,
-)
+from tests.modular.compare import close, gather_table, local_blocks
+from tests.modular.ebc_cases import BATCH, CASES, global_batch, make_ebc, plan_for, rank_batches
 
 STEPS = 3
 LR = 0.5

@@ -14,7 +14,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
-from tests.modular import helpers as H
+from tests.modular import checkpoint_cases as H
 
 DEPRECATED = "Please use DTensor instead"
 

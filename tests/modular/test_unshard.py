@@ -14,7 +14,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from tests.dist import expect_errors_on_all_ranks, run_on_ranks
-from tests.modular.helpers import CASES, close, global_batch, make_batch, make_ebc, plan_for
+from tests.modular.compare import close
+from tests.modular.ebc_cases import CASES, global_batch, make_batch, make_ebc, plan_for
 
 LR, EPS = 0.3, 1e-3
 
@@ -107,7 +108,7 @@ def test_rank0_only_writeback_reaches_every_rank(world: int) -> None:
 
 
 def _fused_tables() -> list[EmbeddingBagConfig]:
-    """The tables of tests/modular/helpers.py's mixed plan; widths 8, 12 and 16 take fbgemm's fused kernel, 5 the torch emulation."""
+    """The tables of tests/modular/ebc_cases.py's mixed plan; widths 8, 12 and 16 take fbgemm's fused kernel, 5 the torch emulation."""
     return [
         EmbeddingBagConfig(name="t_sum", num_embeddings=13, embedding_dim=8, feature_names=["f_a", "f_b"]),
         EmbeddingBagConfig(name="t_mean", num_embeddings=11, embedding_dim=12, feature_names=["f_c"], pooling=PoolingType.MEAN),

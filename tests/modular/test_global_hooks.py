@@ -35,6 +35,7 @@ for name in sorted(third_party):
 
 import torch
 import torch._dynamo
+import torch._inductor.config
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 import torch.serialization
@@ -74,6 +75,7 @@ def snapshot():
             if k.startswith("_global_") and isinstance(getattr(module_hooks, k), dict)
         },
         "dynamo config": repr(sorted(torch._dynamo.config.get_config_copy().items())),
+        "inductor config": repr(sorted(torch._inductor.config.get_config_copy().items())),
         "safe globals": repr(torch.serialization.get_safe_globals()),
         "pytree nodes": sorted(map(repr, pytree.SUPPORTED_NODES)),
         "copyreg": sorted(map(repr, copyreg.dispatch_table)),

@@ -31,8 +31,13 @@ def prefetch(
         modular.prefetch(model, batch.sparse, modules=["sparse"])
         modular.prefetch(model, batch.sequences, modules=["seq"])
 
+    or, where the model hands one KJT that carries all their features to several collections
+    (each reads its own, Note [batches with more features] in modular/routing/router.py), one
+    call naming them all: `modular.prefetch(model, batch.sparse, modules=["sparse", "seq"])`.
+
     Without it every sharded collection gets `features`, which is only allowed when they all
-    read the same features (Note [choosing what to prefetch for])."""
+    read the same features (Note [choosing what to prefetch for]); the KJT may then carry more
+    features than they read."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
     found = dict(sharded_modules(model))
@@ -63,7 +68,15 @@ def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
     raise InputError on every rank. It is read from the model instead, which every rank holds
     alike (`shard` agreed on each module's tables and features): collections that all read the
     same features take one batch (two that read the same features from different batches need
-    `modules=` too); otherwise every rank raises the same InputError, before any collective."""
+    `modules=` too); otherwise every rank raises the same InputError, before any collective.
+
+    A batch may carry more features than a collection reads (Note [batches with more features]
+    in modular/routing/router.py), and that does not widen the rule. Collections that read the
+    same features may take it, as before: each selects its own. But collections that read
+    different features cannot be told apart by the model: one combined KJT for all of them and a
+    KJT for one of them look alike until the batch's keys are read, and its keys are the batch
+    (a rank whose keys are wrong would choose differently from its peers). So the caller names
+    them, `modules=[...]` listing every collection the combined KJT goes to."""
     by_features: dict[frozenset, list[str]] = {}
     for name, m in found.items():
         by_features.setdefault(frozenset(m.layout.features), []).append(name)
@@ -72,6 +85,8 @@ def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
         raise InputError(
             f"prefetch: the model's sharded collections read different features ({reads}), so "
             "which of them this batch is for is the caller's to say: pass modules=[...] (their "
-            f"FQNs), e.g. modules={next(iter(by_features.values()))}, the same on every rank"
+            f"FQNs), e.g. modules={next(iter(by_features.values()))}, the same on every rank; for "
+            "one KJT that the model hands to all of them (each reads its own features), "
+            f"modules={list(found)}"
         )
     return list(found)

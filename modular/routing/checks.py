@@ -33,7 +33,7 @@ class Problem(enum.IntEnum):
 
     def summary(self) -> str:
         return {
-            Problem.FEATURES: "missing or unknown features",
+            Problem.FEATURES: "missing or repeated features",
             Problem.DTYPE: "a wrong dtype",
             Problem.LENGTHS: "lengths that do not match the values",
             Problem.ID_RANGE: "ids out of range",
@@ -57,6 +57,7 @@ class BatchStats(NamedTuple):
     low: int  # the smallest id (0 without ids)
     high: int  # the largest id (-1 without ids)
     weights_sum_finite: bool  # True when the module is unweighted or the batch has no weights
+    selected: int  # the ids of the features a module selects from a larger batch (else `total`)
 
 
 class BatchChecks:
@@ -153,8 +154,11 @@ class BatchChecks:
                 + ", ".join(f"rank {r}: {b}" for r, b in enumerate(batches))
             )
 
-    def batch_stats(self, kjt: KeyedJaggedTensor) -> BatchStats:
-        """The lengths' sign and sum, the ids' range and whether the weights' sum is finite.
+    def batch_stats(
+        self, kjt: KeyedJaggedTensor, selection: Optional[torch.Tensor] = None
+    ) -> BatchStats:
+        """The lengths' sign and sum, the ids' range, whether the weights' sum is finite and, with
+        `selection` (indices of the batch's features), how many ids the selected features hold.
 
         # Note [host syncs per step]
         Every read of a device tensor's value on the host (`int(t)`, `bool(t)`, `.tolist()`)
@@ -180,20 +184,37 @@ class BatchChecks:
             parts.append(torch.isfinite(weights.sum()).long())
         else:
             parts.append(lengths.new_ones((), dtype=torch.int64))
-        negative, total, low, high, finite = torch.stack(parts).tolist()
-        return BatchStats(bool(negative), total, low, high, bool(finite))
+        if selection is not None:
+            per_key = lengths.view(len(kjt.keys()), kjt.stride())
+            parts.append(per_key.index_select(0, selection).sum().long())
+        negative, total, low, high, finite, *selected = torch.stack(parts).tolist()
+        return BatchStats(
+            bool(negative), total, low, high, bool(finite), selected[0] if selected else total
+        )
 
     def _check_structure(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
         """Dtypes, and lengths and weights that agree with the values; in any feature order."""
+        return self.check_structure(kjt)[0]
+
+    def check_structure(
+        self, kjt: KeyedJaggedTensor, selection: Optional[torch.Tensor] = None
+    ) -> tuple[Optional[Rejection], int]:
+        """`_check_structure` of a whole batch, whose features may be in any order and include
+        features this module does not read: (rejection or None, the ids of the features that
+        `selection` picks, or of all of them). fbgemm's permutation reads every feature's
+        lengths to find the selected ones' ids, so lengths, values and weights must agree over
+        the whole batch; the dropped features' ids are never read, so nothing else about them
+        is checked (the unsharded module ignores them too)."""
         rejection = self._check_form(kjt)
         if rejection is not None:
-            return rejection
-        return self._check_counts(kjt, self.batch_stats(kjt))
+            return rejection, 0
+        stats = self.batch_stats(kjt, selection)
+        return self._check_counts(kjt, stats), stats.selected
 
     def _check_form(self, kjt: KeyedJaggedTensor) -> Optional[Rejection]:
         """What the host knows without reading a tensor: devices, dtypes and sizes."""
         values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
-        nf = len(self.features)
+        nf = len(kjt.keys())  # the module's features, or a larger batch's (`check_structure`)
         device = self.id_bound.device
         devices = {values.device, lengths.device}
         if weights is not None:
@@ -250,14 +271,18 @@ class BatchChecks:
         if stats.negative_lengths:
             negative = lengths < 0
             pos = int(negative.nonzero()[0, 0])
-            f = self.features.index(kjt.keys()[pos // kjt.stride()])
-            tables = self._tables_of(f)
+            key = kjt.keys()[pos // kjt.stride()]
+            f = self.features.index(key) if key in self.features else -1
+            which = (
+                f"(table {self._tables_of(f)}) of module {self.module!r}" if f >= 0
+                else f"of the batch for module {self.module!r} (read by none of its tables, but "
+                "its lengths place the other features' ids)"
+            )
             return Rejection(
                 Problem.LENGTHS,
                 f,
-                f"feature {self.features[f]!r} (table {tables}) of module {self.module!r} has "
-                f"length {int(lengths[pos])} for sample {pos % kjt.stride()}; lengths must count "
-                "the ids of each bag",
+                f"feature {key!r} {which} has length {int(lengths[pos])} for sample "
+                f"{pos % kjt.stride()}; lengths must count the ids of each bag",
             )
         if stats.total != values.numel():
             return Rejection(

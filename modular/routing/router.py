@@ -17,17 +17,6 @@ from modular.routing.permute import Permutation, permute
 from modular.tables.layout import ROW_SPLIT, Layout
 
 
-class Received(NamedTuple):
-    """What input dist hands to lookup."""
-
-    batch_size: int
-    lengths: torch.Tensor  # (routes on this rank, world * batch_size), route-major
-    values: torch.Tensor  # rows of this rank's shards, int32 mostly (Note [ids on the wire])
-    weights: Optional[torch.Tensor]
-    local: Optional[KeyedJaggedTensor]  # this rank's own batch for data-parallel tables
-    local_lengths: torch.Tensor  # (features, batch_size), for MEAN over row-split tables
-
-
 class Routed(NamedTuple):
     """Ids ordered by route (Note [routes]) with each route's per-sample lengths.
 
@@ -179,39 +168,66 @@ class Router(BatchChecks):
     def normalise(
         self, kjt: KeyedJaggedTensor
     ) -> tuple[Optional[Rejection], Optional[KeyedJaggedTensor]]:
-        """Puts the KJT's features in this module's order; rejects missing or unknown ones."""
+        """This module's features of a batch, in its order (Note [batches with more features]);
+        rejects a batch that lacks one or names one twice."""
         keys = tuple(kjt.keys())
-        if keys == self.features:
+        if keys == self.features:  # the common case first: nothing to select, nothing to check
             return None, kjt
-        missing = [f for f in self.features if f not in keys]
-        unknown = [k for k in keys if k not in self.features]
-        if missing or unknown or len(set(keys)) != len(keys):
-            parts = []
-            for f in missing:
-                parts.append(
-                    f"feature {f!r} (table {self._tables_of(self.features.index(f))}) is missing"
-                )
-            if unknown:
-                parts.append(
-                    f"features {unknown} are not read by any table of this module"
-                )
-            if len(set(keys)) != len(keys):
-                parts.append(f"a feature appears twice in {list(keys)}")
-            feature = self.features.index(missing[0]) if missing else -1
-            message = (
-                f"the batch for module {self.module!r} does not match its tables: "
-                + "; ".join(parts)
-                + f". Expected exactly the features {list(self.features)}"
-            )
-            return Rejection(Problem.FEATURES, feature, message), None
+        selection = self._permutations.get(keys)
+        if selection is None:
+            rejection = self._features_rejection(keys)
+            if rejection is not None:
+                return rejection, None
+            selection = Permutation([keys.index(f) for f in self.features])
+            self._permutations[keys] = selection
         # fbgemm's permutation trusts lengths, values and weights to agree; check them first.
-        rejection = self._check_structure(kjt)
+        every = selection.is_permutation and len(keys) == len(self.features)
+        rejection, selected = self.check_structure(
+            kjt, None if every else selection.on(kjt.lengths().device)
+        )
         if rejection is not None:
             return rejection, None
-        perm = self._permutations.get(keys)
-        if perm is None:
-            perm = self._permutations[keys] = Permutation([keys.index(f) for f in self.features])
-        return None, permute(kjt, perm)
+        return None, permute(kjt, selection, total=selected)
+
+    def _features_rejection(self, keys: tuple[str, ...]) -> Optional[Rejection]:
+        """Why a batch with these keys cannot be read by this module, or None.
+
+        # Note [batches with more features]
+        A sharded collection takes what torchrec's unsharded one takes: a KJT whose keys are its
+        features in any order, among any others (a model may hand one batch to several
+        collections). Input dist selects its own features, in its own order, with one fbgemm
+        permutation (`permute`, the selection made once per key tuple), after checking that the
+        whole batch's lengths, values and weights agree (fbgemm reads every feature's lengths to
+        find the selected ids); the dropped features' ids are never read or checked, as the
+        unsharded module ignores them. Keys equal to the module's features skip all of this. A
+        missing feature, or a key named twice (which of its two segments would be read?), is a
+        rejection like any other bad batch: every rank raises (Note [ids with their header])."""
+        known, present = set(self.features), set(keys)
+        missing = [f for f in self.features if f not in present]
+        repeated = []
+        if len(present) < len(keys):
+            repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if not missing and not repeated:
+            return None
+        parts = [
+            f"feature {f!r} (table {self._tables_of(self.features.index(f))}) is missing"
+            for f in missing
+        ]
+        unread = [k for k in keys if k not in known]
+        if missing and unread:  # a misspelt feature shows here
+            parts.append(f"features {unread} are not read by any table of this module")
+        for k in repeated:
+            parts.append(f"feature {k!r} appears {keys.count(k)} times in the keys {list(keys)}")
+        feature = self.features.index(missing[0]) if missing else (
+            self.features.index(repeated[0]) if repeated[0] in known else -1
+        )
+        message = (
+            f"the batch for module {self.module!r} does not match its tables: "
+            + "; ".join(parts)
+            + f". It reads the features {list(self.features)}, each once, in any order; "
+            "features that none of its tables read are ignored"
+        )
+        return Rejection(Problem.FEATURES, feature, message)
 
     def accept(
         self, features: KeyedJaggedTensor, *, alone: bool

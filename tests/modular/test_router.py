@@ -17,6 +17,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from modular.routing.checks import Problem
 from modular.routing.router import Router
 from planners.types import ShardingType, TablePlacement
 from benchmarks._router_reference import ReferenceRouter, assert_same_routes, routers
@@ -279,3 +280,140 @@ def test_huge_finite_weights_are_accepted() -> None:
     kjt = _with(kjt, weights=torch.full_like(kjt.weights(), 3e38))
     assert not bool(torch.isfinite(kjt.weights().sum()))
     _assert_routes_alike(router, ref, kjt)
+
+
+# -- batches with more features than the module reads (Note [batches with more features]) --------
+
+
+def _superset(kjt: KeyedJaggedTensor, keys: list[str], extra: dict[str, int], *, seed: int) -> KeyedJaggedTensor:
+    """`kjt`'s features in the order `keys`, which also names the `extra` features (each with ids
+    up to its bound, far outside the module's tables: a read of them would be caught)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = kjt.stride()
+    jts = kjt.to_dict()
+    weighted = kjt.weights_or_none() is not None
+    lengths, values, weights = [], [], []
+    for k in keys:
+        if k in extra:
+            n = torch.randint(0, 4, (batch,), generator=g)
+            v = torch.randint(1000, 1000 + extra[k], (int(n.sum()),), generator=g)
+            w = torch.full((v.numel(),), float("nan"))
+        else:
+            n, v = jts[k].lengths(), jts[k].values()
+            w = jts[k].weights() if weighted else None
+        lengths.append(n)
+        values.append(v.to(kjt.values().dtype))
+        weights.append(w)
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths).to(kjt.lengths().dtype),
+        weights=torch.cat(weights) if weighted else None, stride=batch,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("case", ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"])
+def test_a_batch_with_more_features_routes_the_modules_own(case: str, weighted: bool) -> None:
+    """Extra features anywhere (ids out of every table, NaN weights) and the module's in another
+    order: normalise selects exactly the module's batch, and routing it matches the reference."""
+    ebc = make_ebc(weighted)
+    router, ref = routers(ebc.embedding_bag_configs(), placements_for(case, ebc, 3), 3, weighted)
+    features = features_of(ebc)
+    for seed, dtype in [(0, torch.int64), (1, torch.int32)]:
+        own = _random_batch(features, id_bounds(ebc), seed=seed, batch_size=5, max_len=4, weighted=weighted, dtype=dtype)
+        for keys in (
+            ["x_first", *features[::-1], "x_last"],
+            [*features[:2], "x_mid", *features[2:]],
+            [*features, "x_last"],  # a prefix in the module's order
+            ["x_first", "x_mid", *features],
+        ):
+            kjt = _superset(own, keys, {"x_first": 7, "x_mid": 50, "x_last": 3}, seed=seed)
+            rejection, selected = router.normalise(kjt)
+            assert rejection is None, rejection
+            assert selected.keys() == features
+            for got, want in [
+                (selected.lengths(), own.lengths()), (selected.values(), own.values()),
+                (selected.weights_or_none(), own.weights_or_none()),
+            ]:  # fmt: skip
+                assert (got is None) == (want is None)
+                if want is not None:
+                    assert got.dtype == want.dtype and torch.equal(got, want), keys
+            _assert_routes_alike(router, ref, selected)
+
+
+def test_the_selection_is_made_once_per_key_order_and_exact_keys_pass_through() -> None:
+    ebc = make_ebc(False)
+    router, _ = routers(ebc.embedding_bag_configs(), placements_for("mixed", ebc, 2), 2, False)
+    features = features_of(ebc)
+    own = make_batch(ebc, seed=3)
+    assert router.normalise(own) == (None, own)  # the same object: nothing copied, nothing cached
+    assert router._permutations == {}
+    kjt = _superset(own, ["x", *features], {"x": 4}, seed=0)
+    router.normalise(kjt)
+    selection = router._permutations[tuple(kjt.keys())]
+    assert selection.order == [1, 2, 3, 4, 5] and not selection.is_permutation
+    router.normalise(_superset(make_batch(ebc, seed=4), ["x", *features], {"x": 4}, seed=1))
+    assert router._permutations == {tuple(kjt.keys()): selection}
+
+
+def _rejection(router: Router, kjt: KeyedJaggedTensor):
+    rejection, selected = router.normalise(kjt)
+    assert selected is None
+    return rejection
+
+
+def test_missing_and_repeated_features_are_rejected_naming_them() -> None:
+    ebc = make_ebc(False)
+    router, _ = routers(ebc.embedding_bag_configs(), placements_for("mixed", ebc, 2), 2, False)
+    own = make_batch(ebc, seed=3)
+    keys = ["f_zz", "f_a", "f_b", "f_d", "f_e"]  # 'f_c' misspelt
+    r = _rejection(router, _superset(own, keys, {"f_zz": 3}, seed=0))
+    assert r.problem is Problem.FEATURES and r.feature == 2
+    assert r.message == (
+        "the batch for module 'm' does not match its tables: feature 'f_c' (table 't_mean') is "
+        "missing; features ['f_zz'] are not read by any table of this module. It reads the "
+        "features ['f_a', 'f_b', 'f_c', 'f_d', 'f_e'], each once, in any order; features that "
+        "none of its tables read are ignored"
+    )
+    for repeated, feature in [("f_d", 3), ("x", -1)]:
+        keys = ["f_a", "f_b", "f_c", "f_d", "f_e", "x"]
+        jts = _superset(own, keys, {"x": 3}, seed=0).to_dict()
+        kjt = KeyedJaggedTensor.from_jt_dict(jts)
+        twice = KeyedJaggedTensor(
+            keys=[*keys, repeated], values=torch.cat([kjt.values(), jts[repeated].values()]),
+            lengths=torch.cat([kjt.lengths(), jts[repeated].lengths()]),
+        )  # fmt: skip
+        r = _rejection(router, twice)
+        assert r.problem is Problem.FEATURES and r.feature == feature
+        assert f"feature {repeated!r} appears 2 times in the keys {[*keys, repeated]}" in r.message
+    assert router._permutations == {}  # nothing cached for a rejected key order
+
+
+def test_extra_features_must_agree_with_the_values_as_a_whole() -> None:
+    """fbgemm reads every feature's lengths to find the selected ids, so the whole batch's
+    lengths, values and weights must agree; the extra features' ids are not checked."""
+    ebc = make_ebc(True)
+    router, _ = routers(ebc.embedding_bag_configs(), placements_for("mixed", ebc, 2), 2, True)
+    features = features_of(ebc)
+    own = make_batch(ebc, seed=3, batch_size=4)
+    kjt = _superset(own, ["x", *features], {"x": 5}, seed=2)
+    x = kjt.to_dict()["x"]
+    assert int(x.lengths().sum()) > 0
+    lengths = kjt.lengths().clone()
+    lengths[1] += 1  # an extra feature's bag longer than its ids
+    r = _rejection(router, _with(kjt, lengths=lengths))
+    assert r.problem is Problem.LENGTHS and "lengths sum to" in r.message
+    lengths = kjt.lengths().clone()
+    lengths[0], lengths[1] = -1, lengths[1] + 1
+    r = _rejection(router, _with(kjt, lengths=lengths))
+    assert r.problem is Problem.LENGTHS and r.feature == -1
+    assert r.message == (
+        "feature 'x' of the batch for module 'm' (read by none of its tables, but its lengths "
+        "place the other features' ids) has length -1 for sample 0; lengths must count the ids of each bag"
+    )
+    r = _rejection(router, _with(kjt, weights=kjt.weights()[:-1]))
+    assert r.problem is Problem.WEIGHTS
+    r = _rejection(router, _with(kjt, lengths=kjt.lengths()[:-1]))
+    assert r.problem is Problem.LENGTHS and "19 lengths for 5 features is not a whole batch (batch size 4 x 5 = 20)" in r.message
+    # The extra feature's ids (1000 and up) and NaN weights are not the module's: accepted.
+    rejection, selected = router.normalise(kjt)
+    assert rejection is None and router.check(selected) is None

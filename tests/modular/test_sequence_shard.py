@@ -66,7 +66,7 @@ def test_bad_batches_raise_on_every_rank_naming_feature_and_table() -> None:
     messages = run_on_ranks(2, _bad_batch, "unknown_feature", "row_wise", timeout=TIMEOUT_S)
     assert "feature 'cat' (table 's_small') is missing" in messages[BAD_RANK]
     assert "features ['zzz'] are not read by any table of this module" in messages[BAD_RANK]
-    assert messages[0].startswith("rank 1 rejected its batch for module 'seq_a' (missing or unknown features")
+    assert messages[0].startswith("rank 1 rejected its batch for module 'seq_a' (missing or repeated features")
 
 
 def _plan_names_a_linear() -> None:

@@ -222,8 +222,13 @@ def _corrupt(kjt: KeyedJaggedTensor, problem: str) -> KeyedJaggedTensor:
         jts["f_c"] = _jt([3, -1], [1, 0, 1])
     elif problem == "missing_feature":
         del jts["f_c"]
-    elif problem == "unknown_feature":
-        jts["f_zzz"] = _jt([0], [1, 0, 0])
+    elif problem == "repeated_feature":  # 'f_b' named twice (extra features alone are fine)
+        kjt, jt = KeyedJaggedTensor.from_jt_dict(jts), jts["f_b"]
+        return KeyedJaggedTensor(
+            keys=[*kjt.keys(), "f_b"],
+            values=torch.cat([kjt.values(), jt.values()]),
+            lengths=torch.cat([kjt.lengths(), jt.lengths()]),
+        )
     elif problem == "nan_weight":
         jts["g_c"] = _jt([1, 2, 3], [1, 0, 2], [0.5, float("nan"), 1.0])
     elif problem == "inf_weight":
@@ -265,12 +270,13 @@ BATCH_ERRORS = {
     ),
     "missing_feature": (
         r"the batch for module '' does not match its tables: feature 'f_c' \(table 't_mean'\) is missing\. "
-        r"Expected exactly the features \['f_a', 'f_b', 'f_c', 'f_d', 'f_e'\]",
-        r"missing or unknown features in feature 'f_c'",
+        r"It reads the features \['f_a', 'f_b', 'f_c', 'f_d', 'f_e'\], each once, in any order",
+        r"missing or repeated features in feature 'f_c'",
     ),
-    "unknown_feature": (
-        r"the batch for module '' does not match its tables: features \['f_zzz'\] are not read by any table of this module",
-        r"missing or unknown features",
+    "repeated_feature": (
+        r"the batch for module '' does not match its tables: feature 'f_b' appears 2 times in the keys "
+        r"\['f_a', 'f_b', 'f_c', 'f_d', 'f_e', 'f_b'\]",
+        r"missing or repeated features in feature 'f_b'",
     ),
     "nan_weight": (
         r"feature 'g_c' \(table 'w_y'\) of module '' has a non-finite per-sample weight \(nan\); 1 weights are NaN or inf",

@@ -121,6 +121,8 @@ class SequencePart:
         result = {}
         for o, rows in zip(self.layout.outputs, values):
             jt = features[o.feature]
+            torch._dynamo.maybe_mark_dynamic(rows, 0)  # ids vary by step (Note [compiling a
+            # sharded model]): the code after the EC is compiled once for every count
             result[o.key] = JaggedTensor(
                 values=rows,
                 lengths=jt.lengths(),

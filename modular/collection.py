@@ -245,6 +245,17 @@ class ShardedCollectionModule(nn.Module):
         tables = nn.ModuleDict(sharded.build_tables(self.kind.weights_source(source)))
         setattr(self, self.kind.tables_attr, tables)
 
+    @classmethod
+    def unsharded(
+        cls, source: nn.Module, *, module: str, fused: Optional[FusedConfig] = None
+    ) -> ShardedCollectionModule:
+        """A single-process stand-in for the torchrec collection `source` (every table local, no
+        communication), with its weights: what `fuse_optimizer` makes of a materialised
+        collection, which `modular.shard` accepts."""
+        device = next(iter(source.parameters())).device
+        tables = cls.kind.read_tables(source, module)
+        return cls(source, RankLayout.one_process(tables, module=module, device=device), fused=fused)
+
     @torch.compiler.disable(reason=EAGER_REASON)  # Note [compiling a sharded model]
     def forward(self, features: KeyedJaggedTensor) -> Any:
         return self._sharded.forward(features)

@@ -29,7 +29,6 @@ from modular.local_shards import LocalShards
 from modular.routing.received import Received
 from modular.sequence.lookup import lookup_kernels
 from modular.sequence.output import Placement, RowGather, RowPlacer, place_rows
-from modular.sequence.tables import sequence_table_infos, weights_device
 from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
 
@@ -166,16 +165,6 @@ class ShardedEmbeddingCollection(EmbeddingCollectionInterface, ShardedCollection
         part = SequencePart(at, embedding_dim=self._embedding_dim, need_indices=self._need_indices)
         sharded = ShardedCollection(at, part, fused=fused, options=options, is_weighted=False)
         self._attach(sharded, ec)  # collective: fills the shards, registers `embeddings`
-
-    @classmethod
-    def unsharded(
-        cls, ec: EmbeddingCollection, *, module: str, fused: Optional[FusedConfig] = None
-    ) -> ShardedEmbeddingCollection:
-        """A single-process stand-in for `ec` (every table local, no communication), with `ec`'s
-        weights: what `fuse_optimizer` makes of a materialised EmbeddingCollection."""
-        tables = sequence_table_infos(ec, module)
-        at = RankLayout.one_process(tables, module=module, device=weights_device(ec))
-        return cls(ec, at, fused=fused)
 
     # -- what torchrec's EmbeddingCollection also offers ------------------------------------
 

@@ -32,7 +32,6 @@ from modular.routing.arrival import Arrival
 from modular.routing.received import Received
 from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
-from modular.tables.weights import table_infos
 
 __all__ = ["PooledPart", "ShardedEmbeddingBagCollection"]
 
@@ -153,17 +152,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface, ShardedColl
             at, part, fused=fused, options=options, is_weighted=self._is_weighted
         )
         self._attach(sharded, ebc)  # collective: fills the shards, registers `embedding_bags`
-
-    @classmethod
-    def unsharded(
-        cls, ebc: EmbeddingBagCollection, *, module: str, fused: Optional[FusedConfig] = None
-    ) -> ShardedEmbeddingBagCollection:
-        """A single-process stand-in for `ebc` (every table local, no communication), with
-        `ebc`'s weights: what `fuse_optimizer` makes of a materialised EBC, which `modular.shard`
-        accepts."""
-        device = next(iter(ebc.parameters())).device
-        at = RankLayout.one_process(table_infos(ebc, module), module=module, device=device)
-        return cls(ebc, at, fused=fused)
 
     # -- what torchrec's EBC also offers ----------------------------------------------------
 

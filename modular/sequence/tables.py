@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingCollection
@@ -11,7 +10,7 @@ from modular.errors import ShardingError
 from modular.tables.layout import Pooling, TableInfo
 from modular.tables.weights import table_info
 
-__all__ = ["AsBags", "sequence_table_infos", "weights_device"]
+__all__ = ["AsBags", "sequence_table_infos"]
 
 
 def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInfo, ...]:
@@ -47,8 +46,3 @@ class AsBags:
 
     def embedding_bag_configs(self):
         return self._ec.embedding_configs()
-
-
-def weights_device(ec: EmbeddingCollection) -> torch.device:
-    """Where `ec`'s tables live (an unsharded stand-in keeps them there)."""
-    return next(iter(ec.parameters())).device

@@ -4,6 +4,12 @@
         full["sparse.embedding_bags.ads_id.weight"][:1000] = imported_rows   # in place
     # the shards, the next forward and the fused optimizer now use the new rows
 
+Both kinds of sharded collection are unsharded alike: an EmbeddingBagCollection's tables under
+`embedding_bags.<table>.weight`, an EmbeddingCollection's under `embeddings.<table>.weight`
+(the attribute is the kind's, `tables_name`), whether the tables are ShardedTensors or DTensors:
+what moves is each rank's shards (`local_shard_views`, the kernels' own weights), never the
+tensor type that shows them.
+
 # Note [unshard memory]
 Tables are gathered one at a time, shard by shard, each shard received straight into its slice
 of the full table (a column shard, not contiguous there, through one shard-sized buffer). Inside
@@ -32,9 +38,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from modular.collection import ShardedCollectionModule
 from modular.comm import collective_device
-from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import ShardingError
+from modular.sharded_types import tables_name
 from modular.sharding import sharded_modules
 from planners.types import ShardingType, ShardSpec
 
@@ -53,10 +60,12 @@ def unshard(
     """Holds the full tensors of the sharded tables of `model` for the `with` block.
 
     Collective: every rank of each sharded module's process group enters it. Inside, each
-    selected table's weight (`model.<...>.embedding_bags.<table>.weight`) is its full tensor, and
-    the context yields them by FQN; with `rank0_only` only the group's rank 0 holds them (the
-    other ranks get an empty dict and keep their shards). Change them in place (or assign a
-    tensor of the same shape to the weight): on exit with `writeback` each rank copies its
+    selected table's weight (`model.<...>.embedding_bags.<table>.weight` of an
+    EmbeddingBagCollection, `model.<...>.embeddings.<table>.weight` of an EmbeddingCollection)
+    is its full tensor, in the table's dtype, and the context yields them by FQN; with
+    `rank0_only` only the group's rank 0 holds them (the other ranks get an empty dict and keep
+    their shards). Change them in place (or assign a tensor of the same shape to the weight): on
+    exit with `writeback` each rank copies its
     shards' slices back (with `rank0_only`, rank 0 sends every shard its rows), so the next
     forward, its gradients and the fused optimizer use the new values. The fused optimizer's
     state is left as it is. Change a table the same way on every rank, or use `rank0_only`:
@@ -70,8 +79,8 @@ def unshard(
     modules = list(sharded_modules(model))
     if not modules:
         raise ShardingError(
-            "modular.unshard: the model has no sharded EmbeddingBagCollection (call "
-            "modular.shard first)"
+            "modular.unshard: the model has no sharded EmbeddingBagCollection or "
+            "EmbeddingCollection (call modular.shard first)"
         )
     selected = _select(modules, tables)
     held: list[_Held] = []
@@ -107,13 +116,14 @@ def unshard(
 
 
 def _select(
-    modules: list[tuple[str, ShardedEmbeddingBagCollection]], tables: Optional[Iterable[str]]
+    modules: list[tuple[str, ShardedCollectionModule]], tables: Optional[Iterable[str]]
 ) -> dict[str, list[str]]:
     """Module FQN -> the names of its tables to gather, from weight FQNs or table names."""
     by_fqn = {}
+    attr = {fqn: tables_name(module) for fqn, module in modules}
     for fqn, module in modules:
         for t in module.layout.tables:
-            by_fqn[_weight_fqn(fqn, t.name)] = (fqn, t.name)
+            by_fqn[_weight_fqn(fqn, attr[fqn], t.name)] = (fqn, t.name)
     if tables is None:
         chosen = set(by_fqn.values())
     else:
@@ -131,7 +141,7 @@ def _select(
             if len(matches) != 1:
                 why = "is not a sharded table of the model" if not matches else (
                     "names tables of several modules: "
-                    + ", ".join(repr(_weight_fqn(*m)) for m in matches)
+                    + ", ".join(repr(_weight_fqn(m, attr[m], t)) for m, t in matches)
                 )
                 raise ShardingError(
                     f"modular.unshard: {name!r} {why}; name a table by its weight FQN, one of "
@@ -144,17 +154,20 @@ def _select(
     }
 
 
-def _weight_fqn(module: str, table: str) -> str:
-    return f"{module}.embedding_bags.{table}.weight" if module else f"embedding_bags.{table}.weight"
+def _weight_fqn(module: str, attr: str, table: str) -> str:
+    """A table's weight FQN: `<module>.<attr>.<table>.weight`, `attr` its kind's (`tables_name`)."""
+    return f"{module}.{attr}.{table}.weight" if module else f"{attr}.{table}.weight"
 
 
 class _Held:
     """One sharded module's selected tables while they are unsharded."""
 
     def __init__(
-        self, fqn: str, module: ShardedEmbeddingBagCollection, names: list[str], *, rank0_only: bool
+        self, fqn: str, module: ShardedCollectionModule, names: list[str], *, rank0_only: bool
     ) -> None:
         self.fqn, self.module, self.names = fqn, module, names
+        self.attr = tables_name(module)  # `embedding_bags` or `embeddings`
+        self.holders: nn.ModuleDict = getattr(module, self.attr)
         self.local = module.is_local  # every table whole on every rank, nothing to send
         self.group: Optional[ProcessGroup] = module.process_group
         self.rank = 0 if self.local else dist.get_rank(self.group)
@@ -188,8 +201,10 @@ class _Held:
             table = layout.tables[t]
             device = torch.device("cpu") if offload_to_cpu else self.module.device
             full = None
-            if self.holds:
-                full = torch.empty(table.num_embeddings, table.embedding_dim, device=device)
+            if self.holds:  # in the table's dtype: shards travel as they are (FP16 ones too)
+                full = torch.empty(
+                    table.num_embeddings, table.embedding_dim, dtype=table.dtype, device=device
+                )
             if layout.placements[t].sharding_type is ShardingType.DATA_PARALLEL:
                 if full is not None:
                     full.copy_(self.sharded[name].detach())
@@ -198,7 +213,7 @@ class _Held:
                     self._gather_shard(full, spec, self.views.get((name, j)))
             if full is not None:
                 self.full[name] = full
-                self.module.embedding_bags[name]._parameters["weight"] = full
+                self.holders[name]._parameters["weight"] = full
 
     def _gather_shard(
         self, full: Optional[torch.Tensor], spec: ShardSpec, mine: Optional[torch.Tensor]
@@ -227,10 +242,12 @@ class _Held:
     def _buffer(self, region: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         if region.device == self.comm_device and region.is_contiguous():
             return region
-        return torch.empty(spec.num_rows, spec.num_cols, device=self.comm_device)
+        return torch.empty(
+            spec.num_rows, spec.num_cols, dtype=region.dtype, device=self.comm_device
+        )
 
     def full_by_fqn(self) -> dict[str, torch.Tensor]:
-        return {_weight_fqn(self.fqn, n): t for n, t in self.full.items()}
+        return {_weight_fqn(self.fqn, self.attr, n): t for n, t in self.full.items()}
 
     # -- out -----------------------------------------------------------------------------------
 
@@ -258,16 +275,16 @@ class _Held:
     def _shape_problem(self) -> Optional[str]:
         layout = self.module.layout
         for name, full in self.full.items():
-            now = self.module.embedding_bags[name]._parameters["weight"]
+            now = self.holders[name]._parameters["weight"]
             table = layout.tables[layout.table_index(name)]
             expected = (table.num_embeddings, table.embedding_dim)
             if not isinstance(now, torch.Tensor) or tuple(now.shape) != expected:
                 got = tuple(now.shape) if isinstance(now, torch.Tensor) else type(now).__name__
                 return (
-                    f"table {name!r} ({_weight_fqn(self.fqn, name)}) is {got} on exit, but the "
-                    f"plan shards it as {expected}; a sharded table's shape cannot change inside "
-                    "unshard (change its values in place, or build and shard a model with the "
-                    "new size)"
+                    f"table {name!r} ({_weight_fqn(self.fqn, self.attr, name)}) is {got} on exit, "
+                    f"but the plan shards it as {expected}; a sharded table's shape cannot change "
+                    "inside unshard (change its values in place, or build and shard a model with "
+                    "the new size)"
                 )
         return None
 
@@ -278,7 +295,7 @@ class _Held:
             t = layout.table_index(name)
             full = None
             if self.holds:
-                full = self.module.embedding_bags[name]._parameters["weight"].detach()
+                full = self.holders[name]._parameters["weight"].detach()
             if layout.placements[t].sharding_type is ShardingType.DATA_PARALLEL:
                 replica = self.sharded[name]
                 if self.rank0_only and not self.local:
@@ -316,7 +333,7 @@ class _Held:
 
     def restore(self) -> None:
         for name, weight in self.sharded.items():
-            self.module.embedding_bags[name]._parameters["weight"] = weight
+            self.holders[name]._parameters["weight"] = weight
         self.full.clear()
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from modular.checkpoint._apply import load_all_or_nothing, local_tensors, part_loads
 from modular.checkpoint._export import export, load_unsharded
 from modular.checkpoint._files import (
     SafeLoadPlanner,
@@ -40,13 +41,7 @@ from modular.checkpoint._files import (
     tmp_dir,
     verify_file,
 )
-from modular.checkpoint._staging import (
-    apply_model,
-    apply_optimizer,
-    check_loaded,
-    local_tensors,
-    stage,
-)
+from modular.checkpoint._staging import check_loaded, stage
 from modular.checkpoint._state import MODEL, model_state, optimizer_state
 from modular.errors import CheckpointError
 from modular.tables.deprecation import quietly
@@ -121,10 +116,12 @@ def load(
 
     The model may be sharded by any plan over any number of ranks: each rank reads just the
     slices its shards need. Before anything changes, every file is checked against the sha256
-    recorded at save time and every table's name and global shape against the checkpoint's
-    metadata; any problem raises `CheckpointError` on every rank naming the file or table. The
-    state is read into fresh buffers and copied into the model only after every rank has read
-    all of it, so a failed load leaves the model and optimizer as they were. Tables (and every
+    recorded at save time and every entry's name, global shape and dtype against the whole
+    model's; any problem raises `CheckpointError` on every rank naming the file or table. The
+    state is read into fresh buffers and put into the model and optimizer only after every rank
+    has read all of it; a failure while putting it in (the model's own `load_state_dict`, or an
+    optimizer's, raising) puts every weight and the optimizer state back on every rank (Note [all
+    or nothing]). So a failed load leaves the model and optimizer as they were. Tables (and every
     model entry) keep their dtype: an entry saved in another dtype (FP32 into an FP16 table, or
     back) is refused naming it, unless `convert_dtypes=True` converts it.
     """
@@ -139,10 +136,21 @@ def load(
     names = sorted(manifest["files"])
     problems = [verify_file(found, n, manifest["files"][n]) for n in names[rank::world]]
     agree(next((p for p in problems if p is not None), None))
-    staged, error = stage(read_metadata(found), model, optimizer, str(found), convert_dtypes)
+    staged, error = None, None
+    try:  # TypeError: an optimizer over tensors that are not the model's (it names them)
+        staged, error = stage(read_metadata(found), model, optimizer, str(found), convert_dtypes)
+    except (CheckpointError, TypeError) as e:
+        error = str(e)
     agree(error)
-    dcp.load(staged.buffers, storage_reader=SafeReader(found), planner=SafeLoadPlanner())
+    try:
+        dcp.load(staged.buffers, storage_reader=SafeReader(found), planner=SafeLoadPlanner())
+    except CheckpointException as e:  # DCP raises it on every rank
+        raise CheckpointError(
+            f"reading checkpoint {str(found)!r} failed: {e}; nothing was loaded (the files passed "
+            "their sha256 check, so look for one changed or removed while loading)"
+        ) from e
     agree(check_loaded(staged))
     model_values = {k[len(MODEL):]: local_tensors(staged.buffers[k]) for k in staged.model_keys}
-    apply_model(model, model_values)
-    apply_optimizer(staged)
+    load_all_or_nothing(
+        model, model_values, part_loads(staged), source=f"checkpoint {str(found)!r}"
+    )

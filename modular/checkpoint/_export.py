@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from modular.comm import collective_device
 from modular.checkpoint._files import MANIFEST, agree
 from modular.errors import CheckpointError
-from modular.checkpoint._staging import apply_model
+from modular.checkpoint._apply import load_all_or_nothing
 from modular.checkpoint._state import describe, dtype_problem, global_shape
 from modular.sharding import sharded_modules
 from modular.tables.deprecation import quietly
@@ -118,14 +118,18 @@ def load_unsharded(
 
     Every rank calls it with the same source; each copies only its own slices (a file is memory-
     mapped, so a rank reads just the pages of its shards). The file is read, and names, shapes
-    and types checked strictly, on every rank before any weight changes; a file that cannot be
-    read or does not match raises `CheckpointError` on every rank naming the file and the table.
-    A tensor of another dtype than the model's (an FP32 table into an FP16 one, or back) is
-    refused unless `convert_dtypes=True`.
+    and types checked strictly against the whole model, on every rank before any weight changes;
+    a file that cannot be read or does not match raises `CheckpointError` on every rank naming
+    the file and the table. A tensor of another dtype than the model's (an FP32 table into an
+    FP16 one, or back) is refused unless `convert_dtypes=True`. The entries other than sharded
+    tables go through the model's own `load_state_dict(state_dict, strict=False)` (an override
+    without `assign` is fine); if it raises on any rank, every rank puts its weights back and
+    raises `CheckpointError` (Note [all or nothing]).
     """
     live = get_model_state_dict(model)
     source, error = _read_unsharded(state_dict_or_path, live, convert_dtypes)
     agree(error)
+    what = _described(state_dict_or_path)
     values = {}
     for fqn, target in live.items():
         full = source[fqn]
@@ -140,7 +144,13 @@ def load_unsharded(
             )
         else:
             values[fqn] = full
-    apply_model(model, values)
+    load_all_or_nothing(model, values, [], source=what)
+
+
+def _described(state_dict_or_path: Union[dict[str, torch.Tensor], str, os.PathLike]) -> str:
+    if isinstance(state_dict_or_path, (str, os.PathLike)):
+        return f"the unsharded state dict {str(state_dict_or_path)!r}"
+    return "the unsharded state dict"
 
 
 def _read_unsharded(
@@ -148,9 +158,8 @@ def _read_unsharded(
     convert_dtypes: bool = False,
 ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """(the state dict, None) if it matches the model's state `live`, else (None, why not)."""
-    source, what = state_dict_or_path, "the unsharded state dict"
+    source, what = state_dict_or_path, _described(state_dict_or_path)
     if isinstance(source, (str, os.PathLike)):
-        what = f"the unsharded state dict {str(source)!r}"
         why = None
         if os.path.exists(os.path.join(source, MANIFEST)):
             why = "it is a checkpoint directory: load it with modular.checkpoint.load"

@@ -55,13 +55,24 @@ _CHUNK = 1 << 22
 
 def agree(error: Optional[str], group: Optional[dist.ProcessGroup] = None) -> None:
     """Raises on every rank if any rank has an error, so that no rank walks into a collective alone."""
+    error = any_rank_error(error, group)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def any_rank_error(
+    error: Optional[str], group: Optional[dist.ProcessGroup] = None
+) -> Optional[str]:
+    """This rank's error, else the first other rank's (saying which), else None; the same verdict
+    on every rank (one all-gather)."""
     errors: list[Optional[str]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     if error is not None:
-        raise CheckpointError(error)
+        return error
     for rank, e in enumerate(errors):
         if e is not None:
-            raise CheckpointError(f"rank {rank} failed, so every rank stops: {e}")
+            return f"rank {rank} failed, so every rank stops: {e}"
+    return None
 
 
 def new_token(group: Optional[dist.ProcessGroup] = None) -> str:
@@ -233,10 +244,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path) -> Metadata:
-    with open(path / METADATA_FILE, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
+    file = path / METADATA_FILE
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # unpickling bytes can raise almost anything; each means "not metadata"
+        raise CheckpointError(
+            f"{str(file)!r} cannot be read as DCP metadata ({type(e).__name__}: {e}); nothing "
+            "was loaded. It passed its sha256 check, so it was written that way: load another "
+            "checkpoint"
+        ) from e
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{str(path / METADATA_FILE)!r} does not hold DCP metadata")
+        raise CheckpointError(f"{str(file)!r} does not hold DCP metadata; nothing was loaded")
     return metadata
 
 

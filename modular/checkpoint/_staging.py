@@ -1,5 +1,5 @@
-"""Loading a checkpoint: staging what is read (checked before anything changes), then putting
-it back into the model and the optimizer. See Note [checkpoint keys] in _state.py."""
+"""Loading a checkpoint: staging what is read, checked before anything changes (Note [checkpoint
+keys] in _state.py). _apply.py puts it into the model and the optimizer."""
 
 from __future__ import annotations
 
@@ -12,13 +12,8 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 
-from modular.tables.forms import dtype_of, is_sharded, local_pieces
+from modular.tables.forms import dtype_of
 from modular.checkpoint._state import (
     MODEL,
     OPTIM,
@@ -222,31 +217,7 @@ def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) ->
     )
 
 
-# -- putting staged values into the model -------------------------------------------------------
-
-
-@torch.no_grad()
-def apply_model(model: nn.Module, values: dict[str, Any]) -> None:
-    """Copies loaded values into the model. A sharded table's value is the list of its local
-    shards' tensors, copied in place (through to the lookup kernels); the rest goes through
-    `set_model_state_dict`, so FSDP2 and module hooks see an ordinary `load_state_dict`."""
-    live = get_model_state_dict(model)
-    rest = {}
-    for fqn, value in values.items():
-        target = live[fqn]
-        if is_sharded(target):
-            for mine, loaded in zip(local_pieces(target), value):
-                mine.tensor.copy_(loaded)
-        else:
-            rest[fqn] = value
-    set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
-
-
-def local_tensors(value: Any) -> Any:
-    """What `apply_model` takes for an entry read by DCP: a ShardedTensor's local tensors."""
-    if is_sharded(value):
-        return [p.tensor for p in local_pieces(value)]
-    return value
+# -- what can only be checked once read ----------------------------------------------------------
 
 
 def check_loaded(staged: Staged) -> Optional[str]:
@@ -275,28 +246,3 @@ def check_loaded(staged: Staged) -> Optional[str]:
                     "without it. Nothing was loaded"
                 )
     return None
-
-
-def apply_optimizer(staged: Staged) -> None:
-    for plan in staged.optimizer_parts:
-        _apply_part(plan, staged.buffers)
-
-
-def _apply_part(plan: PartPlan, values: dict[str, Any]) -> None:
-    current = plan.optimizer.state_dict()
-    groups = values[plan.prefix + PARAM_GROUPS]
-    param_groups = [{**saved, "params": g["params"]} for saved, g in zip(groups, current["param_groups"])]
-    state: dict[Any, dict[str, Any]] = {}
-    if plan.keyed_by_fqn:
-        for fqn, name in plan.entries:
-            state.setdefault(fqn, {})[name] = values[state_key(plan.prefix, fqn, name)]
-    else:
-        for index, (slot, names) in enumerate(plan.entries):
-            for name in names:
-                value = values[state_key(plan.prefix, slot.fqn, name)]
-                if is_sharded(value):
-                    value = local_pieces(value)[slot.shard].tensor
-                elif slot.shard is not None:
-                    value = value.clone()  # a scalar shared by several shards
-                state.setdefault(index, {})[name] = value
-    plan.optimizer.load_state_dict({"state": state, "param_groups": param_groups})

@@ -16,14 +16,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
+from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.compare import close, local_blocks
+from tests.modular.compare import close
 
 TIMEOUT_S = 100
 BATCH = 3
@@ -174,13 +177,15 @@ def loss(outputs, targets, bag_rows: slice, seq_rows) -> torch.Tensor:
 
 
 def compare_tables(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> int:
+    """This rank's pieces of every table (ShardedTensor or DTensor shards, or whole replicas)."""
     ref_params = dict(ref.named_parameters())
     compared = 0
     for name, param in model.named_parameters():
         want = ref_params[name].grad if grads else ref_params[name].detach()
-        for tensor, r, c in local_blocks(param):
+        pieces = local_pieces(param) if is_sharded(param) else [((0, 0), tuple(param.shape), param)]
+        for (r, c), (nr, nc), tensor in pieces:
             got = tensor.grad if grads else tensor.detach()
-            close(got, want[r, c], f"{what}: {'grad of ' if grads else ''}{name}[{r.start}:{r.stop}, {c.start}:{c.stop}]")
+            close(got, want[r : r + nr, c : c + nc], f"{what}: {'grad of ' if grads else ''}{name}[{r}:{r + nr}, {c}:{c + nc}]")
             compared += 1
     return compared
 
@@ -188,17 +193,20 @@ def compare_tables(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> 
 # -- one KJT for an EBC and an EC, trained against the unsharded model ---------------------------
 
 
-def _train_combined(case: str) -> dict:
+def _train_combined(case: str, tensor_type: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = make_model()
-    model = modular.shard(copy.deepcopy(ref), plan_for(case, world))
+    model = modular.shard(copy.deepcopy(ref), plan_for(case, world), tensor_type=tensor_type)
     assert isinstance(model.bags, modular.ShardedEmbeddingBagCollection)
     assert isinstance(model.seqs, modular.ShardedEmbeddingCollection)
+    want = DTensor if tensor_type == "dtensor" else ShardedTensor
+    for name, p in model.named_parameters():
+        assert case == "data_parallel" or "s_hist" in name or isinstance(p, want), (name, type(p))
     opt = torch.optim.SGD(modular.local_parameters(model), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     compared = 0
     for step in range(STEPS):
-        what = f"{case}, rank {rank}/{world}, step {step}"
+        what = f"{case}, {tensor_type}, rank {rank}/{world}, step {step}"
         batches = rank_batches(world, step)
         rows = Rows(batches, rank)
         out = model(batches[rank])
@@ -223,9 +231,13 @@ def _train_combined(case: str) -> dict:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", ["table_wise", "row_wise", "column_wise", "data_parallel", "mixed"])
-def test_one_kjt_for_an_ebc_and_an_ec_trains_like_the_unsharded_model(case: str, world: int) -> None:
-    results = run_on_ranks(world, _train_combined, case, timeout=TIMEOUT_S)
+@pytest.mark.parametrize(
+    "case, tensor_type",
+    [(c, "sharded_tensor") for c in ("table_wise", "row_wise", "column_wise", "data_parallel", "mixed")]
+    + [("mixed", "dtensor")],
+)
+def test_one_kjt_for_an_ebc_and_an_ec_trains_like_the_unsharded_model(case: str, tensor_type: str, world: int) -> None:
+    results = run_on_ranks(world, _train_combined, case, tensor_type, timeout=TIMEOUT_S)
     for r in results:
         # outputs (the EBC's and 4 EC keys) each step, and the grads and weights of this
         # rank's pieces (every rank holds some: 6 tables over at most 3 ranks)

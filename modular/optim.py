@@ -262,9 +262,23 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
         if not optimizers:
             raise ValueError("CombinedOptimizer needs at least one optimizer")
-        super().__init__([{"params": []}], {})
         self.optimizers = dict(optimizers)
-        self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]
+        super().__init__([{"params": []}], {})
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The parts' groups, read live: a torch optimizer's `load_state_dict` (every
+        `modular.checkpoint.load`) replaces its group dicts, and an LR scheduler must reach
+        the new ones."""
+        return [g for o in self.optimizers.values() for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        # torch.optim.Optimizer.__init__ assigns its own, empty, groups: the parts' are the groups.
+        if groups:
+            raise AttributeError(
+                "CombinedOptimizer.param_groups are its parts' groups: change those instead"
+            )
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         loss = closure() if closure is not None else None

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from modular.kinds import KINDS
 from modular.tables.forms import global_size, is_sharded, laid_out_like, local_pieces
 
 MODEL = "model."
@@ -40,10 +41,14 @@ PARAM_GROUPS = "param_groups"  # after the optimizer's prefix
 SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
 
 
+# Where either kind of collection keeps its tables (Note [collection kinds] in modular/kinds.py).
+_TABLES_ATTRS = frozenset(kind.tables_attr for kind in KINDS)
+
+
 def describe(fqn: str) -> str:
     """How an error names a state entry: by its table when it is one."""
     parts = fqn.split(".")
-    if len(parts) >= 3 and parts[-3] in ("embedding_bags", "embeddings") and parts[-1] == "weight":
+    if len(parts) >= 3 and parts[-3] in _TABLES_ATTRS and parts[-1] == "weight":
         return f"table {parts[-2]!r} ({fqn})"
     return repr(fqn)
 

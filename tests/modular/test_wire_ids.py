@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+import modular.collection as collection
 import modular.embedding_bag as eb
 from modular.routing.router import INT32_MAX, Router, wire_dtype
 from modular.tables.layout import build_layout
@@ -72,15 +73,15 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
     import modular.kernels.lookups as lookups
 
     received, offsets = [], []
-    lookup, pool, saved = eb.ShardedEmbeddingBagCollection.lookup, eb.pool, eb.INT32_MAX
+    lookup, pool, saved = eb.PooledPart.lookup, eb.pool, collection.INT32_MAX
 
-    def spy_lookup(self, r):
+    def spy_lookup(self, shards, r):
         received.append(r.values.dtype)
         if mode != "promote":
-            return lookup(self, r)
+            return lookup(self, shards, r)
         lookups.INT32_MAX = 0  # batch_offsets: "more ids than int32 offsets can count"
         try:
-            return lookup(self, r)
+            return lookup(self, shards, r)
         finally:
             lookups.INT32_MAX = saved
 
@@ -89,13 +90,13 @@ def _train_watching_dtypes(case: str, mode: str) -> tuple[float, list[torch.dtyp
         assert values.dtype == offs.dtype
         return pool(kernels, values, offs, weights, bags)
 
-    eb.ShardedEmbeddingBagCollection.lookup, eb.pool = spy_lookup, spy_pool
+    eb.PooledPart.lookup, eb.pool = spy_lookup, spy_pool
     if mode == "wide_rank0" and dist.get_rank() == 0:
-        eb.INT32_MAX = 0
+        collection.INT32_MAX = 0  # where the input dist reads it
     try:
         worst = _train(case, "exact_rowwise_adagrad")["worst"]
     finally:
-        eb.ShardedEmbeddingBagCollection.lookup, eb.pool, eb.INT32_MAX = lookup, pool, saved
+        eb.PooledPart.lookup, eb.pool, collection.INT32_MAX = lookup, pool, saved
     return worst, received, offsets
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import socket
 import time
 from typing import Callable
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
-    "PLANS", "Model", "Workload", "add_workload_args", "free_port", "make_batches", "make_ebc",
+    "PLANS", "Model", "Workload", "add_workload_args", "make_batches", "make_ebc",
     "max_over_ranks", "our_plan", "time_block", "workload_fields",
 ]  # fmt: skip
 
@@ -204,10 +203,3 @@ def check_device_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None
         p.error(f"--device cuda --world-size {a.world_size}: this machine has "
                 f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank "
                 "(--cuda-backend gloo shares them)")  # fmt: skip
-
-
-def free_port() -> int:
-    """A free TCP port on this host, for MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from examples.dlrm import DLRM  # noqa: E402
+from examples.ports import free_port  # noqa: E402
 import modular  # noqa: E402
 from examples.train_dlrm import (  # noqa: E402
     BOTTOM_MLP, DIM, TOP_MLP, Data, TrainConfig, make_plan, table_configs,
@@ -159,10 +159,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3, help="alternating blocks the steps are split in")
     p.add_argument("--towers", nargs="+", choices=sorted(TOWERS), default=list(TOWERS))
     a = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(a, port), nprocs=a.world_size, join=True)
+    mp.spawn(_worker, args=(a, free_port()), nprocs=a.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+from examples.ports import free_port  # noqa: E402
 
 MiB = 1 << 20
 
@@ -163,9 +164,7 @@ def main() -> None:
     p.add_argument("--big-rows", type=int, default=1_000_000)
     p.add_argument("--part", choices=("both", "steps", "unshard"), default="both")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.world_size)]

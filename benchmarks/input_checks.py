@@ -35,9 +35,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 # The same tables, plans and batches as the step-time benchmark.
 from benchmarks._common import (  # noqa: E402
-    PLANS, Model, Workload, add_workload_args, free_port, make_batches, make_ebc, max_over_ranks,
-    our_plan, time_block, workload_fields,
+    PLANS, Model, Workload, add_workload_args, make_batches, make_ebc, max_over_ranks, our_plan,
+    time_block, workload_fields,
 )
+from examples.ports import free_port  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

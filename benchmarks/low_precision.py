@@ -43,7 +43,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks._common import add_device_args, check_device_args, free_port, init_ranks  # noqa: E402
+from benchmarks._common import add_device_args, check_device_args, init_ranks  # noqa: E402
+from examples.ports import free_port  # noqa: E402
 
 MiB = 1 << 20
 CONFIGS = {  # name: (tables in FP16, comm dtype)

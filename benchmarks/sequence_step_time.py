@@ -26,7 +26,6 @@ import argparse
 import copy
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,6 +38,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
+
+from examples.ports import free_port  # noqa: E402
 
 LR, EPS = 0.01, 1e-8
 PLANS = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise"}
@@ -223,9 +224,7 @@ def main() -> None:
     a = p.parse_args()
     cfg = Config(a.tables, a.rows, a.dim, a.batch, tuple(a.length), a.world_size, tuple(a.plans),
                  tuple(a.optimizers), a.steps, a.blocks, a.warmup, a.only)  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, cfg, port, queue)) for r in range(cfg.world_size)]

@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._common import free_port  # noqa: E402
+from examples.ports import free_port  # noqa: E402
 
 GiB = 1 << 30
 

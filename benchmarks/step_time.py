@@ -86,9 +86,10 @@ from torch import nn  # noqa: E402
 from benchmarks._comm import record as record_collectives, replay as replay_collectives  # noqa: E402
 from benchmarks._bandwidth import bandwidth_line, floor_bytes_per_step  # noqa: E402
 from benchmarks._common import (  # noqa: E402
-    PLANS, Model, Workload, add_device_args, add_workload_args, check_device_args, free_port,
-    init_ranks, make_batches, make_ebc, max_over_ranks, our_plan, time_block, workload_fields,
+    PLANS, Model, Workload, add_device_args, add_workload_args, check_device_args, init_ranks,
+    make_batches, make_ebc, max_over_ranks, our_plan, time_block, workload_fields,
 )
+from examples.ports import free_port  # noqa: E402
 
 OPTIMIZERS = ("dense", "fused")
 CONTENDERS = ("ours", "prefetch", "torchrec", "pipeline", "floor", "unsharded", "dense", "comm")

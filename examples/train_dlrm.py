@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -66,6 +65,7 @@ from examples.dlrm import (
     criteo_table_configs,
     read_criteo_tsv,
 )
+from examples.ports import free_port
 
 ROWS_CAP = 20_000
 DIM = 16
@@ -495,12 +495,6 @@ def run_rank(config: TrainConfig) -> int:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pin(rank: int, world_size: int):
     """Pins a launched rank to its own share of the cores (as CPU launchers such as torch's
     run_cpu do): its threads, gloo's included, then use that rank's idle time rather than
@@ -514,7 +508,7 @@ def _pin(rank: int, world_size: int):
 
 def launch(argv: Sequence[str], world_size: int) -> int:
     """Starts `world_size` CPU ranks of this script, one process each; the worst exit status."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # fmt: skip
     procs = [

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 import modular
 import planners
+from examples.ports import free_port
 from examples.sequential.model import SequentialRecommender, Tower, make_batch
 
 
@@ -124,10 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.destroy_process_group()
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown (see examples/train_dlrm.py's main)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(a.world_size))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(a.world_size))
     procs = [
         subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:])],
                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))

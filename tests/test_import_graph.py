@@ -1,4 +1,5 @@
-"""The import graph of `modular` and `planners`: no cycles, and `planners` stays pure.
+"""The import graph of `modular` and `planners`: no cycles, and `planners` stays pure; and the
+benchmarks and examples stand apart from the tests.
 
 Pure and single-process: the graph is read from the source with `ast`, nothing is imported. An
 edge A -> B is an import in A's file of module B (`from pkg import name` is an edge to
@@ -135,6 +136,42 @@ def test_modular_never_imported_by_planners() -> None:
             if any(n == "modular" or n.startswith("modular.") for n in names):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, f"planners imports modular at {bad}: plans are data, modular applies them"
+
+
+def _lines_importing(source: str, packages: tuple[str, ...]) -> list[int]:
+    """The lines of `source` that import a module of one of `packages`, wherever they stand."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+        else:
+            continue
+        if any(n.split(".")[0] in packages for n in names):
+            found.append(node.lineno)
+    return found
+
+
+def test_benchmarks_and_examples_import_no_test_module() -> None:
+    """A benchmark or an example that imports tests/ runs only from a checkout with the test suite
+    and drifts with it; what both need (a reference, a helper) lives outside tests/, which may
+    import it. The examples stand alone: they import no benchmark either."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder, packages in (("benchmarks", ("tests",)), ("examples", ("tests", "benchmarks")))
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line in _lines_importing(path.read_text(), packages)
+    ]
+    assert not bad, f"imports of tests/ (or, in examples/, of benchmarks/) at {bad}: move what they need out of tests/"
+
+
+def test_the_import_finder_finds_imports_anywhere() -> None:
+    source = (
+        "import os\nfrom testsuite import x\nfrom tests.modular.ebc_cases import make_ebc\n"
+        "def f():\n    import tests.dist as d\n    from . import tests\n"
+    )
+    assert _lines_importing(source, ("tests",)) == [3, 5]
 
 
 def test_modular_files_stay_small() -> None:

@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 import step_time as st  # noqa: E402
-from benchmarks._common import free_port, time_block  # noqa: E402
+from benchmarks._common import time_block  # noqa: E402
+from examples.ports import free_port  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -41,6 +40,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
+from examples.ports import free_port
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.modular.compare import local_blocks, state_error
 from tests.modular.ebc_cases import CASES, global_batch, make_batch, placements_for
@@ -86,17 +86,11 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_spawned(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """`fn(device, *args)` on `world` fresh ranks; its per-rank results, or the ranks' errors."""
     with tempfile.TemporaryDirectory() as out:
         ctx = tmp.start_processes(
-            _entry, args=(world, _free_port(), out, fn, args), nprocs=world, join=False, start_method="spawn"
+            _entry, args=(world, free_port(), out, fn, args), nprocs=world, join=False, start_method="spawn"
         )
         try:
             while not ctx.join(timeout=SPAWN_TIMEOUT_S):

@@ -11,7 +11,6 @@ the interpreter starts to finalize (without modular's hook, every FSDP2 rank has
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from examples.ports import free_port as _free_port
+
 JOB = Path(__file__).resolve().with_name("exit_job.py")
 JOBS = 20
 AT_ONCE = 4  # jobs running together: 8 rank processes keep 2 cores busy while ranks wait on gloo
 JOB_TIMEOUT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_job(tmp: Path, job: int) -> list[subprocess.Popen]:

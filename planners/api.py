@@ -110,7 +110,7 @@ def plan_with_stats(
     base = model.batch_buffer_bytes(TableArrays.of(plain))
     room = topology.capacity - base
     candidates = enumerate_candidates(plain, model, cons, room)
-    if room <= 0 or not candidates.valid.any(axis=1).all():
+    if room <= 0 or not candidates.any_valid().all():
         raise explain_no_plan(table_set, candidates, cons, model, base, ())
     bound = lower_bound(candidates, topology.world_size)
     outcome = search(plain, model, candidates, cons, float(topology.capacity), bound)

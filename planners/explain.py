@@ -88,7 +88,7 @@ def explain_no_plan(
         )
 
     # 3. Tables none of whose allowed candidates has a shard that fits on an empty rank.
-    stuck = np.flatnonzero(~candidates.valid.any(axis=1))
+    stuck = np.flatnonzero(~candidates.any_valid())
     if len(stuck):
         order = sorted(stuck, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
         lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
@@ -105,7 +105,8 @@ def explain_no_plan(
     # replica is on every rank, so more ranks do not help.
     dp = candidates.columns.index((ShardingType.DATA_PARALLEL, world))
     only_dp = [i for i in range(len(table_set))
-               if candidates.valid[i, dp] and candidates.valid[i].sum() == 1]  # fmt: skip
+               if candidates.valid[i, dp] and candidates.valid[i].sum() == 1
+               and candidates.row_wise.lo[i] > candidates.row_wise.hi[i]]  # fmt: skip
     replicas = float(sum(candidates.max_memory[i, dp] for i in only_dp))
     if only_dp and replicas > room:
         order = sorted(only_dp, key=lambda i: (-candidates.max_memory[i, dp], i))
@@ -127,7 +128,7 @@ def explain_no_plan(
     fill = foot.sum() / (world * room)
     lines = []
     for i in order[:_LISTED]:
-        smallest = float(np.min(np.where(candidates.valid[i], candidates.max_memory[i], np.inf)))
+        smallest = candidates.smallest_memory(i, allowed_only=False)
         pins = constraints[i].ranks if constraints[i] is not None else ()
         pinned = f", pinned to ranks {list(pins)}" if pins else ""
         lines.append(f"  {names[i]!r}: smallest shard {format_bytes(smallest)}{pinned}")
@@ -148,8 +149,7 @@ def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, ro
     fqn, table = entry
     name = display_name(fqn, table.name)
     topo = model.topology
-    allowed = candidates.allowed[i]
-    smallest = float(np.min(np.where(allowed, candidates.max_memory[i], np.inf)))
+    smallest = candidates.smallest_memory(i, allowed_only=True)
     foot = _footprint(table, model.optimizer)
     ways = []
     splittable = (ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)

@@ -22,12 +22,13 @@ optimum.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from planners.cost import CostModel, TableArrays
 from planners.inputs import Table, TableConstraint
+from planners.row_wise import RowWise
 from planners.types import ShardingType
 
 __all__ = ["Candidates", "column_unit", "enumerate_candidates", "lower_bound", "select"]
@@ -42,7 +43,10 @@ def column_unit(dim: int) -> int:
 
 
 class Candidates(NamedTuple):
-    """Every candidate of every table: `columns[j]` = (type, shards); arrays are (tables, m)."""
+    """Every candidate of every table. The explicit ones, `columns[j]` = (type, shards), are
+    priced in (tables, m) arrays; the row-wise ones, any of 2..min(W, N) shards, in closed form
+    by `row_wise` (Note [row-wise candidates in closed form] in planners/row_wise.py). A choice of
+    candidate per table is a code: j for `columns[j]`, `m + k` for row-wise over k."""
 
     columns: tuple[tuple[ShardingType, int], ...]
     valid: np.ndarray  # allowed, shape ok, largest shard fits in memory
@@ -52,6 +56,77 @@ class Candidates(NamedTuple):
     # bytes the largest shard needs on its rank, with what the placement adds to every rank
     # (`CostModel.everywhere_bytes`: row-wise pieces' low-precision copies; less for a replica)
     max_memory: np.ndarray
+    row_wise: RowWise
+
+    @property
+    def row_wise_base(self) -> int:
+        return len(self.columns)
+
+    def any_valid(self) -> np.ndarray:
+        """Per table, whether any candidate's largest shard fits."""
+        return self.valid.any(axis=1) | (self.row_wise.lo <= self.row_wise.hi)
+
+    def option(self, code: int) -> tuple[ShardingType, int]:
+        """The (type, shards) of a choice code."""
+        if code < self.row_wise_base:
+            return self.columns[code]
+        return (_T.ROW_WISE, int(code - self.row_wise_base))
+
+    def _split(self, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rw = np.flatnonzero(choice >= self.row_wise_base)
+        return rw, choice[rw] - self.row_wise_base
+
+    def cost_of(self, choice: np.ndarray) -> np.ndarray:
+        """Seconds of the largest shard of each table's chosen candidate."""
+        rows = np.arange(len(choice))
+        out = self.max_cost[rows, np.minimum(choice, self.row_wise_base - 1)].copy()
+        rw, k = self._split(choice)
+        if len(rw):
+            out[rw] = self.row_wise.cost(rw, k)
+        return out
+
+    def memory_of(self, choice: np.ndarray) -> np.ndarray:
+        """Bytes of the largest shard of each table's chosen candidate (`max_memory`)."""
+        rows = np.arange(len(choice))
+        out = self.max_memory[rows, np.minimum(choice, self.row_wise_base - 1)].copy()
+        rw, k = self._split(choice)
+        if len(rw):
+            out[rw] = self.row_wise.memory(rw, k)
+        return out
+
+    def by_total(self, i: int) -> Iterator[tuple[ShardingType, int]]:
+        """Table i's valid sharded candidates (not data-parallel), cheapest in total first;
+        ties in the order of the columns, row-wise after the explicit ones."""
+        rw = self.row_wise
+        explicit = [(float(self.total[i, j]), j) for j in np.flatnonzero(self.valid[i])
+                    if self.columns[j][0] is not _T.DATA_PARALLEL]  # fmt: skip
+        explicit.sort()
+        one = np.array([i])
+        k, ks = int(rw.lo[i]), int(rw.hi[i])
+        pos = 0
+        while pos < len(explicit) or k <= ks:
+            if k <= ks and not rw.fits(one, np.array([k]))[0]:
+                k += 1
+                continue
+            rw_total = float(rw.total(one, np.array([k]))[0]) if k <= ks else np.inf
+            if pos < len(explicit) and explicit[pos][0] <= rw_total:
+                yield self.columns[explicit[pos][1]]
+                pos += 1
+            else:
+                yield (_T.ROW_WISE, k)
+                k += 1
+
+    def smallest_memory(self, i: int, *, allowed_only: bool) -> float:
+        """The fewest bytes a largest shard of table i needs, over its allowed candidates
+        (`allowed_only`) or its valid ones."""
+        mask = self.allowed[i] if allowed_only else self.valid[i]
+        best = float(np.min(np.where(mask, self.max_memory[i], np.inf)))
+        rw = self.row_wise
+        lo, hi = (rw.allowed_lo[i], rw.allowed_hi[i]) if allowed_only else (rw.lo[i], rw.hi[i])
+        if lo <= hi:  # one table, for a message: every k (a few thousand at most)
+            ks = np.arange(lo, hi + 1)
+            best = min(best, float(rw.memory(np.full(len(ks), i), ks).min()))
+        return best
 
 
 def _pinned_per_host(pins: tuple[int, ...], world: int, host: int) -> int:
@@ -73,7 +148,6 @@ def enumerate_candidates(
     n = len(tables)
     units = np.array([column_unit(t.embedding_dim) for t in tables], dtype=np.float64)[:, None]
     max_cw = int(min(world, max((t.embedding_dim // column_unit(t.embedding_dim)) for t in tables)))
-    max_rw = int(min(world, max(t.num_embeddings for t in tables)))
     columns: list[tuple[ShardingType, int]] = []
     blocks = []  # (max_cost, total, max_mem, shape_ok)
 
@@ -99,10 +173,6 @@ def enumerate_candidates(
     if ks.size:
         add(_T.TABLE_ROW_WISE, ks, np.ceil(t2.rows / ks), t2.dim, t2.rows / ks, t2.dim,
             ks <= t2.rows)  # fmt: skip
-    ks = np.arange(2, max_rw + 1, dtype=np.float64)[None, :]
-    if ks.size:
-        add(_T.ROW_WISE, ks, np.ceil(t2.rows / ks), t2.dim, t2.rows / ks, t2.dim,
-            ks <= t2.rows)  # fmt: skip
     dp = model.shard(_T.DATA_PARALLEL, t2, t2.rows, t2.dim, one)
     dp_needs = dp.memory + model.everywhere_bytes(_T.DATA_PARALLEL, t2, one)
     blocks.append((dp.total, dp.total * world, dp_needs, np.ones((n, 1), bool)))
@@ -119,6 +189,7 @@ def enumerate_candidates(
         max_cost=max_cost,
         total=total,
         max_memory=max_mem,
+        row_wise=RowWise.of(arrays, model, constraints, shard_capacity),
     )
 
 
@@ -149,35 +220,92 @@ def _constraint_mask(
     return mask
 
 
+def _work(c: Candidates, cost: np.ndarray, t: float) -> tuple[float, np.ndarray]:
+    """f(t), the least total work of the tables when every largest shard is <= t, and per
+    table the row-wise k that gives it (0: an explicit candidate does)."""
+    explicit = np.where(cost <= t, c.total, np.inf).min(axis=1)
+    rows = np.arange(len(cost))
+    k = c.row_wise.smallest_under(rows, t)
+    some = np.flatnonzero(k)
+    per_table = explicit.copy()
+    if len(some):
+        per_table[some] = np.minimum(explicit[some], c.row_wise.total(some, k[some]))
+    return float(per_table.sum()), k
+
+
 def lower_bound(c: Candidates, world_size: int) -> float:
-    """The smallest T with f(T) <= W * T (Note [the lower bound]); inf if a table has no candidate."""
+    """The smallest T with f(T) <= W * T (Note [the lower bound]); inf if a table has no candidate.
+
+    f steps down at the breakpoints (every candidate's largest shard); the answer is the first
+    breakpoint p_j with f(p_j) <= W p_j, or below it f(p_{j-1}) / W where that is smaller.
+    Bisection over the floats finds two neighbours lo < hi with f(lo) > W lo and f(hi) <= W hi;
+    then p_j is the smallest breakpoint >= hi and f(p_{j-1}) = f(lo)."""
     cost = np.where(c.valid, c.max_cost, np.inf)
-    if not np.all(np.isfinite(cost.min(axis=1))):
+    rw, rows = c.row_wise, np.arange(len(cost))
+    live = np.flatnonzero(rw.lo <= rw.hi)
+    cheapest, dearest = cost.min(axis=1), np.where(np.isfinite(cost), cost, -np.inf).max(axis=1)
+    if len(live):  # a row-wise table's largest shard is smallest at its most shards
+        cheapest[live] = np.minimum(cheapest[live], rw.cost(live, rw.hi[live]))
+        dearest[live] = np.maximum(dearest[live], rw.cost(live, rw.lo[live]))
+    if not np.all(np.isfinite(cheapest)):
         return float("inf")
-    low = float(cost.min(axis=1).max())
-    points = np.unique(cost[np.isfinite(cost) & (cost >= low)])
-
-    def work(t: float) -> float:
-        return float(np.where(cost <= t, c.total, np.inf).min(axis=1).sum())
-
-    lo, hi = 0, len(points) - 1
-    if work(points[hi]) > world_size * points[hi]:
-        return work(points[hi]) / world_size
-    while lo < hi:  # first breakpoint where the total work fits under W * T
-        mid = (lo + hi) // 2
-        if work(points[mid]) <= world_size * points[mid]:
+    low, high = float(cheapest.max()), float(dearest.max())
+    fits = lambda t: _work(c, cost, t)[0] <= world_size * t  # noqa: E731
+    if fits(low):
+        return low
+    if not fits(high):
+        return _work(c, cost, high)[0] / world_size
+    lo, hi = np.float64(low).view(np.int64), np.float64(high).view(np.int64)
+    while hi - lo > 1:  # positive floats order as their bits do
+        mid = lo + (hi - lo) // 2
+        if fits(float(np.int64(mid).view(np.float64))):
             hi = mid
         else:
-            lo = mid + 1
-    if lo == 0:
-        return float(points[0])
-    return float(min(points[lo], work(points[lo - 1]) / world_size))
+            lo = mid
+    t_lo, t_hi = float(np.int64(lo).view(np.float64)), float(np.int64(hi).view(np.float64))
+    above = np.where(cost >= t_hi, cost, np.inf).min()
+    k = rw.largest_over(rows, t_lo)
+    some = np.flatnonzero(k)
+    if len(some):
+        above = min(above, float(rw.cost(some, k[some]).min()))
+    return float(min(above, _work(c, cost, t_lo)[0] / world_size))
 
 
 def select(c: Candidates, target: float) -> np.ndarray:
-    """Per table, the cheapest-in-total valid candidate whose largest shard is <= `target`
-    (or, where none is, the valid candidate with the smallest largest shard)."""
+    """Per table, the code of the cheapest-in-total valid candidate whose largest shard is <=
+    `target` (or, where none is, of the valid candidate with the smallest largest shard); ties
+    go to the earlier of TW, CW, TWRW, RW, DP, as when row-wise were explicit columns between
+    TWRW and DP."""
     ok = c.valid & (c.max_cost <= target)
     choice = np.where(ok, c.total, np.inf).argmin(axis=1)
-    fallback = np.where(c.valid, c.max_cost, np.inf).argmin(axis=1)
-    return np.where(ok.any(axis=1), choice, fallback)
+    best = np.where(ok.any(axis=1), c.total[np.arange(len(choice)), choice], np.inf)
+    dp = len(c.columns) - 1  # data-parallel is the last explicit column
+    rw, rows = c.row_wise, np.arange(len(choice))
+    k = rw.smallest_under(rows, target)
+    some = np.flatnonzero(k)
+    if len(some):
+        tot = rw.total(some, k[some])
+        take = (tot < best[some]) | ((tot == best[some]) & (choice[some] == dp))
+        choice[some[take]] = c.row_wise_base + k[some[take]]
+        best[some[take]] = tot[take]
+    none = ~np.isfinite(best)
+    if none.any():
+        choice[none] = _smallest_shard(c, np.flatnonzero(none))
+    return choice
+
+
+def _smallest_shard(c: Candidates, idx: np.ndarray) -> np.ndarray:
+    """Codes of the valid candidates with the smallest largest shard (the first on ties)."""
+    cost = np.where(c.valid[idx], c.max_cost[idx], np.inf)
+    j = cost.argmin(axis=1)
+    best = cost[np.arange(len(idx)), j]
+    rw = c.row_wise
+    live = np.flatnonzero(rw.lo[idx] <= rw.hi[idx])
+    if len(live):
+        least = rw.cost(idx[live], rw.hi[idx[live]])
+        # the first (smallest) valid k with that least cost; a fallback, so one table at a time
+        k = np.array([rw.smallest_under(np.array([i]), float(x))[0] for i, x in zip(idx[live], least)])
+        dp = len(c.columns) - 1
+        take = (least < best[live]) | ((least == best[live]) & (j[live] == dp))
+        j[live[take]] = c.row_wise_base + k[take]
+    return j

@@ -11,10 +11,12 @@ import csv
 import io
 from typing import Mapping, NamedTuple, Sequence
 
+import numpy as np
+
 from planners.cost import CostModel, TableArrays
 from planners.inputs import Table, TableConstraint, format_bytes
 from planners.model_tables import match_constraints
-from planners.options import enumerate_candidates
+from planners.options import Candidates, enumerate_candidates
 from planners.stats import PlanStats, TableStats, format_seconds, time_unit
 from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingType, rank_ranges
@@ -209,37 +211,53 @@ def why_lines(stats: PlanStats, tables: Sequence[Table], name: str,
              f"{format_seconds(stats.lower_bound)}); per sharding type, the best this table "
              "could have:"]  # fmt: skip
     for kind in ShardingType:
-        cols = [j for j, (k, _) in enumerate(c.columns) if k is kind]
-        if not cols:
+        rows = _kind_rows(c, kind)  # (k, largest shard s, total s, bytes, valid, allowed)
+        if not rows:
             continue
-        valid = [j for j in cols if c.valid[0, j]]
+        valid = [r for r in rows if r[4]]
         if not valid:
-            if cons[i] is not None and not c.allowed[0, cols].any():
+            if cons[i] is not None and not any(r[5] for r in rows):
                 reason = "not allowed by its constraint (or its shape)"
-            elif not c.allowed[0, cols].any():
+            elif not any(r[5] for r in rows):
                 reason = "not possible for its shape"
             else:
                 reason = "no shard of it fits in a rank's memory"
             lines.append(f"    {kind.value:<22} {reason}")
             continue
-        under = [j for j in valid if c.max_cost[0, j] <= slowest * (1 + 1e-9)]
-        j = (min(under, key=lambda j: (c.total[0, j], c.columns[j][1])) if under
-             else min(valid, key=lambda j: (c.max_cost[0, j], c.columns[j][1])))  # fmt: skip
-        k = c.columns[j][1]
+        under = [r for r in valid if r[1] <= slowest * (1 + 1e-9)]
+        k, largest, total, memory = (min(under, key=lambda r: (r[2], r[0])) if under
+                                     else min(valid, key=lambda r: (r[1], r[0])))[:4]  # fmt: skip
         label = kind.value
         if kind not in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
             label += f" over {k}"
         per = "per replica" if kind is ShardingType.DATA_PARALLEL else "largest shard"
         verdict = "" if under else "  (slower than the slowest rank)"
-        lines.append(f"    {label:<22} {per} {format_seconds(c.max_cost[0, j])}, total "
-                     f"{format_seconds(c.total[0, j])}, {format_bytes(c.max_memory[0, j])}"
-                     f"{verdict}")  # fmt: skip
+        lines.append(f"    {label:<22} {per} {format_seconds(largest)}, total "
+                     f"{format_seconds(total)}, {format_bytes(memory)}{verdict}")  # fmt: skip
     over = "" if chosen.sharding_type is ShardingType.DATA_PARALLEL else f" over {len(chosen.shards)}"
     lines.append(f"  chosen: {chosen.sharding_type.value}{over} ({shard_sizes(chosen)}), largest "
                  f"shard {format_seconds(chosen.max_cost)}, total {format_seconds(chosen.total_cost)}")  # fmt: skip
     lines.append("  (the rows above split evenly; a largest shard above the slowest rank would "
                  "slow the plan, and under it the total is work the other ranks must absorb)")  # fmt: skip
     return lines
+
+
+def _kind_rows(c: Candidates, kind: ShardingType) -> list[tuple]:
+    """The candidates of one table (the only one in `c`) of one type, each as (shards, largest
+    shard seconds, total seconds, bytes, valid, allowed); row-wise over every allowed k."""
+    if kind is not ShardingType.ROW_WISE:
+        return [(k, float(c.max_cost[0, j]), float(c.total[0, j]), float(c.max_memory[0, j]),
+                 bool(c.valid[0, j]), bool(c.allowed[0, j]))
+                for j, (kd, k) in enumerate(c.columns) if kd is kind]  # fmt: skip
+    rw = c.row_wise
+    if min(rw.model.topology.world_size, int(rw.t.rows[0])) < 2:
+        return []  # no row-wise candidate exists at all
+    ks = np.arange(int(rw.allowed_lo[0]), int(rw.allowed_hi[0]) + 1)
+    if not len(ks):
+        return [(2, np.inf, np.inf, np.inf, False, False)]  # shown only as "not allowed"
+    zero = np.zeros(len(ks), dtype=np.int64)
+    return list(zip(ks.tolist(), rw.cost(zero, ks).tolist(), rw.total(zero, ks).tolist(),
+                    rw.memory(zero, ks).tolist(), rw.valid(zero, ks).tolist(), [True] * len(ks)))
 
 
 def describe_counts(stats: PlanStats) -> str:

@@ -150,11 +150,9 @@ def _choose_ranks(p: Problem, s: State, index: int, kind: ShardingType, mems: li
 def _tries(c: Candidates, i: int, first: tuple[ShardingType, int]) -> Iterator[tuple]:
     """The chosen candidate, then the table's other sharded candidates, cheapest first."""
     yield first
-    for j in np.argsort(np.where(c.valid[i], c.total[i], np.inf), kind="stable"):
-        if not c.valid[i, j]:
-            return
-        if c.columns[j] != first and c.columns[j][0] is not _T.DATA_PARALLEL:
-            yield c.columns[j]
+    for option in c.by_total(i):
+        if option != first:
+            yield option
 
 
 def _splittable(p: Problem, i: int, kind: ShardingType) -> bool:
@@ -243,7 +241,7 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
     world = p.model.topology.world_size
     n = len(p.tables)
     s = State.empty(n, world, p.base_memory)
-    picked = [c.columns[j] for j in choice]
+    picked = [c.option(int(j)) for j in choice]
     for i, (kind, _) in enumerate(picked):
         if kind is _T.DATA_PARALLEL:
             f = affine(p, i, kind, 1)
@@ -254,8 +252,8 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
             s.mem += add
             s.kinds[i] = kind
     rows = np.arange(n)
-    weight = np.maximum(c.max_cost[rows, choice] / max(target, 1e-30),
-                        c.max_memory[rows, choice] / p.capacity)  # fmt: skip
+    weight = np.maximum(c.cost_of(choice) / max(target, 1e-30),
+                        c.memory_of(choice) / p.capacity)  # fmt: skip
     unplaced: list[int] = []
     order = [int(i) for i in np.lexsort((rows, -weight))]
     later = [i for i in order if mode == "fill" and _splittable(p, i, picked[i][0])]

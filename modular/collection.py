@@ -33,6 +33,9 @@ from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
 from modular.routing.received import Received
 from modular.routing.router import INT32_MAX, Router
+from modular.routing.variable_batch import (
+    VariableBatch, bag_positions, permute_bags, select_features, strides_of,
+)  # fmt: skip
 from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
 from modular.tables.weights import check_widths_off_cpu
@@ -82,6 +85,8 @@ class Wire(NamedTuple):
 class KindPart(Protocol):
     """What differs by kind in the step (Note [collection kinds])."""
 
+    variable_batch: bool  # takes a batch whose features have their own bag counts
+
     def attach(self, shards: LocalShards) -> None:
         """Sees this rank's kernels once they are built (before any step)."""
 
@@ -122,7 +127,13 @@ class ShardedCollection:
         # A world of one sends nothing: each all-to-all would copy a tensor onto itself (four a
         # step; on a GPU each costs a NCCL launch), and no peer needs the agreement.
         self.alone = at.world == 1
-        self.router = Router(self.layout, module=module, is_weighted=is_weighted, device=device)
+        self.router = Router(
+            self.layout, module=module, is_weighted=is_weighted, device=device,
+            variable_batch=part.variable_batch,
+        )  # fmt: skip
+        self.my_route_features = torch.tensor(
+            [r.feature for r in self.layout.routes_to(at.rank)], dtype=torch.int64
+        )
         self.shards = LocalShards(at=at, fused=fused)
         part.attach(self.shards)
         self.local_features = Permutation([r.feature for r in self.layout.local])
@@ -166,8 +177,13 @@ class ShardedCollection:
         """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
         rejection, kjt, routed = self.router.accept(features, alone=self.alone)
         batch, world = features.stride(), self.at.world
+        variable = kjt is not None and kjt.variable_stride_per_key()
         if self.alone:
             lengths, values, weights = routed.lengths, routed.values, routed.weights
+            if variable:  # Note [variable batch per feature]
+                strides = torch.tensor([strides_of(kjt)], dtype=torch.int64)
+                vbe = VariableBatch(strides, kjt.inverse_indices()[1])
+                return self._received_bags(kjt, lengths, values, weights, vbe)
         else:
             # Every rank hears how much is coming and whether anyone failed (so a bad batch
             # raises on every rank instead of hanging the others) in the header of the ids' own
@@ -175,10 +191,17 @@ class ShardedCollection:
             # whether this rank needs its ids sent as int64 this step (Note [ids on the wire]).
             exchange = exchange or self.exchange
             wide = routed is not None and routed.values.numel() > INT32_MAX
-            got = exchange.exchange(routed, rejection, batch, wide, self._agreement(exchange))
+            got = exchange.exchange(
+                routed, rejection, batch, wide, self._agreement(exchange),
+                strides_of(kjt) if variable else None,
+            )  # fmt: skip
             if rejection is not None:  # unreachable: the exchange raised it
                 raise InputError(rejection.message)
             lengths, values, weights = got.lengths, got.values, got.weights
+            if got.strides is not None:  # some rank's batch has its own bags per feature
+                inverse = kjt.inverse_indices()[1] if variable else _uniform_inverse(kjt)
+                vbe = VariableBatch(got.strides, inverse)
+                return self._received_bags(kjt, lengths, values, weights, vbe)
             mine = self.router.routes_per_rank[self.at.rank]
             if world > 1 and mine > 0:  # arrivals are (source, route); kernels want (route, source)
                 perm = torch.arange(world * mine, device=self.at.device, dtype=torch.int32)
@@ -190,6 +213,22 @@ class ShardedCollection:
         local = permute(kjt, self.local_features) if self.layout.local else None
         extra = self.part.prepare(kjt, lengths)
         return Received(batch, kjt, lengths, values, weights, local, extra)
+
+    def _received_bags(self, kjt, lengths, values, weights, vbe: VariableBatch) -> Received:
+        """`input_dist`'s result where features have their own bags (Note [variable batch per
+        feature]): the arrivals, (source rank, route) by bags, put route by route."""
+        mine = self.my_route_features
+        if mine.numel() and self.at.world > 1:
+            per_source = vbe.strides[:, mine]  # (ranks, my routes): the bags each rank sent
+            starts = torch.cumsum(per_source.reshape(-1), 0) - per_source.reshape(-1)
+            at = bag_positions(starts.view_as(per_source).t().reshape(-1), per_source.t().reshape(-1))
+            lengths, values, weights = permute_bags(at, lengths, values, weights)
+        local = None
+        if self.layout.local:
+            features = [r.feature for r in self.layout.local]
+            local = select_features(kjt, features, [self.layout.features[f] for f in features])
+        extra = self.part.prepare(kjt, lengths)
+        return Received(kjt.stride(), kjt, lengths, values, weights, local, extra, vbe)
 
     def _agreement(self, exchange: IdsExchange) -> str:
         """The input dist's first all-to-all on the exchange's group, as its error names it
@@ -319,3 +358,10 @@ class ShardedCollectionModule(nn.Module):
     _prefetcher = property(lambda self: self._sharded.prefetcher)
     _exchange = property(lambda self: self._sharded.exchange)
     _router = property(lambda self: self._sharded.router)
+
+
+def _uniform_inverse(kjt: KeyedJaggedTensor) -> torch.Tensor:
+    """The inverse indices of a batch with one bag per sample, for a step in which some other
+    rank's batch has its own bags per feature (every rank then takes the variable-batch path)."""
+    batch, device = kjt.stride(), kjt.lengths().device
+    return torch.arange(batch, device=device).expand(len(kjt.keys()), batch)

@@ -45,6 +45,8 @@ class Sequences(NamedTuple):
 class SequencePart:
     """Sequences: the per-kind part of the step (`KindPart` in modular/collection.py)."""
 
+    variable_batch = False  # torchrec's EC has none (Note [variable batch per feature])
+
     def __init__(self, at: RankLayout, *, embedding_dim: int, need_indices: bool) -> None:
         self.at, self.layout = at, at.layout
         self.embedding_dim, self.need_indices = embedding_dim, need_indices

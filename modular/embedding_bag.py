@@ -30,6 +30,7 @@ from modular.kinds import POOLED
 from modular.local_shards import LocalShards
 from modular.routing.arrival import Arrival
 from modular.routing.received import Received
+from modular.routing.variable_output import VariableBags
 from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
 
@@ -38,6 +39,8 @@ __all__ = ["PooledPart", "ShardedEmbeddingBagCollection"]
 
 class PooledPart:
     """Pooled bags: the per-kind part of the step (`KindPart` in modular/collection.py)."""
+
+    variable_batch = True  # Note [variable batch per feature]: `VariableBags` takes those steps
 
     def __init__(self, at: RankLayout, *, is_weighted: bool) -> None:
         layout = at.layout
@@ -52,6 +55,7 @@ class PooledPart:
         self.keys = [o.key for o in layout.outputs]
         self.dims = [o.dim for o in layout.outputs]
         self.mean_columns, self.mean_features = _mean_column_maps(at)
+        self.bags = VariableBags(at, is_weighted=is_weighted)
 
     def attach(self, shards: LocalShards) -> None:
         pass  # the kernels are read at each lookup
@@ -63,6 +67,8 @@ class PooledPart:
         self, shards: LocalShards, received: Received
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Pools the received ids (for every rank's batch) and this rank's data-parallel ids."""
+        if received.vbe is not None:
+            return self.bags.lookup(shards, received)
         rows = self.world * received.batch_size
         remote = torch.zeros(rows, 0, device=self.device)
         if shards.kernels:
@@ -82,6 +88,11 @@ class PooledPart:
 
     def send(self, looked: tuple[torch.Tensor, Optional[torch.Tensor]], received: Received) -> Wire:
         remote, local = looked
+        if received.vbe is not None:
+            send, input_splits, output_splits, local = self.bags.send(
+                remote, local, received.vbe.strides
+            )
+            return Wire(send if self.has_routes else None, input_splits, output_splits, local)
         batch = received.batch_size
         return Wire(
             send=remote if self.has_routes else None,
@@ -91,6 +102,8 @@ class PooledPart:
         )
 
     def place(self, arrived: torch.Tensor, received: Received) -> torch.Tensor:
+        if received.vbe is not None:
+            return self.bags.place(arrived, received)
         out = self.arrival.arrange(arrived, received.batch_size)  # Note [arrival blocks]
         if self.mean_columns is not None:  # MEAN: the sum of the row-wise pieces, divided once
             lengths = received.kjt.lengths().view(-1, received.batch_size)

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from modular.routing.variable_batch import check_variable_batch, ids_per_feature
 from modular.tables.layout import Layout
 from modular.errors import InputError
 
@@ -67,9 +68,13 @@ class BatchChecks:
     any kernel or collective sees it: fbgemm's kernels would read out of bounds or crash.
     """
 
-    def __init__(self, layout: Layout, *, module: str, is_weighted: bool, device: torch.device):
+    def __init__(
+        self, layout: Layout, *, module: str, is_weighted: bool, device: torch.device,
+        variable_batch: bool = False,
+    ):  # fmt: skip
         self.module = module
         self.is_weighted = is_weighted
+        self.variable_batch = variable_batch  # takes a VBE batch (Note [variable batch per feature])
         self.features = layout.features
         # Note [per-sample weights of low-precision tables]
         # torchrec's unsharded EBC takes per-sample weights in its tables' dtype only (its
@@ -110,8 +115,9 @@ class BatchChecks:
         values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
         if values.numel() == 0:
             return None
-        if not self._ids_in_range(values, lengths, kjt.stride(), stats):
-            return self._id_range_rejection(values, lengths, kjt.stride())
+        bags = kjt.stride_per_key() if kjt.variable_stride_per_key() else kjt.stride()
+        if not self._ids_in_range(values, lengths, bags, stats):
+            return self._id_range_rejection(values, lengths, bags)
         # A NaN or inf weight makes the sum non-finite (so may huge finite ones: test exactly
         # then); summing is several times faster than testing each weight.
         if (
@@ -120,7 +126,7 @@ class BatchChecks:
             and not stats.weights_sum_finite
             and not bool(torch.isfinite(weights).all())
         ):
-            return self._weights_rejection(weights, lengths, kjt.stride())
+            return self._weights_rejection(weights, lengths, bags)
         return None
 
     def raise_if_rejected(
@@ -239,14 +245,16 @@ class BatchChecks:
                 f"ids and lengths for module {self.module!r} must be int32 or int64, got "
                 f"values {values.dtype} and lengths {lengths.dtype}",
             )
-        if kjt.variable_stride_per_key():
-            return Rejection(
-                Problem.LENGTHS,
-                -1,
-                f"module {self.module!r} needs the same batch size for every feature; "
-                "variable batch per feature is not supported",
-            )
-        if lengths.numel() != nf * kjt.stride():
+        if kjt.variable_stride_per_key():  # Note [variable batch per feature]
+            why = (
+                check_variable_batch(kjt, self.features, self.module) if self.variable_batch
+                else f"module {self.module!r} needs the same batch size for every feature: it "
+                "is an EmbeddingCollection, and torchrec's has no variable-batch path either; "
+                "expand the batch to one bag per sample for it"
+            )  # fmt: skip
+            if why is not None:
+                return Rejection(Problem.LENGTHS, -1, why)
+        elif lengths.numel() != nf * kjt.stride():
             return Rejection(
                 Problem.LENGTHS,
                 -1,
@@ -342,7 +350,7 @@ class BatchChecks:
             return stats.high < self._min_bound
         # Features with different bounds: each id against its feature's bound (the bounds are
         # a fill, not a gather: the ids of a feature are one slice of the batch).
-        per_feature = lengths.view(len(self.features), batch).sum(1)
+        per_feature = ids_per_feature(lengths, len(self.features), batch)
         bounds = torch.repeat_interleave(self.id_bound, per_feature, output_size=values.numel())
         return not bool((values >= bounds).any())
 
@@ -382,7 +390,7 @@ class BatchChecks:
 
     def feature_of_values(self, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         nf = len(self.features)
-        per_feature = lengths.view(nf, batch_size).sum(1)
+        per_feature = ids_per_feature(lengths, nf, batch_size)
         return torch.repeat_interleave(
             torch.arange(nf, device=lengths.device), per_feature, output_size=int(per_feature.sum())
         )

@@ -79,6 +79,9 @@ class Exchanged(NamedTuple):
     weights: Optional[torch.Tensor]  # one float32 per id, in the ids' order (weighted modules)
     sent: list[int]  # ids this rank sent each rank
     received: list[int]  # ids each rank sent this rank
+    # (world, features) bags of each rank's features, when some rank's batch has a variable batch
+    # per feature (Note [variable batch per feature]); None otherwise
+    strides: Optional[torch.Tensor] = None
 
 
 class IdsExchange:
@@ -100,6 +103,7 @@ class IdsExchange:
         self._routes = router.routes_per_rank
         self._world = len(self._routes)
         self._mine = self._routes[rank]
+        self._rank = rank
         self._wire = router.ids_dtype
         self._device = device
         self._speculate = device.type == "cpu"
@@ -108,11 +112,20 @@ class IdsExchange:
         self._in = [0] * self._world  # payload slot each rank sends this rank
         self._padding = torch.zeros(0, dtype=self._wire, device=device)
         self.buffers = KeptBuffers()  # Note [kept receive buffers]
+        # A module that takes variable-batch KJTs sends its strides in the header, with a flag
+        # (Note [variable batch per feature]); `_routes_of` counts each rank's routes by feature.
+        self._header = HEADER
+        if router.variable_batch:
+            nf = len(router.features)
+            self._header = HEADER + 1 + nf
+            features = router.route_features
+            owner = torch.repeat_interleave(torch.arange(self._world), torch.tensor(self._routes))
+            self._routes_of = torch.zeros(self._world, nf, dtype=torch.int64)
+            self._routes_of.index_put_((owner, features), torch.ones_like(features), accumulate=True)
 
-    def _payloads(self, routes: list[int], counts: list[int], batch: int) -> list[int]:
-        """Payload elements per pair: `routes[i]` routes' lengths, `counts[i]` ids (and
-        their weights)."""
-        return [r * batch + c * self._per_id for r, c in zip(routes, counts)]
+    def _payloads(self, bags: list[int], counts: list[int]) -> list[int]:
+        """Payload elements per pair: `bags[i]` lengths, `counts[i]` ids (and their weights)."""
+        return [b + c * self._per_id for b, c in zip(bags, counts)]
 
     def exchange(
         self,
@@ -121,17 +134,26 @@ class IdsExchange:
         batch: int,
         wide: bool,
         what: str,
+        strides: Optional[list[int]] = None,
     ) -> Exchanged:
         """Sends `routed` (None if this rank rejected its batch) and receives the peers'; raises
         on every rank what the router's `raise_if_rejected` finds in the headers. `wide`: this
         rank's ids need int64 on the wire this step. `what` names the first all-to-all in its
-        errors."""
+        errors. `strides`: each feature's bags, for a variable-batch batch."""
         world, wire = self._world, self._wire
-        h = HEADER * 8 // wire.itemsize  # the header in wire elements
+        h = self._header * 8 // wire.itemsize  # the header in wire elements
         wide = wide and wire != torch.int64
         counts_dev = routed.counts if routed is not None else self._router.zero_counts
-        sent = torch.empty(world, HEADER, dtype=torch.int64, device=self._device)
+        sent = torch.empty(world, self._header, dtype=torch.int64, device=self._device)
         sent[:, IDS] = counts_dev
+        bags_out = [r * batch for r in self._routes]
+        if self._header > HEADER:
+            sent[:, HEADER] = int(strides is not None)
+            sent[:, HEADER + 1:] = (
+                batch if strides is None else torch.tensor(strides, device=self._device)
+            )
+            if strides is not None:
+                bags_out = (self._routes_of @ torch.tensor(strides)).tolist()
         problem = rejection.problem if rejection is not None else 0
         feature = rejection.feature if rejection is not None else -1
         for column, value in ((BATCH, batch), (PROBLEM, int(problem)), (FEATURE, feature),
@@ -141,7 +163,7 @@ class IdsExchange:
         fit = [0] * world  # payload elements this rank puts in each slot
         if self._speculate:  # on CPU, reading the counts costs nothing
             counts = counts_dev.tolist()
-            n_out = self._payloads(self._routes, counts, batch)
+            n_out = self._payloads(bags_out, counts)
             if routed is not None and not wide:  # int64 ids go in the second all-to-all
                 fit = [min(n, s) for n, s in zip(n_out, self._out)]
             sent[:, SPILL] = int(routed is not None and fit != n_out)
@@ -150,7 +172,7 @@ class IdsExchange:
         header = sent.view(wire).view(world, h)
 
         pieces: list[torch.Tensor] = []
-        regions = self._regions(routed, batch, counts) if any(fit) else None
+        regions = self._regions(routed, bags_out, counts) if any(fit) else None
         for d in range(world):
             pieces.append(header[d])
             if fit[d]:
@@ -168,46 +190,50 @@ class IdsExchange:
         heads = torch.cat([recv[o:o + h] for o in starts]).view(torch.int64)
         # One read on the host: this rank's counts with every peer's header.
         both = torch.cat([sent[:, IDS], heads]).cpu()
-        meta = both[world:].view(world, HEADER)
+        meta = both[world:].view(world, self._header)
         self._router.raise_if_rejected(
             meta[:, PROBLEM], meta[:, FEATURE], meta[:, BATCH], rejection
         )
         if counts is None:
             counts = both[:world].tolist()
-            n_out = self._payloads(self._routes, counts, batch)
+            n_out = self._payloads(bags_out, counts)
         received = meta[:, IDS].tolist()
-        n_in = self._payloads([self._mine] * world, received, batch)
+        bags_in, all_strides = [self._mine * batch] * world, None
+        if self._header > HEADER and bool(meta[:, HEADER].any()):
+            all_strides = meta[:, HEADER + 1:]
+            bags_in = (all_strides @ self._routes_of[self._rank]).tolist()
+        n_in = self._payloads(bags_in, received)
         wide_any = bool(meta[:, WIDE].any())
         fit_in = [0 if wide_any else min(n, s) for n, s in zip(n_in, self._in)]
         payloads = [recv[o + h:o + h + f] for o, f in zip(starts, fit_in)]
         if wide_any or bool(meta[:, SPILL].any()):
             if wide_any:
                 fit = [0] * world
-            payloads = self._second(routed, batch, counts, n_out, fit, n_in, fit_in, payloads,
-                                    torch.int64 if wide_any else wire)  # fmt: skip
+            payloads = self._second(routed, bags_out, counts, n_out, fit, n_in, fit_in,
+                                    payloads, torch.int64 if wide_any else wire)  # fmt: skip
         if self._speculate:
             self._out = [grow(n) for n in n_out]
             self._in = [grow(n) for n in n_in]
-        cut = self._mine * batch
         weights = None
         if self._weighted:  # the float32 weights' bits, in the wire dtype
-            bits = torch.cat([p[cut + c:] for p, c in zip(payloads, received)])
+            bits = torch.cat([p[b + c:] for p, b, c in zip(payloads, bags_in, received)])
             bits = bits if bits.dtype == torch.int32 else bits.to(torch.int32)
             weights = bits.view(torch.float32)
         return Exchanged(
-            lengths=torch.cat([p[:cut] for p in payloads]),
-            values=torch.cat([p[cut:cut + c] for p, c in zip(payloads, received)]),
+            lengths=torch.cat([p[:b] for p, b in zip(payloads, bags_in)]),
+            values=torch.cat([p[b:b + c] for p, b, c in zip(payloads, bags_in, received)]),
             weights=weights,
             sent=counts,
             received=received,
+            strides=all_strides,
         )
 
-    def _second(self, routed, batch, counts, n_out, fit_out, n_in, fit_in, first, wire):
+    def _second(self, routed, bags_out, counts, n_out, fit_out, n_in, fit_in, first, wire):
         """The second all-to-all: what did not fit the slots, in `wire` (when that is int64
         for some rank's ids, every payload whole again: `fit_in`, `fit_out` are zero)."""
         rest_out = [n - f for n, f in zip(n_out, fit_out)]
         rest_in = [n - f for n, f in zip(n_in, fit_in)]
-        regions = self._regions(routed, batch, counts) if any(rest_out) else None
+        regions = self._regions(routed, bags_out, counts) if any(rest_out) else None
         pieces = []
         for d in range(self._world):
             if rest_out[d]:
@@ -224,10 +250,10 @@ class IdsExchange:
             out.append(tail if f == 0 else head if tail.numel() == 0 else torch.cat([head, tail]))
         return out
 
-    def _regions(self, routed: Routed, batch: int, counts: list[int]) -> list[list[torch.Tensor]]:
-        """Each rank's payload from this rank as the views that make it up: its lengths, its ids
-        and (weighted modules) its weights' bits."""
-        lengths = routed.lengths.split([r * batch for r in self._routes])
+    def _regions(self, routed: Routed, bags: list[int], counts: list[int]) -> list[list[torch.Tensor]]:
+        """Each rank's payload from this rank as the views that make it up: its lengths (`bags`
+        per rank), its ids and (weighted modules) its weights' bits."""
+        lengths = routed.lengths.split(bags)
         parts = [lengths, routed.values.split(counts)]
         if self._weighted:  # float32 (the checks saw to it): its bits travel as integers
             parts.append(routed.weights.contiguous().view(torch.int32).split(counts))

@@ -7,6 +7,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from modular.routing.variable_batch import VariableBatch
+
 __all__ = ["Received"]
 
 
@@ -20,3 +22,6 @@ class Received(NamedTuple):
     weights: Optional[torch.Tensor]
     local: Optional[KeyedJaggedTensor]  # this rank's own batch for its data-parallel tables
     extra: Any  # what the kind's part prepared (`KindPart.prepare`), or None
+    # A variable-batch step's strides and inverse indices (Note [variable batch per feature]):
+    # then `lengths` is 1-D, each route's bags from every rank, route by route
+    vbe: Optional[VariableBatch] = None

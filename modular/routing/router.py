@@ -14,6 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from modular.errors import InputError
 from modular.routing.checks import BatchChecks, Problem, Rejection
 from modular.routing.permute import Permutation, permute
+from modular.routing.variable_batch import bag_positions, permute_bags, strides_of
 from modular.tables.layout import ROW_SPLIT, Layout
 
 
@@ -76,9 +77,21 @@ class Router(BatchChecks):
     route, in route order, in batch order" (what a stable sort by route would give).
     """
 
-    def __init__(self, layout: Layout, *, module: str, is_weighted: bool, device: torch.device):
-        super().__init__(layout, module=module, is_weighted=is_weighted, device=device)
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        module: str,
+        is_weighted: bool,
+        device: torch.device,
+        variable_batch: bool = False,
+    ):
+        super().__init__(
+            layout, module=module, is_weighted=is_weighted, device=device,
+            variable_batch=variable_batch,
+        )  # fmt: skip
         self.num_routes = len(layout.routes)
+        self.route_features = torch.tensor([r.feature for r in layout.routes], dtype=torch.int64)
         self.routes_per_rank = layout.routes_per_rank()
 
         as_long = dict(dtype=torch.int64, device=device)
@@ -153,6 +166,10 @@ class Router(BatchChecks):
                 self._bucket_pos = None
             self._num_buckets = buckets
         self._source_rows = source_rows
+        # The same, on the host, for batches whose features have their own bag counts (Note
+        # [variable batch per feature]): bags move, not rows of one width.
+        self._source_list = torch.tensor(source, dtype=torch.int64)
+        self._slot_feature_list = torch.tensor(slot_feature, dtype=torch.int64)
         # The last permutation, skipped when it is the identity.
         identity = source == list(range(source_rows))
         self._route_source = None if identity else torch.tensor(source, **as_int)
@@ -173,6 +190,12 @@ class Router(BatchChecks):
         keys = tuple(kjt.keys())
         if keys == self.features:  # the common case first: nothing to select, nothing to check
             return None, kjt
+        if kjt.variable_stride_per_key():  # Note [variable batch per feature]
+            return Rejection(
+                Problem.FEATURES, -1,
+                f"module {self.module!r}: a variable-batch KJT's keys must be the module's "
+                f"features in its order, {list(self.features)}; got {list(keys)}",
+            ), None  # fmt: skip
         selection = self._permutations.get(keys)
         if selection is None:
             rejection = self._features_rejection(keys)
@@ -269,6 +292,8 @@ class Router(BatchChecks):
                 weights=None if weights is None else weights.new_empty(0),
                 counts=self.zero_counts,
             )
+        if kjt.variable_stride_per_key():
+            return self._route_bags(lengths, values, weights, strides_of(kjt))
         lengths = lengths.view(nf, batch)
         if self._bucketize:
             s_lengths, s_values, s_weights = lengths, values, weights
@@ -302,6 +327,46 @@ class Router(BatchChecks):
         cumulative = torch.cat([per_route.new_zeros(1), torch.cumsum(per_route, 0)])
         return Routed(
             lengths=r_lengths.reshape(-1),
+            values=r_values,
+            weights=r_weights,
+            counts=torch.diff(cumulative[self.rank_route_ends]),
+        )
+
+    def _route_bags(self, lengths, values, weights, strides: list[int]) -> Routed:
+        """`route` for a batch whose features have their own bag counts (Note [variable batch
+        per feature]): the same bucketing and permutations, over whole bags."""
+        stride = torch.tensor(strides, dtype=torch.int64)
+        counts = stride  # bags in each row of the source the last permutation reads
+        s_lengths, s_values, s_weights = lengths, values, weights
+        if self._bucketize:
+            slots = self._slot_feature_list
+            slot_bags = stride[slots]
+            if self._slot_features is not None:
+                at = bag_positions((torch.cumsum(stride, 0) - stride)[slots], slot_bags)
+                s_lengths, s_values, s_weights = permute_bags(at, lengths, values, weights)
+            b_lengths, b_values, b_weights, _, _ = (
+                torch.ops.fbgemm.block_bucketize_sparse_features(
+                    s_lengths, s_values, False, False, self._block_sizes, self._num_buckets,
+                    s_weights, slot_bags.to(lengths.device), int(slot_bags.max()),
+                    self._bucket_pos,
+                )
+            )
+            counts = slot_bags.repeat(self._num_buckets)
+            s_lengths, s_values, s_weights = b_lengths, b_values, b_weights
+            if self._append_features:
+                counts = torch.cat([counts, stride])
+                s_lengths = torch.cat([b_lengths, lengths])
+                s_values = torch.cat([b_values, values])
+                s_weights = None if weights is None else torch.cat([b_weights, weights])
+        route_bags = counts[self._source_list]
+        at = bag_positions((torch.cumsum(counts, 0) - counts)[self._source_list], route_bags)
+        r_lengths, r_values, r_weights = permute_bags(at, s_lengths, s_values, s_weights)
+        ends = torch.cumsum(route_bags, 0).to(r_lengths.device)
+        summed = torch.cat([r_lengths.new_zeros(1), torch.cumsum(r_lengths, 0)])
+        per_route = summed[ends] - summed[ends - route_bags.to(r_lengths.device)]
+        cumulative = torch.cat([per_route.new_zeros(1), torch.cumsum(per_route, 0)])
+        return Routed(
+            lengths=r_lengths,
             values=r_values,
             weights=r_weights,
             counts=torch.diff(cumulative[self.rank_route_ends]),

@@ -1,0 +1,176 @@
+"""Variable batch per feature (VBE): each feature looked up and sent at its own batch size.
+
+# Note [variable batch per feature]
+Ranking models deduplicate request-level features: a request's user features are the same for
+every candidate, so such a feature holds one bag per request, not one per sample. torchrec says so
+in the KeyedJaggedTensor: `stride_per_key_per_rank` (each feature's own bag count, its "stride")
+and `inverse_indices` ((keys, (features, batch)): each sample's bag in its feature). Its unsharded
+EBC pools each feature's bags and expands them to the batch with the inverse indices.
+
+A sharded EBC moves and looks up only the deduplicated bags, and expands on the sample's rank,
+after the output dist:
+  * input dist: the header of the ids' exchange carries every rank's strides (Note [ids with
+    their header]), so each rank knows how many bags each route brings from each peer; routing
+    and the arrival permutation move whole bags (`bag_positions`: fbgemm's 1-D permutation of
+    bags, where a batch of one stride permutes 2-D feature rows);
+  * lookup: a kernel takes one bag count for all its routes, so each route's bags are followed by
+    empty ones up to the longest route's (`padded_lengths`); empty bags pool to zero, train
+    nothing, and never travel;
+  * output dist: each rank is sent, for each route, just the bags of its own samples' strides;
+    the arrivals (every rank's, then the local data-parallel ones) are added into each feature's
+    deduplicated output (row-wise pieces sum there), which one gather expands to the batch
+    (`VariableBags` in modular/routing/variable_output.py). Backward is the same in reverse:
+    the expansion's gradient sums the samples of each bag, and only bags travel.
+So the bytes of both all-to-alls scale with the deduplicated batch. Ranks may differ in their
+strides; they must agree on the batch size, as without VBE. A batch whose strides are all the
+batch size costs what it did: nothing above runs for it. Data-parallel replicas gather every
+rank's bags in equal shapes (Note [dense replicas]), so their bags are padded to the largest
+stride any rank has for their features, which every rank reads from the same headers.
+
+torchrec's EmbeddingCollection has no VBE path, and neither has a sharded one: it refuses such a
+batch naming the module. A VBE batch's keys must be the module's features in its order (a
+selection of VBE features would have to move whole bags of every feature first; torchrec's
+sharded modules ask the same).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = [
+    "VariableBatch", "bag_positions", "element_positions", "padded_lengths", "strides_of",
+]  # fmt: skip
+
+
+class VariableBatch(NamedTuple):
+    """A variable-batch step as the input dist leaves it (`Received.vbe`)."""
+
+    strides: torch.Tensor  # (world, features) int64 on the host: each rank's bags per feature
+    inverse: torch.Tensor  # (features, batch): each of this rank's samples' bag in its feature
+
+
+def strides_of(kjt: KeyedJaggedTensor) -> list[int]:
+    """Each feature's bags in a batch (its stride; the batch size for a uniform batch)."""
+    if kjt.variable_stride_per_key():
+        return list(kjt.stride_per_key())
+    return [kjt.stride()] * len(kjt.keys())
+
+
+def bag_positions(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`cat([arange(s, s + n) for s, n in zip(starts, counts)])`, without a loop (int64)."""
+    counts = counts.long()
+    total = int(counts.sum())
+    block = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
+    first = torch.cumsum(counts, 0) - counts
+    return starts.long()[block] + (torch.arange(total) - first[block])
+
+
+def element_positions(
+    bases: torch.Tensor, rows: torch.Tensor, widths: torch.Tensor, strides: torch.Tensor
+) -> torch.Tensor:
+    """Flat positions of blocks of `rows[b] x widths[b]` elements, row-major, block after block:
+    element (i, j) of block b is at `bases[b] + i * strides[b] + j`."""
+    sizes = rows.long() * widths.long()
+    total = int(sizes.sum())
+    block = torch.repeat_interleave(torch.arange(sizes.numel()), sizes, output_size=total)
+    within = torch.arange(total) - (torch.cumsum(sizes, 0) - sizes)[block]
+    width = widths.long()[block]
+    return bases.long()[block] + (within // width) * strides.long()[block] + within % width
+
+
+def padded_lengths(
+    lengths: torch.Tensor, bags: torch.Tensor, padded: int
+) -> torch.Tensor:
+    """Routes' bag lengths (route after route, `bags[r]` each) as `padded` bags per route, each
+    route's own first, then empty ones: a kernel's one bag count (Note [variable batch per
+    feature])."""
+    routes = bags.numel()
+    out = lengths.new_zeros(routes * padded)
+    where = bag_positions(torch.arange(routes) * padded, bags).to(lengths.device)
+    return out.index_copy(0, where, lengths)
+
+
+def permute_bags(
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The bags at `positions` (host int64), in that order, with their ids and weights."""
+    perm = positions.to(device=lengths.device, dtype=torch.int32)
+    out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_1D_sparse_data(
+        perm, lengths, values, weights, None
+    )
+    return out_lengths, out_values, out_weights
+
+
+def select_features(
+    kjt: KeyedJaggedTensor, features: list[int], keys: list[str]
+) -> KeyedJaggedTensor:
+    """A variable-batch KJT's features `features` (may repeat), as a variable-batch KJT."""
+    strides = torch.tensor(strides_of(kjt), dtype=torch.int64)
+    chosen = strides[features]
+    starts = (torch.cumsum(strides, 0) - strides)[features]
+    lengths, values, weights = permute_bags(
+        bag_positions(starts, chosen), kjt.lengths(), kjt.values(), kjt.weights_or_none()
+    )
+    return KeyedJaggedTensor(
+        keys=keys, values=values, weights=weights, lengths=lengths,
+        stride_per_key_per_rank=[[int(s)] for s in chosen],
+    )  # fmt: skip
+
+
+def ids_per_feature(lengths: torch.Tensor, features: int, bags) -> torch.Tensor:
+    """Each feature's ids; `bags`: the batch size, or each feature's own bag count."""
+    if isinstance(bags, int):
+        return lengths.view(features, bags).sum(1)
+    ends = torch.cumsum(torch.tensor(bags, device=lengths.device), 0)
+    summed = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    return summed[ends] - summed[torch.cat([ends.new_zeros(1), ends[:-1]])]
+
+
+def check_variable_batch(kjt: KeyedJaggedTensor, features: tuple[str, ...], module: str) -> Optional[str]:
+    """Why a variable-batch KJT (keys already the module's, in order) is malformed, or None:
+    strides that do not count the lengths, inverse indices missing, misshapen or out of range."""
+    strides = strides_of(kjt)
+    lengths = kjt.lengths()
+    if lengths.numel() != sum(strides):
+        per = ", ".join(f"{f!r}: {s}" for f, s in zip(features, strides))
+        return (
+            f"module {module!r}: the batch's strides ({per}) add up to {sum(strides)} bags but "
+            f"it has {lengths.numel()} lengths; stride_per_key_per_rank must count each "
+            "feature's bags"
+        )
+    inverse = kjt.inverse_indices_or_none()
+    if inverse is None:
+        return (
+            f"module {module!r}: a variable-batch KJT (stride_per_key_per_rank) needs "
+            "inverse_indices=(keys, (features, batch) tensor) to expand its bags to the batch, "
+            "as torchrec's EmbeddingBagCollection does"
+        )
+    keys, index = inverse
+    batch = kjt.stride()
+    if tuple(keys) != features or tuple(index.shape) != (len(features), batch):
+        return (
+            f"module {module!r}: inverse_indices must be keyed by the batch's features "
+            f"{list(features)} with shape ({len(features)}, {batch}) (features, batch); got keys "
+            f"{list(keys)} and shape {tuple(index.shape)}"
+        )
+    if index.dtype not in (torch.int32, torch.int64) or index.device != lengths.device:
+        return (
+            f"module {module!r}: inverse_indices must be int32 or int64 on {lengths.device}, got "
+            f"{index.dtype} on {index.device}"
+        )
+    bound = torch.tensor(strides, dtype=torch.int64, device=index.device).view(-1, 1)
+    bad = (index < 0) | (index >= bound)
+    if bool(bad.any()):
+        f, b = (int(x) for x in bad.nonzero()[0])
+        return (
+            f"feature {features[f]!r} of module {module!r}: inverse_indices sends sample {b} to "
+            f"bag {int(index[f, b])}, but the feature has {strides[f]} bags (its stride); every "
+            "sample's bag must be one of its feature's"
+        )
+    return None

@@ -236,10 +236,11 @@ def _work(c: Candidates, cost: np.ndarray, t: float) -> tuple[float, np.ndarray]
 def lower_bound(c: Candidates, world_size: int) -> float:
     """The smallest T with f(T) <= W * T (Note [the lower bound]); inf if a table has no candidate.
 
-    f steps down at the breakpoints (every candidate's largest shard); the answer is the first
-    breakpoint p_j with f(p_j) <= W p_j, or below it f(p_{j-1}) / W where that is smaller.
-    Bisection over the floats finds two neighbours lo < hi with f(lo) > W lo and f(hi) <= W hi;
-    then p_j is the smallest breakpoint >= hi and f(p_{j-1}) = f(lo)."""
+    f steps down at the breakpoints p_0 < p_1 < ... (every candidate's largest shard); the answer
+    is the first breakpoint p_j with f(p_j) <= W p_j, or f(p_{j-1}) / W where that is smaller.
+    A bisection over the explicit candidates' breakpoints, then over the floats between two of
+    them, keeps a point lo below the answer; from lo, the next breakpoint nb settles it when
+    f(lo) / W < nb (the answer is f(lo) / W) or f(nb) <= W nb (it is nb)."""
     cost = np.where(c.valid, c.max_cost, np.inf)
     rw, rows = c.row_wise, np.arange(len(cost))
     live = np.flatnonzero(rw.lo <= rw.hi)
@@ -250,25 +251,42 @@ def lower_bound(c: Candidates, world_size: int) -> float:
     if not np.all(np.isfinite(cheapest)):
         return float("inf")
     low, high = float(cheapest.max()), float(dearest.max())
-    fits = lambda t: _work(c, cost, t)[0] <= world_size * t  # noqa: E731
-    if fits(low):
+    work = lambda t: _work(c, cost, t)[0]  # noqa: E731
+    w_low = work(low)
+    if w_low <= world_size * low:
         return low
-    if not fits(high):
-        return _work(c, cost, high)[0] / world_size
-    lo, hi = np.float64(low).view(np.int64), np.float64(high).view(np.int64)
-    while hi - lo > 1:  # positive floats order as their bits do
-        mid = lo + (hi - lo) // 2
-        if fits(float(np.int64(mid).view(np.float64))):
-            hi = mid
+    if work(high) > world_size * high:
+        return work(high) / world_size
+    explicit = np.unique(cost[(cost > low) & (cost < high)])
+    lo_i, hi_i = -1, len(explicit)  # explicit[-1] stands for low, explicit[len] for high
+    lo, w_lo, hi = low, w_low, high
+    while hi_i - lo_i > 1:
+        mid = (lo_i + hi_i) // 2
+        w = work(float(explicit[mid]))
+        if w <= world_size * explicit[mid]:
+            hi_i, hi = mid, float(explicit[mid])
         else:
-            lo = mid
-    t_lo, t_hi = float(np.int64(lo).view(np.float64)), float(np.int64(hi).view(np.float64))
-    above = np.where(cost >= t_hi, cost, np.inf).min()
-    k = rw.largest_over(rows, t_lo)
-    some = np.flatnonzero(k)
-    if len(some):
-        above = min(above, float(rw.cost(some, k[some]).min()))
-    return float(min(above, _work(c, cost, t_lo)[0] / world_size))
+            lo_i, lo, w_lo = mid, float(explicit[mid]), w
+    bits_lo, bits_hi = np.float64(lo).view(np.int64), np.float64(hi).view(np.int64)
+    while True:
+        above = np.where(cost > lo, cost, np.inf).min()
+        k = rw.largest_over(rows, lo)
+        some = np.flatnonzero(k)
+        nb = min(float(above), float(rw.cost(some, k[some]).min())) if len(some) else float(above)
+        if w_lo / world_size < nb:
+            return w_lo / world_size
+        if work(nb) <= world_size * nb:
+            return nb
+        # nb is no answer; halve what is left (positive floats order as their bits do)
+        bits_lo, lo, w_lo = np.float64(nb).view(np.int64), nb, work(nb)
+        mid_bits = bits_lo + (bits_hi - bits_lo) // 2
+        mid = float(np.int64(mid_bits).view(np.float64))
+        if mid > lo:
+            w = work(mid)
+            if w <= world_size * mid:
+                bits_hi = mid_bits
+            else:
+                bits_lo, lo, w_lo = mid_bits, mid, w
 
 
 def select(c: Candidates, target: float) -> np.ndarray:

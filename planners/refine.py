@@ -4,28 +4,18 @@ peeling shards (step 4 of Note [how the search works] in planners/search.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from planners.cost import CostModel, TableArrays
 from planners.inputs import Table, TableConstraint
+from planners.prices import Affine, ShardPrices
 from planners.types import ShardingType
 
-__all__ = ["Affine", "Problem", "State", "refine"]
+__all__ = ["Problem", "State", "least_loaded", "refine"]
 
 _T = ShardingType
-
-
-class Affine(NamedTuple):
-    """A shard of `size` rows (or columns) costs a + b * size seconds and am + bm * size bytes;
-    sizes move in multiples of `step` (4 columns, or 1 row)."""
-
-    a: float
-    b: float
-    am: float
-    bm: float
-    step: int
 
 
 class Problem(NamedTuple):
@@ -39,10 +29,7 @@ class Problem(NamedTuple):
     pins: tuple[np.ndarray | None, ...]  # per table, a bool mask of the ranks it may use
     capacity: float  # bytes per rank for shards and batch buffers
     base_memory: float  # batch buffers, the same on every rank
-    prices: dict  # cache for `affine` and `everywhere`
-    affine: Callable[..., Affine]  # search.affine(problem, table, kind, shards)
-    # search.everywhere(problem, table, kind, shards): bytes the placement adds to every rank
-    everywhere: Callable[..., float]
+    prices: ShardPrices  # every table's shard prices, and the bytes a placement adds everywhere
 
 
 @dataclasses.dataclass
@@ -132,7 +119,7 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
         s.sizes[i][j2] += s.sizes[i][j]
         del s.sizes[i][j], s.ranks[i][j]
         if len(s.ranks[i]) == 1 and s.kinds[i] is _T.COLUMN_WISE:
-            s.fits[i] = p.affine(p, i, _T.COLUMN_WISE, 1)  # whole again
+            s.fits[i] = p.prices.affine(i, _T.COLUMN_WISE, 1)  # whole again
             if _allows(p, i, _T.TABLE_WISE):
                 s.kinds[i] = _T.TABLE_WISE
         for jj, rr in enumerate(s.ranks[i]):
@@ -162,8 +149,7 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
                 r2 = int(np.argmin(np.where(okm, s.load, np.inf)))
                 offer(max(s.load[r2] + c, top - c), ("move", i, j, r2))
             # swap it for a cheaper shard of one of the least loaded ranks
-            cands = np.flatnonzero(ok)
-            for r2 in cands[np.argsort(s.load[cands], kind="stable")][:8].tolist():
+            for r2 in least_loaded(s.load, ok, 8):
                 for i2, j2 in on_rank[r2]:
                     f2 = s.fits[i2]
                     c2 = f2.a + f2.b * s.sizes[i2][j2]
@@ -188,7 +174,7 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
             # merge the shard into another shard of the same table (saves its fixed cost)
             if len(s.ranks[i]) > 1 and _may_merge(p, s, i):
                 # the last two column pieces merge into the table whole, at its own price
-                whole = (p.affine(p, i, _T.COLUMN_WISE, 1)
+                whole = (p.prices.affine(i, _T.COLUMN_WISE, 1)
                          if len(s.ranks[i]) == 2 and s.kinds[i] is _T.COLUMN_WISE else None)  # fmt: skip
                 for j2, r2 in enumerate(s.ranks[i]):
                     if j2 == j:
@@ -232,14 +218,27 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
             peel(*action[1:])
 
 
+def least_loaded(load: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
+    """Up to k of the ranks where `ok`, least loaded first, ties to the lower rank: what a
+    stable sort of the world would give, in O(W)."""
+    masked = np.where(ok, load, np.inf)
+    k = min(k, int(np.count_nonzero(ok)))
+    if k == 0:
+        return []
+    kth = masked[np.argpartition(masked, k - 1)[k - 1]]
+    less = np.flatnonzero(masked < kth)
+    chosen = np.concatenate([less, np.flatnonzero(masked == kth)[: k - len(less)]])
+    return chosen[np.lexsort((chosen, masked[chosen]))].tolist()
+
+
 def _everywhere_step(p: Problem, s: State, i: int, dk: int) -> float:
     """What every rank's memory changes by when table i gains (dk = +1) or loses (-1) a
-    shard: a row-wise piece's low-precision copies (`everywhere` in search.py); 0 for
+    shard: a row-wise piece's low-precision copies (`ShardPrices.everywhere`); 0 for
     column pieces, whose columns add up to the table's width whatever their number."""
     kind, k = s.kinds[i], len(s.ranks[i])
     if kind is not _T.ROW_WISE:
         return 0.0
-    return p.everywhere(p, i, kind, k + dk) - p.everywhere(p, i, kind, k)
+    return p.prices.everywhere(i, kind, k + dk) - p.prices.everywhere(i, kind, k)
 
 
 def _may_take(p: Problem, s: State, i2: int, j2: int, r: int, host: int) -> bool:
@@ -255,7 +254,7 @@ def _grown_fit(p: Problem, s: State, i: int) -> Affine:
     """The shard price of table i once it has one more shard: a column-wise piece's for a
     table- or column-wise table (Note [how the search works]), else its own."""
     if s.kinds[i] in (_T.TABLE_WISE, _T.COLUMN_WISE):
-        return p.affine(p, i, _T.COLUMN_WISE, 2)
+        return p.prices.affine(i, _T.COLUMN_WISE, 2)
     return s.fits[i]
 
 

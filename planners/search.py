@@ -31,13 +31,15 @@ import numpy as np
 from planners.cost import CostModel, TableArrays
 from planners.inputs import Table, TableConstraint
 from planners.options import Candidates, column_unit, select
-from planners.refine import Affine, Problem, State, refine
+from planners.prices import ShardPrices
+from planners.refine import Problem, State, least_loaded, refine
 from planners.types import ShardingType, even_split
 
 __all__ = ["Placement", "SearchOutcome", "search", "shard_sizes"]
 
 _T = ShardingType
 _TARGETS = (1.0, 1.01, 1.03, 1.06, 1.1, 1.15, 1.25, 1.4, 1.7, 2.0, 3.0, float("inf"))
+_FRONTIER = 1 << 20  # tables x ranks from which the sweep stops early (Note [where the sweep stops])
 
 
 class Placement(NamedTuple):
@@ -68,51 +70,6 @@ def shard_sizes(table: Table, kind: ShardingType, k: int) -> tuple[int, ...]:
     return ()
 
 
-def affine(p: Problem, index: int, kind: ShardingType, k: int) -> Affine:
-    """Seconds and bytes of one shard of table `index` as a + b * size (size: its rows or
-    columns); exact, because every formula of the cost model is affine in a shard's size.
-    A column-wise shard's price depends on k only through k > 1 (a piece of a split table:
-    the cost model's row statistics), so `affine(p, i, COLUMN_WISE, 1)` is the table whole."""
-    pieces = min(k, 2) if kind is _T.COLUMN_WISE else 1
-    key = (index, kind, k if kind is _T.TABLE_ROW_WISE else pieces)
-    if key in p.prices:
-        return p.prices[key]
-    table = p.tables[index]
-    t = p.arrays.take(np.array([index]))
-    n, d = table.num_embeddings, table.embedding_dim
-    if kind is _T.DATA_PARALLEL:
-        c = p.model.shard(kind, t, n, d, 1)
-        out = Affine(float(c.total[0]), 0.0, float(c.memory[0]), 0.0, 1)
-    else:
-        if kind in (_T.TABLE_WISE, _T.COLUMN_WISE):
-            # a table-wise table is a column-wise table with one shard: same formulas
-            step, full = column_unit(d), d
-            lo = p.model.shard(_T.COLUMN_WISE, t, n, float(step), pieces)
-            hi = p.model.shard(_T.COLUMN_WISE, t, n, float(full), pieces)
-        else:
-            step, full = 1, n
-            lo = p.model.shard(kind, t, 1.0, d, k)
-            hi = p.model.shard(kind, t, float(n), d, k)
-        span = float(full - step) or 1.0
-        b = float(hi.total[0] - lo.total[0]) / span
-        bm = float(hi.memory[0] - lo.memory[0]) / span
-        out = Affine(float(lo.total[0]) - b * step, b, float(lo.memory[0]) - bm * step, bm, step)
-    p.prices[key] = out
-    return out
-
-
-def everywhere(p: Problem, index: int, kind: ShardingType, k: int) -> float:
-    """Bytes that table `index` placed as `kind` in `k` shards adds to every rank, beyond the
-    batch buffers' reserve (`CostModel.everywhere_bytes`; Note [wire copies] in cost.py)."""
-    if p.model.wire_bytes == 0:
-        return 0.0  # FP32 comms: no copies, nothing reserved for them
-    key = ("everywhere", index, kind, k)
-    if key not in p.prices:
-        t = p.arrays.take(np.array([index]))
-        p.prices[key] = float(p.model.everywhere_bytes(kind, t, float(k))[0])
-    return p.prices[key]
-
-
 def _room_everywhere(p: Problem, s: State, extra: float) -> bool:
     """Whether every rank has room for `extra` more bytes (a replica, or low-precision copies)."""
     return float(s.mem.max()) + extra <= p.capacity
@@ -123,9 +80,9 @@ def _choose_ranks(p: Problem, s: State, index: int, kind: ShardingType, mems: li
     """The ranks for the shards of one table, least loaded first, or None if they do not fit;
     `extra` bytes go to every rank with them."""
     world = len(s.load)
-    if not _room_everywhere(p, s, extra):
-        return None
-    fits = s.mem + extra + max(mems) <= p.capacity
+    if extra and not _room_everywhere(p, s, extra):
+        return None  # (with nothing extra, every rank is within capacity already)
+    fits = (s.mem + extra + max(mems) if extra else s.mem + max(mems)) <= p.capacity
     if p.pins[index] is not None:
         fits &= p.pins[index]
     key = s.mem if by_memory else s.load
@@ -139,12 +96,11 @@ def _choose_ranks(p: Problem, s: State, index: int, kind: ShardingType, mems: li
             return None
         h = int(np.argmin(kth))
         return [int(h * host + r) for r in order[h]]
-    idx = np.flatnonzero(fits)
-    if len(idx) < k:
-        return None
     if k == 1:
-        return [int(idx[np.argmin(key[idx])])]
-    return [int(r) for r in idx[np.lexsort((idx, key[idx]))[:k]]]
+        r = int(np.argmin(np.where(fits, key, np.inf)))
+        return [r] if fits[r] else None
+    chosen = least_loaded(key, fits, k)
+    return chosen if len(chosen) == k else None
 
 
 def _tries(c: Candidates, i: int, first: tuple[ShardingType, int]) -> Iterator[tuple]:
@@ -168,31 +124,32 @@ def _wrap(p: Problem, s: State, items: list[int], cap: float) -> list | None:
     """McNaughton's wrap-around with a price per piece: fill the ranks, emptiest first, up to
     `cap` seconds each, cutting tables into column shards where a rank is full. Returns
     [(table, [(rank, columns), ...]), ...], or None if `cap` is too low."""
-    order = [int(r) for r in np.lexsort((np.arange(len(s.load)), s.load))]
-    load, mem = s.load.copy(), s.mem.copy()
+    order = np.lexsort((np.arange(len(s.load)), s.load)).tolist()
+    load, mem = s.load.tolist(), s.mem.tolist()  # Python floats: the same IEEE sums, faster
+    wholes, parts = p.prices.of(_T.COLUMN_WISE, 1), p.prices.of(_T.COLUMN_WISE, 2)
+    capacity, ranks, inf = p.capacity, len(order), float("inf")
     pos, out = 0, []
-
-    def room(f, r: int) -> float:
-        return min((cap - load[r] - f.a) / f.b if f.b > 0 else np.inf,
-                   (p.capacity - mem[r] - f.am) / f.bm if f.bm > 0 else np.inf)  # fmt: skip
-
     for i in items:
-        whole, piece = affine(p, i, _T.COLUMN_WISE, 1), affine(p, i, _T.COLUMN_WISE, 2)
         left, pieces = p.tables[i].embedding_dim, []
         while left > 0:
-            if pos >= len(order):
+            if pos >= ranks:
                 return None
             r = order[pos]
             # Whole where it fits; once cut, every piece pays the price of a piece.
-            f = whole if not pieces and room(whole, r) >= left else piece
-            free = room(f, r)
-            take = left if free >= left else max(0, int(free // f.step) * f.step)
+            a, b, am, bm, step = wholes[i] if not pieces else parts[i]
+            free = min((cap - load[r] - a) / b if b > 0 else inf,
+                       (capacity - mem[r] - am) / bm if bm > 0 else inf)  # fmt: skip
+            if not pieces and free < left:
+                a, b, am, bm, step = parts[i]
+                free = min((cap - load[r] - a) / b if b > 0 else inf,
+                           (capacity - mem[r] - am) / bm if bm > 0 else inf)  # fmt: skip
+            take = left if free >= left else max(0, int(free // step) * step)
             if take > 0:
                 pieces.append((r, take))
-                load[r] += f.a + f.b * take
-                mem[r] += f.am + f.bm * take
+                load[r] += a + b * take
+                mem[r] += am + bm * take
                 left -= take
-                if left == 0 and cap - load[r] > f.a:
+                if left == 0 and cap - load[r] > a:
                     break  # room is left on this rank for the next table
             pos += 1
         out.append((i, pieces))
@@ -222,7 +179,7 @@ def _fill(p: Problem, s: State, items: list[int], bound: float) -> bool:
         else:
             high, best = mid, trial
     for i, pieces in best:
-        f = affine(p, i, _T.COLUMN_WISE, len(pieces))
+        f = p.prices.affine(i, _T.COLUMN_WISE, len(pieces))
         s.kinds[i] = _T.TABLE_WISE if len(pieces) == 1 else _T.COLUMN_WISE
         s.ranks[i] = [r for r, _ in pieces]
         s.sizes[i] = [x for _, x in pieces]
@@ -244,8 +201,8 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
     picked = [c.option(int(j)) for j in choice]
     for i, (kind, _) in enumerate(picked):
         if kind is _T.DATA_PARALLEL:
-            f = affine(p, i, kind, 1)
-            add = f.am + everywhere(p, i, kind, 1)
+            f = p.prices.affine(i, kind, 1)
+            add = f.am + p.prices.everywhere(i, kind, 1)
             if not _room_everywhere(p, s, add):
                 continue  # no room for another replica: a sharded candidate below, if any
             s.load += f.a
@@ -265,10 +222,10 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
         for kind, k in _tries(c, i, picked[i]):
             if kind is _T.DATA_PARALLEL:
                 continue  # a replica that did not fit above
-            f = affine(p, i, kind, k)
+            f = p.prices.affine(i, kind, k)
             sizes = list(shard_sizes(p.tables[i], kind, k))
             mems = [f.am + f.bm * x for x in sizes]
-            extra = everywhere(p, i, kind, k)
+            extra = p.prices.everywhere(i, kind, k)
             ranks = _choose_ranks(p, s, i, kind, mems, by_memory, extra)
             if ranks is not None:
                 break
@@ -276,7 +233,8 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
             unplaced.append(i)
             continue
         s.kinds[i], s.ranks[i], s.sizes[i], s.fits[i] = kind, ranks, sizes, f
-        s.mem += extra
+        if extra:
+            s.mem += extra
         for r, x in zip(ranks, sizes):  # the biggest shard goes to the least loaded rank
             s.load[r] += f.a + f.b * x
             s.mem[r] += f.am + f.bm * x
@@ -321,14 +279,22 @@ def search(
             pins.append(mask)
     arrays = TableArrays.of(tables)
     p = Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
-                model.batch_buffer_bytes(arrays), {}, affine, everywhere)  # fmt: skip
+                model.batch_buffer_bytes(arrays), ShardPrices(model, arrays))  # fmt: skip
     best: tuple[float, tuple[Placement, ...]] | None = None
     first_unplaced: tuple[int, ...] = ()
     seen: set[bytes] = set()
+    # Note [where the sweep stops]: at the frontier sizes, targets above the best plan's
+    # slowest rank are not tried
+    frontier = len(tables) * world >= _FRONTIER
+    choices: dict[float, np.ndarray] = {}
     for modes in (("spread", "fill"), ("memory",)):
         for factor, mode in ((f, m) for f in _TARGETS for m in modes):
             target = bound * factor
-            choice = select(candidates, target)
+            if frontier and best is not None and target > best[0]:
+                break
+            if factor not in choices:
+                choices[factor] = select(candidates, target)
+            choice = choices[factor]
             key = choice.tobytes() + mode.encode()
             if key in seen:
                 continue

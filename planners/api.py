@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from planners.cost import CostModel, TableArrays
-from planners.explain import explain_no_plan
+from planners.explain import before_candidates, before_search, explain_no_plan
 from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology
 from planners.model_tables import TablesLike, as_table_set, match_constraints
 from planners.options import enumerate_candidates, lower_bound
@@ -108,10 +108,14 @@ def plan_with_stats(
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     base = model.batch_buffer_bytes(TableArrays.of(plain))
-    room = topology.capacity - base
-    candidates = enumerate_candidates(plain, model, cons, room)
-    if room <= 0 or not candidates.any_valid().all():
-        raise explain_no_plan(table_set, candidates, cons, model, base, ())
+    # What no search can overcome fails here, before it (docs/planner.md, "When no plan fits").
+    early = before_candidates(table_set, cons, model, base)
+    if early is not None:
+        raise early
+    candidates = enumerate_candidates(plain, model, cons, topology.capacity - base)
+    early = before_search(table_set, candidates, cons, model, base)
+    if early is not None:
+        raise early
     bound = lower_bound(candidates, topology.world_size)
     outcome = search(plain, model, candidates, cons, float(topology.capacity), bound)
     if outcome.placements is None:

@@ -14,7 +14,7 @@ from planners.options import Candidates
 from planners.stats import plural
 from planners.types import PlanError, ShardingType
 
-__all__ = ["NoPlanError", "explain_no_plan"]
+__all__ = ["NoPlanError", "before_candidates", "before_search", "explain_no_plan"]
 
 _LISTED = 8  # tables named one per line; the rest are counted
 
@@ -42,12 +42,33 @@ def explain_no_plan(
     base_memory: float,
     unplaced: Sequence[int],
 ) -> NoPlanError:
-    """Builds the error for the first reason that applies (see the checks below, in order)."""
+    """Builds the error for the first reason that applies (see the checks below, in order);
+    with `unplaced` (the search's leftovers), the last reason if no earlier one does."""
+    return (
+        before_candidates(table_set, constraints, model, base_memory)
+        or before_search(table_set, candidates, constraints, model, base_memory)
+        or _unplaced(table_set, candidates, constraints, model, base_memory, unplaced)
+    )
+
+
+def _where(model: CostModel) -> str:
+    topo = model.topology
+    return (f"each rank has {format_bytes(topo.capacity)} ({format_bytes(topo.device_memory)} "
+            f"device memory, {100 * topo.reserved_fraction:.0f}% reserved)")  # fmt: skip
+
+
+def before_candidates(
+    table_set: TableSet,
+    constraints: Sequence[TableConstraint | None],
+    model: CostModel,
+    base_memory: float,
+) -> NoPlanError | None:
+    """Checks 1 and 2, which need no candidates: the batch buffers, and all weights against all
+    ranks. One pass over the tables, so a hopeless input fails in well under a second."""
     topo = model.topology
     world, cap, batch = topo.world_size, float(topo.capacity), model.batch_size
     room = cap - base_memory  # what a rank has for shards
-    where = (f"each rank has {format_bytes(cap)} ({format_bytes(topo.device_memory)} device "
-             f"memory, {100 * topo.reserved_fraction:.0f}% reserved)")  # fmt: skip
+    where = _where(model)
     names = [display_name(f, t.name) for f, t in table_set]
 
     # 1. The batch buffers alone (every rank's own ids and pooled bags) do not fit. They grow
@@ -69,7 +90,7 @@ def explain_no_plan(
         )
 
     # 2. All tables together need more memory than all ranks have.
-    foot = np.array([_footprint(t, model.optimizer) for _, t in table_set])
+    foot = _footprints(table_set, model.optimizer)
     if foot.sum() > world * room:
         need = math.ceil(foot.sum() / room)
         big = np.argsort(-foot, kind="stable")[:5]
@@ -83,9 +104,27 @@ def explain_no_plan(
             f"no plan fits: the tables need {format_bytes(foot.sum())} of weights and optimizer "
             f"state ({model.optimizer.value}) but {world} ranks have {format_bytes(world * room)} "
             f"for them ({format_bytes(room)} each after {format_bytes(base_memory)} of batch "
-            f"buffers); largest: {biggest}; ways out: {'; '.join(ways)}",
+            f"buffers), {format_bytes(foot.sum() - world * room)} short; largest: {biggest}; "
+            f"ways out: {'; '.join(ways)}",
             [names[i] for i in big],
         )
+    return None
+
+
+def before_search(
+    table_set: TableSet,
+    candidates: Candidates,
+    constraints: Sequence[TableConstraint | None],
+    model: CostModel,
+    base_memory: float,
+) -> NoPlanError | None:
+    """Checks 3 to 5, from the candidates: a table that fits on no rank in any allowed type,
+    tables that may only be replicated, tables pinned to ranks too small for them together."""
+    topo = model.topology
+    world, cap = topo.world_size, float(topo.capacity)
+    room = cap - base_memory
+    where = _where(model)
+    names = [display_name(f, t.name) for f, t in table_set]
 
     # 3. Tables none of whose allowed candidates has a shard that fits on an empty rank.
     stuck = np.flatnonzero(~candidates.any_valid())
@@ -123,7 +162,39 @@ def explain_no_plan(
             [names[i] for i in order],
         )
 
-    # 5. Each table fits alone and the total fits, but packing left some without room.
+    # 5. Tables pinned to some ranks that together need more than those ranks have (a
+    # placement's pins are its only ranks, so no packing can help).
+    over = _pinned_over(table_set, constraints, model.optimizer, room)
+    if over is not None:
+        ranks, members, need = over
+        order = sorted(members, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
+        lines = [f"  {names[i]!r}: {format_bytes(_footprint(table_set[i][1], model.optimizer))}"
+                 for i in order[:_LISTED]]  # fmt: skip
+        if len(order) > _LISTED:
+            lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
+        have = len(ranks) * room
+        held = f"rank {ranks[0]} has" if len(ranks) == 1 else f"those {len(ranks)} ranks have"
+        return NoPlanError(
+            f"no plan fits: {plural(len(members), 'table')} pinned to {_ranks_text(ranks)} need "
+            f"{format_bytes(need)} of weights and optimizer state, but {held} "
+            f"{format_bytes(have)} for them ({format_bytes(room)} each after "
+            f"{format_bytes(base_memory)} of batch buffers), {format_bytes(need - have)} short; "
+            f"ways out: pin them to at least {math.ceil(need / room)} ranks, unpin some of "
+            "them, or fp16 weights (half the bytes):\n" + "\n".join(lines),
+            [names[i] for i in order],
+        )
+    return None
+
+
+def _unplaced(table_set: TableSet, candidates: Candidates,
+              constraints: Sequence[TableConstraint | None], model: CostModel,
+              base_memory: float, unplaced: Sequence[int]) -> NoPlanError:  # fmt: skip
+    """6. Each table fits alone and the total fits, but packing left some without room."""
+    topo = model.topology
+    world, room = topo.world_size, float(topo.capacity) - base_memory
+    where = _where(model)
+    names = [display_name(f, t.name) for f, t in table_set]
+    foot = _footprints(table_set, model.optimizer)
     order = sorted(unplaced, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
     fill = foot.sum() / (world * room)
     lines = []
@@ -174,3 +245,42 @@ def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, ro
             f"{table.dtype.value}, {format_bytes(foot)} with optimizer state): smallest allowed "
             f"shard needs {need} but a rank has {format_bytes(room)}; ways out: "
             f"{'; '.join(ways) or 'more memory per rank'}")  # fmt: skip
+
+
+def _footprints(table_set: TableSet, optimizer: Optimizer) -> np.ndarray:
+    return np.array([_footprint(t, optimizer) for _, t in table_set])
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """'rank 0', 'ranks [0, 1, 2]' (the first 16 of more, then '...')."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(str(r) for r in ranks[:16])
+    return f"ranks [{shown}{', ...' if len(ranks) > 16 else ''}]"
+
+
+_PIN_SETS = 256  # distinct pin sets up to which unions are checked set by set (else each alone)
+
+
+def _pinned_over(table_set: TableSet, constraints: Sequence[TableConstraint | None],
+                 optimizer: Optimizer, room: float) -> tuple[tuple[int, ...], list[int], float] | None:  # fmt: skip
+    """The first pin set S (by size, then ranks) whose tables -- those pinned within S, so that
+    they can only be on S -- need more than len(S) * room for weights and optimizer state:
+    (S, those tables, their bytes); None if every pin set has room. A necessary condition
+    only: it ignores buffers and how the shards cut."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, con in enumerate(constraints):
+        if con is not None and con.ranks:
+            groups.setdefault(con.ranks, []).append(i)
+    if not groups:
+        return None
+    foot = {s: sum(_footprint(table_set[i][1], optimizer) for i in g) for s, g in groups.items()}
+    sets = sorted(groups, key=lambda s: (len(s), s))
+    whole = {s: frozenset(s) for s in sets}
+    for s in sets:
+        inside = ([t for t in sets if len(t) <= len(s) and whole[t] <= whole[s]]
+                  if len(sets) <= _PIN_SETS else [s])  # fmt: skip
+        need = sum(foot[t] for t in inside)
+        if need > len(s) * room:
+            return s, sorted(i for t in inside for i in groups[t]), need
+    return None

@@ -77,6 +77,8 @@ def element_positions(
     total = int(sizes.sum())
     block = torch.repeat_interleave(torch.arange(sizes.numel()), sizes, output_size=total)
     within = torch.arange(total) - (torch.cumsum(sizes, 0) - sizes)[block]
+    if bool((widths == 1).all()):  # one element a row (blocks a table wide): no division
+        return bases.long()[block] + within * strides.long()[block]
     width = widths.long()[block]
     return bases.long()[block] + (within // width) * strides.long()[block] + within % width
 

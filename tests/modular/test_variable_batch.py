@@ -136,3 +136,141 @@ def _every_case(world: int) -> int:
 def test_vbe_batches_train_like_torchrec_unsharded_ebc(world: int) -> None:
     compared = run_on_ranks(world, _every_case, world, timeout=240)
     assert min(compared) > 40, compared
+
+
+def _malformed(what: str) -> None:
+    """Rank 1 (of 2) hands the module a malformed VBE batch; rank 0 a good one."""
+    rank = dist.get_rank()
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, 2))
+    good = vbe_batch(ref, rank, 2)
+    batch = good
+    if rank == 1:
+        keys, lengths, values = good.keys(), good.lengths(), good.values()
+        strides = [s[0] for s in good.stride_per_key_per_rank()]
+        inverse = good.inverse_indices()[1].clone()
+        if what == "strides":
+            strides[keys.index("f_c")] += 1  # one bag more than the lengths hold
+        elif what == "inverse":
+            inverse[keys.index("f_e"), 4] = strides[keys.index("f_e")]  # past the feature's bags
+        elif what == "order":
+            keys = [keys[1], keys[0], *keys[2:]]
+        batch = KeyedJaggedTensor(
+            keys=keys, values=values, lengths=lengths,
+            stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(keys, inverse),
+        )  # fmt: skip
+    ebc(batch)
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("strides", "the batch's strides ('f_a': 6, 'f_b': 6, 'f_c': 3"),
+        ("inverse", "feature 'f_e' of module '': inverse_indices sends sample 4 to bag 2"),
+        ("order", "a variable-batch KJT's keys must be the module's features in its order"),
+    ],
+)
+def test_a_malformed_vbe_batch_raises_on_every_rank_naming_it(what: str, message: str) -> None:
+    errors = expect_errors_on_all_ranks(2, _malformed, what, timeout=60)
+    assert message in errors[1], errors[1]
+    assert "rank 1 rejected its batch" in errors[0], errors[0]
+
+
+def _ec_refuses() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    from planners.types import ShardingPlan, ShardingType, TablePlacement
+
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t", num_embeddings=5, embedding_dim=4, feature_names=["f"])])
+    plan = ShardingPlan(world_size=2, modules={"": {"t": TablePlacement(ShardingType.ROW_WISE)}})
+    modular.shard(ec, plan)
+    ec(KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]),
+        stride_per_key_per_rank=[[2]], inverse_indices=(["f"], torch.tensor([[0, 1, 1]])),
+    ))  # fmt: skip
+
+
+def test_an_embedding_collection_refuses_a_vbe_batch_naming_the_module() -> None:
+    for message in expect_errors_on_all_ranks(2, _ec_refuses, timeout=60):
+        assert "module ''" in message and "EmbeddingCollection" in message, message
+
+
+def _output_bytes(plain: bool) -> int:
+    """Floats the pooled output dist sends from this rank in one step (forward)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = make_ebc(False)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("table_wise", ref, world))
+    sent, original = [], dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        if input.is_floating_point():
+            sent.append(input.numel())
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        ebc(vbe_batch(ref, rank, 1, plain=plain))
+    finally:
+        dist.all_to_all_single = original
+    return sum(sent)
+
+
+def test_the_output_dist_moves_bags_not_samples() -> None:
+    # Tables 't_mean' (dim 7, 'f_c') and 't_big' (dim 7, 'f_e') take deduplicated features: one bag
+    # for the 6 samples of the request instead of 6; 't_sum' (5, 2 features) and 't_small' (5, 2)
+    # take one per sample. Forward floats: 6 x (10 + 10) + 1 x (7 + 7) = 134 against 6 x 34 = 204.
+    # Each of the 2 ranks sends every rank's samples' columns of the tables it holds.
+    assert sum(run_on_ranks(2, _output_bytes, True, timeout=60)) == 2 * 204
+    assert sum(run_on_ranks(2, _output_bytes, False, timeout=60)) == 2 * 134
+
+
+class _Ranker(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = make_ebc(False)
+        self.tower = torch.nn.Linear(34, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.tower(self.sparse(kjt).values()).square().mean()
+
+
+def _prefetched_and_compiled(compiled: bool) -> list[float]:
+    """20 steps after one warm-up, strides changing every step, each batch prefetched."""
+    from torch._dynamo.utils import counters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _Ranker()
+    tables = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
+    modular.shard(model, plan_for("mixed", model.sparse, world, module="sparse"))
+    dense = torch.optim.SGD(modular.local_parameters(model), lr=0.1)
+    call = torch.compile(model) if compiled else model
+    batches = [vbe_batch(model.sparse, 31 * step + rank, 1 + (step + rank) % 3) for step in range(21)]
+    losses = []
+    for step, batch in enumerate(batches):
+        if step + 1 < len(batches):
+            modular.prefetch(model, batches[step + 1])
+        with torch._dynamo.config.patch(error_on_recompile=step >= 1):
+            loss = call(batch)
+            loss.backward()
+        tables.step()
+        dense.step()
+        dense.zero_grad()
+        losses.append(float(loss))
+    assert not model.sparse._prefetcher._pending, "every prefetched batch was used"
+    if compiled:
+        breaks = {k.split("\n")[0]: v for k, v in counters["graph_break"].items()}
+        assert list(breaks.values()) == [1], breaks  # the EBC's one deliberate break
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_vbe_batches_prefetch_and_compile_without_recompiles() -> None:
+    eager = run_on_ranks(2, _prefetched_and_compiled, False, timeout=240)
+    compiled = run_on_ranks(2, _prefetched_and_compiled, True, timeout=240)
+    for rank in range(2):
+        assert compiled[rank] == pytest.approx(eager[rank], abs=1e-5, rel=0), rank
+        assert eager[rank][0] != pytest.approx(eager[rank][-1], abs=1e-4)

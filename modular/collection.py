@@ -237,6 +237,9 @@ class ShardedCollection:
         return what if self.prefetcher is None else self.prefetcher.describe(what, exchange.group)
 
     def lookup(self, received: Received) -> Any:
+        fused = self.shards.fused_tables
+        if fused is not None and torch.is_grad_enabled():  # a forward whose backward updates
+            fused.steps.advance()  # the Adam family's t (Note [fused Adam and LAMB])
         return self.part.lookup(self.shards, received)
 
     def output_dist(self, looked: Any, received: Received) -> Any:

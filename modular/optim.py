@@ -23,9 +23,11 @@ before one backward: fbgemm's own kernel updates once per lookup, the others onc
 summed gradient (the two agree for SGD up to rounding, not for the Adagrads).
 
 Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
-"row_sum" for row-wise Adagrad), never by the sharding type; each state tensor is a ShardedTensor
-laid out like its weight (row-wise state: one entry per row), or a plain tensor for data-parallel
-tables, so DCP saves and reshards it like the weights (`StateForm` in modular/fused/state.py).
+"row_sum" for row-wise Adagrad, "exp_avg" and "exp_avg_sq" for the Adam family, which also keeps
+its module's step count as "step", a plain scalar), never by the sharding type; each state tensor
+is a ShardedTensor laid out like its weight (row-wise state, partial_rowwise's exp_avg_sq: one
+entry per row), or a plain tensor for data-parallel tables, so DCP saves and reshards it like
+the weights (`StateForm` in modular/fused/state.py).
 One layout depends on the plan: with column_wise_statistic="per_shard", a table cut into k column
 pieces keeps "row_sum" of shape (rows, k), column j the statistic of piece j (pieces left to
 right; each piece's shard is (rows, 1) at offsets (0, j)). TorchRec keeps the same numbers as one
@@ -62,6 +64,7 @@ def fuse_optimizer(
     optimizer: str,
     *,
     lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     column_wise_statistic: str | ColumnWiseStatistic = "exact",
@@ -78,10 +81,17 @@ def fuse_optimizer(
     on a sharded model it raises `ShardingError`). An EBC on `meta` is not materialised: it is
     marked, and `modular.shard` builds its shards fused directly, so each rank only ever allocates
     its own shards. A materialised EBC becomes a one-process fused module, which `modular.shard`
-    then cuts into fused shards (optimizer state included); the model is also usable unsharded. `weight_decay`
-    (row-wise Adagrad only) is fbgemm's L2 mode: it is added to the gradient of the rows a step
-    touched. fbgemm's CPU kernel ignores it (measured with fbgemm-gpu-cpu 1.8.0), so on CPU a
-    model with weight decay runs every table through the exact emulated update instead.
+    then cuts into fused shards (optimizer state included); the model is also usable unsharded.
+
+    `optimizer`: "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", or fbgemm's Adam family
+    "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb" (`betas` are theirs; Note
+    [fused Adam and LAMB] in modular/kernels/adam.py pins what they do: only the rows a step
+    touched move, bias correction by the module's step count, state `exp_avg`, `exp_avg_sq` and
+    `step`). Every plan trains them as the unsharded table, column pieces included.
+    `weight_decay`: under row-wise Adagrad fbgemm's L2 mode (added to the gradient of the rows a
+    step touched; fbgemm's CPU kernel ignores it, measured with fbgemm-gpu-cpu 1.8.0, so on CPU
+    a model with weight decay runs every table through the exact emulated update instead); under
+    the Adam family decoupled, as fbgemm's kernels apply it; the other two have none.
 
     `column_wise_statistic` (row-wise Adagrad only) says what row statistic a table cut into
     column pieces keeps:
@@ -101,8 +111,7 @@ def fuse_optimizer(
     bit-identical (Note [low-precision tables] in modular/kernels/precision.py). The optimizer
     state is FP32 whatever the table's dtype.
     Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
-    `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op). Supported:
-    "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad".
+    `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op).
     """
     kind = FusedOptimizerKind.parse(optimizer)
     statistic = ColumnWiseStatistic.parse(column_wise_statistic)
@@ -112,16 +121,21 @@ def fuse_optimizer(
         raise ValueError(f"fused {kind.value}: eps must be positive, got {eps}")
     if weight_decay < 0:
         raise ValueError(f"fused {kind.value}: weight_decay must be >= 0, got {weight_decay}")
-    if weight_decay and not kind.rowwise():
+    if weight_decay and not (kind.rowwise() or kind.adam_family()):
         raise ValueError(
             f"fused {kind.value}: weight_decay={weight_decay} is not supported: fbgemm's "
-            f"{kind.value} kernel has no weight decay (only exact_rowwise_adagrad has one)"
+            f"{kind.value} kernel has no weight decay (exact_rowwise_adagrad and the Adam "
+            "family have one)"
         )
+    betas = tuple(betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"fused {kind.value}: betas must be two numbers in [0, 1), got {betas}")
     if statistic is not ColumnWiseStatistic.EXACT and not kind.rowwise():
         raise ValueError(
             f"fused {kind.value}: column_wise_statistic={statistic.value!r} applies to "
-            f"exact_rowwise_adagrad only: {kind.value} keeps no row statistic, so its column "
-            "pieces already train exactly and independently; leave it at 'exact'"
+            f"exact_rowwise_adagrad only: {kind.value}'s column pieces always train exactly "
+            "(they keep no row statistic, or combine the whole row's across the pieces); leave "
+            "it at 'exact'"
         )
     targets = [
         (name, m)
@@ -147,9 +161,12 @@ def fuse_optimizer(
     ]
     if fused:
         raise ValueError(f"modules {fused} are already fused; fuse a model only once")
+    group = {"lr": lr, "eps": eps, "weight_decay": weight_decay}
+    if kind.adam_family():
+        group["betas"] = betas
     config = FusedConfig(
         kind,
-        {"lr": lr, "eps": eps, "weight_decay": weight_decay},
+        group,
         column_wise_statistic=statistic,
         stochastic_rounding=bool(stochastic_rounding),
     )
@@ -227,7 +244,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{self._config.optimizer.value!r}"
                 )
         state = state_dict.get("state", {})
-        name = self._config.optimizer.state_name()
+        keeps = bool(self._config.optimizer.state_names())
         loads = []
         for fqn, m in self._fused_modules():
             prefix = f"{fqn}." if fqn else ""
@@ -236,14 +253,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 key = f"{prefix}{tables_name(m)}.{table}.weight"
                 if key in state:
                     per_table[table] = state[key]
-                elif name is not None:
+                elif keeps:
                     raise KeyError(f"the optimizer state has no entry for table weight {key!r}")
-            if name is not None:
+            if keeps:
                 check_fused_state(m.fused_tables, per_table)
             loads.append((m, per_table))
         if groups:
-            for key in ("lr", "eps"):
-                if key in groups[0]:
+            for key in ("lr", "eps", "betas"):
+                if key in groups[0] and key in self._config.param_group:
                     self._config.param_group[key] = groups[0][key]
         for m, per_table in loads:
             load_fused_state(m.fused_tables, per_table)

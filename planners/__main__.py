@@ -103,9 +103,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
     g.add_argument("--cross-host-bandwidth", type=_bandwidth,
                    help="bytes/s per rank across hosts (default 50e9, 400 Gb/s NIC)")
     g.add_argument("--optimizer", type=_optimizer, metavar="OPT",
-                   help="embedding optimizer: sgd, rowwise_adagrad (default), adagrad, or "
+                   help="embedding optimizer: sgd, rowwise_adagrad (default), adagrad, adam, "
+                        "partial_rowwise_adam, lamb, partial_rowwise_lamb, or "
                         "modular.fuse_optimizer's names exact_sgd, exact_rowwise_adagrad, "
-                        "exact_adagrad; adam is priced as an unfused optimizer")  # fmt: skip
+                        "exact_adagrad")  # fmt: skip
     g.add_argument("--column-wise-statistic", choices=[s.value for s in ColumnWiseStatistic],
                    help="row-wise Adagrad's row statistic on a table cut into column pieces, as "
                         "given to modular.fuse_optimizer: exact (default; each piece pays a second "

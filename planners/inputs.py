@@ -71,18 +71,21 @@ class Optimizer(enum.Enum):
     """The fused embedding optimizer; it decides the optimizer state kept per row.
 
     State bytes per row of a shard with `c` columns: sgd 0, rowwise_adagrad 4 (one fp32 per row),
-    adagrad 4*c, adam 8*c (two fp32 moments per element).
+    adagrad 4*c, adam and lamb 8*c (two fp32 moments per element), partial_rowwise_adam and
+    partial_rowwise_lamb 4*c + 4 (fp32 first moments, one fp32 second moment per row).
 
     One vocabulary with `modular.fuse_optimizer`: `parse` accepts its names too
-    ("exact_rowwise_adagrad" is ROWWISE_ADAGRAD), and `fused_name` gives them back. Adam has no
-    fused kernel in modular; it is priced as a dense optimizer would keep its state, and
-    reports say so (`note`).
+    ("exact_rowwise_adagrad" is ROWWISE_ADAGRAD), and `fused_name` gives them back; the Adam
+    family's names are the same in both.
     """
 
     SGD = "sgd"
     ROWWISE_ADAGRAD = "rowwise_adagrad"
     ADAGRAD = "adagrad"
     ADAM = "adam"
+    PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
+    LAMB = "lamb"
+    PARTIAL_ROWWISE_LAMB = "partial_rowwise_lamb"
 
     def state_bytes_per_row(self, cols: Any) -> Any:
         """Optimizer state bytes for one row of `cols` columns (works on numpy arrays)."""
@@ -92,21 +95,16 @@ class Optimizer(enum.Enum):
             return 4 + 0 * cols
         if self is Optimizer.ADAGRAD:
             return 4 * cols
+        if self in (Optimizer.PARTIAL_ROWWISE_ADAM, Optimizer.PARTIAL_ROWWISE_LAMB):
+            return 4 * cols + 4
         return 8 * cols
 
     @property
-    def fused_name(self) -> str | None:
-        """The name `modular.fuse_optimizer` takes for this optimizer (None: no fused kernel)."""
-        return None if self is Optimizer.ADAM else f"exact_{self.value}"
-
-    @property
-    def note(self) -> str:
-        """What a report should say about pricing this optimizer ('' when nothing)."""
-        if self.fused_name is None:
-            return (f"{self.value} has no fused kernel in modular.fuse_optimizer (exact_sgd, "
-                    "exact_adagrad, exact_rowwise_adagrad); it is priced as an unfused dense "
-                    "optimizer holds its state (8 bytes per element)")  # fmt: skip
-        return ""
+    def fused_name(self) -> str:
+        """The name `modular.fuse_optimizer` takes for this optimizer."""
+        if self in (Optimizer.SGD, Optimizer.ADAGRAD, Optimizer.ROWWISE_ADAGRAD):
+            return f"exact_{self.value}"
+        return self.value
 
     @classmethod
     def parse(cls, value: str | Optimizer) -> Optimizer:
@@ -117,7 +115,9 @@ class Optimizer(enum.Enum):
         for member in cls:
             if text in (member.value, member.fused_name):
                 return member
-        names = ", ".join(f"{m.value} ({m.fused_name or 'no fused kernel'})" for m in cls)
+        names = ", ".join(
+            m.value if m.fused_name == m.value else f"{m.value} ({m.fused_name})" for m in cls
+        )
         raise PlanError(f"unknown optimizer {value!r}; expected one of: {names}")
 
 

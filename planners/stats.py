@@ -253,8 +253,6 @@ class PlanStats:
         if defaults:
             lines.append(f"H100 defaults in effect (give your own for other hardware, e.g. a CPU "
                          f"gloo job): {', '.join(defaults)}")  # fmt: skip
-        if self.optimizer.note:
-            lines.append(f"note: {self.optimizer.note}")
         if self.over_capacity:
             lines.append(f"OVER CAPACITY on ranks {list(self.over_capacity)}")
         if self.plan_seconds is not None:

@@ -193,7 +193,7 @@ def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) ->
     """Why a checkpoint of another fused optimizer kind cannot load into this one, or None.
 
     Each kind keeps its own state per table (Note [fused tables] in modular/optim.py: none for
-    SGD, `sum`, `row_sum`), so the state names in the metadata tell the kind it was saved with
+    SGD, `sum`, `row_sum`, the Adam family's `exp_avg`, `exp_avg_sq` and `step`), so the state names in the metadata tell the kind it was saved with
     before anything is read. Adagrad's state loaded into SGD (which has none to look for) would
     otherwise pass every check here and fail in `load_state_dict`, after the weights were copied;
     the other mismatches would be reported as missing state, without the reason."""
@@ -203,18 +203,25 @@ def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) ->
         return None
     kind = sd["param_groups"][0].get("optimizer")
     this = f"fused {kind!r}" if kind else "this optimizer"
-    saved_by = [k.value for k in FusedOptimizerKind if {k.state_name()} - {None} == theirs]
-    that = f"fused {saved_by[0]!r}" if saved_by else "another optimizer"
+    saved_by = [k.value for k in FusedOptimizerKind if _saved_names(k) == theirs]
+    that = " or ".join(f"fused {k!r}" for k in saved_by) if saved_by else "another optimizer"
     modules = ", ".join(
         f"module {m!r}" if m else "the root module"
         for m in sorted({fqn.rsplit(".", 3)[0] if fqn.count(".") >= 3 else "" for fqn in sd["state"]})
     )
-    fix = f"fuse with {saved_by[0]!r} to load it" if saved_by else "use the one it was saved with"
+    fix = "use the one it was saved with"
+    if saved_by:
+        fix = f"fuse with {' or '.join(map(repr, saved_by))} to load it"
     return (
         f"{part_name(prefix, optimizer)}: the checkpoint was saved by {that} (state "
         f"{sorted(theirs)} per table), but the fused tables of {modules} are updated by {this} "
         f"(state {sorted(mine)}); {fix}, or load without the optimizer"
     )
+
+
+def _saved_names(kind: FusedOptimizerKind) -> set[str]:
+    """The state names a fused optimizer of `kind` saves per table."""
+    return set(kind.state_names()) | ({"step"} if kind.adam_family() else set())
 
 
 # -- what can only be checked once read ----------------------------------------------------------

@@ -9,7 +9,7 @@ collectives in the same order on every rank.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,10 +35,13 @@ class EndOfBackward:
         column_rowwise: tuple[str, ...],
         at: RankLayout,
         per_id: bool = False,
+        moments: Optional[Callable[[], None]] = None,
     ) -> None:
         """`per_id`: every column-wise table reports its statistics per id (a property of the
         layout, the same on every rank), so they are combined all at once (Note [row means
-        without a loop over tables] in modular/fused/row_means.py)."""
+        without a loop over tables] in modular/fused/row_means.py). `moments`: the Adam family's
+        updates, run last (`MomentUpdates.run`, modular/fused/adam.py)."""
+        self.moments = moments
         self.kernels = kernels  # those with deferred work, remote routes' first
         self.replicas = replicas  # ids of data-parallel replica kernels (gradients averaged)
         self.column_rowwise = column_rowwise
@@ -91,6 +94,8 @@ class EndOfBackward:
                 batch = self._global_batch(k, k.take_batch())
                 if batch is not None:
                     k.run_backward(batch)
+        if self.moments is not None:
+            self.moments()
 
     def _global_batch(self, k: ReplicaFusedKernel, mine: Optional[Lookup]) -> Optional[Lookup]:
         """Every rank's lookup batch for replica kernel `k`, merged in rank order, gradients
@@ -134,30 +139,41 @@ class EndOfBackward:
                     )
                 total += part
             mine[table] = (rows, total)
-        holders = {
-            name: {spec.rank for spec in self.at.layout.shards[self.at.layout.table_index(name)]}
-            for name in self.column_rowwise
-        }
-        shared = [  # per peer, the tables both hold, in column_rowwise order
-            [n for n in self.column_rowwise if n in mine and p in holders[n]] if p != self.at.rank
-            else []
-            for p in range(self.at.world)
-        ]
-        splits = [sum(mine[n][0].numel() for n in names) for names in shared]
-        if any(splits):
-            send = torch.cat([mine[n][1] for names in shared for n in names])
-        else:
-            send = torch.zeros(0, device=self.at.device)
-        if not self.at.local:
-            received = all_to_all(
-                send, input_splits=splits, output_splits=splits, group=self.at.group,
-                what="the all-to-all of column-wise row statistics",
-            )  # fmt: skip
-            for names, chunk in zip(shared, received.split(splits)):
-                for n, piece in zip(names, chunk.split([mine[n][0].numel() for n in names])):
-                    mine[n][1].add_(piece)
+        exchange_row_sums(mine, self.column_rowwise, self.at)
         return {
             n: (rows, total.div_(self.at.layout.table(n).embedding_dim))
             for n, (rows, total) in mine.items()
         }
 
+
+def exchange_row_sums(
+    mine: dict[str, tuple[torch.Tensor, torch.Tensor]], tables: tuple[str, ...], at: RankLayout
+) -> None:
+    """Adds, in place, the other holders' shares to this rank's per-row sums of column-wise
+    tables: `mine[table] = (rows, sums)`, sums of shape (rows,) or (rows, n), this rank's pieces
+    already added up, rows in the order every holder of the table has them (Note [row statistics
+    across column shards]). One all-to-all, which every rank of the group joins (a rank holding
+    none of `tables` sends and receives nothing): a peer is sent the sums of each table both
+    hold, in `tables` order."""
+    if at.local:
+        return
+    holders = {
+        name: {spec.rank for spec in at.layout.shards[at.layout.table_index(name)]}
+        for name in tables
+    }
+    shared = [  # per peer, the tables both hold, in `tables` order
+        [n for n in tables if n in mine and p in holders[n]] if p != at.rank else []
+        for p in range(at.world)
+    ]
+    splits = [sum(mine[n][1].numel() for n in names) for names in shared]
+    if any(splits):
+        send = torch.cat([mine[n][1].reshape(-1) for names in shared for n in names])
+    else:
+        send = torch.zeros(0, device=at.device)
+    received = all_to_all(
+        send, input_splits=splits, output_splits=splits, group=at.group,
+        what="the all-to-all of column-wise row statistics",
+    )  # fmt: skip
+    for names, chunk in zip(shared, received.split(splits)):
+        for n, piece in zip(names, chunk.split([mine[n][1].numel() for n in names])):
+            mine[n][1].add_(piece.view(mine[n][1].shape))

@@ -21,11 +21,17 @@ class FusedOptimizerKind(enum.Enum):
     EXACT_SGD = "exact_sgd"
     EXACT_ADAGRAD = "exact_adagrad"
     EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"
+    # The Adam family: Note [fused Adam and LAMB] in modular/kernels/adam.py.
+    ADAM = "adam"
+    PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
+    LAMB = "lamb"
+    PARTIAL_ROWWISE_LAMB = "partial_rowwise_lamb"
 
     @classmethod
     def parse(cls, name: str | FusedOptimizerKind) -> FusedOptimizerKind:
         """A member, its name, or the planner's name for it (`planners.Optimizer`: "sgd",
-        "adagrad", "rowwise_adagrad"), so a plan's optimizer and the fused one are spelt alike."""
+        "adagrad", "rowwise_adagrad"; the Adam family's are the same), so a plan's optimizer and
+        the fused one are spelt alike."""
         if isinstance(name, cls):
             return name
         supported = ", ".join(repr(k.value) for k in cls)
@@ -33,30 +39,67 @@ class FusedOptimizerKind(enum.Enum):
             fused = Optimizer.parse(name).fused_name
         except PlanError:
             fused = None
-        if fused is None:  # unknown, or a planner optimizer without a fused kernel (adam)
+        if fused is None:
             raise ValueError(
-                f"fused optimizer {name!r} is not supported; fbgemm's fused kernels support "
-                f"{supported} (the planner's 'sgd', 'adagrad' and 'rowwise_adagrad' name the same "
-                "three; train other optimizers unfused, from modular.local_parameters(model))"
+                f"fused optimizer {name!r} is not supported; fuse_optimizer takes {supported} "
+                "(the planner's 'sgd', 'adagrad' and 'rowwise_adagrad' name the first three; "
+                "train other optimizers unfused, from modular.local_parameters(model))"
             )
         return cls(fused)
 
     def fbgemm_type(self) -> EmbOptimType:
-        return {
-            FusedOptimizerKind.EXACT_SGD: EmbOptimType.EXACT_SGD,
-            FusedOptimizerKind.EXACT_ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
-            FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        }[self]
+        return EmbOptimType[self.name]
+
+    def state_names(self) -> tuple[str, ...]:
+        """The state tensors it keeps per table (Note [fused tables] in modular/optim.py), as
+        fbgemm's `get_optimizer_state` names them."""
+        if self.adam_family():
+            return ("exp_avg", "exp_avg_sq")
+        name = self.state_name()
+        return () if name is None else (name,)
 
     def state_name(self) -> Optional[str]:
+        """The one state of the Adagrads (None for SGD, and for the Adam family, whose two are
+        in `state_names`)."""
         return {
-            FusedOptimizerKind.EXACT_SGD: None,
             FusedOptimizerKind.EXACT_ADAGRAD: "sum",
             FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD: "row_sum",
-        }[self]
+        }.get(self)
+
+    def row_state(self, name: str) -> bool:
+        """Whether state `name` keeps one value per row (else one per weight)."""
+        return name == "row_sum" or (name == "exp_avg_sq" and self.partial_rowwise())
 
     def rowwise(self) -> bool:
+        """Row-wise Adagrad: the kind with `column_wise_statistic` (Note [fused tables])."""
         return self is FusedOptimizerKind.EXACT_ROWWISE_ADAGRAD
+
+    def adam_family(self) -> bool:
+        """Adam, LAMB and their partial_rowwise forms: two moments and a step count."""
+        return self in _ADAM_FAMILY
+
+    def partial_rowwise(self) -> bool:
+        """The second moment is one value per row: the mean of grad**2 over its columns."""
+        return self in (FusedOptimizerKind.PARTIAL_ROWWISE_ADAM, FusedOptimizerKind.PARTIAL_ROWWISE_LAMB)
+
+    def trust_ratio(self) -> bool:
+        """LAMB: each row's update is scaled by ||w_row|| / ||update_row||."""
+        return self in (FusedOptimizerKind.LAMB, FusedOptimizerKind.PARTIAL_ROWWISE_LAMB)
+
+    def whole_row_statistics(self) -> bool:
+        """Whether a row's update reads statistics of the whole row, which a table cut into
+        column pieces combines across them (Note [row statistics across column shards])."""
+        return self.rowwise() or self.partial_rowwise() or self.trust_ratio()
+
+
+_ADAM_FAMILY = frozenset(
+    {
+        FusedOptimizerKind.ADAM,
+        FusedOptimizerKind.PARTIAL_ROWWISE_ADAM,
+        FusedOptimizerKind.LAMB,
+        FusedOptimizerKind.PARTIAL_ROWWISE_LAMB,
+    }
+)
 
 
 class FusedConfig:
@@ -96,3 +139,9 @@ class FusedConfig:
     @property
     def weight_decay(self) -> float:
         return float(self.param_group.get("weight_decay", 0.0))
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        """The Adam family's (beta1, beta2)."""
+        b1, b2 = self.param_group["betas"]
+        return float(b1), float(b2)

@@ -149,8 +149,8 @@ def local_piece(
     )
 
 
-def _state_form(fused: FusedTables, table: str) -> StateForm:
-    if not fused.config.optimizer.rowwise():
+def _state_form(fused: FusedTables, table: str, name: str) -> StateForm:
+    if not fused.config.optimizer.row_state(name):
         return StateForm.WEIGHT
     return StateForm.PIECES if table in fused.per_piece else StateForm.ROWS
 
@@ -166,38 +166,45 @@ def fused_state(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Per table, its optimizer state: ShardedTensors laid out as Note [fused tables] says (like
     the table's weight in `weights`; row-wise: one value per row, or per row and column piece),
-    plain tensors for data-parallel tables."""
-    layout, at = fused.at.layout, fused.at
-    name = fused.config.optimizer.state_name()
-    if name is None:
-        return {t.name: {} for t in layout.tables}
+    plain tensors for data-parallel tables; the Adam family's `step` too, a plain scalar (Note
+    [fused Adam and LAMB] in modular/kernels/adam.py)."""
+    layout = fused.at.layout
     states = fused.states()
-    out = {}
+    out: dict[str, dict[str, torch.Tensor]] = {t.name: {} for t in layout.tables}
     for t, table in enumerate(layout.tables):
-        weight = weights[table.name]
-        if not is_sharded(weight):
-            out[table.name] = {name: states[(table.name, at.shard_of_rank(t))][name]}
-            continue
-        form, pieces = _state_form(fused, table.name), _pieces(fused, t)
-        if not isinstance(weight, ShardedTensor):  # a DTensor (Note [table tensor types])
-            out[table.name] = {name: _dtensor_state(fused, t, form, pieces, states, name)}
-            continue
-        meta = frozen(weight.metadata())
-        meta = ShardedTensorMetadata(
-            [s for m in meta.shards_metadata if (s := form.shard(m, pieces)) is not None],
-            torch.Size(form.shape(table, len(pieces))),
-            # FP32 whatever the table's dtype (Note [low-precision tables]).
-            dataclasses.replace(meta.tensor_properties, dtype=torch.float32),
-        )
-        local = []
-        for j, shard_meta in local_shard_metadata(layout.shards[t], at.rank, weight):
-            state_meta = form.shard(shard_meta, pieces)
-            if state_meta is None:
-                continue  # column shards after the first hold copies of the same rows
-            tensor = states[(table.name, j)][name].view(state_meta.shard_sizes)
-            local.append(Shard(tensor=tensor, metadata=state_meta))
-        out[table.name] = {name: sharded_from_metadata(local, meta, at.group)}
+        for name in fused.config.optimizer.state_names():
+            out[table.name][name] = _table_state(fused, t, name, weights[table.name], states)
+        if fused.config.optimizer.adam_family():
+            out[table.name]["step"] = torch.tensor(fused.steps.value, dtype=torch.int64)
     return out
+
+
+def _table_state(
+    fused: FusedTables, t: int, name: str, weight: torch.Tensor, states
+) -> torch.Tensor:
+    """Table `t`'s state `name`, laid out like its `weight` (`fused_state`)."""
+    layout, at = fused.at.layout, fused.at
+    table = layout.tables[t]
+    if not is_sharded(weight):
+        return states[(table.name, at.shard_of_rank(t))][name]
+    form, pieces = _state_form(fused, table.name, name), _pieces(fused, t)
+    if not isinstance(weight, ShardedTensor):  # a DTensor (Note [table tensor types])
+        return _dtensor_state(fused, t, form, pieces, states, name)
+    meta = frozen(weight.metadata())
+    meta = ShardedTensorMetadata(
+        [s for m in meta.shards_metadata if (s := form.shard(m, pieces)) is not None],
+        torch.Size(form.shape(table, len(pieces))),
+        # FP32 whatever the table's dtype (Note [low-precision tables]).
+        dataclasses.replace(meta.tensor_properties, dtype=torch.float32),
+    )
+    local = []
+    for j, shard_meta in local_shard_metadata(layout.shards[t], at.rank, weight):
+        state_meta = form.shard(shard_meta, pieces)
+        if state_meta is None:
+            continue  # column shards after the first hold copies of the same rows
+        tensor = states[(table.name, j)][name].view(state_meta.shard_sizes)
+        local.append(Shard(tensor=tensor, metadata=state_meta))
+    return sharded_from_metadata(local, meta, at.group)
 
 
 def _dtensor_state(
@@ -228,31 +235,35 @@ def _dtensor_state(
 @torch.no_grad()
 def load_fused_state(fused: FusedTables, per_table: dict[str, dict[str, torch.Tensor]]) -> None:
     """Copies optimizer state into this rank's shards from full tensors or ShardedTensors laid
-    out like `fused_state()` (any plan's, once DCP has resharded them)."""
-    name = fused.config.optimizer.state_name()
-    if name is None:
+    out like `fused_state()` (any plan's, once DCP has resharded them), and the Adam family's
+    step count."""
+    kind = fused.config.optimizer
+    if not kind.state_names():
         return
     check_fused_state(fused, per_table)  # every table before any is copied
     layout, rank = fused.at.layout, fused.at.rank
     states = fused.states()
     for t, table in enumerate(layout.tables):
-        source = per_table[table.name][name]
-        form, pieces = _state_form(fused, table.name), _pieces(fused, t)
-        for j, spec in enumerate(layout.shards[t]):
-            if spec.rank != rank:
-                continue
-            target = states[(table.name, j)][name]
-            if is_sharded(source):
-                piece = local_piece(source, form, spec, pieces)
-                if piece is None:
-                    target.zero_()  # filled by the all-reduce below
+        for name in kind.state_names():
+            source = per_table[table.name][name]
+            form, pieces = _state_form(fused, table.name, name), _pieces(fused, t)
+            for j, spec in enumerate(layout.shards[t]):
+                if spec.rank != rank:
                     continue
-            else:
-                piece = source[form.region(spec, pieces)]
-            target.copy_(piece.view(target.shape))
-        if table.name in fused.column_rowwise and is_sharded(source):
-            # every column shard needs the first one's row state
-            _sync_column_shard_rows(fused, t, name, states)
+                target = states[(table.name, j)][name]
+                if is_sharded(source):
+                    piece = local_piece(source, form, spec, pieces)
+                    if piece is None:
+                        target.zero_()  # filled by the all-reduce below
+                        continue
+                else:
+                    piece = source[form.region(spec, pieces)]
+                target.copy_(piece.view(target.shape))
+            if form is StateForm.ROWS and table.name in fused.column_rowwise and is_sharded(source):
+                # every column shard needs the first one's row state
+                _sync_column_shard_rows(fused, t, name, states)
+    if kind.adam_family():
+        fused.steps.value = int(per_table[layout.tables[0].name]["step"])
 
 
 @torch.no_grad()
@@ -263,13 +274,11 @@ def load_unsharded_fused_state(
     `fuse_optimizer`). A table that keeps a statistic per column piece (Note [fused tables])
     starts every piece from the whole row's, the only one an uncut table has (zero if it never
     trained)."""
-    name = fused.config.optimizer.state_name()
-    if name is None:
-        return
     layout = fused.at.layout
     per_table = dict(per_table)
     for table in fused.per_piece:
         pieces = len(layout.shards[layout.table_index(table)])
+        name = "row_sum"  # per_piece: row-wise Adagrad's per_shard statistic only
         rows = per_table[table][name]
         per_table[table] = {**per_table[table], name: rows.unsqueeze(1).expand(-1, pieces)}
     load_fused_state(fused, per_table)
@@ -277,40 +286,60 @@ def load_unsharded_fused_state(
 
 def check_fused_state(fused: FusedTables, per_table) -> None:
     """Every table's state has the whole table's shape as `fused_state()` lays it out, whatever
-    this rank copies of it: a slice of a wrong-shaped tensor would copy."""
+    this rank copies of it: a slice of a wrong-shaped tensor would copy. The Adam family's step
+    counts must be one count, a module's (Note [fused Adam and LAMB])."""
     module, optimizer = fused.at.module, fused.config.optimizer
     where = f" in module {module!r}" if module else ""
-    name = optimizer.state_name()
+    steps: dict[str, int] = {}
     for t, table in enumerate(fused.at.layout.tables):
-        rows, dim = table.num_embeddings, table.embedding_dim
-        if name not in per_table[table.name]:
-            raise ValueError(
-                f"the optimizer state of table {table.name!r}{where} has no {name!r}, which "
-                f"fused {optimizer.value!r} keeps; load the state this optimizer saved"
-            )
-        got = tuple(per_table[table.name][name].size())
-        pieces = len(_pieces(fused, t))
-        form = _state_form(fused, table.name)
-        expected = form.shape(table, pieces)
-        if got == expected:
-            continue
-        what = f"optimizer state {name!r} of table {table.name!r}{where}"
-        if optimizer.rowwise():
-            why = column_statistic_mismatch(
-                what, got, expected, fused.config.column_wise_statistic, dim
-            )
-            if why is not None:
-                raise ValueError(why)
-        per = {
-            StateForm.WEIGHT: "one value per weight",
-            StateForm.ROWS: "one value per row",
-            StateForm.PIECES: f"one value per row of each of its {pieces} column pieces",
-        }[form]
+        names = optimizer.state_names() + (("step",) if optimizer.adam_family() else ())
+        for name in names:
+            if name not in per_table[table.name]:
+                raise ValueError(
+                    f"the optimizer state of table {table.name!r}{where} has no {name!r}, which "
+                    f"fused {optimizer.value!r} keeps; load the state this optimizer saved"
+                )
+        for name in optimizer.state_names():
+            _check_shape(fused, t, name, tuple(per_table[table.name][name].size()), where)
+        if optimizer.adam_family():
+            step = per_table[table.name]["step"]
+            if step.numel() != 1:
+                raise ValueError(
+                    f"optimizer state 'step' of table {table.name!r}{where} has shape "
+                    f"{tuple(step.shape)}, not one count; load the state this optimizer saved"
+                )
+            steps[table.name] = int(step)
+    if len(set(steps.values())) > 1:
         raise ValueError(
-            f"{what} has shape {got}, but this optimizer keeps {expected} ({per} of the "
-            f"{rows} x {dim} table); load the state saved for this table by the same fused "
-            "optimizer"
+            f"the step counts of the tables{where} differ ({steps}), but a module's tables share "
+            "one (it corrects Adam's moments); load the state one module saved"
         )
+
+
+def _check_shape(fused: FusedTables, t: int, name: str, got: tuple[int, ...], where: str) -> None:
+    optimizer = fused.config.optimizer
+    table = fused.at.layout.tables[t]
+    rows, dim = table.num_embeddings, table.embedding_dim
+    pieces = len(_pieces(fused, t))
+    form = _state_form(fused, table.name, name)
+    expected = form.shape(table, pieces)
+    if got == expected:
+        return
+    what = f"optimizer state {name!r} of table {table.name!r}{where}"
+    if optimizer.rowwise():
+        why = column_statistic_mismatch(what, got, expected, fused.config.column_wise_statistic, dim)
+        if why is not None:
+            raise ValueError(why)
+    per = {
+        StateForm.WEIGHT: "one value per weight",
+        StateForm.ROWS: "one value per row",
+        StateForm.PIECES: f"one value per row of each of its {pieces} column pieces",
+    }[form]
+    raise ValueError(
+        f"{what} has shape {got}, but this optimizer keeps {expected} ({per} of the "
+        f"{rows} x {dim} table); load the state saved for this table by the same fused "
+        "optimizer"
+    )
 
 
 def _sync_column_shard_rows(fused: FusedTables, t: int, name: str, states) -> None:

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from modular.kernels.adam import AdamFusedKernel, StepCount
 from modular.kernels.base import Kernel
 from modular.kernels.deferred import (
     DeferredFusedKernel,
@@ -22,6 +23,7 @@ from modular.kernels.deferred import (
 )
 from modular.kernels.emulated import EmulatedFusedKernel
 from modular.kernels.fused import FusedKernel
+from modular.fused.adam import MomentUpdates
 from modular.fused.backward import EndOfBackward
 from modular.fused.config import FusedConfig
 from modular.tables.layout import KernelGroup, RankLayout, odd_width
@@ -37,10 +39,12 @@ class FusedTables:
         self.config = config
         self.at = at
         # Tables whose column pieces exchange row statistics (Note [row statistics across column
-        # shards]): none unless row-wise Adagrad keeps the exact statistic.
+        # shards]): none unless the optimizer needs whole rows' (row-wise Adagrad keeping the
+        # exact statistic, partial_rowwise, LAMB).
         self.column_rowwise: tuple[str, ...] = () if config.per_shard_rows else self._column_cut()
         # Column-cut tables whose pieces keep their own row statistic (Note [fused tables]).
         self.per_piece: tuple[str, ...] = self._column_cut() if config.per_shard_rows else ()
+        self.steps = StepCount()  # Note [fused Adam and LAMB]
         self.kernels: list[Kernel] = []
         self.local_kernels: list[Kernel] = []
         self.end_of_backward: Optional[EndOfBackward] = None
@@ -51,6 +55,8 @@ class FusedTables:
         column_rows = any(table in self.column_rowwise for table, _ in group.shards)
         replica = is_local and self.at.world > 1
         if self._emulates([cols for _, cols in sizes], column_rows or replica):
+            if config.optimizer.adam_family():
+                return AdamFusedKernel(group, sizes, device, config, steps=self.steps)
             return EmulatedFusedKernel(group, sizes, device, config)
         if replica:
             return ReplicaFusedKernel(group, sizes, device, config)
@@ -60,11 +66,14 @@ class FusedTables:
                 for table, _ in group.shards
             )
             return RowStatsFusedKernel(group, sizes, device, config, forms)
-        return FusedKernel(group, sizes, device, config)
+        return FusedKernel(group, sizes, device, config, steps=self.steps)
 
     def attach(self, kernels: list[Kernel], local_kernels: list[Kernel]) -> None:
         """Takes the module's kernels (made by `kernel`): remote routes', then data-parallel."""
         self.kernels, self.local_kernels = kernels, local_kernels
+        if self.config.optimizer.adam_family():
+            self._attach_moments()
+            return
         pending = [
             k
             for k in (*kernels, *local_kernels)
@@ -80,6 +89,20 @@ class FusedTables:
                 per_id=per_id,
             )  # fmt: skip
 
+    def _attach_moments(self) -> None:
+        """The Adam family's end of backward (Note [fused Adam and LAMB]): its emulated kernels'
+        updates, and on a rank holding no piece of its column-wise tables, their exchanges."""
+        kernels = [k for k in (*self.kernels, *self.local_kernels) if isinstance(k, AdamFusedKernel)]
+        if kernels or (self.column_rowwise and not self.at.local):
+            replicas = {id(k) for k in self.local_kernels} if self.at.world > 1 else set()
+            moments = MomentUpdates(
+                kernels, kind=self.config.optimizer, replicas=replicas,
+                column_tables=self.column_rowwise, at=self.at,
+            )  # fmt: skip
+            self.end_of_backward = EndOfBackward(
+                [], replicas=set(), column_rowwise=(), at=self.at, moments=moments.run
+            )
+
     def states(self) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
         """Every local shard's optimizer state, keyed by (table, shard index)."""
         out = {}
@@ -89,8 +112,9 @@ class FusedTables:
         return out
 
     def _column_cut(self) -> tuple[str, ...]:
-        """Tables cut into two or more column pieces, under row-wise Adagrad."""
-        if not self.config.optimizer.rowwise():
+        """Tables cut into two or more column pieces, under an optimizer whose rows need
+        statistics of the whole row (row-wise Adagrad, partial_rowwise, LAMB)."""
+        if not self.config.optimizer.whole_row_statistics():
             return ()
         layout = self.at.layout
         return tuple(
@@ -105,8 +129,9 @@ class FusedTables:
         statistics, replicas)."""
         on_cpu = self.at.device.type == "cpu"
         return (
-            # fbgemm's CPU kernels ignore weight decay (fbgemm-gpu-cpu 1.8.0).
-            (self.config.weight_decay > 0 and on_cpu)
+            # fbgemm's CPU kernels ignore weight decay and have no Adam family
+            # (fbgemm-gpu-cpu 1.8.0; Note [fused Adam and LAMB]).
+            (on_cpu and (self.config.weight_decay > 0 or self.config.optimizer.adam_family()))
             or any(odd_width(cols) for cols in widths)
             # Note [row statistics across column shards] and Note [fused replicas] run
             # fbgemm's CPU backward ops directly; other devices take the torch emulation.

@@ -17,6 +17,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     WeightDecayMode,
 )
 
+from modular.kernels.adam import StepCount
 from modular.kernels.base import POOLING, lookup_without_weight_grads, no_weight_grads
 from modular.kernels.precision import sparse_type
 from modular.tables.layout import KernelGroup, Pooling
@@ -40,8 +41,16 @@ class FusedKernel:
     replays_sum_backward = False  # the deferred kernels (modular/kernels/deferred.py) do
 
     def __init__(
-        self, group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device, config
+        self,
+        group: KernelGroup,
+        sizes: list[tuple[int, int]],
+        device: torch.device,
+        config,
+        *,
+        steps: Optional[StepCount] = None,
     ) -> None:
+        """`steps`: the module's step count, which the Adam family's bias correction reads
+        (Note [fused Adam and LAMB] in modular/kernels/adam.py)."""
         on_cpu = device.type == "cpu"
         location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
         compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
@@ -49,6 +58,7 @@ class FusedKernel:
         self.sizes = sizes
         self.config = config
         self._lr = config.lr
+        self._steps = steps if config.optimizer.adam_family() else None
         self.nobag = (
             group.pooling is Pooling.NONE
             and not self.replays_sum_backward
@@ -70,7 +80,7 @@ class FusedKernel:
             weights_precision=sparse_type(group.dtype),
             output_dtype=sparse_type(torch.float32),
             stochastic_rounding=config.stochastic_rounding,
-            **_weight_decay_args(config),
+            **_optimizer_args(config),
         )
         self.views = [
             torch.nn.Parameter(w, requires_grad=False) for w in self.tbe.split_embedding_weights()
@@ -79,19 +89,26 @@ class FusedKernel:
         self._no_weight_grads = no_weight_grads(group, device)
 
     def _state_views(self) -> list[dict[str, torch.Tensor]]:
-        name = self.config.optimizer.state_name()
-        if name is None:
+        kind = self.config.optimizer
+        names = kind.state_names()
+        if not names:
             return [{} for _ in self.sizes]
         out = []
         for (rows, cols), states in zip(self.sizes, self.tbe.split_optimizer_states()):
-            shape = (rows,) if self.config.optimizer.rowwise() else (rows, cols)
-            out.append({name: states[0].view(shape)})
+            out.append(
+                {
+                    name: state.view((rows,) if kind.row_state(name) else (rows, cols))
+                    for name, state in zip(names, states)
+                }
+            )
         return out
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
         self._sync_lr()
+        if self._steps is not None:
+            self._sync_step(self._steps.value)
         no_grads = self._no_weight_grads
         return lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
 
@@ -101,8 +118,20 @@ class FusedKernel:
             self.tbe.set_learning_rate(lr)
             self._lr = lr
 
+    def _sync_step(self, step: int) -> None:
+        """fbgemm's Adam-family forward adds one to its own count and corrects by that: it is
+        set to the module's count before (Note [fused Adam and LAMB])."""
+        self.tbe.iter_cpu.fill_(step - 1)
+        self.tbe.iter.fill_(step - 1)
 
-def _weight_decay_args(config) -> dict:
+
+def _optimizer_args(config) -> dict:
+    """The TBE's hyperparameters beyond the learning rate and eps: the Adam family's betas and
+    (decoupled) weight decay, row-wise Adagrad's weight decay in fbgemm's L2 mode."""
+    kind = config.optimizer
+    if kind.adam_family():
+        beta1, beta2 = config.betas
+        return {"beta1": beta1, "beta2": beta2, "weight_decay": config.weight_decay}
     if config.weight_decay == 0.0:
         return {}
     return {"weight_decay": config.weight_decay, "weight_decay_mode": WeightDecayMode.L2}

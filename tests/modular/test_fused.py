@@ -410,7 +410,7 @@ def test_optimizer_state_dict_round_trip_in_one_process() -> None:
 @pytest.mark.parametrize(
     "name, kwargs, message",
     [
-        ("adam", {"lr": 0.1}, "'adam' is not supported; fbgemm's fused kernels support 'exact_sgd', 'exact_adagrad', 'exact_rowwise_adagrad'"),
+        ("adamw", {"lr": 0.1}, "'adamw' is not supported; fuse_optimizer takes 'exact_sgd', 'exact_adagrad', 'exact_rowwise_adagrad', 'adam', "),
         ("exact_adagrad", {"lr": 0.0}, "lr must be positive, got 0.0"),
         ("exact_adagrad", {"lr": 0.1, "eps": -1.0}, "eps must be positive"),
         ("exact_adagrad", {"lr": 0.1, "weight_decay": 0.01}, "fbgemm's exact_adagrad kernel has no weight decay"),

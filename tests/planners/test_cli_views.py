@@ -290,15 +290,30 @@ def test_the_planner_takes_modular_optimizer_names(capsys, tmp_path):
         assert Optimizer.parse(ours).fused_name == fused
         assert planners.plan(tables, topo, batch_size=64, optimizer=fused) == planners.plan(
             tables, topo, batch_size=64, optimizer=ours)
-    with pytest.raises(planners.PlanError, match=r"unknown optimizer 'exact_adam'.*adam \(no fused kernel\)"):
+    for name in ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"):  # one name each
+        assert Optimizer.parse(name).fused_name == name
+    with pytest.raises(planners.PlanError, match=r"unknown optimizer 'exact_adam'.*adagrad \(exact_adagrad\), adam, "):
         Optimizer.parse("exact_adam")
     path = write(tmp_path, "t.yaml", "- {name: a, num_embeddings: 1000, embedding_dim: 16}\n")
     code, out, _ = run(capsys, "plan", path, "--world-size", "2", "--batch-size", "8",
                        "--optimizer", "exact_rowwise_adagrad")  # fmt: skip
     assert code == 0 and "optimizer rowwise_adagrad" in out and "note:" not in out
-    code, out, _ = run(capsys, "plan", path, "--world-size", "2", "--batch-size", "8",
-                       "--optimizer", "adam")  # fmt: skip
-    assert code == 0 and "note: adam has no fused kernel in modular.fuse_optimizer" in out
+    for name in ("adam", "lamb"):  # fused now: no report calls them unfused
+        code, out, _ = run(capsys, "plan", path, "--world-size", "2", "--batch-size", "8",
+                           "--optimizer", name)  # fmt: skip
+        assert code == 0 and f"optimizer {name}" in out and "note:" not in out, out
+
+
+def test_state_bytes_of_the_adam_family_per_row():
+    # adam and lamb: two fp32 moments per element; partial_rowwise: one per element and a
+    # second moment per row.
+    assert [Optimizer.parse(n).state_bytes_per_row(16) for n in
+            ("adam", "lamb", "partial_rowwise_adam", "partial_rowwise_lamb", "rowwise_adagrad")] == [
+        128, 128, 68, 68, 4]  # fmt: skip
+    tables = [Table("a", 1000, 16)]
+    plans = {n: planners.plan_with_stats(tables, Topology(1), batch_size=8, optimizer=n).stats
+             for n in ("adam", "partial_rowwise_adam")}  # fmt: skip
+    assert plans["adam"].ranks[0].memory - plans["partial_rowwise_adam"].ranks[0].memory == 1000 * (128 - 68)
 
 
 # -- names of the cost components ----------------------------------------------------------------

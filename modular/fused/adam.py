@@ -1,0 +1,115 @@
+"""The Adam family's update at the end of backward, for every emulated kernel of one module.
+
+Note [fused Adam and LAMB] (modular/kernels/adam.py) says what the update is; this runs it on
+the module's `AdamFusedKernel`s in phases, with the collectives that make it exact between them,
+the same collectives in the same order on every rank:
+  1. each kernel's sparse gradient (rows it touched, summed gradients); data-parallel replicas
+     average theirs over ranks (`all_gather_mean`, Note [emulated fused kernels]);
+  2. partial_rowwise: each touched row's sum of g**2, a column-wise table's summed over its
+     pieces (one all-to-all, `exchange_row_sums`), divided by the whole row's width;
+  3. the moments and each row's r, piece by piece (r is per element);
+  4. LAMB: each touched row's sums of w**2 and r**2, a column-wise table's summed over its pieces
+     (a second all-to-all, two floats per row);
+  5. the weights.
+Every column piece of a table looks up the same ids (each id goes to every piece), so its pieces
+agree on the touched rows, sorted and unique (Note [row statistics across column shards]). A
+rank holding no piece of a column-wise table joins the all-to-alls with nothing to send.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from modular.fused.backward import exchange_row_sums
+from modular.fused.config import FusedOptimizerKind
+from modular.kernels.adam import AdamFusedKernel
+from modular.kernels.emulated import RowGrad
+from modular.tables.layout import RankLayout
+
+__all__ = ["MomentUpdates"]
+
+PerTable = list[Optional[torch.Tensor]]
+
+
+class MomentUpdates:
+    """Runs the deferred Adam-family updates of one module's kernels (module docstring)."""
+
+    def __init__(
+        self,
+        kernels: list[AdamFusedKernel],
+        *,
+        kind: FusedOptimizerKind,
+        replicas: set[int],
+        column_tables: tuple[str, ...],
+        at: RankLayout,
+    ) -> None:
+        """`replicas`: ids of the data-parallel replica kernels; `column_tables`: the tables cut
+        into column pieces whose rows need whole-row statistics (the same on every rank)."""
+        self.kernels = kernels
+        self.kind = kind
+        self.replicas = replicas
+        self.column_tables = column_tables
+        self.at = at
+
+    def run(self) -> None:
+        at = self.at
+        grads = {id(k): k.take_pending() for k in self.kernels}
+        for k in self.kernels:
+            if id(k) in self.replicas:
+                grads[id(k)] = k.all_gather_mean(grads[id(k)], world=at.world, group=at.group)
+        means: dict[int, PerTable] = {}
+        if self.kind.partial_rowwise():
+            sums = {id(k): k.grad_square_sums(grads[id(k)]) for k in self.kernels}
+            whole = self._whole_rows(grads, sums)
+            for k in self.kernels:
+                means[id(k)] = [
+                    None if s is None
+                    else (whole[table] / at.layout.table(table).embedding_dim if table in whole else s / cols)
+                    for (table, _), (_, cols), s in zip(k.group.shards, k.sizes, sums[id(k)])
+                ]  # fmt: skip
+        directions = {
+            id(k): k.directions(grads[id(k)], means.get(id(k), [None] * len(k.sizes)))
+            for k in self.kernels
+        }
+        norms: dict[int, Optional[PerTable]] = {id(k): None for k in self.kernels}
+        if self.kind.trust_ratio():
+            own = {id(k): k.norm_squares(grads[id(k)], directions[id(k)]) for k in self.kernels}
+            whole = self._whole_rows(grads, own)
+            for k in self.kernels:
+                norms[id(k)] = [
+                    whole.get(table, s) if s is not None else None
+                    for (table, _), s in zip(k.group.shards, own[id(k)])
+                ]
+        for k in self.kernels:
+            k.step_rows(grads[id(k)], directions[id(k)], norms[id(k)])
+
+    def _whole_rows(
+        self, grads: dict[int, list[Optional[RowGrad]]], sums: dict[int, PerTable]
+    ) -> dict[str, torch.Tensor]:
+        """Per column-wise table this rank holds, each touched row's sums over all its pieces:
+        this rank's pieces added up, then the other holders' (one all-to-all, which a module
+        with column-wise tables runs on every rank; none without)."""
+        if not self.column_tables:
+            return {}
+        mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for k in self.kernels:
+            for (table, _), g, s in zip(k.group.shards, grads[id(k)], sums[id(k)]):
+                if table not in self.column_tables:
+                    continue
+                if g is None:  # no ids this step: every piece of the table has none
+                    continue
+                if table in mine:  # another piece on this rank: the same rows
+                    rows, total = mine[table]
+                    if not torch.equal(rows, g.rows):
+                        raise RuntimeError(
+                            f"column pieces of table {table!r} on rank {self.at.rank} touched "
+                            f"different rows in one step ({rows.numel()} and {g.rows.numel()}); "
+                            "every piece looks up the same ids"
+                        )
+                    total += s
+                else:
+                    mine[table] = (g.rows, s.clone())
+        exchange_row_sums(mine, self.column_tables, self.at)
+        return {table: total for table, (_, total) in mine.items()}

@@ -34,6 +34,7 @@ from planners.types import (
     ShardingType,
     ShardSpec,
     TablePlacement,
+    block_split,
     even_split,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "TableStats",
     "Topology",
     "TorchRecLayoutWarning",
+    "block_split",
     "even_split",
     "format_bytes",
     "parse_bytes",

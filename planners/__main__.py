@@ -148,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("tables", metavar="TABLES", help="table file (.yaml, .json or .csv)")
     p.add_argument("--constraints", metavar="C", help="per-table constraints (.yaml or .json)")
+    p.add_argument("--torchrec-compatible", action="store_true",
+                   help="plan only what TorchRec's DistributedModelParallel runs as planned: "
+                        "to_torchrec converts it with no warning and no moved row (row-wise "
+                        "tables over every rank, table-row-wise over a whole host, in TorchRec's "
+                        "block split); recorded in the plan file")  # fmt: skip
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan JSON here")
     _add_view_flags(p, "draw per-rank cost, memory and tables here (PNG)")
     _add_cluster_flags(p, required=True)
@@ -232,10 +237,10 @@ class _Priced(NamedTuple):
 
 def _settings(tables: tuple[Table, ...], tables_path: str, constraints: dict[str, TableConstraint],
               topology: Topology, batch: int, optimizer: str, statistic: str, module: str,
-              comm: str) -> dict[str, Any]:  # fmt: skip
+              comm: str, torchrec: bool) -> dict[str, Any]:  # fmt: skip
     return {
         "batch_size": batch, "optimizer": optimizer, "column_wise_statistic": statistic,
-        "comm_dtype": comm, "module": module,
+        "comm_dtype": comm, "module": module, "torchrec_compatible": torchrec,
         **{name: getattr(topology, name) for name in _SETTINGS},
         "world_size": topology.world_size, "ranks_per_host": topology.ranks_per_host,
         "tables_path": tables_path, "tables_digest": tables_digest(tables),
@@ -256,9 +261,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = plan_with_stats(tables, topology, batch_size=args.batch_size,
                              constraints=constraints or None, optimizer=optimizer,
                              module_fqn=module, column_wise_statistic=statistic,
-                             comm_dtype=comm)  # fmt: skip
+                             comm_dtype=comm,
+                             torchrec_compatible=args.torchrec_compatible)  # fmt: skip
     settings = _settings(tables, args.tables, constraints, topology, args.batch_size, optimizer,
-                         statistic, module, comm)  # fmt: skip
+                         statistic, module, comm, args.torchrec_compatible)  # fmt: skip
     priced = _Priced(args.output or "", result.plan, result.stats, settings, [], tables,
                      constraints)  # fmt: skip
     # Files first: neither a misspelt --table nor a reader that stops early (| head) loses them.
@@ -309,6 +315,11 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
         constraints = recorded_constraints(recorded, path)
     topology = _topology(plan.world_size, plan.ranks_per_host, args, recorded)
     work = _workload(args, recorded, path)
+    # planned for TorchRec's layouts: the bound is theirs (a file without the record was not)
+    torchrec = recorded.get("torchrec_compatible", False)
+    if not isinstance(torchrec, bool):
+        raise PlanError(f"{path}: the recorded torchrec_compatible must be true or false, got "
+                        f"{torchrec!r}")  # fmt: skip
     module = _module_for(plan, work.module)
     for name, value in (("batch_size", args.batch_size), ("optimizer", args.optimizer),
                         ("column_wise_statistic", args.column_wise_statistic),
@@ -325,12 +336,13 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
                            optimizer=work.optimizer, module_fqn=module,
                            constraints=constraints or None,
                            column_wise_statistic=work.column_wise_statistic,
-                           comm_dtype=work.comm_dtype)  # fmt: skip
+                           comm_dtype=work.comm_dtype,
+                           torchrec_compatible=torchrec)  # fmt: skip
     except PlanError as e:
         raise PlanError(f"{path}: {e}") from None
     settings = _settings(tables, tables_path, constraints, topology, work.batch_size,
                          Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module,
-                         DataType.parse(work.comm_dtype).value)  # fmt: skip
+                         DataType.parse(work.comm_dtype).value, torchrec)  # fmt: skip
     return _Priced(path, plan, stats, settings, overrides, tables, constraints)
 
 

@@ -38,6 +38,7 @@ def plan(
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
     pooling_factors: Mapping[str, float] | None = None,
     comm_dtype: DataType | str = DataType.FP32,
+    torchrec_compatible: bool = False,
 ) -> ShardingPlan:
     """Places every table so that the slowest rank is as fast as possible and every rank fits.
 
@@ -71,14 +72,22 @@ def plan(
     own dtype (`Table.dtype`, FP16/BF16 at 2 bytes an element, optimizer state in FP32). The
     same input always gives the same plan.
 
+    `torchrec_compatible=True` plans only what TorchRec's DistributedModelParallel runs as
+    planned: `to_torchrec` then converts the plan with no `TorchRecLayoutWarning` and no moved
+    row (row-wise over every rank, table-row-wise over a whole host, both in TorchRec's block
+    split; a table whose width is no multiple of 4 only data-parallel):
+
+        plan = planners.plan(tables, topology, batch_size=512, torchrec_compatible=True)
+        tr_plan = planners.to_torchrec(plan, tables)
+
     Raises `NoPlanError` (a PlanError) naming the tables that do not fit, with the numbers and
     the ways out; PlanError for invalid input.
     """
     return plan_with_stats(
         tables, topology, batch_size=batch_size, constraints=constraints,
         optimizer=optimizer, module_fqn=module_fqn, column_wise_statistic=column_wise_statistic,
-        pooling_factors=pooling_factors,
-        comm_dtype=comm_dtype,
+        pooling_factors=pooling_factors, comm_dtype=comm_dtype,
+        torchrec_compatible=torchrec_compatible,
     ).plan  # fmt: skip
 
 
@@ -93,6 +102,7 @@ def plan_with_stats(
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
     pooling_factors: Mapping[str, float] | None = None,
     comm_dtype: DataType | str = DataType.FP32,
+    torchrec_compatible: bool = False,
 ) -> PlanResult:
     """Like `plan` (the same arguments), and also returns the plan's statistics, priced under
     the same optimizer and `column_wise_statistic`, and how long the search took.
@@ -112,7 +122,8 @@ def plan_with_stats(
     early = before_candidates(table_set, cons, model, base)
     if early is not None:
         raise early
-    candidates = enumerate_candidates(plain, model, cons, topology.capacity - base)
+    candidates = enumerate_candidates(plain, model, cons, topology.capacity - base,
+                                      torchrec=torchrec_compatible)  # fmt: skip
     early = before_search(table_set, candidates, cons, model, base)
     if early is not None:
         raise early
@@ -131,5 +142,6 @@ def plan_with_stats(
         modules.setdefault(fqn, {})[table.name] = TablePlacement(p.kind, p.ranks, sizes)
     result = ShardingPlan(topology.world_size, modules, ranks_per_host=topology.ranks_per_host)
     seconds = time.perf_counter() - start
-    stats = stats_for(result, table_set, model, bound, plan_seconds=seconds)
+    stats = stats_for(result, table_set, model, bound, plan_seconds=seconds,
+                      torchrec_compatible=torchrec_compatible)
     return PlanResult(result, stats, seconds)

@@ -223,6 +223,12 @@ def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, ro
     smallest = candidates.smallest_memory(i, allowed_only=True)
     foot = _footprint(table, model.optimizer)
     ways = []
+    dim = table.embedding_dim
+    if candidates.torchrec and dim % 4:
+        ways.append(f"a width that is a multiple of 4 (e.g. {dim + 4 - dim % 4}): torchrec_compatible "
+                    f"lets a {dim}-wide table only be data_parallel, as TorchRec's fused kernel "
+                    "takes no other; or plan without it and convert with "
+                    "to_torchrec(..., compute_kernel='dense')")  # fmt: skip
     splittable = (ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)
     if con is not None and con.sharding_types and not any(con.allows(k) for k in splittable):
         ways.append(f"allow row_wise for {name!r}")

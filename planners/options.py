@@ -18,6 +18,19 @@ when column shards are multiples of 4 columns (FBGEMM's kernels need dim % 4 == 
 TorchRec's planner keeps to it too). So the bound holds for every plan under this cost model,
 TorchRec's included. It ignores memory packing and pinned ranks, which can only raise the
 optimum.
+
+Note [plans TorchRec runs unchanged]
+`plan(..., torchrec_compatible=True)` keeps only candidates that `to_torchrec` converts as they
+are, with no `TorchRecLayoutWarning` and no moved row (Note [row-wise layouts in TorchRec] and
+Note [column pieces in TorchRec] in planners/torchrec_interop.py), under its default fused kernel
+on any device: row-wise over every rank of the world and table-row-wise over every rank of one
+host, each in TorchRec's block split (ceil(N / n) rows per rank in rank order) with no empty
+block (fbgemm's fused CPU kernel fails on one); column pieces of multiples of 4 columns (as
+always); a table whose width is no multiple of 4 only data-parallel. The search then never
+resizes, merges or peels a row-wise or table-row-wise table's shards. A block split's largest
+shard is the even split's, so every remaining candidate costs what it did, and the lower bound
+is the restricted problem's (reported as such); `plan_stats` with `torchrec_compatible=True`
+gives the same.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import numpy as np
 
 from planners.cost import CostModel, TableArrays
 from planners.inputs import Table, TableConstraint
-from planners.row_wise import RowWise
+from planners.row_wise import RowWise, whole_blocks
 from planners.types import ShardingType
 
 __all__ = ["Candidates", "column_unit", "enumerate_candidates", "lower_bound", "select"]
@@ -57,6 +70,7 @@ class Candidates(NamedTuple):
     # (`CostModel.everywhere_bytes`: row-wise pieces' low-precision copies; less for a replica)
     max_memory: np.ndarray
     row_wise: RowWise
+    torchrec: bool = False  # only what TorchRec runs as planned (Note [plans TorchRec runs unchanged])
 
     @property
     def row_wise_base(self) -> int:
@@ -139,8 +153,12 @@ def enumerate_candidates(
     model: CostModel,
     constraints: Sequence[TableConstraint | None],
     shard_capacity: float,
+    *,
+    torchrec: bool = False,
 ) -> Candidates:
-    """Prices every candidate of every table; `shard_capacity` is the memory a rank has for shards."""
+    """Prices every candidate of every table; `shard_capacity` is the memory a rank has for
+    shards. `torchrec` keeps only what TorchRec runs as planned (Note [plans TorchRec runs
+    unchanged])."""
     topo = model.topology
     world, host = topo.world_size, int(topo.ranks_per_host or 1)
     arrays = TableArrays.of(tables)
@@ -182,6 +200,8 @@ def enumerate_candidates(
         np.concatenate([b[i] for b in blocks], axis=1) for i in range(4)
     )
     allowed = shape_ok & _constraint_mask(columns, constraints, world, host)
+    if torchrec:
+        allowed &= _torchrec_mask(columns, arrays, host)
     return Candidates(
         columns=tuple(columns),
         valid=allowed & (max_mem <= shard_capacity),
@@ -189,8 +209,22 @@ def enumerate_candidates(
         max_cost=max_cost,
         total=total,
         max_memory=max_mem,
-        row_wise=RowWise.of(arrays, model, constraints, shard_capacity),
+        row_wise=RowWise.of(arrays, model, constraints, shard_capacity, torchrec=torchrec),
+        torchrec=torchrec,
     )
+
+
+def _torchrec_mask(columns: Sequence[tuple[ShardingType, int]], t: TableArrays,
+                   host: int) -> np.ndarray:  # fmt: skip
+    """The explicit candidates TorchRec runs as planned: a table whose width is no multiple of
+    4 only data-parallel; table-row-wise only over a whole host with no empty block."""
+    kinds = np.array([kind.value for kind, _ in columns])
+    ks = np.array([k for _, k in columns])
+    dp = kinds == _T.DATA_PARALLEL.value
+    twrw = kinds == _T.TABLE_ROW_WISE.value
+    fourfold = (t.dim % 4 == 0)[:, None]
+    host_ok = (ks == host)[None, :] & whole_blocks(t.rows, host)[:, None]
+    return dp[None, :] | (fourfold & (~twrw[None, :] | host_ok))
 
 
 def _constraint_mask(

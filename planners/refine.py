@@ -163,7 +163,7 @@ def refine(p: Problem, s: State, good_enough: float = 0.0, max_steps: int | None
                         continue
                     offer(new, ("swap", i, j, r2, i2, j2))
             # shift rows/columns to another shard of the same table
-            if len(s.ranks[i]) > 1 and f.b > 0:
+            if len(s.ranks[i]) > 1 and f.b > 0 and not _fixed_rows(p, s, i):
                 others = [(j2, r2) for j2, r2 in enumerate(s.ranks[i]) if j2 != j]
                 for j2, r2 in others:
                     dx = min(_floor((top - s.load[r2]) / (2 * f.b), f.step), x - f.step)
@@ -258,12 +258,18 @@ def _grown_fit(p: Problem, s: State, i: int) -> Affine:
     return s.fits[i]
 
 
+def _fixed_rows(p: Problem, s: State, i: int) -> bool:
+    """Whether table i's rows stay as placed: TorchRec's block split (Note [plans TorchRec runs
+    unchanged] in planners/options.py)."""
+    return p.candidates.torchrec and s.kinds[i] in (_T.ROW_WISE, _T.TABLE_ROW_WISE)
+
+
 def _may_split(p: Problem, s: State, i: int) -> bool:
     """Whether table i may get one more shard: column-wise (from table- or column-wise) or
     row-wise, within its constraint; table-row-wise keeps its shard count (its price depends
     on it)."""
     kind = s.kinds[i]
-    if kind not in (_T.TABLE_WISE, _T.COLUMN_WISE, _T.ROW_WISE):
+    if kind not in (_T.TABLE_WISE, _T.COLUMN_WISE, _T.ROW_WISE) or _fixed_rows(p, s, i):
         return False
     grown = _T.ROW_WISE if kind is _T.ROW_WISE else _T.COLUMN_WISE
     con = p.constraints[i]
@@ -282,7 +288,7 @@ def _allows(p: Problem, i: int, kind: ShardingType) -> bool:
 def _may_merge(p: Problem, s: State, i: int) -> bool:
     """Whether table i may lose a shard: row- or column-wise above its min_shards (table-row-wise
     keeps its shard count)."""
-    if s.kinds[i] not in (_T.COLUMN_WISE, _T.ROW_WISE):
+    if s.kinds[i] not in (_T.COLUMN_WISE, _T.ROW_WISE) or _fixed_rows(p, s, i):
         return False
     con = p.constraints[i]
     remaining = len(s.ranks[i]) - 1

@@ -122,7 +122,9 @@ def setting_differences(stats: tuple[PlanStats, PlanStats], settings: tuple[dict
     for key, label in (("world_size", "world size"), ("ranks_per_host", "ranks per host"),
                        ("batch_size", "batch size per rank"), ("optimizer", "optimizer"),
                        ("column_wise_statistic", "column_wise_statistic"),
-                       ("comm_dtype", "comm_dtype"), ("device_memory", "device memory"),
+                       ("comm_dtype", "comm_dtype"),
+                       ("torchrec_compatible", "torchrec_compatible"),
+                       ("device_memory", "device memory"),
                        ("reserved_fraction", "reserved fraction"),
                        ("device_memory_bandwidth", "memory bandwidth"),
                        ("intra_host_bandwidth", "intra-host bandwidth"),
@@ -199,13 +201,15 @@ def why_lines(stats: PlanStats, tables: Sequence[Table], name: str,
     the search would weigh against the plan's slowest rank (the fewest-work one whose largest
     shard is under it, else the one with the smallest largest shard), or why there is none."""
     model = CostModel(stats.topology, stats.batch_size, stats.optimizer,
-                      column_wise_statistic=stats.column_wise_statistic)  # fmt: skip
+                      column_wise_statistic=stats.column_wise_statistic,
+                      comm_dtype=stats.comm_dtype)  # fmt: skip
     table_set = tuple(("", t) for t in tables)
     cons = match_constraints(table_set, constraints, stats.topology.world_size)
     i = next(j for j, t in enumerate(tables) if name in (t.name, stats.tables[j].name))
     chosen = stats.tables[i]
     room = stats.topology.capacity - model.batch_buffer_bytes(TableArrays.of(list(tables)))
-    c = enumerate_candidates([tables[i]], model, [cons[i]], room)
+    c = enumerate_candidates([tables[i]], model, [cons[i]], room,
+                             torchrec=stats.torchrec_compatible)  # fmt: skip
     slowest = stats.max_cost
     lines = [f"  why: the slowest rank takes {format_seconds(slowest)} (lower bound "
              f"{format_seconds(stats.lower_bound)}); per sharding type, the best this table "

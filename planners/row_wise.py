@@ -29,10 +29,16 @@ from planners.cost import CostModel, TableArrays
 from planners.inputs import TableConstraint
 from planners.types import ShardingType
 
-__all__ = ["RowWise"]
+__all__ = ["RowWise", "whole_blocks"]
 
 _RW = ShardingType.ROW_WISE
 _NONE = 0  # "no such k": a k is always >= 2
+
+
+def whole_blocks(rows: np.ndarray, ranks: int | np.ndarray) -> np.ndarray:
+    """Whether TorchRec's block split of `rows` over `ranks` leaves no rank empty:
+    (ranks - 1) * ceil(rows / ranks) < rows (9 rows over 8 ranks leave three empty)."""
+    return (ranks - 1) * np.ceil(rows / ranks) < rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +58,9 @@ class RowWise:
 
     @classmethod
     def of(cls, t: TableArrays, model: CostModel, constraints: Sequence[TableConstraint | None],
-           capacity: float) -> RowWise:  # fmt: skip
+           capacity: float, *, torchrec: bool = False) -> RowWise:  # fmt: skip
+        """`torchrec`: only TorchRec's layout, every rank of the world in its block split, with
+        no empty block (Note [plans TorchRec runs unchanged] in planners/options.py)."""
         world = model.topology.world_size
         n = len(t.rows)
         lo = np.full(n, 2, dtype=np.int64)
@@ -68,6 +76,10 @@ class RowWise:
                 hi[i] = min(hi[i], con.max_shards)
             if con.ranks:
                 hi[i] = min(hi[i], len(con.ranks))
+        if torchrec:  # only k = W, if the constraint allows it
+            ok = (lo <= world) & (hi >= world) & whole_blocks(t.rows, world) & (t.dim % 4 == 0)
+            lo[:] = world
+            hi = np.where(ok, world, 0).astype(np.int64)
         one = model.shard(_RW, t, 1.0, t.dim, 2.0).total
         full = model.shard(_RW, t, t.rows, t.dim, 2.0).total
         b = (full - one) / np.maximum(t.rows - 1, 1)

@@ -45,7 +45,7 @@ from planners.inputs import Table, TableConstraint
 from planners.options import Candidates, column_unit, select
 from planners.prices import ShardPrices
 from planners.refine import Problem, State, least_loaded, refine
-from planners.types import ShardingType, even_split
+from planners.types import ShardingType, block_split, even_split
 
 __all__ = ["Placement", "SearchOutcome", "search", "shard_sizes"]
 
@@ -244,6 +244,9 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
         if ranks is None:
             unplaced.append(i)
             continue
+        if c.torchrec and kind in (_T.ROW_WISE, _T.TABLE_ROW_WISE):
+            # TorchRec's layout: block i on the i-th rank (Note [plans TorchRec runs unchanged])
+            ranks, sizes = sorted(ranks), list(block_split(p.tables[i].num_embeddings, k))
         s.kinds[i], s.ranks[i], s.sizes[i], s.fits[i] = kind, ranks, sizes, f
         if extra:
             s.mem += extra

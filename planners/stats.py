@@ -180,6 +180,8 @@ class PlanStats:
     num_sequence_tables: int = field(default=0, kw_only=True)  # an EmbeddingCollection's
     # the dtype pooled embeddings travel in (CostModel.comm_dtype); shown when it is not FP32
     comm_dtype: DataType = field(default=DataType.FP32, kw_only=True)
+    # the bound is that of plans TorchRec runs unchanged (Note [plans TorchRec runs unchanged])
+    torchrec_compatible: bool = field(default=False, kw_only=True)
 
     @property
     def max_cost(self) -> float:
@@ -242,7 +244,9 @@ class PlanStats:
             f"optimizer {self.optimizer.value}{statistic}{comm}",
             f"slowest rank {slow.rank}: {format_seconds(slow.cost)} per step; mean "
             f"{format_seconds(self.mean_cost)}; imbalance (max/mean) {self.imbalance:.3f}",
-            f"lower bound {format_seconds(self.lower_bound)}; slowest rank / bound = "
+            f"lower bound {format_seconds(self.lower_bound)}"
+            + (" (of torchrec-compatible plans)" if self.torchrec_compatible else "")
+            + "; slowest rank / bound = "
             f"{self.bound_ratio:.3f} (gap {100 * (self.bound_ratio - 1):.1f}%)",
             f"tables on the slowest rank: {top or 'none (data-parallel only)'}{more}",
             f"memory: max {format_bytes(mem)} of {format_bytes(self.ranks[0].capacity)} per rank "
@@ -300,6 +304,7 @@ class PlanStats:
             "optimizer": self.optimizer.value,
             "column_wise_statistic": self.column_wise_statistic.value,
             "comm_dtype": self.comm_dtype.value,
+            "torchrec_compatible": self.torchrec_compatible,
             "ranks": [
                 {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
                  **{c: getattr(r, c) for c in _COMPONENTS}, "tables": [n for n, _ in r.tables]}
@@ -420,6 +425,7 @@ def plan_stats(
     plan_seconds: float | None = None,
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
     comm_dtype: DataType | str = DataType.FP32,
+    torchrec_compatible: bool = False,
 ) -> PlanStats:
     """Prices `plan` for `tables` on `topology` and compares it with the lower bound.
 
@@ -428,7 +434,8 @@ def plan_stats(
 
     `optimizer` and `column_wise_statistic` as for `planners.plan`: price a plan under the
     settings it will be trained with ("per_shard" makes column pieces under row-wise Adagrad
-    cheaper; under the other optimizers it changes nothing).
+    cheaper; under the other optimizers it changes nothing). `torchrec_compatible` as for
+    `planners.plan`: the bound is then that of plans TorchRec runs unchanged.
 
     Raises PlanError if the plan does not place exactly these tables (see `validate_plan`).
     A plan over memory capacity is reported (`over_capacity`), not rejected.
@@ -440,8 +447,10 @@ def plan_stats(
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))
-    bound = lower_bound(enumerate_candidates(plain, model, cons, capacity), topology.world_size)
-    return stats_for(plan, table_set, model, bound, plan_seconds)
+    candidates = enumerate_candidates(plain, model, cons, capacity, torchrec=torchrec_compatible)
+    bound = lower_bound(candidates, topology.world_size)
+    return stats_for(plan, table_set, model, bound, plan_seconds,
+                     torchrec_compatible=torchrec_compatible)
 
 
 def stats_for(
@@ -450,6 +459,8 @@ def stats_for(
     model: CostModel,
     bound: float,
     plan_seconds: float | None = None,
+    *,
+    torchrec_compatible: bool = False,
 ) -> PlanStats:
     """`plan_stats` for callers that already hold the flattened tables and the bound."""
     topology = model.topology
@@ -474,5 +485,6 @@ def stats_for(
                      plan_seconds, column_wise_statistic=model.column_wise_statistic,
                      tables=tables,
                      num_sequence_tables=sum(t.sequence for _, t in table_set),
-                     comm_dtype=model.comm_dtype)  # fmt: skip
+                     comm_dtype=model.comm_dtype,
+                     torchrec_compatible=torchrec_compatible)  # fmt: skip
 

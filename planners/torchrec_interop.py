@@ -29,13 +29,12 @@ PlanError. The dense kernel takes any width.
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Mapping
 
 from planners.model_tables import TableSet, TablesLike, as_table_set, display_name
 from planners.types import (
-    PlanError, ShardingPlan, ShardingType, TablePlacement, check_one_host, even_split,
+    PlanError, ShardingPlan, ShardingType, TablePlacement, block_split, check_one_host, even_split,
 )  # fmt: skip
 
 __all__ = ["TorchRecLayoutWarning", "from_torchrec", "to_torchrec"]
@@ -63,13 +62,6 @@ def _device(device_type: str, rank: int, ranks_per_host: int) -> str:
     if device_type == "cpu":
         return f"rank:{rank}/cpu"
     return f"rank:{rank}/{device_type}:{rank % ranks_per_host}"
-
-
-def block_split(num_rows: int, num_ranks: int) -> tuple[int, ...]:
-    """Rows per rank as TorchRec routes row-wise ids:
-    1000 rows over 3 ranks -> (334, 334, 332); 9 over 8 -> (2, 2, 2, 2, 1, 0, 0, 0)."""
-    block = math.ceil(num_rows / num_ranks)
-    return tuple(max(0, min(block, num_rows - i * block)) for i in range(num_ranks))
 
 
 def to_torchrec(

@@ -30,6 +30,7 @@ __all__ = [
     "ShardingPlan",
     "ShardingType",
     "TablePlacement",
+    "block_split",
     "even_split",
     "rank_ranges",
 ]
@@ -88,6 +89,14 @@ def even_split(total: int, parts: int) -> tuple[int, ...]:
         raise PlanError(f"cannot split {total} into {parts} parts")
     base, extra = divmod(total, parts)
     return tuple(base + 1 if i < extra else base for i in range(parts))
+
+
+def block_split(num_rows: int, num_ranks: int) -> tuple[int, ...]:
+    """Rows per rank as TorchRec routes row-wise ids (Note [row-wise layouts in TorchRec] in
+    planners/torchrec_interop.py): blocks of ceil(N / n) rows, the last ones short or empty.
+    1000 rows over 3 ranks -> (334, 334, 332); 9 over 8 -> (2, 2, 2, 2, 1, 0, 0, 0)."""
+    block = -(-num_rows // num_ranks)
+    return tuple(max(0, min(block, num_rows - i * block)) for i in range(num_ranks))
 
 
 def rank_ranges(ranks: Any, world_size: int | None = None) -> str:

@@ -5,7 +5,8 @@ One rank body per world size (2 and 3, CPU gloo) runs several plans: every shard
 rows and columns that split unevenly (1000 rows over 3 ranks, a 20-wide table cut 8/8/4); plans
 a user writes that TorchRec cannot hold as written (row blocks on a subset of ranks in reverse
 order, column cuts off multiples of 4, a rank with two column pieces); the planner's own plan;
-and TorchRec's dense kernel with a 0-row block and 3-column pieces (which its fused kernel
+the planner's plan with `torchrec_compatible=True`, which to_torchrec must convert with nothing
+moved; and TorchRec's dense kernel with a 0-row block and 3-column pieces (which its fused kernel
 refuses). For each plan, two SGD steps on the same batches: the forward output of DMP and of ours
 against the unsharded EBC on the global batch, and after the steps every weight shard DMP holds
 against the unsharded weights, and its boundaries against what `from_torchrec` says TorchRec
@@ -103,7 +104,17 @@ def _plans(world: int) -> dict[str, tuple[ShardingPlan, str]]:
                      "t_odd": TableConstraint(sharding_types=(T.DATA_PARALLEL,))},
         pooling_factors={"f_rw": 2.0, "f_cw": 3.0},
     )  # fmt: skip
+    # TorchRec's layout from the start (issue 38): to_torchrec moves nothing
+    compatible = planners.plan(
+        _configs(), Topology(world, ranks_per_host=world), batch_size=BATCH, module_fqn="ebc",
+        constraints={"t_rw": TableConstraint(sharding_types=(T.ROW_WISE,)),
+                     "t_tiny": TableConstraint(sharding_types=(T.ROW_WISE,)),
+                     "t_twrw": TableConstraint(sharding_types=(T.TABLE_ROW_WISE,)),
+                     "t_cw": TableConstraint(sharding_types=(T.COLUMN_WISE,), min_shards=world)},
+        pooling_factors={"f_rw": 2.0, "f_cw": 3.0}, torchrec_compatible=True,
+    )  # fmt: skip
     return {
+        "planned_torchrec": (compatible, "fused"),
         "each_type": (ShardingPlan(world, {"ebc": each_type}, ranks_per_host=world), "fused"),
         "user_written": (ShardingPlan(world, {"ebc": user_written}, ranks_per_host=world), "fused"),
         "planned": (planned, "fused"),
@@ -252,18 +263,22 @@ MOVED = {
     ("dense_kernel", 3): ["ebc.t_four", "ebc.t_rw", "ebc.t_twrw"],
     ("user_written", 2): ["ebc.t_cw", "ebc.t_dp", "ebc.t_rw", "ebc.t_tiny", "ebc.t_twrw"],
     ("user_written", 3): ["ebc.t_cw", "ebc.t_dp", "ebc.t_rw", "ebc.t_tiny", "ebc.t_twrw"],
+    ("planned_torchrec", 2): [],
+    ("planned_torchrec", 3): [],
 }
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dmp_with_converted_plans_matches_unsharded(world_size: int) -> None:
-    names = ["each_type", "user_written", "planned", "dense_kernel"]
+    names = ["each_type", "user_written", "planned", "planned_torchrec", "dense_kernel"]
     results = run_on_ranks(world_size, _run_plans, names, timeout=180)
     for name in names:
         kinds = {p.sharding_type for p in _plans(world_size)[name][0].modules["ebc"].values()}
         if name in ("each_type", "dense_kernel"):
             assert kinds == set(T), f"plan {name!r} misses a sharding type: {kinds}"
+        if name == "planned_torchrec":  # its row-wise tables are uneven at world 3
+            assert {T.ROW_WISE, T.TABLE_ROW_WISE, T.COLUMN_WISE} <= kinds, kinds
         for rank, report in enumerate(results):
             r = report[name]
             assert r["worst"]["ours"] <= ATOL and r["worst"]["torchrec"] <= ATOL

@@ -41,7 +41,7 @@ def whole(value: torch.Tensor) -> torch.Tensor:
     pieces of a ShardedTensor or table DTensor (1-D or 2-D) summed over ranks (they are
     disjoint), a replica as it is."""
     if not is_sharded(value):
-        return value.detach().float()
+        return value.detach().float().clone()  # a copy: the replica trains on
     out = torch.zeros(global_size(value))
     for piece in local_pieces(value):
         out[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))] = piece.tensor.detach().float()

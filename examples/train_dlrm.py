@@ -8,10 +8,12 @@
     python examples/train_dlrm.py --world-size 4 --column-wise-statistic per_shard  # TorchRec's
     python examples/train_dlrm.py --world-size 2 --compile     # torch.compile around the tables
     python examples/train_dlrm.py --world-size 2 --fp16 --fp16-comms  # FP16 tables and comms
+    python examples/train_dlrm.py --world-size 2 --optimizer adam --lr 0.01  # or lamb, ...
 
 One training setup, in the order Note [order of sharding calls] (modular/compose/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` ->
-`modular.fuse_optimizer` (row-wise Adagrad inside backward; it only marks the EBC on meta) ->
+`modular.fuse_optimizer` (row-wise Adagrad, or `--optimizer`, inside backward; it only marks the
+EBC on meta) ->
 `modular.shard` (each rank allocates only its shards, built fused) -> `modular.apply_fully_shard`
 on the two MLP towers -> one `CombinedOptimizer`.
 Data is the synthetic Criteo stream (`examples.dlrm.SyntheticCriteo`, seeded per rank and step,
@@ -73,6 +75,11 @@ BOTTOM_MLP = (64, DIM)
 TOP_MLP = (64, 32)
 EVAL_STEP = 1_000_000  # synthetic held-out batches come from steps training never reaches
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# What `--optimizer` takes: every fused optimizer (Note [fused tables] in modular/optim.py).
+_TABLE_OPTIMIZERS = (
+    "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad",
+    "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +88,10 @@ class TrainConfig:
 
     steps: int = 300
     batch_size: int = 256  # per rank
-    lr: float = 0.1  # fused row-wise Adagrad for the tables
+    # The tables' fused optimizer (modular.fuse_optimizer's names; the planner prices its state)
+    # and its learning rate.
+    optimizer: str = "exact_rowwise_adagrad"
+    lr: float = 0.1
     dense_lr: float = 1e-3  # Adam for the MLP towers
     seed: int = 0
     data: Optional[str] = None  # a Criteo TSV; None: the synthetic stream
@@ -155,13 +165,15 @@ def build_model(device: str | torch.device, fp16: bool = False) -> DLRM:
 def make_plan(
     model: nn.Module, *, world_size: int, batch_size: int, device_memory: str,
     column_wise_statistic: str = "exact", comm_dtype: str = "fp32",
+    optimizer: str = "exact_rowwise_adagrad",
 ):  # fmt: skip
     """The planner's plan for this model (EBC at `sparse.ebc`) on `world_size` ranks of one host
-    (its tables priced in their own dtype, the output dist in `comm_dtype`)."""
+    (its tables priced in their own dtype with `optimizer`'s state, the output dist in
+    `comm_dtype`)."""
     topology = planners.Topology(world_size, ranks_per_host=world_size, device_memory=device_memory)
     result = planners.plan_with_stats(
         model, topology, batch_size=batch_size, column_wise_statistic=column_wise_statistic,
-        comm_dtype=comm_dtype,
+        comm_dtype=comm_dtype, optimizer=optimizer,
     )
     return result.plan, result.stats
 
@@ -177,7 +189,7 @@ def shard_model(
     optimizer over what is left (FSDP's DTensors).
     """
     fused = modular.fuse_optimizer(
-        model, "exact_rowwise_adagrad", lr=config.lr, eps=1e-8,
+        model, config.optimizer, lr=config.lr, eps=1e-8,
         column_wise_statistic=config.column_wise_statistic,
     )  # fmt: skip
     comm_dtype = torch.float16 if config.fp16_comms else None
@@ -318,7 +330,7 @@ def train(config: TrainConfig) -> TrainResult:
     plan, stats = make_plan(
         model, world_size=world, batch_size=config.batch_size, device_memory=config.device_memory,
         column_wise_statistic=config.column_wise_statistic,
-        comm_dtype="fp16" if config.fp16_comms else "fp32",
+        comm_dtype="fp16" if config.fp16_comms else "fp32", optimizer=config.optimizer,
     )  # fmt: skip
     kinds: dict[str, int] = {}
     for placement in plan.modules["sparse.ebc"].values():
@@ -428,7 +440,9 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
     d = TrainConfig()
     p.add_argument("--steps", type=int, default=d.steps, help="train until this global step")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per rank")
-    p.add_argument("--lr", type=float, default=d.lr, help="tables: fused row-wise Adagrad")
+    p.add_argument("--optimizer", default=d.optimizer, choices=_TABLE_OPTIMIZERS,
+                   help="the tables' fused optimizer (default exact_rowwise_adagrad)")
+    p.add_argument("--lr", type=float, default=d.lr, help="the tables' (fused) learning rate")
     p.add_argument("--dense-lr", type=float, default=d.dense_lr, help="MLP towers: Adam")
     p.add_argument("--seed", type=int, default=d.seed, help="the synthetic stream's seed")
     p.add_argument("--data", default=None, help="a Criteo-format TSV (e.g. examples/data/criteo_sample.tsv)")
@@ -453,7 +467,8 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
                    help="seconds a collective may wait before failing (a dead peer)")
     a = p.parse_args(argv)
     config = TrainConfig(
-        steps=a.steps, batch_size=a.batch_size, lr=a.lr, dense_lr=a.dense_lr, seed=a.seed,
+        steps=a.steps, batch_size=a.batch_size, optimizer=a.optimizer, lr=a.lr,
+        dense_lr=a.dense_lr, seed=a.seed,
         data=a.data, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         resume=a.resume, export=a.export, eval_batches=a.eval_batches,
         device_memory=a.device_memory, progress=not a.no_progress, prefetch=not a.no_prefetch,

@@ -24,7 +24,8 @@ Note [how the search works]
 Note [where the sweep stops]
 Below 2**20 tables x ranks every target of step 2 runs (well under a second at 1,000 x 256).
 From there on, one target costs up to a second (10,000 tables on 4,096 ranks), so the sweep stops
-at the first target above the slowest rank of the best plan found so far. A target T lets every
+at the first target above the slowest rank of the best plan found so far, and a fill packing
+gives up once a cap at least that high has failed (its plan would be slower). A target T lets every
 table keep shards up to T, and at these sizes the packing fills ranks to about T while the local
 search moves little (each rank holds a few of many shards): on the benchmark's tables the plans of
 targets above the best plan were never better (docs/planner.md, "Where the time goes"), and at
@@ -168,8 +169,9 @@ def _wrap(p: Problem, s: State, items: list[int], cap: float) -> list | None:
     return out
 
 
-def _fill(p: Problem, s: State, items: list[int], bound: float) -> bool:
-    """Places the splittable `items` by `_wrap` at the lowest cap that works (bisection)."""
+def _fill(p: Problem, s: State, items: list[int], bound: float, ceiling: float = np.inf) -> bool:
+    """Places the splittable `items` by `_wrap` at the lowest cap that works (bisection); gives
+    up (False) once a cap of `ceiling` or more fails (Note [where the sweep stops])."""
     if not items:
         return True
     base = max(bound, float(s.load.max()))
@@ -180,6 +182,8 @@ def _fill(p: Problem, s: State, items: list[int], bound: float) -> bool:
             high = base * (1 + grow)
             break
         low = base * (1 + grow)
+        if low >= ceiling:
+            return False
         grow *= 2
     if best is None or high is None:
         return False
@@ -202,9 +206,11 @@ def _fill(p: Problem, s: State, items: list[int], bound: float) -> bool:
     return True
 
 
-def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[State, list]:
+def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
+          ceiling: float = np.inf) -> tuple[State, list]:  # fmt: skip
     """Packs the chosen candidates: mode "spread" (least loaded ranks first), "memory" (most
-    free memory first) or "fill" (fixed shards spread, then the rest by `_fill`)."""
+    free memory first) or "fill" (fixed shards spread, then the rest by `_fill`, which gives up
+    above `ceiling`)."""
     by_memory = mode == "memory"
     c = p.candidates
     world = p.model.topology.world_size
@@ -253,7 +259,7 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str) -> tuple[Sta
         for r, x in zip(ranks, sizes):  # the biggest shard goes to the least loaded rank
             s.load[r] += f.a + f.b * x
             s.mem[r] += f.am + f.bm * x
-    if later and not unplaced and not _fill(p, s, later, target):
+    if later and not unplaced and not _fill(p, s, later, target, ceiling):
         unplaced = later
     return s, unplaced
 
@@ -314,7 +320,8 @@ def search(
             if key in seen:
                 continue
             seen.add(key)
-            s, unplaced = _pack(p, choice, target, mode)
+            ceiling = best[0] if frontier and best is not None else np.inf
+            s, unplaced = _pack(p, choice, target, mode, ceiling)
             if unplaced:
                 first_unplaced = first_unplaced or tuple(sorted(unplaced))
                 continue

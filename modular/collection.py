@@ -149,17 +149,15 @@ class ShardedCollection:
 
     # -- the three steps --------------------------------------------------------------------
 
-    def forward(self, features: KeyedJaggedTensor) -> Any:
+    def prefetched(self, features: KeyedJaggedTensor) -> Optional[Received]:
+        """The start of a forward: `features`' prefetched input dist, or None."""
         if torch._dynamo.config.compiled_autograd:  # Note [compiling a sharded model]
             raise ShardingError(
                 f"module {self.at.module!r}: compiled autograd (torch._dynamo.config."
                 "compiled_autograd) is not supported over a sharded collection: traced, its "
                 "backward drifted from eager's; compile with it off (docs/compiling.md)"
             )
-        received = self.prefetcher.take(features) if self.prefetcher is not None else None
-        if received is None:
-            received = self.input_dist(features)
-        return self.output_dist(self.lookup(received), received)
+        return self.prefetcher.take(features) if self.prefetcher is not None else None
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         if self.prefetcher is None:
@@ -300,7 +298,11 @@ class ShardedCollectionModule(nn.Module):
 
     @torch.compiler.disable(reason=EAGER_REASON)  # Note [compiling a sharded model]
     def forward(self, features: KeyedJaggedTensor) -> Any:
-        return self._sharded.forward(features)
+        """The three steps below, in order (a prefetched batch's input dist already ran)."""
+        received = self._sharded.prefetched(features)
+        if received is None:
+            received = self.input_dist(features)
+        return self.output_dist(self.lookup(received), received)
 
     @torch.compiler.disable(reason=EAGER_REASON)
     def prefetch(self, features: KeyedJaggedTensor) -> None:

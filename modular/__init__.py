@@ -28,6 +28,7 @@ from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
 from modular.prefetching import prefetch
+from modular.resharding import reshard
 from modular.sharding import shard, sharded_modules
 from modular.full_tables import unshard
 
@@ -50,6 +51,7 @@ __all__ = [
     "ignored_params",
     "local_parameters",
     "prefetch",
+    "reshard",
     "shard",
     "sharded_modules",
     "unshard",

@@ -16,20 +16,25 @@ changes.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
-    "pending_fuse", "replace_module", "replaced_table", "retire", "retired_count", "set_pending_fuse",
+    "Retired", "pending_fuse", "replace_module", "replaced_table", "retire", "retired_count",
+    "set_pending_fuse", "set_shard_fill", "take_shard_fill",
 ]
 
 # torchrec EBC on meta -> the FusedConfig `fuse_optimizer` gave it.
 _PENDING_FUSE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-# tensor `shard` replaced -> which table it was, for the optimizer hook's message.
+# tensor `shard` (or `reshard`) replaced -> which table it was and which call replaced it, for the
+# optimizer hook's message.
 _RETIRED = WeakIdKeyDictionary()
+# RankLayout of a module `reshard` is building -> what fills its shards in place of shard init
+# (Note [resharding in memory] in modular/resharding/__init__.py); taken by the init it replaces.
+_SHARD_FILLS = WeakIdKeyDictionary()
 # How many times `retire` ran: a cache of "no optimizer holds a replaced tensor" is valid until it
 # changes (the optimizer hook's, modular/compose/params.py).
 _RETIRE_CALLS = 0
@@ -45,10 +50,18 @@ def pending_fuse(ebc: nn.Module) -> Optional[Any]:
     return _PENDING_FUSE.get(ebc)
 
 
-def retire(tensor: torch.Tensor, what: str) -> None:
-    """Records that `shard` replaced `tensor`, which was table `what`."""
+class Retired(NamedTuple):
+    """A tensor `shard` or `reshard` replaced: the table it was, and the call (`by`)."""
+
+    what: str
+    by: str
+
+
+def retire(tensor: torch.Tensor, what: str, *, by: str = "modular.shard") -> None:
+    """Records that `by` (`modular.shard` or `modular.reshard`) replaced `tensor`, which was
+    table `what`."""
     global _RETIRE_CALLS
-    _RETIRED[tensor] = what
+    _RETIRED[tensor] = Retired(what, by)
     _RETIRE_CALLS += 1
 
 
@@ -57,9 +70,20 @@ def retired_count() -> int:
     return _RETIRE_CALLS
 
 
-def replaced_table(tensor: torch.Tensor) -> Optional[str]:
-    """Which table `tensor` was, if `shard` replaced it; else None."""
+def replaced_table(tensor: torch.Tensor) -> Optional[Retired]:
+    """Which table `tensor` was and what replaced it, if `shard` or `reshard` did; else None."""
     return _RETIRED.get(tensor)
+
+
+def set_shard_fill(at: Any, fill: Callable[[dict], None]) -> None:
+    """Records that the module being built on RankLayout `at` takes its shards from `fill`
+    (called with its shards' views) instead of shard init: `reshard`'s moved blocks."""
+    _SHARD_FILLS[at] = fill
+
+
+def take_shard_fill(at: Any) -> Optional[Callable[[dict], None]]:
+    """The fill `set_shard_fill` recorded for `at`, forgotten as it is taken; or None."""
+    return _SHARD_FILLS.pop(at, None)
 
 
 def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:

@@ -94,14 +94,14 @@ def shard(
                 f"make a plan for world_size={world}"
             )
         targets = _find_targets(model, plan)
-        resolved = {fqn: _resolve(fqn, ebc, plan, world, device) for fqn, ebc in targets}
+        resolved = {fqn: resolve_placements(fqn, ebc, plan, world, device) for fqn, ebc in targets}
         fqns = [fqn for fqn, _ in targets]
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)
         wires = per_module(comm_dtype, fqns, "comm_dtype", None)
     except ShardingError as e:
         problem = e
     options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}
-    _agree_on_every_rank(plan, targets, process_group, problem, options)
+    agree_on_plan(plan, targets, process_group, problem, options)
 
     built = []
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
@@ -124,19 +124,20 @@ def shard(
         built.append((fqn, ebc, sharded))
     # Swapped in only once all are built: a failure above leaves the model as it was.
     for fqn, ebc, sharded in built:
-        _retire(ebc, fqn)
+        retire_tables(ebc, fqn)
         lifecycle.replace_module(model, fqn, sharded)
     return model
 
 
-def _retire(ebc: nn.Module, fqn: str) -> None:
-    """Records the parameters `shard` replaces (Note [lifecycle state]), so that an optimizer built on them before sharding
-    raises at its first step instead of training tensors no forward reads any more
-    (Note [sharded tables and torch optimizers] in modular/compose/params.py)."""
+def retire_tables(ebc: nn.Module, fqn: str, *, by: str = "modular.shard") -> None:
+    """Records the parameters `shard` (or `reshard`: `by`) replaces (Note [lifecycle state]), so
+    that an optimizer built on them before raises at its first step instead of training tensors
+    no forward reads any more (Note [sharded tables and torch optimizers] in
+    modular/compose/params.py)."""
     for name, p in ebc.named_parameters():
         tensors = [piece.tensor for piece in local_pieces(p)] if is_sharded(p) else [p]
         for t in tensors:
-            lifecycle.retire(t, f"{name!r} of module {fqn!r}")
+            lifecycle.retire(t, f"{name!r} of module {fqn!r}", by=by)
 
 
 # The collections `shard` takes, and their sharded counterparts (Note [collection kinds]).
@@ -191,9 +192,11 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, nn.Mo
     return targets
 
 
-def _resolve(
+def resolve_placements(
     fqn: str, ebc: nn.Module, plan: ShardingPlan, world: int, device: torch.device
 ) -> tuple[dict, dict[str, tuple[ShardSpec, ...]]]:
+    """Module `fqn`'s placements in `plan` and each table's shards, checked against its tables
+    (ShardingError naming the module, table and fix)."""
     tables = kind_of(ebc).read_tables(ebc, fqn)
     check_table_dtypes(tables, fqn, device)  # before anything is allocated
     placements = dict(plan.modules[fqn])
@@ -228,12 +231,14 @@ def _resolve(
     return placements, shards
 
 
-def _agree_on_every_rank(
+def agree_on_plan(
     plan: ShardingPlan,
     targets: list[tuple[str, nn.Module]],
     group,
     problem: Optional[ShardingError],
     options: Optional[dict] = None,
+    *,
+    call: str = "modular.shard",
 ) -> None:
     """# Note [agreeing on the plan]
     Every rank joins one small all-gather, always, even when its own plan check failed: each
@@ -269,7 +274,7 @@ def _agree_on_every_rank(
         listing = "; ".join(f"ranks {rs} hold {d[1:].hex()[:12]}" for d, rs in groups.items())
         raise ShardingError(
             "ranks disagree on the plan or on the tables of the planned modules "
-            f"({listing}); every rank must call modular.shard with the same plan and the same "
+            f"({listing}); every rank must call {call} with the same plan and the same "
             "model configuration"
         )
 

@@ -11,7 +11,8 @@ silently never train. So `local_parameters` hands out the local shards instead, 
 register_optimizer_step_pre_hook`) that raises on the first `step()` of any optimizer holding a
 ShardedTensor, before anything is updated. The same hook catches an optimizer built before
 `shard`: `shard` records the parameters it replaces (`lifecycle.retire`, Note [lifecycle state]),
-which no forward reads any more. `remove_optimizer_check` takes the hook out.
+which no forward reads any more; and one built before `modular.reshard`, which replaces the
+tables it rebuilds in the same way. `remove_optimizer_check` takes the hook out.
 Either finding is always a bug, so the hook cannot fire on a correct program. It reads every
 parameter only when something it could find may have changed: at an optimizer's first step, after
 its param groups change (a group added, a group's list replaced or resized), and after `shard`
@@ -103,12 +104,7 @@ def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> Non
         for i, p in enumerate(group["params"]):
             replaced = lifecycle.replaced_table(p)
             if replaced is not None:
-                raise TypeError(
-                    f"{type(optimizer).__name__} param group {g}, parameter {i} is table "
-                    f"{replaced}, which modular.shard has since replaced: this optimizer was "
-                    "built before sharding and would silently never update the sharded table. "
-                    "Build optimizers after modular.shard, from modular.local_parameters(model)"
-                )
+                raise TypeError(_replaced_message(optimizer, g, i, replaced))
             if is_sharded(p):
                 raise TypeError(
                     f"{type(optimizer).__name__} param group {g}, parameter {i} is a "
@@ -118,6 +114,22 @@ def _reject_sharded_tensors(optimizer: Optimizer, args: Any, kwargs: Any) -> Non
                     "the optimizer from modular.local_parameters(model), not model.parameters()"
                 )
     _CHECKED[optimizer] = signature
+
+
+def _replaced_message(optimizer: Optimizer, g: int, i: int, replaced: lifecycle.Retired) -> str:
+    where = f"{type(optimizer).__name__} param group {g}, parameter {i} is table {replaced.what}"
+    if replaced.by == "modular.reshard":  # Note [resharding in memory]
+        return (
+            f"{where}, whose shards modular.reshard has since rebuilt under the new plan: this "
+            "optimizer holds the old layout's tensors, which no forward reads any more, and "
+            "would silently never update the table. Rebuild the optimizer after modular.reshard, "
+            "from modular.local_parameters(model)"
+        )
+    return (
+        f"{where}, which modular.shard has since replaced: this optimizer was built before "
+        "sharding and would silently never update the sharded table. Build optimizers after "
+        "modular.shard, from modular.local_parameters(model)"
+    )
 
 
 _HOOK = register_optimizer_step_pre_hook(_reject_sharded_tensors)

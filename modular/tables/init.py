@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from modular import lifecycle
 from modular.comm import all_gather_bytes, raise_shared_failure
 from modular.errors import ShardingError
 from modular.tables.layout import Layout, RankLayout
@@ -31,7 +32,13 @@ def init_shards(
 ) -> None:
     """Fills this rank's shards (`views`) from `ebc`'s weights or init_fn; a failure on any rank
     is raised on every rank (Note [agreeing on the shards' init]); data-parallel `replicas` then
-    take rank 0's values, so they start equal everywhere."""
+    take rank 0's values, so they start equal everywhere. A module `modular.reshard` builds is
+    filled by the blocks it moved instead (Note [resharding in memory] in
+    modular/resharding/__init__.py), which agree across ranks themselves."""
+    fill = lifecycle.take_shard_fill(at)
+    if fill is not None:
+        fill(views)
+        return
     failure: Optional[BaseException] = None
     try:
         fill_local_shards(ebc, views, layout=at.layout, module=at.module)

@@ -1,0 +1,232 @@
+"""`modular.reshard(model, plan)`: the model-level call (Note [resharding in memory] in
+modular/resharding/__init__.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from modular import lifecycle
+from modular.errors import ShardingError
+from modular.kinds import unsharded_kind
+from modular.resharding.exchange import agree, exchange, pack, plan_traffic
+from modular.resharding.moves import WEIGHT, Item, ModuleMove
+from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
+from modular.sharding import agree_on_plan, resolve_placements, retire_tables
+from modular.tables.layout import RankLayout
+from planners.types import ShardingPlan
+
+__all__ = ["reshard"]
+
+
+def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
+    """Moves the sharded EBCs and EmbeddingCollections that `plan` names to its placements, in
+    memory and in place, and returns `model`. Call it on every rank with the same plan, between
+    training steps, at the world size the model was sharded on:
+
+        model = modular.reshard(model, new_plan)
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=0.1)  # rebuilt: see below
+
+    Only what changes rank travels: each table's blocks (rows x columns) that a new shard needs
+    from an old shard on another rank, in one all-to-all per dtype, with a fused optimizer's
+    state (per element or per row, and the Adam family's step count) beside them; blocks a rank
+    keeps are copied on the rank (Note [resharding in memory]). Any change of sharding type,
+    ranks or sizes is taken: table-wise, row-wise, column-wise (another number of column
+    pieces too), table-row-wise and data-parallel, into one another. Modules the plan leaves as
+    they are, and modules it does not name, are not touched. Parameter names, the tables' form
+    (ShardedTensor or DTensor), `output_dtype`, `comm_dtype` and fusing are kept; FSDP2 or DDP
+    on the dense part are not touched.
+
+    A rebuilt module has new tensors: a torch optimizer built over `modular.local_parameters`
+    before must be rebuilt (its first `step()` raises TypeError saying so; its state, e.g.
+    Adagrad's, does not move); a `FusedOptimizer` keeps working. A batch prefetched for a
+    rebuilt module (`modular.prefetch`) is dropped: the next forward runs its input dist under
+    the new layout.
+
+    A plan that does not fit (another world size, a module that is not sharded, other tables)
+    raises ShardingError on every rank before anything moves (Note [agreeing on the plan]). A
+    failure while moving raises on every rank (ShardingError naming the rank and its error, or
+    CollectiveError where a peer died) and leaves every rank's model as it was: the new
+    modules replace the old ones only once every rank has built all of them.
+    """
+    if not isinstance(plan, ShardingPlan):
+        raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
+    if not dist.is_initialized():
+        raise ShardingError("modular.reshard needs the process group the model was sharded on")
+    names = _sharded_names(model)
+    group = _group_guess(names)
+    targets: list[tuple[str, nn.Module]] = []
+    moves: list[ModuleMove] = []
+    problem: Optional[ShardingError] = None
+    try:
+        targets = _targets(model, plan, names)
+        group = _one_group(targets)
+        world = dist.get_world_size(group)
+        if plan.world_size != world:
+            raise ShardingError(
+                f"the plan is for {plan.world_size} ranks but the modules are sharded over "
+                f"{world}; reshard keeps the world size: make a plan for world_size={world} (a "
+                "new world size goes through modular.checkpoint save and load)"
+            )
+        for fqn, module in targets:
+            placements, shards = resolve_placements(fqn, module, plan, world, module.device)
+            at = RankLayout.build(
+                module.kind.read_tables(module, fqn), placements, shards, module=fqn,
+                group=group, device=module.device, local=False,
+            )  # fmt: skip
+            move = ModuleMove(len(moves), fqn, module, at)
+            if move.problem is not None:
+                raise ShardingError(f"module {fqn!r}: {move.problem}")
+            if move.changed:
+                moves.append(move)
+    except ShardingError as e:
+        problem = e
+    agree_on_plan(plan, targets, group, problem, call="modular.reshard")
+    if moves:
+        built = _build(moves, group)
+        for move, new in zip(moves, built):  # every rank built every module: swap them in
+            retire_tables(move.old, move.fqn, by="modular.reshard")
+            for name in names[id(move.old)][1]:
+                lifecycle.replace_module(model, name, new)
+    return model
+
+
+def _build(moves: list[ModuleMove], group: Optional[ProcessGroup]) -> list[nn.Module]:
+    """The new modules, filled from the old ones and the blocks that arrive (collective)."""
+    items: list[Item] = [item for move in moves for item in move.items]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    readers = [move.reader() for move in moves]
+    traffic = plan_traffic(items, rank, world)
+    device = moves[0].at.device
+    sends, failure = [], None
+    try:
+        sends = [pack(t, items, lambda it: readers[it.module].read(it), device) for t in traffic]
+    except Exception as e:  # out of memory, say: every rank must hear it before the exchange
+        failure = e
+    agree(failure, "while packing the blocks it sends", group)
+    received: dict[int, torch.Tensor] = {}
+    for t in traffic:
+        received.update(exchange(t, items, sends.pop(0), group))
+    ranges, start = [], 0
+    for move in moves:
+        ranges.append(range(start, start + len(move.items)))
+        start += len(move.items)
+    built = []
+    for move, mine in zip(moves, ranges):
+        old = move.old
+
+        def fill(views: dict, move=move, mine=mine) -> None:
+            _fill(move, mine, items, received, readers[move.index], move.writer(views), WEIGHT, rank)
+
+        lifecycle.set_shard_fill(move.at, fill)  # taken by the shard init it replaces
+        try:
+            built.append(
+                sharded_class(old.kind)(
+                    old, move.at, fused=old.fused, output_dtype=old.output_dtype,
+                    comm_dtype=old.comm_dtype, tensor_type=old.tensor_type,
+                )  # fmt: skip
+            )
+        finally:
+            lifecycle.take_shard_fill(move.at)  # forgotten, also where the build failed first
+    failure = None
+    try:
+        for move, mine, new in zip(moves, ranges, built):
+            if new.fused_tables is None:
+                continue
+            writer = move.writer({}, new.fused_tables.states())
+            for name in move.state_names:
+                _write(move, mine, items, received, readers[move.index], writer, name, rank)
+            new.fused_tables.steps.value = move.old.fused_tables.steps.value
+    except Exception as e:
+        failure = e
+    agree(failure, "while filling the new shards' optimizer state", group)
+    return built
+
+
+def _fill(move, mine, items, received, reader, writer, what: str, rank: int) -> None:
+    """Writes module `move`'s weight blocks into its new shards (inside its build, in place of
+    shard init), then agrees with every rank that all of them could."""
+    failure = None
+    try:
+        _write(move, mine, items, received, reader, writer, what, rank)
+    except Exception as e:
+        failure = e
+    agree(failure, f"while filling the new shards of module {move.fqn!r}", move.at.group)
+
+
+def _write(move, mine, items, received, reader, writer, what: str, rank: int) -> None:
+    for i in mine:
+        item = items[i]
+        if item.what != what or item.block.dst != rank:
+            continue
+        writer.write(item, received[i] if item.block.moves else reader.read(item))
+
+
+def _sharded_names(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Every sharded collection of `model` and all the names it is registered under."""
+    out: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, SHARDED_COLLECTIONS):
+            out.setdefault(id(m), (m, []))[1].append(name)
+    return out
+
+
+def _group_guess(names: dict) -> Optional[ProcessGroup]:
+    """The group the agreement runs on when this rank cannot tell the plan's modules: the
+    model's first sharded collection's (the default group if there is none)."""
+    for module, _ in names.values():
+        if not module.is_local:
+            return module.process_group
+    return None
+
+
+def _targets(model: nn.Module, plan: ShardingPlan, names: dict) -> list[tuple[str, nn.Module]]:
+    by_name = {n: m for m, ns in names.values() for n in ns}
+    targets, seen = [], {}
+    for fqn in sorted(plan.modules):
+        module = by_name.get(fqn)
+        if module is None:
+            try:
+                found = model.get_submodule(fqn)
+                kind = unsharded_kind(found)
+                why = (
+                    f"is an {kind.name} that is not sharded: shard it with modular.shard first"
+                    if kind is not None
+                    else f"is a {type(found).__name__}, not a sharded collection"
+                )
+            except AttributeError:
+                why = "does not exist in the model"
+            raise ShardingError(
+                f"the plan names module {fqn!r}, which {why}; reshard moves the model's sharded "
+                f"collections {sorted(by_name)}"
+            )
+        if module.is_local:
+            raise ShardingError(
+                f"module {fqn!r} is a one-process module (fuse_optimizer's), not sharded over "
+                "ranks: shard it with modular.shard first"
+            )
+        if id(module) in seen:
+            raise ShardingError(
+                f"the plan names modules {seen[id(module)]!r} and {fqn!r}, which are one sharded "
+                "module registered under two names; name it once"
+            )
+        seen[id(module)] = fqn
+        targets.append((fqn, module))
+    if not targets:
+        raise ShardingError("the plan names no module; reshard moves the modules a plan names")
+    return targets
+
+
+def _one_group(targets: list[tuple[str, nn.Module]]) -> Optional[ProcessGroup]:
+    groups = {id(m.process_group): (fqn, m.process_group) for fqn, m in targets}
+    if len(groups) > 1:
+        listing = [fqn for fqn, _ in groups.values()]
+        raise ShardingError(
+            f"modules {listing} are sharded over different process groups; reshard the modules "
+            "of each group in a call of its own, with a plan for that group's world size"
+        )
+    return next(iter(groups.values()))[1]

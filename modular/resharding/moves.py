@@ -1,0 +1,113 @@
+"""One sharded module's part of a reshard: its blocks of weights and optimizer state (`Item`s),
+read from the old module's shards and written into the new module's.
+
+Note [resharding in memory] (modular/resharding/__init__.py) says how they travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from modular.fused.tables import FusedTables
+from modular.resharding.blocks import Block, piece_problem, row_blocks, weight_blocks
+from modular.tables.layout import Layout, RankLayout
+
+__all__ = ["Item", "ModuleMove", "WEIGHT"]
+
+WEIGHT = "weight"  # an item of the table's weights; any other `what` names an optimizer state
+
+
+@dataclass(frozen=True)
+class Item:
+    """One block of one tensor kind (`what`: the weights, or an optimizer state by name) of one
+    module's table; what travels in the all-to-all of its `dtype`."""
+
+    module: int  # index among the reshard's modules
+    what: str
+    block: Block
+    dtype: torch.dtype
+
+
+class ModuleMove:
+    """The move of one sharded module (`old`) to its new layout (`at`): the blocks of every table,
+    its weights and, for a fused module, each state its optimizer keeps."""
+
+    def __init__(self, index: int, fqn: str, old: nn.Module, at: RankLayout) -> None:
+        self.index, self.fqn, self.old, self.at = index, fqn, old, at
+        before, after = old.layout, at.layout
+        fused = old.fused_tables
+        self.state_names: tuple[str, ...] = () if fused is None else fused.config.optimizer.state_names()
+        # Which tables keep a statistic per column piece, before and after (Note [fused tables]).
+        old_pieces = () if fused is None else fused.per_piece
+        new_pieces = () if fused is None else FusedTables(fused.config, at=at).per_piece
+        self.problem: Optional[str] = None
+        self.items: list[Item] = []
+        self.changed: list[str] = []
+        for t, table in enumerate(after.tables):
+            old_shards, new_shards = before.shards[t], after.shards[t]
+            if (before.placements[t].sharding_type, old_shards) != (
+                after.placements[t].sharding_type, new_shards
+            ):
+                self.changed.append(table.name)
+            for block in weight_blocks(t, old_shards, new_shards):
+                self.items.append(Item(index, WEIGHT, block, table.dtype))
+            for name in self.state_names:
+                if not fused.config.optimizer.row_state(name):
+                    blocks = weight_blocks(t, old_shards, new_shards)
+                else:
+                    was, will = table.name in old_pieces, table.name in new_pieces
+                    self.problem = self.problem or piece_problem(
+                        table.name, old_shards, new_shards, old_per_piece=was, new_per_piece=will
+                    )
+                    blocks = row_blocks(t, old_shards, new_shards, per_piece=was and will)
+                # Optimizer state is FP32 whatever the table's dtype (Note [low-precision tables]).
+                self.items.extend(Item(index, name, b, torch.float32) for b in blocks)
+
+    @property
+    def layout(self) -> Layout:
+        return self.at.layout
+
+    def reader(self) -> _Shards:
+        """The old module's shards, which blocks are read from (this rank's)."""
+        old = self.old
+        states = {} if old.fused_tables is None else old.fused_tables.states()
+        return _Shards(old.layout, old.local_shard_views(), states)
+
+    def writer(self, views: dict, states: Optional[dict] = None) -> _Shards:
+        """The new module's shards (this rank's `views`, and `states` once it is built)."""
+        return _Shards(self.layout, views, states or {})
+
+
+class _Shards:
+    """One module's local shards and their optimizer state, by (table, shard index), seen as
+    blocks of the table (`Block.rows` and `cols` are the table's, not the shard's)."""
+
+    def __init__(self, layout: Layout, views: dict, states: dict) -> None:
+        self.layout, self.views, self.states = layout, views, states
+
+    def region(self, what: str, block: Block, shard: int) -> torch.Tensor:
+        table = self.layout.tables[block.table]
+        spec = self.layout.shards[block.table][shard]
+        key = (table.name, shard)
+        tensor = self.views[key].detach() if what == WEIGHT else self.states[key][what]
+        rows = slice(block.rows[0] - spec.row_offset, block.rows[1] - spec.row_offset)
+        if block.cols is None:
+            return tensor[rows]
+        return tensor[rows, block.cols[0] - spec.col_offset : block.cols[1] - spec.col_offset]
+
+    def read(self, item: Item) -> torch.Tensor:
+        return self.region(item.what, item.block, item.block.src_shard)
+
+    @torch.no_grad()
+    def write(self, item: Item, data: torch.Tensor) -> None:
+        for shard in item.block.dst_shards:
+            copy_block(self.region(item.what, item.block, shard), data)
+
+
+def copy_block(target: torch.Tensor, data: torch.Tensor) -> None:
+    """Writes one block into a new shard: the one write of every reshard (tests make it fail)."""
+    target.copy_(data.view(target.shape))

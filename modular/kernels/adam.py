@@ -42,9 +42,10 @@ tests/gpu/test_cuda_adam.py holds this emulation to fbgemm's CUDA kernels.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from modular.kernels.emulated import EmulatedFusedKernel, RowGrad, _add_rows
 from modular.tables.layout import KernelGroup
@@ -102,7 +103,7 @@ class AdamFusedKernel(EmulatedFusedKernel):
     @torch.no_grad()
     def directions(
         self, grads: list[Optional[RowGrad]], row_means: list[Optional[torch.Tensor]]
-    ) -> list[Optional[torch.Tensor]]:
+    ) -> list[Optional[Direction]]:
         """Moves each touched row's moments and returns its r (with LAMB's wd * w added);
         `row_means[t]`: partial_rowwise's mean of g**2 over the whole row, per touched row."""
         cfg = self.config
@@ -110,66 +111,66 @@ class AdamFusedKernel(EmulatedFusedKernel):
         (b1, b2), eps, wd = cfg.betas, cfg.eps, cfg.weight_decay
         t = self.steps.value  # >= 1: the forward of this backward counted itself
         bias1, bias2 = 1.0 - b1**t, 1.0 - b2**t
-        out: list[Optional[torch.Tensor]] = []
+        out: list[Optional[Direction]] = []
         for i, g in enumerate(grads):
             if g is None:
                 out.append(None)
                 continue
             rows, state = g.rows, self.states[i]
-            m = state["exp_avg"].index_select(0, rows).mul_(b1).add_(g.grad, alpha=1.0 - b1)
+            m = _gather(state["exp_avg"], rows).mul_(b1).add_(g.grad, alpha=1.0 - b1)
             state["exp_avg"].index_copy_(0, rows, m)
-            seen = row_means[i] if kind.partial_rowwise() else g.grad * g.grad
-            v = state["exp_avg_sq"].index_select(0, rows).mul_(b2).add_(seen, alpha=1.0 - b2)
-            state["exp_avg_sq"].index_copy_(0, rows, v)
+            v = _gather(state["exp_avg_sq"], rows).mul_(b2)
             if kind.partial_rowwise():
-                denominator = (v / bias2).sqrt_().add_(eps)[:, None]
-                if kind.trust_ratio():  # its kernel multiplies by the reciprocal
-                    r = (m / bias1).mul_(denominator.reciprocal())
-                else:
-                    r = (m / bias1).div_(denominator)
+                v.add_(row_means[i], alpha=1.0 - b2)
             else:
-                r = (m / bias1).div_((v / bias2).sqrt_().add_(eps))
+                v.addcmul_(g.grad, g.grad, value=1.0 - b2)
+            state["exp_avg_sq"].index_copy_(0, rows, v)
+            denominator = v.div_(bias2).sqrt_().add_(eps)  # v is stored: reuse its buffer
+            if kind.partial_rowwise():
+                denominator = denominator[:, None]
+            r = m.div_(bias1)  # m is stored too
+            if kind.trust_ratio() and kind.partial_rowwise():  # its kernel multiplies by 1/d
+                r.mul_(denominator.reciprocal_())
+            else:
+                r.div_(denominator)
+            w = self._rows_fp32(i, rows) if kind.trust_ratio() or wd else None
             if kind.trust_ratio() and wd:
-                r.add_(self._rows_fp32(i, rows), alpha=wd)
-            out.append(r)
+                r.add_(w, alpha=wd)
+            out.append(Direction(r, w))
         return out
 
     def norm_squares(
-        self, grads: list[Optional[RowGrad]], directions: list[Optional[torch.Tensor]]
+        self, grads: list[Optional[RowGrad]], directions: list[Optional[Direction]]
     ) -> list[Optional[torch.Tensor]]:
         """LAMB: per kernel table, each touched row's (sum of w**2, sum of r**2) over this
         shard's columns, as a (rows, 2) tensor."""
-        out: list[Optional[torch.Tensor]] = []
-        for i, (g, r) in enumerate(zip(grads, directions)):
-            if g is None:
-                out.append(None)
-                continue
-            w = self._rows_fp32(i, g.rows)
-            out.append(torch.stack(((w * w).sum(1), (r * r).sum(1)), dim=1))
-        return out
+        return [
+            None if d is None else torch.stack(((d.w * d.w).sum(1), (d.r * d.r).sum(1)), dim=1)
+            for d in directions
+        ]
 
     @torch.no_grad()
     def step_rows(
         self,
         grads: list[Optional[RowGrad]],
-        directions: list[Optional[torch.Tensor]],
+        directions: list[Optional[Direction]],
         norm_squares: Optional[list[Optional[torch.Tensor]]] = None,
     ) -> None:
         """The weight update on each touched row; `norm_squares[t]` (LAMB): the whole rows'
         (sum of w**2, sum of r**2)."""
         cfg = self.config
         lr, wd = cfg.lr, cfg.weight_decay
-        for i, (g, r) in enumerate(zip(grads, directions)):
+        for i, (g, d) in enumerate(zip(grads, directions)):
             if g is None:
                 continue
-            weight, rows = self.views[i], g.rows
+            weight, rows, r = self.views[i], g.rows, d.r
             if cfg.optimizer.trust_ratio():
                 sums = norm_squares[i]
                 ratio = sums[:, 0].sqrt() / sums[:, 1].sqrt()
                 step = r.mul_((ratio * -lr)[:, None])
             else:
                 if wd:
-                    r.add_(self._rows_fp32(i, rows), alpha=wd)
+                    r.add_(d.w, alpha=wd)
                 step = r.mul_(-lr)
             spread = rows[:, None].expand(-1, weight.shape[1])
             _add_rows(weight, rows, spread, step, round_step=False)
@@ -190,4 +191,18 @@ class AdamFusedKernel(EmulatedFusedKernel):
         self.step_rows(grads, directions, norms)
 
     def _rows_fp32(self, t: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.views[t].detach().index_select(0, rows).float()
+        return _gather(self.views[t].detach(), rows).float()
+
+
+class Direction(NamedTuple):
+    """One kernel table's update direction r on its touched rows, and their weights (FP32;
+    None where the update does not read them)."""
+
+    r: torch.Tensor
+    w: Optional[torch.Tensor]
+
+
+def _gather(state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`state[rows]`, a new tensor: `embedding` gathers rows of a table faster than
+    `index_select` on CPU (0.29 against 0.77 ms for 34,000 rows of 64 floats, one thread)."""
+    return F.embedding(rows, state) if state.dim() == 2 else state.index_select(0, rows)

@@ -19,7 +19,8 @@ import torch
 from modular.comm import all_gather, all_gather_padded
 from modular.kernels.base import KernelLookup, dense_tbe
 from modular.kernels.lookups import Lookup
-from modular.tables.layout import KernelGroup, Pooling
+from modular.kernels.row_grads import summed_row_grads
+from modular.tables.layout import KernelGroup
 
 
 class RowGrad(NamedTuple):
@@ -56,7 +57,6 @@ class EmulatedFusedKernel:
         self._placeholder = torch.zeros(0, device=device, requires_grad=True)
         dims = [r.shard.num_cols for r in group.routes]
         self._route_cols = [sum(dims[:i]) for i in range(len(dims))]
-        self._route_dims = dims
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
@@ -74,36 +74,12 @@ class EmulatedFusedKernel:
         offsets: torch.Tensor,
         weights: Optional[torch.Tensor],
     ) -> list[Optional[RowGrad]]:
-        """Each kernel table's gradient from the pooled outputs' gradient, as (rows, sums)."""
-        routes = len(self.group.routes)
-        bags = offsets.numel() - 1
-        per_route = bags // routes
-        lengths = offsets[1:] - offsets[:-1]
-        sample = torch.repeat_interleave(
-            torch.arange(bags, device=offsets.device) % per_route, lengths, output_size=indices.numel()
+        """Each kernel table's gradient from the pooled outputs' gradient, as (rows, sums)
+        (`summed_row_grads`, modular/kernels/row_grads.py)."""
+        got = summed_row_grads(
+            self.group, len(self.sizes), self._route_cols, grad_out, indices, offsets, weights
         )
-        scale = None if weights is None else weights
-        if self.group.pooling is Pooling.MEAN:
-            inverse = 1.0 / lengths.clamp(min=1).to(grad_out.dtype)
-            per_id = torch.repeat_interleave(inverse, lengths, output_size=indices.numel())
-            scale = per_id if scale is None else scale * per_id
-        bounds = offsets[::per_route].tolist()
-        ids_of: list[list[torch.Tensor]] = [[] for _ in self.sizes]
-        grads_of: list[list[torch.Tensor]] = [[] for _ in self.sizes]
-        for f, t in enumerate(self.group.feature_table_map):
-            lo, hi = bounds[f], bounds[f + 1]
-            if lo == hi:
-                continue
-            col = self._route_cols[f]
-            g = grad_out.narrow(1, col, self._route_dims[f]).index_select(0, sample[lo:hi])
-            if scale is not None:
-                g = g * scale[lo:hi, None]
-            ids_of[t].append(indices[lo:hi])
-            grads_of[t].append(g)
-        return [
-            _coalesce(torch.cat(ids), torch.cat(gs), cols) if ids else None
-            for ids, gs, (_, cols) in zip(ids_of, grads_of, self.sizes)
-        ]
+        return [None if g is None else RowGrad(*g) for g in got]
 
     def take_pending(self) -> list[Optional[RowGrad]]:
         """The gradients of every backward since the last update, summed per table."""

@@ -6,15 +6,17 @@ change in the number of column pieces and the `mixed` plan: 2 steps before the f
 3 after each, checking outputs every step and every weight (and the fused optimizer's state) after
 every reshard against the reference, which never reshards. Fused (exact_rowwise_adagrad,
 exact_adagrad) and unfused (SGD over `local_parameters`, rebuilt after each reshard: the old one
-must refuse to step) at worlds 2 and 3; an EmbeddingCollection case; a DTensor case under DDP and
-FSDP2; the bytes on the wire; and the faults (a rank failing mid-reshard, a failed collective, a
-plan that does not fit), after which every rank's old module trains on exactly.
+must refuse to step; a batch prefetched under the old layout is dropped) at worlds 2 and 3; the
+Adam family's moments and step count; an EmbeddingCollection case; DTensor tables under DDP and
+FSDP2; the bytes on the wire; and the faults (a rank failing mid-reshard, a failed collective,
+plans that do not fit), after which every rank's old module is intact and trains on exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from datetime import timedelta
 from unittest import mock
 
@@ -27,11 +29,15 @@ from torch.distributed.tensor import DTensor
 import modular
 from modular.resharding import exchange as reshard_exchange
 from modular.resharding import moves as reshard_moves
+from modular.tables.forms import Piece, is_sharded, local_pieces
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
+from tests.modular.adam_reference import (
+    ADAM_BETAS, ADAM_EPS, ADAM_FAMILY, ADAM_LR, MomentsReference, touched_rows,
+)  # fmt: skip
 from tests.modular.compare import close, full_value, local_blocks, state_error
 from tests.modular.dlrm_cases import (
-    DLRM, DLRM_LR, dlrm_batch, global_dlrm_batch, loss_of, mixed_plan,
+    DLRM, DLRM_LR, MLP, dlrm_batch, global_dlrm_batch, loss_of, mixed_plan,
 )  # fmt: skip
 from tests.modular.ebc_cases import global_batch, make_batch, make_ebc, placements_for
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference, fused_ebc
@@ -97,36 +103,63 @@ def _check_weights(model: nn.Module, ref: nn.Module, what: str) -> None:
             close(tensor.detach(), refs[name].detach()[rows, cols], f"{what}: {name}")
 
 
-def _ebc_chain(optimizer: str | None, prefetch: bool = False) -> int:
-    """Trains the chain of plans (module docstring); returns how many reshards it checked."""
+class _Reference:
+    """The unsharded EBC trained on the global batch by the torch twin of `optimizer` (None:
+    SGD); it never reshards."""
+
+    def __init__(self, ebc: nn.Module, optimizer: str | None) -> None:
+        self.module, self.optimizer = copy.deepcopy(ebc), optimizer
+        if optimizer is None:
+            self.opt = torch.optim.SGD(self.module.parameters(), lr=LR)
+        elif optimizer in ADAM_FAMILY:
+            self.moments = MomentsReference(self.module, optimizer)
+        else:
+            self.fused = FusedReference(self.module, optimizer)
+
+    def step(self, batches: list) -> None:
+        if self.optimizer is None:
+            self.opt.step()
+            self.opt.zero_grad()
+        elif self.optimizer in ADAM_FAMILY:
+            self.moments.step(touched_rows(self.module, batches))
+        else:
+            self.fused.step()
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        if self.optimizer in ADAM_FAMILY:
+            return {**self.moments.state(name), "step": torch.tensor(self.moments.steps)}
+        key = "sum" if self.optimizer == "exact_adagrad" else "row_sum"
+        return {key: self.fused.state(name)}
+
+
+def _fuse(ebc: nn.Module, optimizer: str):
+    if optimizer in ADAM_FAMILY:
+        return modular.fuse_optimizer(ebc, optimizer, lr=ADAM_LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+    return modular.fuse_optimizer(ebc, optimizer, lr=FUSED_LR, eps=FUSED_EPS)
+
+
+def _ebc_chain(optimizer: str | None, chain: list[str], prefetch: bool = False) -> int:
+    """Trains `chain`'s plans in turn (module docstring); returns how many reshards it checked."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ebc = fused_ebc() if optimizer else make_ebc(False)
-    chain = _chain()
-    if optimizer:
-        ref = FusedReference(copy.deepcopy(ebc), optimizer)
-        fused = modular.fuse_optimizer(ebc, optimizer, lr=FUSED_LR, eps=FUSED_EPS)
-    else:
-        ref = copy.deepcopy(ebc)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    ref_module = ref.ebc if optimizer else ref
+    ref = _Reference(ebc, optimizer)
+    fused = _fuse(ebc, optimizer) if optimizer else None
     model = modular.shard(ebc, ShardingPlan(world_size=world, modules={"": _placements(chain[0], ebc, world)}))
-    opt = None if optimizer else torch.optim.SGD(modular.local_parameters(model), lr=LR)
+    opt = fused or torch.optim.SGD(modular.local_parameters(model), lr=LR)
     step, prefetched = 0, None
     for i, case in enumerate(chain):
         what = f"rank {rank}/{world} {optimizer or 'sgd'}: {chain[i - 1] if i else ''} -> {case}"
         for s in range(2 if i == 0 else 3):
             mine, prefetched = prefetched, None
             if prefetch and i == 0 and s == 1:  # the next batch, prefetched under the old layout
-                prefetched = _batch(ref_module, step + 1, rank)
+                prefetched = _batch(ref.module, step + 1, rank)
                 modular.prefetch(model, prefetched)
-            loss, ref_loss = _step(model, ref_module, step, world, rank, f"{what}, step {step}", mine)
+            loss, ref_loss = _step(model, ref.module, step, world, rank, f"{what}, step {step}", mine)
             loss.backward()
             ref_loss.backward()
-            (fused if optimizer else opt).step()
-            (ref if optimizer else ref_opt).step()
-            if not optimizer:
-                opt.zero_grad()
-                ref_opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
+            ref.step([_batch(ref.module, step, r) for r in range(world)])
             step += 1
         if i + 1 == len(chain):
             break
@@ -136,12 +169,14 @@ def _ebc_chain(optimizer: str | None, prefetch: bool = False) -> int:
         assert modular.reshard(model, plan) is model
         if prefetch and i == 0:  # dropped: the next forward runs its input dist on the new layout
             assert model._prefetcher is None, "reshard kept the old layout's prefetched batch"
-        _check_weights(model, ref_module, f"{what} -> {chain[i + 1]}, after the reshard")
+        _check_weights(model, ref.module, f"{what} -> {chain[i + 1]}, after the reshard")
         if optimizer:
             state = fused.state_dict()["state"]
             for name in state:
+                want = ref.state(name)
+                assert sorted(state[name]) == sorted(want), f"{what}: state of {name}: {sorted(state[name])}"
                 for key, got in state[name].items():
-                    state_error(got, ref.state(name), f"{what}: state {key} of {name}")
+                    state_error(got, want[key], f"{what}: state {key} of {name}")
         else:
             with pytest.raises(TypeError, match=r"modular\.reshard has since rebuilt .* Rebuild the optimizer"):
                 opt.step()
@@ -154,5 +189,352 @@ def test_training_across_every_pair_of_sharding_types(world: int) -> None:
     """Unfused (SGD, its optimizer rebuilt after each reshard) and fused with both Adagrads."""
     pairs = len(TYPES) * (len(TYPES) - 1)
     for optimizer in (None, "exact_rowwise_adagrad", "exact_adagrad"):
-        done = run_on_ranks(world, _ebc_chain, optimizer, prefetch=optimizer is None, timeout=TIMEOUT)
+        done = run_on_ranks(world, _ebc_chain, optimizer, _chain(), prefetch=optimizer is None, timeout=TIMEOUT)
         assert done == [pairs + 3] * world
+
+
+def test_adam_state_and_step_count_move() -> None:
+    """partial_rowwise_lamb: `exp_avg` like the weights, `exp_avg_sq` per row, the whole rows'
+    norms across column pieces, and the module's step count (bias correction) all follow."""
+    chain = ["table_wise", "column_wise", "row_wise", "data_parallel", "column_pieces", "table_row_wise"]
+    assert run_on_ranks(2, _ebc_chain, "partial_rowwise_lamb", chain, timeout=TIMEOUT) == [5, 5]
+
+
+# -- an EmbeddingCollection ---------------------------------------------------------------------
+
+
+def _seq_loss(outputs, targets, rows_of) -> torch.Tensor:
+    seq_a, seq_b, bags = outputs
+    total = (bags.values() * targets["bags"][rows_of("bags", None)]).sum()
+    for name, out in (("seq_a", seq_a), ("seq_b", seq_b)):
+        for key, jt in out.items():
+            total = total + (jt.values() * targets[key][rows_of(name, key)]).sum()
+    return total
+
+
+def _ec_chain() -> int:
+    """Two EmbeddingCollections (and an EBC whose plan never changes, so it is left alone)
+    through a chain of plans, unfused, against the unsharded model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chain = ["table_wise", "row_wise", "column_wise", "mixed", "data_parallel", "table_row_wise", "table_wise"]
+    ref = make_seq_model()
+    model = copy.deepcopy(ref)
+    modular.shard(model, seq_plan_for(chain[0], world))
+    opt = torch.optim.SGD(modular.local_parameters(model), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    step = 0
+    for i, case in enumerate(chain):
+        what = f"rank {rank}/{world}: {chain[i - 1] if i else ''} -> {case}"
+        for _ in range(2 if i == 0 else 3):
+            batches = seq_rank_batches(world, step)
+            mine = batches[rank]
+            out = model(*(mine[m] for m in SEQ_FEATURES))
+            whole = {m: seq_global_batch([b[m] for b in batches]) for m in SEQ_FEATURES}
+            expected = ref(*(whole[m] for m in SEQ_FEATURES))
+
+            def rows_of(module: str, key, local: bool = True):
+                if key is None:
+                    return slice(rank * 3, (rank + 1) * 3) if local else slice(None)
+                feature = key.split("@")[0]
+                before = sum(int(b[module][feature].lengths().sum()) for b in batches[:rank])
+                n = int(mine[module][feature].lengths().sum())
+                return slice(before, before + n) if local else slice(None)
+
+            for name, got, want in (("seq_a", out[0], expected[0]), ("seq_b", out[1], expected[1])):
+                assert list(got) == list(want), f"{what}: {name} keys {list(got)}"
+                for key in want:
+                    close(got[key].values(), want[key].values()[rows_of(name, key)], f"{what} step {step} {name}[{key}]")
+            g = torch.Generator().manual_seed(step)
+            targets = {"bags": torch.randn(expected[2].values().shape, generator=g)}
+            for exp in expected[:2]:
+                for key, jt in exp.items():
+                    targets[key] = torch.randn(jt.values().shape, generator=g)
+            _seq_loss(out, targets, rows_of).backward()
+            (_seq_loss(expected, targets, lambda m, k: rows_of(m, k, local=False)) / world).backward()
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            step += 1
+        if i + 1 == len(chain):
+            break
+        bags = model.bags
+        modular.reshard(model, seq_plan_for(chain[i + 1], world))
+        assert isinstance(model.seq_a, modular.ShardedEmbeddingCollection)
+        assert model.bags is bags, f"{what}: the EBC's plan did not change, yet reshard rebuilt it"
+        _check_weights(model, ref, f"{what} -> {chain[i + 1]}")
+        with pytest.raises(TypeError, match=r"modular\.reshard"):
+            opt.step()
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=LR)
+    return len(chain) - 1
+
+
+def test_embedding_collections_across_a_chain_of_plans() -> None:
+    assert run_on_ranks(2, _ec_chain, timeout=TIMEOUT) == [6, 6]
+
+
+# -- DTensor tables under DDP and FSDP2 ----------------------------------------------------------
+
+
+def _dlrm_placements(case: str, world: int) -> dict[str, TablePlacement]:
+    names = ("t_user", "t_item", "t_cat", "t_ctx")
+    if case == "mixed":
+        return dict(mixed_plan(world).modules["sparse"])
+    if case == "table_wise":
+        return {n: TablePlacement(ShardingType.TABLE_WISE, ranks=(i % world,)) for i, n in enumerate(names)}
+    kind = {"row_wise": ShardingType.ROW_WISE, "column_wise": ShardingType.COLUMN_WISE,
+            "data_parallel": ShardingType.DATA_PARALLEL}[case]  # fmt: skip
+    return {n: TablePlacement(kind) for n in names}
+
+
+def _dlrm_dtensor(compose: str) -> int:
+    """A DLRM whose tables are DTensors and whose MLPs are under DDP or FSDP2, resharded along a
+    chain: the tables keep their form, the dense part its wrapper, and training its parity."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = DLRM()
+    model = copy.deepcopy(ref)
+    chain = ["mixed", "table_wise", "row_wise", "data_parallel", "column_wise", "mixed"]
+    modular.shard(model, ShardingPlan(world_size=world, modules={"sparse": _dlrm_placements(chain[0], world)}),
+                  tensor_type="dtensor")  # fmt: skip
+    if compose == "ddp":
+        modular.apply_ddp(model)
+    else:
+        modular.apply_fully_shard(model, modules={MLP})
+    dense = {n: p for n, p in model.named_parameters() if not n.startswith("sparse.")}
+    opt = torch.optim.SGD(modular.local_parameters(model), lr=DLRM_LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=DLRM_LR)
+    step = 0
+    for i, case in enumerate(chain):
+        what = f"rank {rank}/{world} {compose}: {chain[i - 1] if i else ''} -> {case}"
+        for _ in range(2 if i == 0 else 3):
+            batches = [dlrm_batch(step, r) for r in range(world)]
+            loss = loss_of(model, batches[rank])
+            ref_loss = loss_of(ref, global_dlrm_batch(batches))
+            loss.backward()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            step += 1
+        refs = dict(ref.named_parameters())
+        for name, p in model.named_parameters():  # the dense part collectively (FSDP's DTensors)
+            if name.startswith("sparse."):
+                for piece in local_pieces(p) if is_sharded(p) else [Piece((0, 0), tuple(p.shape), p)]:
+                    (r0, c0), (nr, nc) = piece.offsets, piece.sizes
+                    close(piece.tensor.detach(), refs[name].detach()[r0 : r0 + nr, c0 : c0 + nc], f"{what}: {name}")
+            else:
+                close(full_value(p), refs[name].detach(), f"{what}: {name}")
+        if i + 1 == len(chain):
+            break
+        modular.reshard(model, ShardingPlan(world_size=world, modules={"sparse": _dlrm_placements(chain[i + 1], world)}))
+        tables = model.sparse.table_weights()
+        for name, w in tables.items():
+            placement = _dlrm_placements(chain[i + 1], world)[name]
+            assert isinstance(w, DTensor) == (placement.sharding_type is not ShardingType.DATA_PARALLEL), (
+                f"{what}: table {name} is a {type(w).__name__}"
+            )
+        assert {n: p for n, p in model.named_parameters() if not n.startswith("sparse.")} == dense, (
+            f"{what}: reshard touched the dense part"
+        )
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=DLRM_LR)
+    return len(chain) - 1
+
+
+@pytest.mark.parametrize("compose,world", [("ddp", 2), ("fsdp", 3)])
+def test_dtensor_tables_under_ddp_and_fsdp(compose: str, world: int) -> None:
+    assert run_on_ranks(world, _dlrm_dtensor, compose, timeout=TIMEOUT) == [5] * world
+
+
+# -- what travels --------------------------------------------------------------------------------
+
+
+class _Holder(nn.Module):
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+
+@contextlib.contextmanager
+def _counting_all_to_alls(calls: list):
+    """Records (dtype, input splits, output splits) of each reshard all-to-all on this rank."""
+    real = reshard_exchange.all_to_all
+
+    def spy(tensor, *, input_splits, output_splits, **kwargs):
+        calls.append((tensor.dtype, list(input_splits), list(output_splits)))
+        return real(tensor, input_splits=input_splits, output_splits=output_splits, **kwargs)
+
+    with mock.patch.object(reshard_exchange, "all_to_all", spy):
+        yield calls
+
+
+def _bytes_on_the_wire() -> dict:
+    """A fused model (row-wise Adagrad) whose new plan moves one table-wise table to the other
+    rank, beside a data-parallel, a row-wise and a table-wise table that stay: only that table's
+    weights and row statistics travel, in one all-to-all (weights and state are both FP32)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ebc = fused_ebc()
+    modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
+    holder = _Holder(ebc)
+    before = {
+        "t_sum": TablePlacement(ShardingType.DATA_PARALLEL),
+        "t_mean": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
+        "t_small": TablePlacement(ShardingType.ROW_WISE),
+        "t_big": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
+    }
+    modular.shard(holder, ShardingPlan(world_size=world, modules={"ebc": before}))
+    batches = [make_batch(holder.ebc, seed=r) for r in range(world)]
+    holder.ebc(batches[rank]).values().sum().backward()  # some state to move
+    old = holder.ebc
+    values = {n: full_value(p) for n, p in old.named_parameters()}
+    unchanged: list = []
+    with _counting_all_to_alls(unchanged):
+        modular.reshard(holder, ShardingPlan(world_size=world, modules={"ebc": before}))
+    assert holder.ebc is old and not unchanged, "a plan that changes nothing rebuilt or sent"
+    calls: list = []
+    after = {**before, "t_big": TablePlacement(ShardingType.TABLE_WISE, ranks=(1,))}
+    with _counting_all_to_alls(calls):
+        modular.reshard(holder, ShardingPlan(world_size=world, modules={"ebc": after}))
+    assert holder.ebc is not old
+    for n, p in holder.ebc.named_parameters():
+        assert torch.equal(full_value(p), values[n]), n
+    return {"calls": [(str(d), i, o) for d, i, o in calls]}
+
+
+def test_only_the_moved_table_travels() -> None:
+    rows, dim = 29, 16  # t_big of fused_ebc: its FP32 weights and one FP32 row statistic per row
+    moved = rows * dim + rows
+    got = run_on_ranks(2, _bytes_on_the_wire, timeout=TIMEOUT)
+    assert got[0]["calls"] == [("torch.float32", [0, moved], [0, 0])], got[0]
+    assert got[1]["calls"] == [("torch.float32", [0, 0], [moved, 0])], got[1]
+
+
+# -- faults and refusals -------------------------------------------------------------------------
+
+
+def _train_steps(holder, ref, opt, ref_opt, steps: range, what: str) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in steps:
+        loss, ref_loss = _step(holder.ebc, ref, step, world, rank, f"{what}, step {step}")
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+
+def _fails_mid_reshard() -> str:
+    """Rank 1 fails while writing a block into its new shards: every rank raises, every rank's
+    old module stays in place and keeps training exactly, with the optimizer built before."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ebc = make_ebc(False)
+    ref = copy.deepcopy(ebc)
+    holder = _Holder(ebc)
+    modular.shard(holder, ShardingPlan(world_size=world, modules={"ebc": placements_for("table_wise", ebc, world)}))
+    opt = torch.optim.SGD(modular.local_parameters(holder), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    _train_steps(holder, ref, opt, ref_opt, range(2), f"rank {rank} before")
+    old = holder.ebc
+    fault = RuntimeError("injected fault")
+    failing = mock.patch.object(reshard_moves, "copy_block", side_effect=fault) if rank == 1 else contextlib.nullcontext()
+    plan = ShardingPlan(world_size=world, modules={"ebc": placements_for("row_wise", ebc, world)})
+    with failing, pytest.raises(modular.ShardingError) as raised:
+        modular.reshard(holder, plan)
+    assert holder.ebc is old, "a failed reshard replaced the module"
+    _train_steps(holder, ref, opt, ref_opt, range(2, 5), f"rank {rank} after the failed reshard")
+    _check_weights(holder.ebc, ref, f"rank {rank} after the failed reshard")
+    return str(raised.value)
+
+
+def test_a_rank_failing_mid_reshard_raises_everywhere_and_keeps_the_old_module() -> None:
+    messages = run_on_ranks(2, _fails_mid_reshard, timeout=TIMEOUT)
+    for m in messages:
+        assert "modular.reshard failed while filling the new shards of module 'ebc' on rank 1" in m, m
+        assert "RuntimeError: injected fault" in m and "keeps its old shards" in m, m
+
+
+def _collective_fails() -> tuple[str, str]:
+    """Rank 1's all-to-all raises (as a closed socket does); rank 0, left in it, fails at its
+    group's timeout. Both raise CollectiveError, and both keep the old module untouched."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(timeout=timedelta(seconds=3))
+    ebc = make_ebc(False)
+    holder = _Holder(ebc)
+    plan = ShardingPlan(world_size=world, modules={"ebc": placements_for("table_wise", ebc, world)})
+    modular.shard(holder, plan, process_group=group)
+    old = holder.ebc
+    values = {n: [t.detach().clone() for t, _, _ in local_blocks(p)] for n, p in old.named_parameters()}
+    closed = RuntimeError("injected: connection closed by peer")
+    failing = mock.patch.object(dist, "all_to_all_single", side_effect=closed) if rank == 1 else contextlib.nullcontext()
+    new_plan = ShardingPlan(world_size=world, modules={"ebc": placements_for("row_wise", ebc, world)})
+    with failing, pytest.raises(modular.CollectiveError) as raised:
+        modular.reshard(holder, new_plan)
+    assert holder.ebc is old
+    for n, p in old.named_parameters():
+        for (t, _, _), kept in zip(local_blocks(p), values[n]):
+            assert torch.equal(t.detach(), kept), f"a failed reshard changed {n}"
+    return type(raised.value).__name__, str(raised.value)
+
+
+def test_a_failed_collective_raises_collective_error_on_every_rank() -> None:
+    results = run_on_ranks(2, _collective_fails, timeout=TIMEOUT)
+    assert [kind for kind, _ in results] == ["CollectiveError"] * 2
+    assert all("the reshard's all-to-all of torch.float32 blocks failed" in m for _, m in results), results
+
+
+def _refused_plans() -> dict[str, str]:
+    """Plans that do not fit, refused on every rank before anything moves (no all-to-all), the
+    model left as it was; then a per-piece statistic that cannot follow its table."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ebc = make_ebc(False)
+    holder = _Holder(ebc)
+    holder.plain = make_ebc(True)
+    placements = placements_for("table_wise", ebc, world)
+    modular.shard(holder, ShardingPlan(world_size=world, modules={"ebc": placements}))
+    old = holder.ebc
+    row_wise = placements_for("row_wise", ebc, world)
+    plans = {
+        "bigger_world": ShardingPlan(world_size=world + 1, modules={"ebc": placements_for("row_wise", ebc, world + 1)}),
+        "missing_module": ShardingPlan(world_size=world, modules={"tower.ebc": row_wise}),
+        "unsharded_module": ShardingPlan(world_size=world, modules={"plain": placements_for("row_wise", holder.plain, world)}),
+        "table_left_out": ShardingPlan(world_size=world, modules={"ebc": {k: v for k, v in row_wise.items() if k != "t_mean"}}),
+        "unknown_table": ShardingPlan(world_size=world, modules={"ebc": {**row_wise, "t_nope": row_wise["t_sum"]}}),
+        "ranks_disagree": ShardingPlan(world_size=world, modules={"ebc": row_wise if rank == 0 else placements_for("column_wise", ebc, world)}),
+    }
+    messages, calls = {}, []
+    with _counting_all_to_alls(calls):
+        for problem, plan in plans.items():
+            with pytest.raises(modular.ShardingError) as raised:
+                modular.reshard(holder, plan)
+            messages[problem] = str(raised.value)
+            assert holder.ebc is old, f"{problem}: the module was replaced"
+    assert not calls, f"a refused plan moved blocks: {calls}"
+    # column_wise_statistic="per_shard": pieces move whole, and only to pieces of the same columns.
+    cut = fused_ebc()
+    modular.fuse_optimizer(cut, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS, column_wise_statistic="per_shard")
+    modular.shard(cut, ShardingPlan(world_size=world, modules={"": placements_for("column_wise", cut, world)}))
+    swapped = {n: TablePlacement(ShardingType.COLUMN_WISE, ranks=tuple(reversed(range(world)))) for n in placements}
+    modular.reshard(cut, ShardingPlan(world_size=world, modules={"": swapped}))
+    with pytest.raises(modular.ShardingError) as raised:
+        modular.reshard(cut, ShardingPlan(world_size=world, modules={"": _placements("column_pieces", cut, world)}))
+    messages["per_piece"] = str(raised.value)
+    return messages
+
+
+REFUSALS = {
+    "bigger_world": r"the plan is for 3 ranks but the modules are sharded over 2; reshard keeps the world size",
+    "missing_module": r"the plan names module 'tower\.ebc', which does not exist in the model; reshard moves the model's sharded collections \['ebc'\]",
+    "unsharded_module": r"module 'plain', which is an EmbeddingBagCollection that is not sharded: shard it with modular\.shard first",
+    "table_left_out": r"the plan for module 'ebc' has no placement for tables \['t_mean'\]",
+    "unknown_table": r"the plan for module 'ebc' places tables \['t_nope'\], which the module does not have",
+    "ranks_disagree": r"ranks disagree on the plan .* every rank must call modular\.reshard with the same plan",
+    "per_piece": r"module '': table 't_sum' keeps one row-wise Adagrad statistic per column piece .* pieces \[\(0, 4\), \(4, 8\)\]\), but the new plan gives it column pieces \[\(0, 3\), \(3, 6\), \(6, 8\)\]",
+}
+
+
+def test_plans_that_do_not_fit_are_refused_on_every_rank_before_anything_moves() -> None:
+    results = run_on_ranks(2, _refused_plans, timeout=TIMEOUT)
+    for problem, pattern in REFUSALS.items():
+        assert results[0][problem] == results[1][problem], problem
+        assert re.search(pattern, results[0][problem]), (problem, results[0][problem])

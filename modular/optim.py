@@ -241,7 +241,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if saved != self._config.optimizer.value:
                 raise ValueError(
                     f"the state is for fused {saved!r} but this optimizer is "
-                    f"{self._config.optimizer.value!r}"
+                    f"{self._config.optimizer.value!r}; fuse with {saved!r} to load it"
                 )
         state = state_dict.get("state", {})
         keeps = bool(self._config.optimizer.state_names())

@@ -141,6 +141,7 @@ def _stage_optimizer(
                 owner = f"optimizer state {name!r} of {describe(fqn)}"
                 weight = live.get(MODEL + fqn)
                 pieces = _other_column_pieces(saved.get(key), value, owner, optimizer, weight)
+                pieces = pieces or _other_second_moment(saved.get(key), value, owner, optimizer)
                 if pieces is not None:
                     problems.append(pieces)
                     continue
@@ -189,11 +190,29 @@ def _other_column_pieces(
     )  # fmt: skip
 
 
+def _other_second_moment(md: Any, value: Any, owner: str, optimizer: Any) -> Optional[str]:
+    """Why an Adam-family `exp_avg_sq` of one value per weight cannot load where one per row is
+    kept, or the other way round (Note [fused Adam and LAMB]), or None."""
+    if not isinstance(optimizer, FusedOptimizer) or not isinstance(md, TensorStorageMetadata):
+        return None
+    got, keeps = tuple(md.size), global_shape(value)
+    if not optimizer.kind.adam_family() or got[:1] != keeps[:1] or len(got) == len(keeps):
+        return None
+    if len(got) == 2:
+        saved, fix = "one value per weight: adam or lamb", "fuse with 'adam' or 'lamb'"
+    else:
+        saved = "one value per row: a partial_rowwise kind"
+        fix = "fuse with its partial_rowwise kind"
+    return f"{owner} has shape {got}, {saved}, but this optimizer keeps {keeps}; {fix} to load it"
+
+
 def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) -> Optional[str]:
     """Why a checkpoint of another fused optimizer kind cannot load into this one, or None.
 
     Each kind keeps its own state per table (Note [fused tables] in modular/optim.py: none for
-    SGD, `sum`, `row_sum`, the Adam family's `exp_avg`, `exp_avg_sq` and `step`), so the state names in the metadata tell the kind it was saved with
+    SGD, `sum`, `row_sum`, the Adam family's `exp_avg`, `exp_avg_sq` and `step`), so the state
+    names in the metadata tell the kind it was saved with (within the Adam family, the saved
+    param group does, in `FusedOptimizer.load_state_dict`)
     before anything is read. Adagrad's state loaded into SGD (which has none to look for) would
     otherwise pass every check here and fail in `load_state_dict`, after the weights were copied;
     the other mismatches would be reported as missing state, without the reason."""

@@ -63,10 +63,11 @@ class MomentUpdates:
         if self.kind.partial_rowwise():
             sums = {id(k): k.grad_square_sums(grads[id(k)]) for k in self.kernels}
             whole = self._whole_rows(grads, sums)
-            for k in self.kernels:
+            for k in self.kernels:  # the whole row's sum over its width, or this shard's own
                 means[id(k)] = [
                     None if s is None
-                    else (whole[table] / at.layout.table(table).embedding_dim if table in whole else s / cols)
+                    else whole[table] / at.layout.table(table).embedding_dim if table in whole
+                    else s / cols
                     for (table, _), (_, cols), s in zip(k.group.shards, k.sizes, sums[id(k)])
                 ]  # fmt: skip
         directions = {

@@ -80,7 +80,9 @@ class FusedOptimizerKind(enum.Enum):
 
     def partial_rowwise(self) -> bool:
         """The second moment is one value per row: the mean of grad**2 over its columns."""
-        return self in (FusedOptimizerKind.PARTIAL_ROWWISE_ADAM, FusedOptimizerKind.PARTIAL_ROWWISE_LAMB)
+        return self in (
+            FusedOptimizerKind.PARTIAL_ROWWISE_ADAM, FusedOptimizerKind.PARTIAL_ROWWISE_LAMB
+        )
 
     def trust_ratio(self) -> bool:
         """LAMB: each row's update is scaled by ||w_row|| / ||update_row||."""

@@ -327,7 +327,8 @@ def _check_shape(fused: FusedTables, t: int, name: str, got: tuple[int, ...], wh
         return
     what = f"optimizer state {name!r} of table {table.name!r}{where}"
     if optimizer.rowwise():
-        why = column_statistic_mismatch(what, got, expected, fused.config.column_wise_statistic, dim)
+        statistic = fused.config.column_wise_statistic
+        why = column_statistic_mismatch(what, got, expected, statistic, dim)
         if why is not None:
             raise ValueError(why)
     per = {

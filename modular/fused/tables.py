@@ -92,7 +92,8 @@ class FusedTables:
     def _attach_moments(self) -> None:
         """The Adam family's end of backward (Note [fused Adam and LAMB]): its emulated kernels'
         updates, and on a rank holding no piece of its column-wise tables, their exchanges."""
-        kernels = [k for k in (*self.kernels, *self.local_kernels) if isinstance(k, AdamFusedKernel)]
+        every = (*self.kernels, *self.local_kernels)
+        kernels = [k for k in every if isinstance(k, AdamFusedKernel)]
         if kernels or (self.column_rowwise and not self.at.local):
             replicas = {id(k) for k in self.local_kernels} if self.at.world > 1 else set()
             moments = MomentUpdates(

@@ -24,7 +24,8 @@ looked up, with g the row's gradient summed over the step's lookups (FP32) and t
     weight (AdamW's form; fbgemm's docs say "decoupled", its kernel adds wd*w inside lr * (...)).
   - lamb, partial_rowwise_lamb: r += wd * w, then w -= lr * (||w|| / ||r||) * r, the norms over
     the whole row (w before the update). fbgemm guards neither norm: a row of zeros never moves
-    (ratio 0), and a touched row whose r is all zero gets NaN (0/0 times 0); kept as the kernel does.
+    (ratio 0), and a touched row whose r is all zero gets NaN (0/0 times 0); kept as the kernel
+    does.
   - weight_decay is applied as above and nowhere else: never added to g (unlike row-wise
     Adagrad's L2 mode), so neither moment sees it.
   - FP16/BF16 tables: the update is computed in FP32 and the new row rounded once (to nearest
@@ -177,7 +178,9 @@ class AdamFusedKernel(EmulatedFusedKernel):
 
     @torch.no_grad()
     def apply(
-        self, grads: list[Optional[RowGrad]], row_means: Optional[list[Optional[torch.Tensor]]] = None
+        self,
+        grads: list[Optional[RowGrad]],
+        row_means: Optional[list[Optional[torch.Tensor]]] = None,
     ) -> None:
         """The whole update for tables whose rows this kernel holds whole (no column pieces
         elsewhere: their statistics are this shard's own)."""
@@ -187,7 +190,8 @@ class AdamFusedKernel(EmulatedFusedKernel):
                 None if s is None else s / c for s, c in zip(self.grad_square_sums(grads), cols)
             ]
         directions = self.directions(grads, row_means or [None] * len(grads))
-        norms = self.norm_squares(grads, directions) if self.config.optimizer.trust_ratio() else None
+        trust = self.config.optimizer.trust_ratio()
+        norms = self.norm_squares(grads, directions) if trust else None
         self.step_rows(grads, directions, norms)
 
     def _rows_fp32(self, t: int, rows: torch.Tensor) -> torch.Tensor:

@@ -98,3 +98,27 @@ def test_export_and_load_unsharded_carry_the_trained_tables(tmp_path: Path) -> N
     for key, value in result["trained"].items():
         assert torch.equal(result["exported"][key], value), key
         assert torch.equal(result["loaded"][key], value), key
+
+
+def _load_into_another_kind(path: str, kind: str) -> str:
+    model, opt = _model(kind, "A", 1)
+    before = _full_state(model, opt)
+    with pytest.raises(modular.CheckpointError) as info:
+        modular.checkpoint.load(path, model, opt)
+    after = _full_state(model, opt)
+    for key, value in before.items():  # all or nothing: a refused load changed nothing
+        assert torch.equal(value, after[key]), key
+    return str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_state_of_another_adam_kind_is_refused_naming_both(tmp_path: Path) -> None:
+    # Adam's and LAMB's state have the same names and shapes: the saved kind tells them apart.
+    path = str(tmp_path / "adam")
+    run_on_ranks(2, _save, path, "adam", "A", timeout=TIMEOUT)
+    for message in run_on_ranks(2, _load_into_another_kind, path, "lamb", timeout=TIMEOUT):
+        assert "the state is for fused 'adam' but this optimizer is 'lamb'; fuse with 'adam'" in message, message
+        assert "nothing was loaded" in message, message
+    # partial_rowwise keeps one second moment per row: the shapes differ, named per table.
+    message = run_on_ranks(2, _load_into_another_kind, path, "partial_rowwise_adam", timeout=TIMEOUT)[0]
+    assert "optimizer state 'exp_avg_sq' of table 't0' (ebc.embedding_bags.t0.weight) has shape (11, 4), one value per weight: adam or lamb, but this optimizer keeps (11,); fuse with 'adam' or 'lamb' to load it" in message, message

@@ -18,9 +18,13 @@ plain fused kernel like a whole table (one pass, no exchange; the result depends
 The other cases compute a sparse gradient and apply the identical update in torch at the end of
 backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so
 replicas stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU
-kernel ignores it) and column-wise row-wise Adagrad off CPU. A table looked up more than once
-before one backward: fbgemm's own kernel updates once per lookup, the others once, on the
-summed gradient (the two agree for SGD up to rounding, not for the Adagrads).
+kernel ignores it) and column-wise row-wise Adagrad off CPU. The Adam family ("adam",
+"partial_rowwise_adam", "lamb", "partial_rowwise_lamb") takes the emulation on CPU, where fbgemm
+has none of its kernels, and off CPU where rows need statistics of the whole row across column
+pieces (`AdamFusedKernel`, Note [fused Adam and LAMB] in modular/kernels/adam.py). A table
+looked up more than once before one backward: fbgemm's own kernel updates once per lookup, the
+others once, on the summed gradient (the two agree for SGD up to rounding, not for the Adagrads
+or the Adam family, whose step count also advances once per forward).
 
 Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
 "row_sum" for row-wise Adagrad, "exp_avg" and "exp_avg_sq" for the Adam family, which also keeps

@@ -27,7 +27,7 @@ from tests.dist import expect_errors_on_all_ranks, run_on_ranks
 from tests.modular.ebc_cases import CASES, features_of, id_bounds, make_ebc, plan_for
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference
 
-BATCH, STEPS, LR = 6, 3, 0.5
+BATCH, STEPS, LR = 6, 5, 0.5
 DEDUPED = ("f_c", "f_e", "g_c")  # request-level features: one bag per request
 
 

@@ -133,18 +133,26 @@ def test_per_sample_weights_dtensor_tables_and_prefetch() -> None:
         assert len(worst) == 2 * len(ADAM_FAMILY) + 4, (rank, worst)
 
 
-def _column_pieces_on_some_ranks(kind: str) -> tuple[float, int]:
-    """Column-wise tables on subsets of 3 ranks (rank 0 holds none of 't_small', rank 2 two
-    pieces of 't_big'); returns the worst difference and this rank's row-statistics exchanges."""
+CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE
+SOME_RANKS = {  # on 3 ranks: rank 0 holds no piece of 't_small', rank 2 two of 't_big'
+    "t_sum": TablePlacement(CW, ranks=(0, 1)),
+    "t_mean": TablePlacement(TW, ranks=(0,)),
+    "t_small": TablePlacement(CW, ranks=(1, 2), sizes=(3, 2)),
+    "t_big": TablePlacement(CW, ranks=(2, 2, 1), sizes=(8, 4, 4)),
+}
+NOT_ON_RANK_2 = {  # rank 2 holds no table at all, yet joins the exchanges
+    "t_sum": TablePlacement(CW, ranks=(0, 1)),
+    "t_mean": TablePlacement(TW, ranks=(0,)),
+    "t_small": TablePlacement(CW, ranks=(1, 0), sizes=(3, 2)),
+    "t_big": TablePlacement(TW, ranks=(1,)),
+}
+
+
+def _column_pieces_on_some_ranks(kind: str, placements: dict) -> tuple[float, int]:
+    """Trains `placements` on 3 ranks; returns the worst difference and this rank's
+    row-statistics exchanges."""
     import modular.fused.backward as backward
 
-    CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE
-    placements = {
-        "t_sum": TablePlacement(CW, ranks=(0, 1)),
-        "t_mean": TablePlacement(TW, ranks=(0,)),
-        "t_small": TablePlacement(CW, ranks=(1, 2), sizes=(3, 2)),
-        "t_big": TablePlacement(CW, ranks=(2, 2, 1), sizes=(8, 4, 4)),
-    }
     calls = []
     original = backward.all_to_all
 
@@ -166,8 +174,10 @@ def test_column_pieces_combine_whole_row_statistics_in_one_exchange_each() -> No
     # partial_rowwise: the rows' mean of g**2; LAMB: the norms of w and r; both for the last.
     exchanges = {"adam": 0, "partial_rowwise_adam": 1, "lamb": 1, "partial_rowwise_lamb": 2}
     for kind, per_step in exchanges.items():
-        for rank, (worst, calls) in enumerate(run_on_ranks(3, _column_pieces_on_some_ranks, kind, timeout=100)):
-            assert worst <= ATOL and calls == per_step * STEPS, (kind, rank, worst, calls)
+        for placements in (SOME_RANKS, NOT_ON_RANK_2):
+            results = run_on_ranks(3, _column_pieces_on_some_ranks, kind, placements, timeout=100)
+            for rank, (worst, calls) in enumerate(results):
+                assert worst <= ATOL and calls == per_step * STEPS, (kind, rank, worst, calls)
 
 
 def _fp16(kinds: tuple[str, ...]) -> dict[str, float]:

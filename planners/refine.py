@@ -222,13 +222,18 @@ def least_loaded(load: np.ndarray, ok: np.ndarray, k: int) -> list[int]:
     """Up to k of the ranks where `ok`, least loaded first, ties to the lower rank: what a
     stable sort of the world would give, in O(W)."""
     masked = np.where(ok, load, np.inf)
-    k = min(k, int(np.count_nonzero(ok)))
+    count = int(np.count_nonzero(ok))
+    k = min(k, count)
     if k == 0:
         return []
-    kth = masked[np.argpartition(masked, k - 1)[k - 1]]
-    less = np.flatnonzero(masked < kth)
-    chosen = np.concatenate([less, np.flatnonzero(masked == kth)[: k - len(less)]])
-    return chosen[np.lexsort((chosen, masked[chosen]))].tolist()
+    if k == count:
+        chosen = np.flatnonzero(ok)
+    else:
+        kth = np.partition(masked, k - 1)[k - 1]
+        take = masked < kth
+        take[np.flatnonzero(masked == kth)[: k - int(np.count_nonzero(take))]] = True
+        chosen = np.flatnonzero(take)  # in rank order, so a stable sort breaks ties by rank
+    return chosen[np.argsort(masked[chosen], kind="stable")].tolist()
 
 
 def _everywhere_step(p: Problem, s: State, i: int, dk: int) -> float:

@@ -37,6 +37,7 @@ target runs.
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -114,6 +115,42 @@ def _choose_ranks(p: Problem, s: State, index: int, kind: ShardingType, mems: li
         return [r] if fits[r] else None
     chosen = least_loaded(key, fits, k)
     return chosen if len(chosen) == k else None
+
+
+class _LeastLoaded:
+    """The rank `_choose_ranks` picks for a one-shard table (least loaded with room, then the
+    lowest rank), from a heap of (load, rank) kept beside `State.load` instead of a scan of the
+    world per table. Loads only grow while packing, so an entry whose load is no longer its
+    rank's is stale and dropped; `touched` adds a rank's new load."""
+
+    _SCAN = 64  # ranks without room popped before the scan is cheaper
+
+    def __init__(self, load: np.ndarray) -> None:
+        self.load = load
+        self.heap = list(zip(load.tolist(), range(len(load))))
+        heapq.heapify(self.heap)
+
+    def touched(self, r: int) -> None:
+        heapq.heappush(self.heap, (float(self.load[r]), r))
+
+    def pick(self, mem: np.ndarray, need: float, capacity: float) -> int | None:
+        """The rank, -1 if no rank has room, None if many have none (then scan)."""
+        heap, aside, found = self.heap, [], -1
+        while heap:
+            load, r = heap[0]
+            if load != self.load[r]:
+                heapq.heappop(heap)
+            elif mem[r] + need <= capacity:
+                found = r
+                break
+            else:
+                aside.append(heapq.heappop(heap))
+                if len(aside) > self._SCAN:
+                    found = None
+                    break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
 
 
 def _tries(c: Candidates, i: int, first: tuple[ShardingType, int]) -> Iterator[tuple]:
@@ -233,9 +270,21 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
     order = [int(i) for i in np.lexsort((rows, -weight))]
     later = [i for i in order if mode == "fill" and _splittable(p, i, picked[i][0])]
     deferred = set(later)
+    least = None if by_memory else _LeastLoaded(s.load)
+    wholes = p.prices.of(_T.TABLE_WISE, 1)
     for i in order:
         if s.kinds[i] is _T.DATA_PARALLEL or i in deferred:
             continue
+        if least is not None and picked[i][0] is _T.TABLE_WISE and p.pins[i] is None:
+            # the common case, without a scan of the world: what _choose_ranks would pick
+            f, d = wholes[i], p.tables[i].embedding_dim
+            r = least.pick(s.mem, f.am + f.bm * d, p.capacity)
+            if r is not None and r >= 0:
+                s.kinds[i], s.ranks[i], s.sizes[i], s.fits[i] = _T.TABLE_WISE, [r], [d], f
+                s.load[r] += f.a + f.b * d
+                s.mem[r] += f.am + f.bm * d
+                least.touched(r)
+                continue
         ranks = None
         for kind, k in _tries(c, i, picked[i]):
             if kind is _T.DATA_PARALLEL:
@@ -259,6 +308,8 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
         for r, x in zip(ranks, sizes):  # the biggest shard goes to the least loaded rank
             s.load[r] += f.a + f.b * x
             s.mem[r] += f.am + f.bm * x
+            if least is not None:
+                least.touched(r)
     if later and not unplaced and not _fill(p, s, later, target, ceiling):
         unplaced = later
     return s, unplaced
@@ -304,15 +355,15 @@ def search(
     best: tuple[float, tuple[Placement, ...]] | None = None
     first_unplaced: tuple[int, ...] = ()
     seen: set[bytes] = set()
-    # Note [where the sweep stops]: at the frontier sizes, targets above the best plan's
-    # slowest rank are not tried
+    # Note [where the sweep stops]: at the frontier sizes, no fill for targets above the best
+    # plan's slowest rank
     frontier = len(tables) * world >= _FRONTIER
     choices: dict[float, np.ndarray] = {}
     for modes in (("spread", "fill"), ("memory",)):
         for factor, mode in ((f, m) for f in _TARGETS for m in modes):
             target = bound * factor
-            if frontier and best is not None and target > best[0]:
-                break
+            if frontier and mode == "fill" and best is not None and target > best[0]:
+                continue
             if factor not in choices:
                 choices[factor] = select(candidates, target)
             choice = choices[factor]

@@ -19,6 +19,7 @@ from modular.kernels.base import Kernel
 from modular.kernels.dense import DenseKernel
 from modular.tables.forms import TensorType
 from modular.tables.init import init_shards
+from modular.tables.replicas import copy_from_first_replica
 from modular.tables.layout import KernelGroup, RankLayout, kernel_groups
 from modular.tables.weights import ShardedTable, table_weight
 
@@ -47,7 +48,10 @@ class LocalShards:
             sizes.append((spec.num_rows, spec.num_cols))
         if self.fused_tables is not None:
             return self.fused_tables.kernel(group, sizes, is_local=is_local)
-        return DenseKernel(group, sizes, self.at.device)
+        kernel = DenseKernel(group, sizes, self.at.device)
+        if self.at.replicas is not None and self.at.replicas.exact:  # Note [exact replicas]
+            kernel.replicate_across(self.at.replicas)
+        return kernel
 
     def views(self) -> dict[tuple[str, int], torch.Tensor]:
         """Every local shard's weights, by (table, shard index)."""
@@ -70,6 +74,8 @@ class LocalShards:
         views = self.views()
         replicas = [view for k in self.local_kernels for view in k.views]
         init_shards(source, views, replicas, at=self.at)  # Note [agreeing on the shards' init]
+        if self.at.replicas is not None:  # every replica group starts from the first one's
+            copy_from_first_replica(list(views.values()), self.at.replicas)
         tables = {}
         for t, table in enumerate(self.at.layout.tables):
             weight = table_weight(

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
@@ -22,9 +23,11 @@ from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.precision import check_table_dtypes
 from modular.routing.precision import DtypeOption, per_module
 from modular.kinds import KINDS, POOLED, SEQUENCE
+from modular.mesh import resolve_mesh
 from modular.sharded_types import SHARDED_COLLECTIONS, kind_of, sharded_class
 from modular.tables.forms import TensorType, is_sharded, local_pieces
 from modular.tables.layout import RankLayout
+from modular.tables.replicas import ReplicaSync
 from planners.types import PlanError, ShardingPlan, ShardingType, ShardSpec, check_one_host
 
 __all__ = ["shard", "sharded_modules"]
@@ -35,6 +38,8 @@ def shard(
     plan: ShardingPlan,
     *,
     process_group: Optional[ProcessGroup] = None,
+    mesh: Optional[DeviceMesh] = None,
+    replica_sync: str = "exact",
     device: Optional[torch.device] = None,
     output_dtype: DtypeOption = None,
     comm_dtype: DtypeOption = None,
@@ -68,8 +73,15 @@ def shard(
     `tensor_type="dtensor"` makes every sharded table weight (and the fused optimizer's state
     laid out like it) a DTensor instead of a ShardedTensor, with the same FQNs and values (Note
     [table tensor types]).
+
+    `mesh`: a 1D DeviceMesh is its process group; a 2D one with dims ("replicate", "shard")
+    shards the tables within each "shard" group by `plan` (`plan.world_size ==
+    mesh["shard"].size()`) and replicates that layout across the "replicate" groups; input and
+    output dist stay inside the shard group. `replica_sync="exact"` makes every step's update the
+    global batch's on every replica (Note [exact replicas] in modular/kernels/replicas.py).
     """
     tensor_type = TensorType.parse(tensor_type)
+    replica_sync = ReplicaSync.parse(replica_sync)
     if not dist.is_initialized():
         raise ShardingError(
             "modular.shard needs a process group: call torch.distributed.init_process_group first"
@@ -82,17 +94,18 @@ def shard(
             "it only on the group's members (every rank must call dist.new_group, only members "
             "shard)"
         )
+    groups, mesh_problem = resolve_mesh(mesh, process_group, replica_sync)
+    process_group = groups.shard_group
     world = dist.get_world_size(process_group)
     device = torch.device(device) if device is not None else collective_device(process_group)
     if device.type == "cuda" and device.index is None:  # shards name their device exactly
         device = torch.device("cuda", torch.cuda.current_device())
     targets, resolved, problem = [], {}, None
     try:
+        if mesh_problem is not None:
+            raise mesh_problem
         if plan.world_size != world:
-            raise ShardingError(
-                f"the plan is for {plan.world_size} ranks but the process group has {world}; "
-                f"make a plan for world_size={world}"
-            )
+            raise ShardingError(groups.shard_size_message(plan.world_size, world))
         targets = _find_targets(model, plan)
         resolved = {fqn: resolve_placements(fqn, ebc, plan, world, device) for fqn, ebc in targets}
         fqns = [fqn for fqn, _ in targets]
@@ -101,7 +114,7 @@ def shard(
     except ShardingError as e:
         problem = e
     options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}
-    agree_on_plan(plan, targets, process_group, problem, options)
+    agree_on_plan(plan, targets, groups.agreement_group, problem, options, mesh=groups.described)
 
     built = []
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
@@ -112,7 +125,7 @@ def shard(
         kind = kind_of(ebc)
         at = RankLayout.build(
             kind.read_tables(ebc, fqn), placements, shards, module=fqn, group=process_group,
-            device=device, local=False,
+            device=device, local=False, replicas=groups.replicas,
         )  # fmt: skip
         sharded = sharded_class(kind)(
             ebc, at, fused=fused, output_dtype=outputs[fqn], comm_dtype=wires[fqn],
@@ -239,6 +252,7 @@ def agree_on_plan(
     options: Optional[dict] = None,
     *,
     call: str = "modular.shard",
+    mesh: Optional[dict] = None,
 ) -> None:
     """# Note [agreeing on the plan]
     Every rank joins one small all-gather, always, even when its own plan check failed: each
@@ -247,6 +261,7 @@ def agree_on_plan(
     flagged a problem, a second gather shares the messages and every rank raises (its own message,
     or the rejecting rank's), and if the digests differ every rank raises naming the groups of
     ranks that agree. Both collectives are reached by every live rank, so neither can hang.
+    Under a 2D mesh the group is every rank and the digest holds the mesh too (`mesh`).
     """
     if problem is None:
         described = {
@@ -255,6 +270,8 @@ def agree_on_plan(
         }
         if options and any(o != [str(torch.float32), "None"] for o in options.values()):
             described["precision"] = options  # output and comm dtypes, when not the defaults
+        if mesh is not None:
+            described["mesh"] = mesh
         payload = b"\x00" + hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
     else:
         payload = b"\x01" + bytes(32)
@@ -273,9 +290,11 @@ def agree_on_plan(
             groups.setdefault(d, []).append(r)
         listing = "; ".join(f"ranks {rs} hold {d[1:].hex()[:12]}" for d, rs in groups.items())
         raise ShardingError(
-            "ranks disagree on the plan or on the tables of the planned modules "
-            f"({listing}); every rank must call {call} with the same plan and the same "
-            "model configuration"
+            "ranks disagree on the plan or on the tables of the planned modules"
+            + (" or on the mesh" if mesh is not None else "")
+            + f" ({listing}); every rank must call {call} with the same plan"
+            + (", the same mesh" if mesh is not None else "")
+            + " and the same model configuration"
         )
 
 

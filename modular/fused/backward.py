@@ -91,7 +91,9 @@ class EndOfBackward:
             )  # fmt: skip
         for k in self.kernels:
             if isinstance(k, ReplicaFusedKernel):
-                batch = self._global_batch(k, k.take_batch())
+                batch = k.take_batch()  # every replica group's (Note [exact replicas])
+                if id(k) in self.replicas:  # a data-parallel table: every rank's of the group
+                    batch = self._global_batch(k, batch)
                 if batch is not None:
                     k.run_backward(batch)
         if self.moments is not None:

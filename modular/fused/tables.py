@@ -54,19 +54,30 @@ class FusedTables:
         device, config = self.at.device, self.config
         column_rows = any(table in self.column_rowwise for table, _ in group.shards)
         replica = is_local and self.at.world > 1
-        if self._emulates([cols for _, cols in sizes], column_rows or replica):
+        # Copies in other replica groups: the update waits for their batches (Note [exact
+        # replicas] in modular/kernels/replicas.py).
+        across = self.at.replicas if self.at.replicas is not None and self.at.replicas.exact else None
+        kernel: Kernel
+        if self._emulates([cols for _, cols in sizes], column_rows or replica or bool(across)):
             if config.optimizer.adam_family():
-                return AdamFusedKernel(group, sizes, device, config, steps=self.steps)
-            return EmulatedFusedKernel(group, sizes, device, config)
-        if replica:
-            return ReplicaFusedKernel(group, sizes, device, config)
-        if column_rows:
+                kernel = AdamFusedKernel(group, sizes, device, config, steps=self.steps)
+            else:
+                kernel = EmulatedFusedKernel(group, sizes, device, config)
+        elif replica:
+            kernel = ReplicaFusedKernel(group, sizes, device, config)
+        elif column_rows:
             forms = tuple(
                 None if table not in self.column_rowwise else self._row_form(table)
                 for table, _ in group.shards
             )
-            return RowStatsFusedKernel(group, sizes, device, config, forms)
-        return FusedKernel(group, sizes, device, config, steps=self.steps)
+            kernel = RowStatsFusedKernel(group, sizes, device, config, forms)
+        elif across is not None:
+            kernel = ReplicaFusedKernel(group, sizes, device, config)
+        else:
+            return FusedKernel(group, sizes, device, config, steps=self.steps)
+        if across is not None:
+            kernel.replicate_across(across)
+        return kernel
 
     def attach(self, kernels: list[Kernel], local_kernels: list[Kernel]) -> None:
         """Takes the module's kernels (made by `kernel`): remote routes', then data-parallel."""

@@ -16,8 +16,10 @@ from modular.fused.config import FusedOptimizerKind
 from modular.kernels.base import KernelLookup, sum_weights
 from modular.kernels.fused import FusedKernel
 from modular.kernels.lookups import Lookup, merge_lookups
+from modular.kernels.replicas import gather_replicas
 from modular.kernels.row_sums import RowGradSquares
 from modular.tables.layout import KernelGroup
+from modular.tables.replicas import Replicas
 
 
 class RowForm(enum.Enum):
@@ -41,6 +43,12 @@ class DeferredFusedKernel(FusedKernel):
         super().__init__(group, sizes, device, config)
         self.pending: list[Lookup] = []
         self._placeholder = torch.zeros(0, device=device, requires_grad=True)
+        self._across: Optional[Replicas] = None
+
+    def replicate_across(self, replicas: Replicas) -> None:
+        """Makes this kernel's batch every replica group's (Note [exact replicas] in
+        modular/kernels/replicas.py)."""
+        self._across = replicas
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
@@ -55,11 +63,16 @@ class DeferredFusedKernel(FusedKernel):
 
     def take_batch(self) -> Optional[Lookup]:
         """The lookups since the last update as one batch (several are merged, so their
-        gradients add up before one update); None if there were none."""
+        gradients add up before one update); None if there were none. Under exact replicas,
+        every replica group's batch (Note [exact replicas])."""
         pending, self.pending = self.pending, []
         if not pending:
             return None
-        return pending[0] if len(pending) == 1 else merge_lookups(pending, len(self.group.routes))
+        routes = len(self.group.routes)
+        batch = pending[0] if len(pending) == 1 else merge_lookups(pending, routes)
+        if self._across is not None:
+            batch = gather_replicas(batch, routes, self._across)
+        return batch
 
     def run_backward(
         self,

@@ -46,8 +46,10 @@ from modular.kernels.base import (
     sum_weights,
 )
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
+from modular.kernels.replicas import all_reduce_replicas, gather_replicas
 from modular.kernels.views import GradBuffer, ShardView
 from modular.tables.layout import KernelGroup
+from modular.tables.replicas import Replicas
 
 __all__ = ["DenseKernel", "replay_pays"]
 
@@ -82,6 +84,7 @@ class DenseKernel:
         self._no_weight_grads = no_weight_grads(group, device)
         self._replicas: Optional[tuple[Optional[ProcessGroup], int]] = None
         self.replay_ratio = 1.0  # Note [dense replicas]; tests force either way with 0 or inf
+        self._across: Optional[Replicas] = None  # Note [exact replicas]
         if self._on_cpu:
             self._placements = torch.full(
                 (len(sizes),), EmbeddingLocation.HOST.value, dtype=torch.int32
@@ -108,6 +111,16 @@ class DenseKernel:
 
         self.flat_weight.register_post_accumulate_grad_hook(all_reduce_mean)
 
+    def replicate_across(self, replicas: Replicas) -> None:
+        """Makes each backward's gradient every replica group's batch's (Note [exact replicas]
+        in modular/kernels/replicas.py): replayed on CPU, all-reduced elsewhere."""
+        if self._on_cpu:
+            self._across = replicas
+            return
+        self.flat_weight.register_post_accumulate_grad_hook(
+            lambda flat: all_reduce_replicas(flat.grad, replicas)
+        )
+
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
@@ -120,6 +133,8 @@ class DenseKernel:
         """Adds this lookup's gradient into the kept buffer (Note [dense gradient buffer]); for a
         replica, the mean over ranks (Note [dense replicas])."""
         reduce = False
+        if self._across is not None:  # first every replica group's batch (Note [exact replicas])
+            batch = gather_replicas(batch, len(self.group.routes), self._across)
         if self._replicas is not None:
             group, world = self._replicas
             lengths = gather_lengths(batch, group, world)

@@ -21,6 +21,7 @@ from modular.kernels.base import KernelLookup, dense_tbe
 from modular.kernels.lookups import Lookup
 from modular.kernels.row_grads import summed_row_grads
 from modular.tables.layout import KernelGroup
+from modular.tables.replicas import Replicas
 
 
 class RowGrad(NamedTuple):
@@ -57,6 +58,12 @@ class EmulatedFusedKernel:
         self._placeholder = torch.zeros(0, device=device, requires_grad=True)
         dims = [r.shard.num_cols for r in group.routes]
         self._route_cols = [sum(dims[:i]) for i in range(len(dims))]
+        self._across: Optional[Replicas] = None
+
+    def replicate_across(self, replicas: Replicas) -> None:
+        """Makes `take_pending` the mean over every replica group's gradients (Note [exact
+        replicas] in modular/kernels/replicas.py)."""
+        self._across = replicas
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
@@ -82,7 +89,14 @@ class EmulatedFusedKernel:
         return [None if g is None else RowGrad(*g) for g in got]
 
     def take_pending(self) -> list[Optional[RowGrad]]:
-        """The gradients of every backward since the last update, summed per table."""
+        """The gradients of every backward since the last update, summed per table; under
+        exact replicas, their mean over every replica group's (Note [exact replicas])."""
+        out = self._own_pending()
+        if self._across is not None:
+            out = self.all_gather_mean(out, world=self._across.size, group=self._across.group)
+        return out
+
+    def _own_pending(self) -> list[Optional[RowGrad]]:
         pending, self.pending = self.pending, []
         out: list[Optional[RowGrad]] = []
         for t, (_, cols) in enumerate(self.sizes):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from modular.tables.replicas import Replicas
 from planners.types import ShardingType, ShardSpec, TablePlacement
 
 ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
@@ -330,6 +331,8 @@ class RankLayout:
     group: Optional[ProcessGroup]
     device: torch.device
     local: bool  # a one-process module that never communicates (`unsharded`)
+    # The replica axis of a 2D layout (modular/tables/replicas.py); None in 1D.
+    replicas: Optional[Replicas] = None
 
     @classmethod
     def build(
@@ -342,6 +345,7 @@ class RankLayout:
         group: Optional[ProcessGroup],
         device: torch.device,
         local: bool,
+        replicas: Optional[Replicas] = None,
     ) -> RankLayout:
         """The layout of `tables` under `placements` / `shards`, seen from this rank of `group`
         (a `local` module is a world of one that never communicates)."""
@@ -356,7 +360,7 @@ class RankLayout:
         )
         return cls(
             layout=layout, module=module, rank=rank, world=world, group=group, device=device,
-            local=local,
+            local=local, replicas=replicas,
         )  # fmt: skip
 
     @classmethod

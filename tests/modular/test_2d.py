@@ -1,0 +1,196 @@
+"""2D sparse parallelism (issue 36): `modular.shard(model, plan, mesh=mesh)` with a 2D mesh
+("replicate", "shard") trains exactly as the unsharded EBC on the global batch (every rank's
+samples, in global rank order), and a shard's copies in the replica groups stay bit-identical.
+
+Each rank body loops over the plans (one per sharding type and a mixed one) under one optimizer:
+the outputs of every step, the weights (and the fused optimizer's state) after the steps against
+the reference, and every rank's shards against its copies in the other replica groups, byte for
+byte. Replica groups get different batch sizes (the shard group agrees on one, replicas need not).
+Note [exact replicas] in modular/kernels/replicas.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import modular
+from planners.types import ShardingPlan
+from tests.dist import run_on_ranks
+from tests.modular.compare import close, local_blocks, state_error
+from tests.modular.ebc_cases import CASES, global_batch, make_batch, make_ebc, placements_for
+from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference, fused_ebc
+
+DIMS = ("replicate", "shard")
+STEPS = 3
+SGD_LR = 0.5
+FUSED = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
+
+
+def _batch_size(replica: int) -> int:
+    return 2 + replica  # replica groups of different batch sizes
+
+
+def _digests(tensors: dict) -> dict:
+    return {k: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest() for k, t in tensors.items()}
+
+
+def _assert_replicas_identical(mesh: DeviceMesh, tensors: dict, what: str) -> None:
+    """Every rank's `tensors` (by key) byte for byte equal to those of the ranks in its replica
+    group (the same shard rank in the other replica groups)."""
+    mine = (mesh.get_local_rank("shard"), _digests(tensors))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, (s, digests) in enumerate(every):
+        if s == mine[0] and digests != mine[1]:
+            differ = sorted(k for k in digests if digests[k] != mine[1].get(k))
+            raise AssertionError(f"{what}: rank {dist.get_rank()} and its replica rank {r} differ on {differ}")
+
+
+def _train(mesh: DeviceMesh, case: str, optimizer: str | None, weighted: bool = False) -> float:
+    """One plan trained sharded on `mesh` beside the unsharded reference on the global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replicas, group = mesh.mesh.shape
+    if optimizer is None:
+        ebc = make_ebc(weighted)
+        ref_ebc = copy.deepcopy(ebc)
+        ref_opt = torch.optim.SGD(ref_ebc.parameters(), lr=SGD_LR)
+    else:
+        ebc = fused_ebc(weighted)
+        ref = FusedReference(copy.deepcopy(ebc), optimizer)
+        ref_ebc = ref.ebc
+        opt = modular.fuse_optimizer(ebc, optimizer, lr=FUSED_LR, eps=FUSED_EPS)
+    plan = ShardingPlan(world_size=group, modules={"": placements_for(case, ebc, group)})
+    model = modular.shard(ebc, plan, mesh=mesh)
+    if optimizer is None:
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=SGD_LR) if modular.local_parameters(model) else None
+    sizes = [_batch_size(r // group) for r in range(world)]
+    starts = [sum(sizes[:r]) for r in range(world + 1)]
+    mine = slice(starts[rank], starts[rank + 1])
+    worst = 0.0
+    label = f"{case}, {optimizer or 'SGD over local_parameters'}, rank {rank} of {tuple(mesh.mesh.shape)}"
+    for step in range(STEPS):
+        batches = [make_batch(ebc, seed=1000 * step + r, batch_size=sizes[r]) for r in range(world)]
+        out = model(batches[rank]).values()
+        expected = ref_ebc(global_batch(batches)).values()
+        worst = max(worst, close(out, expected[mine], f"{label}: step {step} output"))
+        target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step))
+        (out * target[mine]).sum().backward()
+        ((expected * target).sum() / world).backward()  # the mean over every rank's loss
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        if optimizer is None:
+            ref_opt.step()
+            ref_opt.zero_grad()
+        else:
+            ref.step()
+    full = dict(ref_ebc.named_parameters())
+    mine_now = {}
+    for name, p in model.named_parameters():
+        for tensor, rows, cols in local_blocks(p):
+            what = f"{label}: {name}[{rows.start}:{rows.stop}, {cols.start}:{cols.stop}] after {STEPS} steps"
+            worst = max(worst, close(tensor.detach(), full[name].detach()[rows, cols], what))
+            mine_now[(name, rows.start, cols.start)] = tensor
+    if optimizer is not None:
+        state = opt.state_dict()["state"]
+        for name in full:
+            want = ref.state(name)
+            if want is not None:
+                got = next(iter(state[name].values()))
+                worst = max(worst, state_error(got, want, f"{label}: {name} state"))
+                pieces = [s.tensor for s in got.local_shards()] if isinstance(got, ShardedTensor) else [got]
+                for i, piece in enumerate(pieces):
+                    mine_now[(name, "state", i)] = piece
+    _assert_replicas_identical(mesh, mine_now, label)
+    return worst
+
+
+def _train_cases(shape: tuple[int, int], optimizer: str | None) -> dict[str, float]:
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS)
+    return {case: _train(mesh, case, optimizer) for case in CASES}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("optimizer", (None, *FUSED))
+def test_2x2_matches_unsharded_on_the_global_batch(optimizer: str | None) -> None:
+    results = run_on_ranks(4, _train_cases, (2, 2), optimizer, timeout=560)
+    assert all(set(r) == set(CASES) for r in results)
+
+
+def _refused(call) -> str:
+    try:
+        call()
+    except modular.ShardingError as e:
+        return str(e)
+    raise AssertionError(f"rank {dist.get_rank()}: shard accepted what it must refuse")
+
+
+def _errors() -> list[str]:
+    """Each mistake raises on every rank, naming the cause."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS)
+    ebc = make_ebc(False)
+    placements = placements_for("row_wise", ebc, 2)
+    messages = []
+    # A plan for 3 ranks on shard groups of 2.
+    plan3 = ShardingPlan(world_size=3, modules={"": placements_for("row_wise", ebc, 3)})
+    messages.append(_refused(lambda: modular.shard(copy.deepcopy(ebc), plan3, mesh=mesh)))
+    plan = ShardingPlan(world_size=2, modules={"": placements})
+    # The dims misnamed (the order FSDP2's HSDP mesh does not use).
+    swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
+    messages.append(_refused(lambda: modular.shard(copy.deepcopy(ebc), plan, mesh=swapped)))
+    # A 3D mesh.
+    cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "replicate", "shard"))
+    messages.append(_refused(lambda: modular.shard(copy.deepcopy(ebc), plan, mesh=cube)))
+    # Rank 0 passes another 2D mesh (its shard groups are the columns) than every other rank.
+    other = DeviceMesh("cpu", torch.arange(4).view(2, 2).t().contiguous(), mesh_dim_names=DIMS)
+    messages.append(
+        _refused(lambda: modular.shard(copy.deepcopy(ebc), plan, mesh=other if rank == 0 else mesh))
+    )
+    # One rank only asks for a periodic sync.
+    messages.append(
+        _refused(lambda: modular.shard(
+            copy.deepcopy(ebc), plan, mesh=mesh, replica_sync="periodic" if rank == 3 else "exact"
+        ))
+    )  # fmt: skip
+    return messages
+
+
+@pytest.mark.timeout(240)
+def test_mesh_errors_raise_on_every_rank() -> None:
+    for messages in run_on_ranks(4, _errors, timeout=200):
+        wrong_size, misnamed, cube, disagree, sync = messages
+        assert "the plan is for 3 ranks but mesh['shard'] has 2" in wrong_size, wrong_size
+        assert "world_size=2" in wrong_size and "'shard' dim has 3" in wrong_size, wrong_size
+        assert "('replicate', 'shard')" in misnamed and "('shard', 'replicate')" in misnamed, misnamed
+        assert "3D mesh" in cube, cube
+        assert "disagree" in disagree and "mesh" in disagree, disagree
+        assert "disagree" in sync and "mesh" in sync, sync
+
+
+def _train_six(shape: tuple[int, int]) -> dict[str, float]:
+    """Six ranks as 3x2 or 2x3: the mixed plan and row-wise, weighted too, unfused and under
+    row-wise Adagrad (column pieces exchange row statistics within the shard group)."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS)
+    out = {}
+    for case in ("mixed", "column_wise"):
+        for optimizer in (None, "exact_rowwise_adagrad"):
+            for weighted in (False, True):
+                if weighted and optimizer is not None and case == "mixed":
+                    continue  # the mixed plan names the weighted tables of make_ebc
+                out[f"{case} {optimizer} {weighted}"] = _train(mesh, case, optimizer, weighted)
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3)])
+def test_six_ranks_match_unsharded(shape: tuple[int, int]) -> None:
+    results = run_on_ranks(6, _train_six, shape, timeout=560)
+    assert all(len(r) == 7 for r in results)

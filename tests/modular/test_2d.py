@@ -6,7 +6,8 @@ Each rank body loops over the plans (one per sharding type and a mixed one) unde
 the outputs of every step, the weights (and the fused optimizer's state) after the steps against
 the reference, and every rank's shards against its copies in the other replica groups, byte for
 byte. Replica groups get different batch sizes (the shard group agrees on one, replicas need not).
-Note [exact replicas] in modular/kernels/replicas.py.
+A DLRM's dense part beside 2D tables: FSDP2 HSDP on the same mesh, or DDP, with
+`clip_grad_norm_` counting every element once. Note [exact replicas] in modular/kernels/replicas.py.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.compare import close, local_blocks, state_error
+from tests.modular.dlrm_cases import DLRM, DLRM_LR, MLP, dlrm_batch, global_dlrm_batch, loss_of, mixed_plan
 from tests.modular.ebc_cases import CASES, global_batch, make_batch, make_ebc, placements_for
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference, fused_ebc
 
@@ -194,3 +197,74 @@ def _train_six(shape: tuple[int, int]) -> dict[str, float]:
 def test_six_ranks_match_unsharded(shape: tuple[int, int]) -> None:
     results = run_on_ranks(6, _train_six, shape, timeout=560)
     assert all(len(r) == 7 for r in results)
+
+
+# -- the dense part beside 2D tables: FSDP2 HSDP on the same mesh, or DDP; clip_grad_norm_ ------
+
+
+def _grads_match(model, ref, what: str) -> None:
+    """Each rank's gradients against the reference's: the local blocks of sharded tables, whole
+    DTensor gradients (collective) and plain ones."""
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        want = refs[name].grad
+        if isinstance(p, ShardedTensor):
+            for t, rows, cols in local_blocks(p):
+                close(t.grad, want[rows, cols], f"{what}: grad of {name}[{rows.start}, {cols.start}]")
+        else:
+            got = p.grad.full_tensor() if isinstance(p, DTensor) else p.grad
+            close(got, want, f"{what}: grad of {name}")
+
+
+def _weights_match(model, ref, what: str) -> None:
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if isinstance(p, ShardedTensor):
+            for t, rows, cols in local_blocks(p):
+                close(t.detach(), refs[name].detach()[rows, cols], f"{what}: {name}[{rows.start}, {cols.start}]")
+        else:
+            got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            close(got, refs[name].detach(), f"{what}: {name}")
+
+
+def _dlrm_2d(wrap: str) -> list[float]:
+    """A DLRM whose tables are 2D-sharded (the mixed plan over shard groups of 2) and whose MLPs
+    are HSDP on the same mesh (or DDP), trained with clipping beside the unsharded reference on
+    the global batch (equal batch sizes: the global mean BCE is the mean over ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS)
+    torch.manual_seed(0)
+    ref = DLRM()
+    model = copy.deepcopy(ref)
+    modular.shard(model, mixed_plan(2), mesh=mesh)
+    if wrap == "hsdp":
+        forward = modular.apply_fully_shard(model, modules={MLP}, mesh=mesh)
+    else:
+        forward = modular.apply_ddp(model)
+    opt = torch.optim.SGD(modular.local_parameters(model), lr=DLRM_LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=DLRM_LR)
+    totals = []
+    for step in range(3):
+        batches = [dlrm_batch(step, r) for r in range(world)]
+        loss_of(forward, batches[rank]).backward()
+        loss_of(ref, global_dlrm_batch(batches)).backward()
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()
+        total = modular.clip_grad_norm_(model, 0.5 * ref_norm)  # so that it clips
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5 * ref_norm)
+        if abs(total.item() - ref_norm) > 1e-4 * max(1.0, ref_norm):
+            raise AssertionError(f"rank {rank} step {step}: clip_grad_norm_ {total.item()} != {ref_norm}")
+        _grads_match(model, ref, f"{wrap} rank {rank} step {step} (clipped)")
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        totals.append(total.item())
+    _weights_match(model, ref, f"{wrap} rank {rank} after 3 steps")
+    return totals
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wrap", ["hsdp", "ddp"])
+def test_dense_part_hsdp_or_ddp_and_clipping(wrap: str) -> None:
+    results = run_on_ranks(4, _dlrm_2d, wrap, timeout=260)
+    assert all(r == results[0] for r in results)  # one norm on every rank

@@ -22,7 +22,7 @@ from tests.modular.adam_reference import (
     ADAM_BETAS, ADAM_EPS, ADAM_FAMILY, ADAM_LR, MomentsReference, touched_rows,
 )
 from tests.modular.compare import ATOL, close
-from tests.modular.ebc_cases import CASES, global_batch, make_batch, placements_for
+from tests.modular.ebc_cases import BATCH, CASES, global_batch, make_batch, placements_for
 from tests.modular.fused_reference import fused_ebc, fused_tables
 from tests.modular.sequence_cases import (
     make_seq_model, seq_global_batch, seq_plan_for, seq_rank_batches,
@@ -146,6 +146,47 @@ NOT_ON_RANK_2 = {  # rank 2 holds no table at all, yet joins the exchanges
     "t_small": TablePlacement(CW, ranks=(1, 0), sizes=(3, 2)),
     "t_big": TablePlacement(TW, ranks=(1,)),
 }
+
+
+def _trained_then_sharded(kind: str, case: str) -> float:
+    """A fused EBC trained unsharded for 2 steps on every rank's batches, then sharded: its
+    moments and step count go with it, and 3 more steps equal the reference's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    label = f"{kind}, {case}, trained before shard, rank {rank}/{world}"
+    ebc = fused_ebc()
+    ref = MomentsReference(copy.deepcopy(ebc), kind, weight_decay=DECAY[kind])
+    opt = modular.fuse_optimizer(ebc, kind, weight_decay=DECAY[kind], **HYPER)
+    worst = 0.0
+    for step in range(STEPS):
+        if step == 2:
+            plan = ShardingPlan(world_size=world, modules={"": placements_for(case, fused_ebc(), world)})
+            ebc = modular.shard(ebc, plan)
+        batches = [make_batch(ref.module, seed=1000 * step + r) for r in range(world)]
+        whole_batch = global_batch(batches)
+        target = torch.randn(ref.module(whole_batch).values().shape, generator=torch.Generator().manual_seed(step))
+        ref.module.zero_grad()
+        # Unsharded, each rank trains on the global batch; sharded, on its own share of it.
+        mine = slice(rank * BATCH, (rank + 1) * BATCH) if step >= 2 else slice(None)
+        out = ebc(batches[rank] if step >= 2 else whole_batch).values()
+        loss = (out * target[mine]).sum() / (world if step < 2 else 1)
+        loss.backward()
+        ((ref.module(whole_batch).values() * target).sum() / world).backward()
+        ref.step(touched_rows(ref.module, batches))
+    state = opt.state_dict()["state"]
+    params = dict(ref.module.named_parameters())
+    for name, p in ebc.named_parameters():
+        worst = max(worst, close(whole(p), params[name].detach(), f"{label}: {name}"))
+        for key, want in ref.state(name).items():
+            worst = max(worst, close(whole(state[name][key]), want, f"{label}: {name} {key}"))
+        assert int(state[name]["step"]) == STEPS, (label, name)
+    return worst
+
+
+@pytest.mark.timeout(120)
+def test_sharding_a_trained_fused_model_carries_its_moments_and_step() -> None:
+    for kind in ("adam", "partial_rowwise_lamb"):
+        for case in ("column_wise", "mixed"):
+            run_on_ranks(2, _trained_then_sharded, kind, case, timeout=100)
 
 
 def _column_pieces_on_some_ranks(kind: str, placements: dict) -> tuple[float, int]:

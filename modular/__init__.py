@@ -28,6 +28,7 @@ from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
 from modular.prefetching import prefetch
+from modular.replicas import sync_replicas
 from modular.resharding import reshard
 from modular.sharding import shard, sharded_modules
 from modular.full_tables import unshard
@@ -54,6 +55,7 @@ __all__ = [
     "reshard",
     "shard",
     "sharded_modules",
+    "sync_replicas",
     "unshard",
 ]
 

@@ -352,6 +352,7 @@ class ShardedCollectionModule(nn.Module):
     is_local = property(lambda self: self._sharded.at.local, doc="A one-process module.")
     device = property(lambda self: self._sharded.at.device, doc="Where this rank's shards live.")
     process_group = property(lambda self: self._sharded.at.group, doc="The group of the tables.")
+    replicas = property(lambda self: self._sharded.at.replicas, doc="The 2D replica axis, or None.")
     module_fqn = property(lambda self: self._sharded.at.module, doc="Its FQN in the model.")
     output_dtype = property(lambda self: self._sharded.options.output_dtype)
     comm_dtype = property(lambda self: self._sharded.options.comm_dtype)

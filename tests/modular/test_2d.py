@@ -268,3 +268,108 @@ def _dlrm_2d(wrap: str) -> list[float]:
 def test_dense_part_hsdp_or_ddp_and_clipping(wrap: str) -> None:
     results = run_on_ranks(4, _dlrm_2d, wrap, timeout=260)
     assert all(r == results[0] for r in results)  # one norm on every rank
+
+
+# -- replica_sync="periodic": each replica group trains as a 1D job, sync_replicas averages -------
+
+
+def _periodic(case: str, optimizer: str | None) -> float:
+    """Each replica group against its own unsharded reference trained on the group's global batch
+    (loss averaged over its G ranks); after step 1 both sides average the replicas (weights and
+    the optimizer's state); step 2 then trains from the averages, and replicas differ again."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS)
+    replicas, group = 2, 2
+    mine_r, mine_s = rank // group, rank % group
+    base = make_ebc(False) if optimizer is None else fused_ebc(False)
+    plan = ShardingPlan(world_size=group, modules={"": placements_for(case, base, group)})
+    if optimizer is None:
+        refs = [copy.deepcopy(base) for _ in range(replicas)]
+        ref_opts = [torch.optim.SGD(r.parameters(), lr=SGD_LR) for r in refs]
+        model = modular.shard(copy.deepcopy(base), plan, mesh=mesh, replica_sync="periodic")
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=SGD_LR) if modular.local_parameters(model) else None
+    else:
+        fused_refs = [FusedReference(copy.deepcopy(base), optimizer) for _ in range(replicas)]
+        refs = [f.ebc for f in fused_refs]
+        ebc = copy.deepcopy(base)
+        opt = modular.fuse_optimizer(ebc, optimizer, lr=FUSED_LR, eps=FUSED_EPS)
+        model = modular.shard(ebc, plan, mesh=mesh, replica_sync="periodic")
+    label = f"periodic {case} {optimizer or 'SGD'} rank {rank}"
+    worst = 0.0
+    for step in range(3):
+        batches = [make_batch(base, seed=1000 * step + r, batch_size=2) for r in range(world)]
+        out = model(batches[rank]).values()
+        for r in range(replicas):
+            mine = batches[r * group : (r + 1) * group]
+            expected = refs[r](global_batch(mine)).values()
+            target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(10 * step + r))
+            if r == mine_r:
+                rows = slice(2 * mine_s, 2 * mine_s + 2)
+                worst = max(worst, close(out, expected[rows], f"{label}: step {step} output"))
+                (out * target[rows]).sum().backward()
+            ((expected * target).sum() / group).backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        for r in range(replicas):
+            if optimizer is None:
+                ref_opts[r].step()
+                ref_opts[r].zero_grad()
+            else:
+                fused_refs[r].step()
+        if step == 1:
+            modular.sync_replicas(model, optimizer_state=True)
+            with torch.no_grad():
+                named = [dict(r.named_parameters()) for r in refs]
+                for name in named[0]:
+                    mean = sum(n[name] for n in named) / replicas
+                    for n in named:
+                        n[name].copy_(mean)
+                    if optimizer == "exact_adagrad":
+                        states = [f.opt.state[n[name]]["sum"] for f, n in zip(fused_refs, named)]
+                        avg = sum(states) / replicas
+                        for st in states:
+                            st.copy_(avg)
+    full = dict(refs[mine_r].named_parameters())
+    for name, p in model.named_parameters():
+        for tensor, rows, cols in local_blocks(p):
+            worst = max(worst, close(tensor.detach(), full[name].detach()[rows, cols], f"{label}: {name}"))
+    if optimizer == "exact_adagrad":
+        state = opt.state_dict()["state"]
+        for name in full:
+            worst = max(worst, state_error(next(iter(state[name].values())), fused_refs[mine_r].state(name), f"{label}: {name} state"))
+    return worst
+
+
+def _periodic_cases() -> dict[str, float]:
+    return {
+        f"{case} {opt}": _periodic(case, opt)
+        for case in ("mixed", "data_parallel", "row_wise")
+        for opt in (None, "exact_adagrad")
+    }
+
+
+@pytest.mark.timeout(300)
+def test_periodic_sync_matches_a_reference_that_averages_alike() -> None:
+    results = run_on_ranks(4, _periodic_cases, timeout=260)
+    assert all(len(r) == 6 for r in results)
+
+
+def _diverged() -> list[str]:
+    """Under exact sync, sync_replicas checks the copies: equal ones pass, one rank's shard
+    written outside a step raises on every rank."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS)
+    ebc = make_ebc(False)
+    model = modular.shard(ebc, ShardingPlan(world_size=2, modules={"": placements_for("mixed", ebc, 2)}), mesh=mesh)
+    modular.sync_replicas(model)  # equal copies: nothing raised
+    if rank == 3:
+        with torch.no_grad():
+            next(iter(model.local_shard_views().values()))[0, 0] += 1.0
+    return [_refused(lambda: modular.sync_replicas(model))]
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_replica_raises_on_every_rank() -> None:
+    for (message,) in run_on_ranks(4, _diverged, timeout=100):
+        assert "diverged" in message and "exact" in message, message

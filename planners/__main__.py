@@ -40,9 +40,11 @@ examples:
   python -m planners compare plan.json other.json --plot both.png
 
 TABLES is a YAML or JSON list of records, or a CSV file with a header, with the fields
-name, num_embeddings, embedding_dim, features, pooling_factor, dtype, weighted, sequence
-(only the first three are required; sequence: true for an EmbeddingCollection's table, whose
-pooling_factor is then the average sequence length). A plan file written by 'plan -o' records
+name, num_embeddings, embedding_dim, features, pooling_factor, dtype, weighted, sequence,
+batch_fraction (only the first three are required; sequence: true for an EmbeddingCollection's
+table, whose pooling_factor is then the average sequence length; batch_fraction, in (0, 1], a
+deduplicated feature's bags per sample, e.g. 0.125 for a request-level feature of 8 candidates:
+its lookups and comms are priced at that batch, and 'show --table' says so). A plan file written by 'plan -o' records
 the tables, constraints, cluster and workload it was planned from, so 'show' and 'compare' need
 no more flags; a flag given again overrides the record, and the output says so. Sizes need a
 unit (80GiB, 512MiB, 80GB). The cost model is described in docs/planner.md.

@@ -47,8 +47,8 @@ class TableArrays(NamedTuple):
     rows: np.ndarray  # N, rows
     dim: np.ndarray  # d, columns
     elem: np.ndarray  # e, bytes per weight element
-    ids: np.ndarray  # P, ids per sample (sum of the features' pooling factors)
-    bags: np.ndarray  # F, bags per sample (number of features)
+    ids: np.ndarray  # P, ids per sample (sum of the features' pooling factors x batch fractions)
+    bags: np.ndarray  # F, bags per sample (the features' batch fractions: their number, mostly)
     id_bytes: np.ndarray  # bytes of the batch per id (8, plus 4 for a weight)
     wire_id_bytes: np.ndarray  # bytes per routed id (4, or 8 past 2**31 rows; plus 4 for a weight)
     sequence: np.ndarray  # 1 for a sequence table (one output row per id), else 0
@@ -59,8 +59,13 @@ class TableArrays(NamedTuple):
             rows=np.array([t.num_embeddings for t in tables], dtype=np.float64),
             dim=np.array([t.embedding_dim for t in tables], dtype=np.float64),
             elem=np.array([t.dtype.num_bytes for t in tables], dtype=np.float64),
-            ids=np.array([sum(t.pooling_factors) for t in tables], dtype=np.float64),
-            bags=np.array([len(t.features) for t in tables], dtype=np.float64),
+            # A feature's bags per sample (`batch_fraction`, a deduplicated feature's < 1) scale
+            # its ids and its bags: lookups and both all-to-alls move only those.
+            ids=np.array(
+                [sum(p * f for p, f in zip(t.pooling_factors, t.batch_fractions)) for t in tables],
+                dtype=np.float64,
+            ),
+            bags=np.array([sum(t.batch_fractions) for t in tables], dtype=np.float64),
             id_bytes=np.array(
                 [ID_BYTES + (WEIGHT_BYTES if t.weighted else 0) for t in tables], dtype=np.float64
             ),

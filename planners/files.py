@@ -4,6 +4,7 @@ Tables: a YAML or JSON list of records (or {"tables": [...]}) with the fields of
 CSV file with those fields as columns (lists such as features are ';'-separated in CSV):
 
     - {name: t_user, num_embeddings: 10000000, embedding_dim: 128, features: [user_id]}
+    - {name: t_geo, num_embeddings: 50000, embedding_dim: 64, batch_fraction: 0.125}
 
     name,num_embeddings,embedding_dim,features,pooling_factor,dtype,weighted
     t_user,10000000,128,user_id,1.0,fp32,false
@@ -38,7 +39,7 @@ __all__ = [
 ]  # fmt: skip
 
 _TABLE_FIELDS = ("name", "num_embeddings", "embedding_dim", "features", "pooling_factor",
-                 "dtype", "weighted", "sequence")  # fmt: skip
+                 "dtype", "weighted", "sequence", "batch_fraction")  # fmt: skip
 _CONSTRAINT_FIELDS = ("sharding_types", "ranks", "min_shards", "max_shards")
 
 
@@ -201,6 +202,9 @@ def table_from_record(record: Mapping[str, Any]) -> Table:
         kwargs["weighted"] = _bool(record["weighted"], "weighted")
     if record.get("sequence") not in (None, ""):
         kwargs["sequence"] = _bool(record["sequence"], "sequence")
+    if record.get("batch_fraction") not in (None, ""):
+        bf = [_float(v, "batch_fraction") for v in _list(record["batch_fraction"])]
+        kwargs["batch_fraction"] = bf[0] if len(bf) == 1 else tuple(bf)
     return Table(**kwargs)
 
 

@@ -206,7 +206,11 @@ class Table:
     or one per feature. `weighted` tables carry a float weight per id. A `sequence` table belongs
     to an EmbeddingCollection: every id's row is returned, not pooled, so its output (and the
     output dist's bytes) is one row per id instead of one per feature and sample, and its
-    `pooling_factor` is the average sequence length.
+    `pooling_factor` is the average sequence length. `batch_fraction` (one number for all
+    features or one per feature, in (0, 1]) is a feature's average bags per sample: a
+    request-level feature deduplicated over 8 candidates of a request has 0.125 (a
+    variable-batch KJT, Note [variable batch per feature] in modular/routing/variable_batch.py);
+    lookups and both all-to-alls are priced at that many bags.
     """
 
     name: str
@@ -217,6 +221,7 @@ class Table:
     dtype: DataType = DataType.FP32
     weighted: bool = False
     sequence: bool = False
+    batch_fraction: float | tuple[float, ...] = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -255,11 +260,22 @@ class Table:
                 f"{where}: a sequence table (an EmbeddingCollection's) has no per-id weights; "
                 "drop weighted=True"
             )
+        object.__setattr__(self, "batch_fraction", _fractions(self.batch_fraction, features, where))
+        if self.sequence and any(f != 1.0 for f in self.batch_fraction):
+            raise PlanError(
+                f"{where}: a sequence table (an EmbeddingCollection's) takes one bag per sample "
+                "(torchrec's EmbeddingCollection has no variable batch); drop batch_fraction"
+            )
 
     @property
     def pooling_factors(self) -> tuple[float, ...]:
         """One average pooling factor per feature (normalised in `__post_init__`)."""
         return self.pooling_factor  # type: ignore[return-value]
+
+    @property
+    def batch_fractions(self) -> tuple[float, ...]:
+        """Each feature's bags per sample (normalised in `__post_init__`)."""
+        return self.batch_fraction  # type: ignore[return-value]
 
     @property
     def weight_bytes(self) -> int:
@@ -276,7 +292,36 @@ class Table:
             "dtype": self.dtype.value,
             "weighted": self.weighted,
             **({"sequence": True} if self.sequence else {}),
+            **_fraction_entry(self.batch_fractions),
         }
+
+
+def _fractions(value: Any, features: tuple[str, ...], where: str) -> tuple[float, ...]:
+    """`batch_fraction` as one number per feature, each in (0, 1]."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = (value,) * len(features)
+    elif isinstance(value, Iterable) and not isinstance(value, str):
+        value = tuple(value)
+    else:
+        raise PlanError(f"{where}: batch_fraction must be a number or a list, got {value!r}")
+    if len(value) != len(features):
+        raise PlanError(
+            f"{where} has {len(features)} features {features} but {len(value)} batch fractions "
+            f"{value}; give one number, or one per feature"
+        )
+    out = tuple(_positive_float(v, f"{where}: batch_fraction") for v in value)
+    if any(v > 1.0 for v in out):
+        raise PlanError(
+            f"{where}: batch_fraction is a feature's bags per sample, at most 1 (one bag per "
+            f"sample); got {value}"
+        )
+    return out
+
+
+def _fraction_entry(fractions: tuple[float, ...]) -> dict[str, Any]:
+    if all(f == 1.0 for f in fractions):
+        return {}
+    return {"batch_fraction": fractions[0] if len(set(fractions)) == 1 else list(fractions)}
 
 
 @dataclass(frozen=True)

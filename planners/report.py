@@ -214,6 +214,10 @@ def why_lines(stats: PlanStats, tables: Sequence[Table], name: str,
     lines = [f"  why: the slowest rank takes {format_seconds(slowest)} (lower bound "
              f"{format_seconds(stats.lower_bound)}); per sharding type, the best this table "
              "could have:"]  # fmt: skip
+    fractions = tables[i].batch_fractions
+    if any(f != 1.0 for f in fractions):  # Table.batch_fraction: a deduplicated feature
+        per = ", ".join(f"{f!r} {b:g}" for f, b in zip(tables[i].features, fractions))
+        lines.insert(0, f"  batch fraction (bags per sample, priced at that batch): {per}")
     for kind in ShardingType:
         rows = _kind_rows(c, kind)  # (k, largest shard s, total s, bytes, valid, allowed)
         if not rows:

@@ -151,32 +151,43 @@ class Rows:
         return slice(before, before + int(self.batches[self.rank][feature].lengths().sum()))
 
 
-def compare_outputs(got, want, rows: Rows, what: str) -> int:
-    """The rank's outputs of both modules against the global ones; returns how many it compared."""
+def _near(got: torch.Tensor, want: torch.Tensor, what: str, tol: float) -> None:
+    """`close` (FP32's tolerance), or within `tol` relative and absolute (a low-precision option)."""
+    if not tol:
+        close(got, want, what)
+        return
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def compare_outputs(got, want, rows: Rows, what: str, tol: float = 0.0, seq_dtype=torch.float32) -> int:
+    """The rank's outputs of both modules against the global ones; returns how many it compared.
+    `seq_dtype`: the EC's output dtype (its rows are the reference's rounded to it)."""
     (bags, seqs), (want_bags, want_seqs) = got, want
     if bags.keys() != want_bags.keys():
         raise AssertionError(f"{what}: EBC keys {bags.keys()}, expected {want_bags.keys()}")
-    close(bags.values(), want_bags.values()[rows.bags()], f"{what}: EBC output")
+    _near(bags.values(), want_bags.values()[rows.bags()], f"{what}: EBC output", tol)
     if list(seqs) != list(want_seqs):
         raise AssertionError(f"{what}: EC keys {list(seqs)}, expected {list(want_seqs)}")
     for key, jt in want_seqs.items():
         feature = key.split("@")[0]
         if not torch.equal(seqs[key].lengths(), rows.batches[rows.rank][feature].lengths()):
             raise AssertionError(f"{what}: EC {key!r} lengths {seqs[key].lengths()}")
-        close(seqs[key].values(), jt.values()[rows.seq(key)], f"{what}: EC {key!r}")
+        if seqs[key].values().dtype != seq_dtype:
+            raise AssertionError(f"{what}: EC {key!r} is {seqs[key].values().dtype}, not {seq_dtype}")
+        _near(seqs[key].values(), jt.values()[rows.seq(key)].to(seq_dtype), f"{what}: EC {key!r}", tol)
     return 1 + len(want_seqs)
 
 
 def loss(outputs, targets, bag_rows: slice, seq_rows) -> torch.Tensor:
     """Every output element weighed by its own target."""
     bags, seqs = outputs
-    total = (bags.values() * targets["bags"][bag_rows]).sum()
+    total = (bags.values().float() * targets["bags"][bag_rows]).sum()
     for key, jt in seqs.items():
-        total = total + (jt.values() * targets[key][seq_rows(key)]).sum()
+        total = total + (jt.values().float() * targets[key][seq_rows(key)]).sum()
     return total
 
 
-def compare_tables(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> int:
+def compare_tables(model: nn.Module, ref: nn.Module, what: str, grads: bool, tol: float = 0.0) -> int:
     """This rank's pieces of every table (ShardedTensor or DTensor shards, or whole replicas)."""
     ref_params = dict(ref.named_parameters())
     compared = 0
@@ -185,7 +196,7 @@ def compare_tables(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> 
         pieces = local_pieces(param) if is_sharded(param) else [((0, 0), tuple(param.shape), param)]
         for (r, c), (nr, nc), tensor in pieces:
             got = tensor.grad if grads else tensor.detach()
-            close(got, want[r : r + nr, c : c + nc], f"{what}: {'grad of ' if grads else ''}{name}[{r}:{r + nr}, {c}:{c + nc}]")
+            _near(got, want[r : r + nr, c : c + nc], f"{what}: {'grad of ' if grads else ''}{name}[{r}:{r + nr}, {c}:{c + nc}]", tol)
             compared += 1
     return compared
 
@@ -193,10 +204,22 @@ def compare_tables(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> 
 # -- one KJT for an EBC and an EC, trained against the unsharded model ---------------------------
 
 
-def _train_combined(case: str, tensor_type: str) -> dict:
+# The EC options over a combined batch: the EC's rows out in FP16 and sent in FP16, the EBC's sums
+# sent in BF16; each within its rounding (and the gradients' and weights' after 3 steps).
+PRECISION = {
+    "output_dtype": {"seqs": torch.float16},
+    "comm_dtype": {"bags": torch.bfloat16, "seqs": torch.float16},
+}
+PRECISION_TOL = 2.0**-6  # BF16's rounding (2**-8) of sums, gradients and 3 SGD steps of both
+
+
+def _train_combined(case: str, tensor_type: str, precision: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = make_model()
-    model = modular.shard(copy.deepcopy(ref), plan_for(case, world), tensor_type=tensor_type)
+    options = PRECISION if precision else {}
+    tol = PRECISION_TOL if precision else 0.0
+    seq_dtype = torch.float16 if precision else torch.float32
+    model = modular.shard(copy.deepcopy(ref), plan_for(case, world), tensor_type=tensor_type, **options)
     assert isinstance(model.bags, modular.ShardedEmbeddingBagCollection)
     assert isinstance(model.seqs, modular.ShardedEmbeddingCollection)
     want = DTensor if tensor_type == "dtensor" else ShardedTensor
@@ -212,18 +235,18 @@ def _train_combined(case: str, tensor_type: str) -> dict:
         out = model(batches[rank])
         whole = global_batch(batches)
         expected = ref(whole)
-        compared += compare_outputs(out, expected, rows, what)
+        compared += compare_outputs(out, expected, rows, what, tol, seq_dtype)
         g = torch.Generator().manual_seed(step)
         targets = {"bags": torch.randn(expected[0].values().shape, generator=g)}
         for key, jt in expected[1].items():
             targets[key] = torch.randn(jt.values().shape, generator=g)
         loss(out, targets, rows.bags(), rows.seq).backward()
         (loss(expected, targets, slice(None), lambda key: slice(None)) / world).backward()
-        compared += compare_tables(model, ref, what, grads=True)
+        compared += compare_tables(model, ref, what, grads=True, tol=tol)
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    compared += compare_tables(model, ref, f"{case}, rank {rank}: after {STEPS} steps", grads=False)
+    compared += compare_tables(model, ref, f"{case}, rank {rank}: after {STEPS} steps", grads=False, tol=tol)
     # Each module made its selection once for each rank's key order, and kept none for its own.
     cached = {m: len(getattr(model, m)._router._permutations) for m in OWN}
     return {"compared": compared, "cached": cached}
@@ -232,12 +255,12 @@ def _train_combined(case: str, tensor_type: str) -> dict:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize(
-    "case, tensor_type",
-    [(c, "sharded_tensor") for c in ("table_wise", "row_wise", "column_wise", "data_parallel", "mixed")]
-    + [("mixed", "dtensor")],
+    "case, tensor_type, precision",
+    [(c, "sharded_tensor", False) for c in ("table_wise", "row_wise", "column_wise", "data_parallel", "mixed")]
+    + [("mixed", "dtensor", False), ("mixed", "dtensor", True), ("row_wise", "sharded_tensor", True)],
 )
-def test_one_kjt_for_an_ebc_and_an_ec_trains_like_the_unsharded_model(case: str, tensor_type: str, world: int) -> None:
-    results = run_on_ranks(world, _train_combined, case, tensor_type, timeout=TIMEOUT_S)
+def test_one_kjt_for_an_ebc_and_an_ec_trains_like_the_unsharded_model(case: str, tensor_type: str, precision: bool, world: int) -> None:
+    results = run_on_ranks(world, _train_combined, case, tensor_type, precision, timeout=TIMEOUT_S)
     for r in results:
         # outputs (the EBC's and 4 EC keys) each step, and the grads and weights of this
         # rank's pieces (every rank holds some: 6 tables over at most 3 ranks)

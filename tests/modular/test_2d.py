@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
+from tests.modular.adam_reference import ADAM_BETAS, ADAM_EPS, ADAM_FAMILY, ADAM_LR, MomentsReference, touched_rows
 from tests.modular.compare import close, local_blocks, state_error
 from tests.modular.dlrm_cases import DLRM, DLRM_LR, MLP, dlrm_batch, global_dlrm_batch, loss_of, mixed_plan
 from tests.modular.ebc_cases import CASES, global_batch, make_batch, make_ebc, placements_for
@@ -373,3 +374,47 @@ def _diverged() -> list[str]:
 def test_a_diverged_replica_raises_on_every_rank() -> None:
     for (message,) in run_on_ranks(4, _diverged, timeout=100):
         assert "diverged" in message and "exact" in message, message
+
+
+# -- the Adam family (torch emulation on CPU: touched rows' gradients gathered across replicas) ---
+
+
+def _adam_2d() -> dict[str, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS)
+    out = {}
+    for kind in ADAM_FAMILY:
+        for case in ("mixed", "column_wise"):
+            label = f"{kind} {case} rank {rank}"
+            ebc = fused_ebc(False)
+            plan = ShardingPlan(world_size=2, modules={"": placements_for(case, ebc, 2)})
+            ref = MomentsReference(copy.deepcopy(ebc), kind, weight_decay=0.0)
+            opt = modular.fuse_optimizer(ebc, kind, lr=ADAM_LR, betas=ADAM_BETAS, eps=ADAM_EPS)
+            model = modular.shard(ebc, plan, mesh=mesh)
+            worst = 0.0
+            for step in range(STEPS):
+                batches = [make_batch(ebc, seed=1000 * step + r, batch_size=2) for r in range(world)]
+                got = model(batches[rank]).values()
+                expected = ref.module(global_batch(batches)).values()
+                mine = slice(2 * rank, 2 * rank + 2)
+                worst = max(worst, close(got, expected[mine], f"{label}: step {step} output"))
+                target = torch.randn(expected.shape, generator=torch.Generator().manual_seed(step))
+                (got * target[mine]).sum().backward()
+                ((expected * target).sum() / world).backward()
+                opt.step()
+                ref.step(touched_rows(ref.module, batches))
+            params = dict(ref.module.named_parameters())
+            blocks = {}
+            for name, p in model.named_parameters():
+                for tensor, rows, cols in local_blocks(p):
+                    worst = max(worst, close(tensor.detach(), params[name].detach()[rows, cols], f"{label}: {name}"))
+                    blocks[(name, rows.start, cols.start)] = tensor
+            _assert_replicas_identical(mesh, blocks, label)
+            out[f"{kind} {case}"] = worst
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_adam_family_2x2_matches_unsharded() -> None:
+    results = run_on_ranks(4, _adam_2d, timeout=360)
+    assert all(len(r) == 8 for r in results)

@@ -1,0 +1,221 @@
+"""`modular.reshard` against a checkpoint round trip to the same new plan (issue 39).
+
+    python benchmarks/reshard.py                         # 4 tables x 1M rows x 64, worlds 2 and 3
+    python benchmarks/reshard.py --rows 250000 --world-sizes 2 --optimizers dense
+
+The model: `--tables` FP32 tables of `--rows` x `--dim`, built on `meta` and sharded table-wise,
+table i on rank i % W (unfused, or fused with exact row-wise Adagrad, which adds one FP32
+statistic per row). Two new plans: "one table" moves t0 to the next rank, "all tables" moves
+every table to the next rank. Each (world, optimizer, move, method) runs in fresh processes:
+
+  * reshard: `modular.reshard(model, new_plan)`;
+  * checkpoint: `modular.checkpoint.save` to a temporary directory, the old model dropped, a new
+    model built on meta and sharded by the new plan (its shards allocated and filled by init_fn),
+    then `modular.checkpoint.load`: what changing plans took before reshard.
+
+Per rank: the wall time (between barriers; the slowest rank's is printed; for the checkpoint its
+save, build and load parts), the bytes it sent and received in the reshard's all-to-alls (the
+checkpoint's are the bytes written to disk, all ranks together), and the growth of its peak RSS
+(VmHWM after resetting it through /proc/self/clear_refs) over its RSS before, beside what Note
+[resharding in memory] says it holds: the bytes it receives, the largest shard it sends or
+receives, and the new layout's shards on the rank (new kernels' buffers: shards that stay are
+copied into them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+from examples.ports import free_port  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM) to now
+        f.write("5")
+
+
+def _init(weight: torch.Tensor) -> None:
+    torch.nn.init.uniform_(weight, -0.01, 0.01)
+
+
+class Model(nn.Module):
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+
+def _placements(args, world: int, shift: int, moved: set[int]):
+    from planners.types import ShardingType, TablePlacement
+
+    return {
+        f"t{i}": TablePlacement(ShardingType.TABLE_WISE, ranks=((i + (shift if i in moved else 0)) % world,))
+        for i in range(args.tables)
+    }
+
+
+def _build(args, world: int, placements, optimizer: str):
+    import modular
+    from planners.types import ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows,
+                           feature_names=[f"f{i}"], init_fn=_init)
+        for i in range(args.tables)
+    ]  # fmt: skip
+    model = Model(EmbeddingBagCollection(tables=configs, device=torch.device("meta")))
+    opt = None
+    if optimizer == "fused":
+        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.01, eps=1e-8)
+    modular.shard(model, ShardingPlan(world_size=world, modules={"ebc": placements}))
+    return model, opt
+
+
+def _worker(rank: int, args, world: int, optimizer: str, move: str, method: str, port: int, queue) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import modular
+    import modular.resharding.exchange as exchange
+    from planners.types import ShardingPlan
+
+    moved = {0} if move == "one table" else set(range(args.tables))
+    model, opt = _build(args, world, _placements(args, world, 0, moved), optimizer)
+    new_plan = ShardingPlan(world_size=world, modules={"ebc": _placements(args, world, 1, moved)})
+    row_bytes = args.dim * 4 + (4 if optimizer == "fused" else 0)  # FP32 row (+ its statistic)
+    shards_after = sum(row_bytes * args.rows for i in range(args.tables) if (i + (i in moved)) % world == rank)
+    sends = sum(row_bytes * args.rows for i in moved if i % world == rank)
+    receives = sum(row_bytes * args.rows for i in moved if (i + 1) % world == rank)
+    traffic = [0, 0]
+    real = exchange.all_to_all
+
+    def counted(tensor, *, input_splits, output_splits, **kwargs):
+        size = tensor.element_size()
+        traffic[0] += sum(input_splits) * size
+        traffic[1] += sum(output_splits) * size
+        return real(tensor, input_splits=input_splits, output_splits=output_splits, **kwargs)
+
+    exchange.all_to_all = counted
+    parts: dict[str, float] = {}
+    directory = tempfile.mkdtemp(prefix="reshard_bench_") if rank == 0 else None
+    holder = [directory]
+    dist.broadcast_object_list(holder, src=0)
+    path = os.path.join(holder[0], "ckpt")
+    dist.barrier()
+    before = _status_kib("VmRSS") * 1024
+    _reset_peak()
+    start = time.perf_counter()
+    if method == "reshard":
+        modular.reshard(model, new_plan)
+        dist.barrier()
+        parts["total"] = time.perf_counter() - start
+    else:
+        modular.checkpoint.save(path, model, opt)
+        dist.barrier()
+        parts["save"] = time.perf_counter() - start
+        del model, opt
+        t = time.perf_counter()
+        model, opt = _build(args, world, dict(new_plan.modules["ebc"]), optimizer)
+        dist.barrier()
+        parts["build"] = time.perf_counter() - t
+        t = time.perf_counter()
+        modular.checkpoint.load(path, model, opt)
+        dist.barrier()
+        parts["load"] = time.perf_counter() - t
+        parts["total"] = time.perf_counter() - start
+    peak = _status_kib("VmHWM") * 1024
+    written = 0
+    if rank == 0 and method == "checkpoint":
+        for root, _, files in os.walk(path):
+            written += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    queue.put({
+        "rank": rank, "parts": parts, "sent": traffic[0], "received": traffic[1], "written": written,
+        "growth": peak - before, "before": before, "expect_sent": sends, "expect_received": receives,
+        "largest": args.rows * row_bytes if (sends or receives) else 0, "shards_after": shards_after,
+    })  # fmt: skip
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=int, default=4)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--optimizers", nargs="+", choices=("dense", "fused"), default=["dense", "fused"])
+    p.add_argument("--moves", nargs="+", choices=("one table", "all tables"), default=["one table", "all tables"])
+    args = p.parse_args()
+    size = args.tables * args.rows * args.dim * 4
+    load = os.getloadavg()[0]
+    print(f"## {args.tables} tables x {args.rows:,} rows x {args.dim} dims fp32 = {size / MiB:,.0f} MiB, "
+          f"table-wise; {datetime.date.today().isoformat()}, {os.cpu_count()} cores, load average "
+          f"{load:.1f} at the start\n")  # fmt: skip
+    print("| ranks | optimizer | move | method | time s (slowest rank) | parts s | sent MiB per rank "
+          "| received MiB per rank | peak RSS growth MiB per rank | received + largest moved shard MiB "
+          "| new layout's shards MiB per rank |")  # fmt: skip
+    print("|---:|---|---|---|---:|---|---|---|---|---|---|")
+    ctx = mp.get_context("spawn")
+    for world in args.world_sizes:
+        for optimizer in args.optimizers:
+            for move in args.moves:
+                for method in ("reshard", "checkpoint"):
+                    queue = ctx.Queue()
+                    mp.start_processes(
+                        _worker, args=(args, world, optimizer, move, method, free_port(), queue),
+                        nprocs=world, join=True, start_method="spawn",
+                    )  # fmt: skip
+                    rows = sorted((queue.get() for _ in range(world)), key=lambda r: r["rank"])
+                    _print(world, optimizer, move, method, rows)
+
+
+def _print(world: int, optimizer: str, move: str, method: str, rows: list[dict]) -> None:
+    def mib(key: str) -> str:
+        return ", ".join(f"{r[key] / MiB:.1f}" for r in rows)
+
+    slowest = max(rows, key=lambda r: r["parts"]["total"])["parts"]
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in slowest.items() if k != "total")
+    if method == "reshard":
+        for r in rows:  # what the plans say moves is what went on the wire
+            if (r["sent"], r["received"]) != (r["expect_sent"], r["expect_received"]):
+                raise AssertionError(f"rank {r['rank']} moved {r['sent']}/{r['received']} bytes, "
+                                     f"expected {r['expect_sent']}/{r['expect_received']}")  # fmt: skip
+        sent, received = mib("sent"), mib("received")
+    else:
+        sent, received = f"{rows[0]['written'] / MiB:.1f} written in all", "-"
+    bound = "-"
+    if method == "reshard":
+        bound = ", ".join(f"{(r['received'] + r['largest']) / MiB:.1f}" for r in rows)
+    print(f"| {world} | {optimizer} | {move} | {method} | {slowest['total']:.2f} | {parts or '-'} | "
+          f"{sent} | {received} | {mib('growth')} | {bound} | {mib('shards_after')} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

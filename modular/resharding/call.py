@@ -120,7 +120,7 @@ def _build(moves: list[ModuleMove], group: Optional[ProcessGroup]) -> list[nn.Mo
         old = move.old
 
         def fill(views: dict, move=move, mine=mine) -> None:
-            _fill(move, mine, items, received, readers[move.index], move.writer(views), WEIGHT, rank)
+            _fill(move, mine, items, received, readers[move.index], move.writer(views), rank)
 
         lifecycle.set_shard_fill(move.at, fill)  # taken by the shard init it replaces
         try:
@@ -147,18 +147,20 @@ def _build(moves: list[ModuleMove], group: Optional[ProcessGroup]) -> list[nn.Mo
     return built
 
 
-def _fill(move, mine, items, received, reader, writer, what: str, rank: int) -> None:
+def _fill(move, mine, items, received, reader, writer, rank: int) -> None:
     """Writes module `move`'s weight blocks into its new shards (inside its build, in place of
     shard init), then agrees with every rank that all of them could."""
     failure = None
     try:
-        _write(move, mine, items, received, reader, writer, what, rank)
+        _write(move, mine, items, received, reader, writer, WEIGHT, rank)
     except Exception as e:
         failure = e
     agree(failure, f"while filling the new shards of module {move.fqn!r}", move.at.group)
 
 
 def _write(move, mine, items, received, reader, writer, what: str, rank: int) -> None:
+    """Writes the `what` blocks of module `move` (items `mine`) that land on this rank: received
+    ones from the receive buffers, kept ones straight from the old shards."""
     for i in mine:
         item = items[i]
         if item.what != what or item.block.dst != rank:

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 import modular
 from modular.resharding import exchange as reshard_exchange
 from modular.resharding import moves as reshard_moves
+from modular.resharding.blocks import row_blocks, weight_blocks
 from modular.tables.forms import Piece, is_sharded, local_pieces
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
@@ -198,6 +199,54 @@ def test_adam_state_and_step_count_move() -> None:
     norms across column pieces, and the module's step count (bias correction) all follow."""
     chain = ["table_wise", "column_wise", "row_wise", "data_parallel", "column_pieces", "table_row_wise"]
     assert run_on_ranks(2, _ebc_chain, "partial_rowwise_lamb", chain, timeout=TIMEOUT) == [5, 5]
+
+
+# -- the blocks (pure) ---------------------------------------------------------------------------
+
+
+def _covers(region, spec) -> bool:
+    (r0, r1), cols = region
+    inside = spec.row_offset <= r0 and r1 <= spec.row_offset + spec.num_rows
+    if cols is None:
+        return inside
+    return inside and spec.col_offset <= cols[0] and cols[1] <= spec.col_offset + spec.num_cols
+
+
+def _overlaps(region, spec) -> bool:
+    (r0, r1), cols = region
+    rows = r0 < spec.row_offset + spec.num_rows and spec.row_offset < r1
+    return rows and (cols is None or (cols[0] < spec.col_offset + spec.num_cols and spec.col_offset < cols[1]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_blocks_fill_every_new_shard_once_and_send_only_what_changes_rank(world: int) -> None:
+    """For every pair of the plans above and every table: each element of each new shard (each
+    row of each per-row statistic) is written by exactly one block, read from an old shard that
+    holds it, and a block travels only when its new rank holds none of it under the old plan."""
+    ebc = make_ebc(False)
+    configs = {c.name: c for c in ebc.embedding_bag_configs()}
+    cases = (*TYPES, "column_pieces", "mixed")
+    for a in cases:
+        for b in cases:
+            before, after = _placements(a, ebc, world), _placements(b, ebc, world)
+            for t, (name, cfg) in enumerate(configs.items()):
+                size = {"num_embeddings": cfg.num_embeddings, "embedding_dim": cfg.embedding_dim, "world_size": world}
+                old, new = before[name].shards(**size), after[name].shards(**size)
+                for blocks, rows_only in ((weight_blocks(t, old, new), False), (row_blocks(t, old, new, per_piece=False), True)):
+                    written = [torch.zeros(n.num_rows, 1 if rows_only else n.num_cols) for n in new]
+                    for blk in blocks:
+                        region = (blk.rows, blk.cols)
+                        assert old[blk.src_shard].rank == blk.src and _covers(region, old[blk.src_shard]), (a, b, name, blk)
+                        if blk.moves:
+                            assert not any(s.rank == blk.dst and _overlaps(region, s) for s in old), (a, b, name, blk)
+                        for jn in blk.dst_shards:
+                            n = new[jn]
+                            assert n.rank == blk.dst and _covers(region, n), (a, b, name, blk)
+                            r = slice(blk.rows[0] - n.row_offset, blk.rows[1] - n.row_offset)
+                            c = slice(None) if rows_only else slice(blk.cols[0] - n.col_offset, blk.cols[1] - n.col_offset)
+                            written[jn][r, c] += 1
+                    for jn, w in enumerate(written):
+                        assert bool((w == 1).all()), f"{a} -> {b}, {name} shard {jn}: written {w.unique().tolist()} times"
 
 
 # -- an EmbeddingCollection ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from modular.resharding.moves import WEIGHT, Item, ModuleMove
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
 from modular.sharding import agree_on_plan, resolve_placements, retire_tables
 from modular.tables.layout import RankLayout
+from modular.tables.weights import check_widths_off_cpu
 from planners.types import ShardingPlan
 
 __all__ = ["reshard"]
@@ -78,6 +79,8 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
                 module.kind.read_tables(module, fqn), placements, shards, module=fqn,
                 group=group, device=module.device, local=False,
             )  # fmt: skip
+            if module.device.type != "cpu":  # what the build would refuse, refused before moving
+                check_widths_off_cpu(at.layout, fqn, module.device)
             move = ModuleMove(len(moves), fqn, module, at)
             if move.problem is not None:
                 raise ShardingError(f"module {fqn!r}: {move.problem}")

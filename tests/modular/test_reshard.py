@@ -8,7 +8,7 @@ every reshard against the reference, which never reshards. Fused (exact_rowwise_
 exact_adagrad) and unfused (SGD over `local_parameters`, rebuilt after each reshard: the old one
 must refuse to step; a batch prefetched under the old layout is dropped) at worlds 2 and 3; the
 Adam family's moments and step count; an EmbeddingCollection case; DTensor tables under DDP and
-FSDP2; the bytes on the wire; and the faults (a rank failing mid-reshard, a failed collective,
+FSDP2; the bytes on the wire (one all-to-all per dtype); the blocks themselves (pure); and the faults (a rank failing mid-reshard, a failed collective,
 plans that do not fit), after which every rank's old module is intact and trains on exactly.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import re
 from datetime import timedelta
 from unittest import mock
@@ -25,12 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchrec.modules.embedding_configs import DataType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from modular.resharding import exchange as reshard_exchange
 from modular.resharding import moves as reshard_moves
 from modular.resharding.blocks import row_blocks, weight_blocks
-from modular.tables.forms import Piece, is_sharded, local_pieces
+from modular.tables.forms import Piece, dtype_of, is_sharded, local_pieces
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.adam_reference import (
@@ -587,3 +590,27 @@ def test_plans_that_do_not_fit_are_refused_on_every_rank_before_anything_moves()
     for problem, pattern in REFUSALS.items():
         assert results[0][problem] == results[1][problem], problem
         assert re.search(pattern, results[0][problem]), (problem, results[0][problem])
+
+
+def _two_dtypes() -> list:
+    """An FP16 table beside FP32 ones, fused: one all-to-all per dtype (FP16 weights; FP32
+    weights and every table's FP32 row statistic), and every value arrives bit for bit."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    tables = [dataclasses.replace(c, data_type=DataType.FP16) if c.name == "t_big" else c for c in fused_ebc().embedding_bag_configs()]
+    ebc = EmbeddingBagCollection(tables=tables)
+    modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
+    modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements_for("table_wise", ebc, world)}))
+    ebc(make_batch(ebc, seed=rank)).values().sum().backward()
+    values = {n: full_value(p) for n, p in ebc.named_parameters()}
+    calls: list = []
+    with _counting_all_to_alls(calls):
+        modular.reshard(ebc, ShardingPlan(world_size=world, modules={"": placements_for("row_wise", ebc, world)}))
+    for n, p in ebc.named_parameters():
+        assert torch.equal(full_value(p), values[n]), n
+    assert dtype_of(ebc.table_weights()["t_big"]) is torch.float16
+    return sorted(str(dtype) for dtype, _, _ in calls)
+
+
+def test_one_all_to_all_per_dtype() -> None:
+    assert run_on_ranks(2, _two_dtypes, timeout=TIMEOUT) == [["torch.float16", "torch.float32"]] * 2

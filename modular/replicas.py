@@ -52,7 +52,10 @@ def sync_replicas(model: nn.Module, *, optimizer_state: bool = True) -> nn.Modul
             continue
         _average(tensors, replicas, fqn)
     flag = torch.tensor([float(len(diverged))])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank hears of a divergence anywhere
+    try:  # every rank hears of a divergence anywhere
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    except RuntimeError as e:  # a dead peer: CollectiveError (Note [a failed peer])
+        raise_failed("sync_replicas' all-reduce of the diverged-replica flag", None, e)
     if flag.item() > 0:
         where = f"modules {diverged} on rank {dist.get_rank()}" if diverged else "another rank"
         raise ShardingError(

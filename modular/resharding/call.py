@@ -74,6 +74,7 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
                 "new world size goes through modular.checkpoint save and load)"
             )
         for fqn, module in targets:
+            _refuse_2d(fqn, module)
             placements, shards = resolve_placements(fqn, module, plan, world, module.device)
             at = RankLayout.build(
                 module.kind.read_tables(module, fqn), placements, shards, module=fqn,
@@ -224,6 +225,23 @@ def _targets(model: nn.Module, plan: ShardingPlan, names: dict) -> list[tuple[st
     if not targets:
         raise ShardingError("the plan names no module; reshard moves the modules a plan names")
     return targets
+
+
+def _refuse_2d(fqn: str, module: nn.Module) -> None:
+    """A 2D-sharded module (`shard(..., mesh=mesh)`) is not resharded: the layouts built here
+    have no replica axis, so each replica group would become a 1D model of its own. Every rank
+    holds a replica axis then, so every rank raises."""
+    replicas = module.replicas
+    if replicas is None:
+        return
+    shard = dist.get_world_size(module.process_group)
+    raise ShardingError(
+        f"module {fqn!r} is sharded in 2D ({replicas.size} replica groups of {shard} ranks, "
+        f"replica_sync={replicas.sync.value!r}); reshard moves 1D layouts only and would drop "
+        "the replica axis. Save it with modular.checkpoint.save, shard a fresh model with the new "
+        "plan and the same mesh (modular.shard(model, plan, mesh=mesh)), and load the checkpoint "
+        "into it"
+    )
 
 
 def _one_group(targets: list[tuple[str, nn.Module]]) -> Optional[ProcessGroup]:

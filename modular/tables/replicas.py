@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from modular.comm import raise_failed
+
 __all__ = ["ReplicaSync", "Replicas", "copy_from_first_replica"]
 
 
@@ -69,4 +71,7 @@ def copy_from_first_replica(tensors: list[torch.Tensor], replicas: Replicas) -> 
     every copy starts bit-identical whatever each rank's unsharded model held."""
     source = dist.get_global_rank(replicas.group, 0)
     for t in tensors:
-        dist.broadcast(t.data, src=source, group=replicas.group)
+        try:
+            dist.broadcast(t.data, src=source, group=replicas.group)
+        except RuntimeError as e:  # a dead peer: CollectiveError (Note [a failed peer])
+            raise_failed("the broadcast of the first replica group's shards", replicas.group, e)

@@ -41,8 +41,9 @@ from modular.checkpoint._files import (
     tmp_dir,
     verify_file,
 )
+from modular.checkpoint._replicas import drop_replica_copies
 from modular.checkpoint._staging import check_loaded, stage
-from modular.checkpoint._state import MODEL, model_state, optimizer_state
+from modular.checkpoint._state import MODEL, model_state, optimizer_parts, optimizer_state
 from modular.errors import CheckpointError
 from modular.tables.deprecation import quietly
 
@@ -67,6 +68,9 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     raises `CheckpointError` on every rank before anything is written. `optimizer`
     may be any optimizer with torch's `state_dict()`/`load_state_dict()` over
     `modular.local_parameters(model)`, or one whose state is keyed by parameter FQN.
+    A 2D-sharded model's tables are written by its first replica group only (Note [one replica
+    group writes]): under replica_sync="periodic", call `modular.sync_replicas` first to save the
+    average rather than that group's copy.
     """
     path = Path(path)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,6 +79,8 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
         state = model_state(model)
         if optimizer is not None:
             state.update(optimizer_state(model, optimizer))
+        prefixes = [p for p, _ in optimizer_parts(optimizer)] if optimizer is not None else []
+        state = drop_replica_copies(model, state, prefixes)  # Note [one replica group writes]
     except TypeError as e:
         error = str(e)
     if error is None and rank == 0:  # the filesystem is shared: rank 0 looks for all of them

@@ -25,6 +25,7 @@ from modular.comm import collective_device
 from modular.checkpoint._files import MANIFEST, agree
 from modular.errors import CheckpointError
 from modular.checkpoint._apply import load_all_or_nothing
+from modular.checkpoint._replicas import state_prefix
 from modular.checkpoint._state import describe, dtype_problem, global_shape
 from modular.sharding import sharded_modules
 from modular.tables.deprecation import quietly
@@ -37,13 +38,17 @@ def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:
 
     Collective: every rank calls it. The result has the unsharded model's keys and loads with
     `load_state_dict(strict=True)` into it. `rank` is a global rank, and in the process group of
-    every sharded module (which holds a subgroup's shards); anything else raises `CheckpointError`
-    on every rank before a shard is sent. See Note [export memory].
+    every sharded module (which holds a subgroup's shards; any rank of a 2D mesh, Note [export
+    in 2D]); anything else raises `CheckpointError` on every rank before a shard is sent. See
+    Note [export memory].
     """
     _check_destination(model, rank)
     me = dist.get_rank()
     out: Optional[dict[str, Any]] = {} if me == rank else None
+    elsewhere = _other_replica_groups(model, rank)
     for fqn, value in get_model_state_dict(model).items():
+        if is_sharded(value) and fqn.startswith(elsewhere):
+            continue  # the destination's replica group sends this table (Note [export in 2D])
         full = gather(value, rank)
         if out is not None:
             out[fqn] = full
@@ -65,12 +70,31 @@ def _check_destination(model: nn.Module, rank: int) -> None:
             continue
         pg = module.process_group
         group = range(world) if pg is None else dist.get_process_group_ranks(pg)
+        if module.replicas is not None:  # its replica groups span every rank (modular/mesh.py)
+            continue
         if rank not in group:
             raise CheckpointError(
                 f"export(model, rank={rank}): rank {rank} is not in the process group of module "
                 f"{fqn!r} (global ranks {list(group)}), so it would never receive that module's "
                 "shards; export to one of those ranks"
             )
+
+
+def _other_replica_groups(model: nn.Module, dst: int) -> tuple[str, ...]:
+    """# Note [export in 2D]
+    A 2D collection's tables are sharded alike in every replica group, and the 2D mesh spans
+    every rank, so any global rank may receive them: its own replica group (the shard group that
+    holds `dst`) sends every shard, as a 1D model's group would, and the other groups send
+    nothing (their copies are the same tables). Every member of a shard group reaches the same
+    verdict, so no group enters a collective (a DTensor table's shard list) that a member skips.
+    Returns the state-dict prefixes of the collections whose shards this rank does not send."""
+    prefixes = []
+    for name, module in sharded_modules(model):
+        if module.is_local or module.replicas is None:
+            continue
+        if dst not in dist.get_process_group_ranks(module.process_group):
+            prefixes.append(state_prefix(model, name))
+    return tuple(prefixes)
 
 
 def gather(value: Any, dst: int) -> Any:

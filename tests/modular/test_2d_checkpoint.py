@@ -1,6 +1,7 @@
 """Checkpoints of 2D-sharded models (issue 36): a model trained and saved at 2x2 (mesh dims
 ("replicate", "shard"), 4 gloo ranks) loads into 1D at 2 and 3 ranks and into 2D at 6 ranks (3x2
-and 2x3), bit for bit, its fused optimizer's state and the dense part's Adam state included;
+and 2x3), bit for bit, its fused optimizer's state and the dense part's Adam state included, its
+DTensor tables into either form;
 `export` gives the same one-process state dict from every layout (and from either replica
 group's rank); only replica group 0 writes table data (Note [one replica group writes] in
 modular/checkpoint/_replicas.py), which a "periodic" model whose replicas differ shows.
@@ -23,33 +24,58 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import modular
 from modular.checkpoint._files import read_metadata
+from modular.checkpoint._state import optimizer_state
+from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular import checkpoint_cases as H
 
 DIMS = ("replicate", "shard")
 TIMEOUT = 300.0
-# (world, mesh shape or None for 1D, plan kind): where the 2x2 checkpoint is loaded.
-LOADS = {2: [(None, "B")], 3: [(None, "C")], 6: [((3, 2), "B"), ((2, 3), "A")]}
+# world -> (mesh shape or None for 1D, plan kind, table form): where the 2x2 checkpoint (of
+# DTensor tables) is loaded, into both forms (Note [table tensor types]).
+LOADS = {
+    2: [(None, "B", "sharded_tensor")],
+    3: [(None, "C", "dtensor")],
+    6: [((3, 2), "B", "dtensor"), ((2, 3), "A", "sharded_tensor")],
+}
 TABLE_KEYS = ("model.ebc.embedding_bags.", "optim.tables.state.ebc.embedding_bags.")
 
 
-def _model(seed: int, kind: str, shape: Optional[tuple[int, int]], sync: str = "exact") -> tuple[Any, Any]:
+def _model(
+    seed: int, kind: str, shape: Optional[tuple[int, int]], sync: str = "exact", form: str = "sharded_tensor"
+) -> tuple[Any, Any]:
     """The checkpoint model, its tables fused (row-wise Adagrad) and sharded by plan `kind` over
-    a mesh of `shape` (1D over every rank when None), the dense layer under Adam beside them."""
+    a mesh of `shape` (1D over every rank when None) as `form`, the dense layer under Adam."""
     model = H.build_checkpoint_model(seed)
     fused = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
     group = dist.get_world_size() if shape is None else shape[1]
     plan = ShardingPlan(world_size=group, modules={"ebc": H.checkpoint_placements(kind, group)})
     if shape is None:
-        modular.shard(model, plan)
+        modular.shard(model, plan, tensor_type=form)
     else:
-        modular.shard(model, plan, mesh=init_device_mesh("cpu", shape, mesh_dim_names=DIMS), replica_sync=sync)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS)
+        modular.shard(model, plan, mesh=mesh, replica_sync=sync, tensor_type=form)
     dense = torch.optim.Adam(modular.local_parameters(model), lr=0.01)
     return model, modular.CombinedOptimizer({"tables": fused, "dense": dense})
+
+
+def _snapshot(model: Any, optimizer: Any) -> dict[str, Any]:
+    """H.local_snapshot for either table form: each entry's local pieces and global shape."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    state.update(optimizer_state(model, optimizer))
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    pieces = {
+        k: [(p.offsets, p.tensor.detach().clone()) for p in local_pieces(v)] if is_sharded(v)
+        else [((0,) * v.dim(), v.detach().clone())]
+        for k, v in tensors.items()
+    }  # fmt: skip
+    shapes = {k: tuple(v.size()) for k, v in tensors.items()}
+    return {"outputs": H.eval_outputs(model), "pieces": pieces, "shapes": shapes}
 
 
 def _exports(model: Any) -> dict[int, Optional[dict]]:
@@ -68,19 +94,21 @@ def _collective_error(call, what: str) -> str:
 
 def _save_2x2(path: str, periodic_path: str) -> dict[str, Any]:
     rank = dist.get_rank()
-    model, opt = _model(0, "A", (2, 2))
+    model, opt = _model(0, "A", (2, 2), form="dtensor")
+    tables = [v for v in model.state_dict().values() if is_sharded(v)]
+    assert tables and all(isinstance(v, DTensor) for v in tables)
     H.train_checkpoint_model(model, opt, range(2))
     modular.checkpoint.save(path, model, opt)
-    out: dict[str, Any] = {"snapshot": H.local_snapshot(model, opt), "exports": _exports(model)}
+    out: dict[str, Any] = {"snapshot": _snapshot(model, opt), "exports": _exports(model)}
 
     # reshard would rebuild 1D layouts: refused on every rank, the model left as it was.
-    before = H.local_snapshot(model, opt)
+    before = _snapshot(model, opt)
     old = model.ebc
     plan = ShardingPlan(world_size=2, modules={"ebc": H.checkpoint_placements("B", 2)})
     with pytest.raises(modular.ShardingError) as refused:
         modular.reshard(model, plan)
     assert model.ebc is old
-    H.assert_unchanged(before, H.local_snapshot(model, opt), f"rank {rank} after the refused reshard")
+    H.assert_unchanged(before, _snapshot(model, opt), f"rank {rank} after the refused reshard")
     out["reshard"] = str(refused.value)
 
     # A dead peer in the replica axis' collectives raises CollectiveError naming the collective
@@ -107,12 +135,12 @@ def _save_2x2(path: str, periodic_path: str) -> dict[str, Any]:
 
 def _load(path: str, periodic_path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for shape, kind in LOADS[dist.get_world_size()]:
-        model, opt = _model(1, kind, shape)  # other weights than the saved ones, until loaded
+    for shape, kind, form in LOADS[dist.get_world_size()]:
+        model, opt = _model(1, kind, shape, form=form)  # other weights than the saved ones, until loaded
         modular.checkpoint.load(path, model, opt)
         if shape is not None:
             modular.sync_replicas(model)  # every replica group loaded the same: checked
-        out[shape] = {"snapshot": H.local_snapshot(model, opt), "exports": _exports(model)}
+        out[shape] = {"snapshot": _snapshot(model, opt), "exports": _exports(model)}
         if shape is None and dist.get_world_size() == 2:
             model, opt = _model(1, kind, None)
             modular.checkpoint.load(periodic_path, model, opt)
@@ -172,7 +200,7 @@ def test_2x2_checkpoint_loads_into_1d_and_2d_bit_for_bit(tmp_path: Path) -> None
 
     for world, layouts in LOADS.items():
         per_rank = run_on_ranks(world, _load, path, periodic_path, timeout=TIMEOUT)
-        for shape, _ in layouts:
+        for shape, _, _ in layouts:
             where = f"2x2 -> {'x'.join(map(str, shape)) if shape else f'1D at {world}'}"
             loaded = H.assemble([r[shape]["snapshot"] for r in per_rank])
             H.assert_same(saved, loaded, where)

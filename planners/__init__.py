@@ -26,6 +26,7 @@ from planners.inputs import (
     parse_bytes,
 )
 from planners.model_tables import tables_from_configs, tables_from_model
+from planners.replan import ReplanResult, TableMove, move_bytes, replan
 from planners.stats import PlanStats, RankStats, ShardStats, TableStats, plan_stats, validate_plan
 from planners.torchrec_interop import TorchRecLayoutWarning, from_torchrec, to_torchrec
 from planners.types import (
@@ -49,12 +50,14 @@ __all__ = [
     "PlanResult",
     "PlanStats",
     "RankStats",
+    "ReplanResult",
     "ShardSpec",
     "ShardStats",
     "ShardingPlan",
     "ShardingType",
     "Table",
     "TableConstraint",
+    "TableMove",
     "TablePlacement",
     "TableStats",
     "Topology",
@@ -62,10 +65,12 @@ __all__ = [
     "block_split",
     "even_split",
     "format_bytes",
+    "move_bytes",
     "parse_bytes",
     "plan",
     "plan_stats",
     "plan_with_stats",
+    "replan",
     "tables_from_configs",
     "tables_from_model",
     "validate_plan",

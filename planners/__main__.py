@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,show,compare}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,show,compare,replan}")
     p = sub.add_parser("plan", help="plan TABLES and print where each table went and what it costs",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("tables", metavar="TABLES", help="table file (.yaml, .json or .csv)")
@@ -177,7 +177,52 @@ def _parser() -> argparse.ArgumentParser:
                    help="table (default) or json: both plans' statistics, the settings that "
                         "differ and every table that moved")  # fmt: skip
     _add_cluster_flags(c, required=False)
+    r = sub.add_parser("replan", help="a plan for updated tables within a budget of moved bytes "
+                                      "(modular.reshard moves them), and what moves and why")
+    r.add_argument("plan", metavar="PLAN", help="the current plan JSON written by 'plan'")
+    r.add_argument("--tables", metavar="TABLES", required=True,
+                   help="the updated tables (new pooling factors, new rows)")
+    r.add_argument("--max-moved", type=_budget, metavar="BYTES",
+                   help="most bytes of weights and optimizer state that may change rank, e.g. "
+                        "20GiB (default: no limit; 0B keeps the old plan)")  # fmt: skip
+    r.add_argument("--constraints", metavar="C", help="constraints (default: as recorded)")
+    r.add_argument("-o", "--output", metavar="PLAN", help="write the new plan JSON here")
+    _add_cluster_flags(r, required=False)
     return parser
+
+
+def _budget(text: str) -> int:
+    """A byte count with its unit, or 0 (keep the old plan)."""
+    if re.fullmatch(r"\s*0+\s*[A-Za-z]*\s*", text):
+        return 0
+    return _bytes(text)
+
+
+def _cmd_replan(args: argparse.Namespace) -> int:
+    from planners.replan import replan  # the one command that needs it
+
+    plan, recorded = load_plan(args.plan)
+    tables = load_tables(args.tables)
+    constraints = (load_constraints(args.constraints, tables, plan.world_size) if args.constraints
+                   else recorded_constraints(recorded, args.plan))  # fmt: skip
+    topology = _topology(plan.world_size, plan.ranks_per_host, args, recorded)
+    work = _workload(args, recorded, args.plan)
+    torchrec = recorded.get("torchrec_compatible", False) is True
+    module = _module_for(plan, work.module)
+    result = replan(plan, tables, topology, batch_size=work.batch_size,
+                    max_moved_bytes=args.max_moved, constraints=constraints or None,
+                    optimizer=work.optimizer, module_fqn=module,
+                    column_wise_statistic=work.column_wise_statistic, comm_dtype=work.comm_dtype,
+                    torchrec_compatible=torchrec)  # fmt: skip
+    if args.output:
+        save_plan(args.output, result.plan, _settings(
+            tables, args.tables, constraints, topology, work.batch_size,
+            Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module,
+            DataType.parse(work.comm_dtype).value, torchrec))  # fmt: skip
+    print(result.format())
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
 
 
 _SETTINGS = ("device_memory", "reserved_fraction", "device_memory_bandwidth",
@@ -474,7 +519,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (0 ok, 1 no plan fits, 2 bad input)."""
     args = _parser().parse_args(argv)
-    command = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare}[args.command]
+    command = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare,
+               "replan": _cmd_replan}[args.command]
     try:
         return command(args)
     except NoPlanError as e:

@@ -20,6 +20,7 @@ from planners.inputs import (
     ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
     parse_bytes,
 )  # fmt: skip
+from planners.replicas import ReplicaSync
 from planners.report import (
     SORT_KEYS, describe_counts, format_tables, moved_tables, pick_tables, setting_differences,
     table_moves, tables_csv, why_lines,
@@ -120,6 +121,14 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
                         "modular.shard(comm_dtype=...): fp32 (default), fp16 or bf16 (half the "
                         "output-dist bytes, plus the low-precision copies in memory)")  # fmt: skip
     g.add_argument("--module", help="FQN of the EBC the tables belong to (default: '')")
+    g.add_argument("--replicas", type=int, metavar="R",
+                   help="2D sparse parallelism: plan one shard group of world-size / R ranks, "
+                        "replicated R times (modular.shard with a ('replicate', 'shard') mesh); "
+                        "default 1")  # fmt: skip
+    g.add_argument("--replica-sync", choices=[m.value for m in ReplicaSync],
+                   help="how the R replica groups stay in step, as given to modular.shard: exact "
+                        "(default; every group's ids and pooled gradients gathered each step, "
+                        "priced) or periodic (nothing per step)")  # fmt: skip
 
 
 def _add_view_flags(p: argparse.ArgumentParser, plot_help: str) -> None:
@@ -284,8 +293,10 @@ class _Priced(NamedTuple):
 
 def _settings(tables: tuple[Table, ...], tables_path: str, constraints: dict[str, TableConstraint],
               topology: Topology, batch: int, optimizer: str, statistic: str, module: str,
-              comm: str, torchrec: bool) -> dict[str, Any]:  # fmt: skip
+              comm: str, torchrec: bool, replicas: int = 1,
+              replica_sync: str = "exact") -> dict[str, Any]:  # fmt: skip
     return {
+        "replicas": replicas, "replica_sync": replica_sync,
         "batch_size": batch, "optimizer": optimizer, "column_wise_statistic": statistic,
         "comm_dtype": comm, "module": module, "torchrec_compatible": torchrec,
         **{name: getattr(topology, name) for name in _SETTINGS},
@@ -309,9 +320,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                              constraints=constraints or None, optimizer=optimizer,
                              module_fqn=module, column_wise_statistic=statistic,
                              comm_dtype=comm,
-                             torchrec_compatible=args.torchrec_compatible)  # fmt: skip
+                             torchrec_compatible=args.torchrec_compatible,
+                             replicas=args.replicas or 1,
+                             replica_sync=args.replica_sync or "exact")  # fmt: skip
     settings = _settings(tables, args.tables, constraints, topology, args.batch_size, optimizer,
-                         statistic, module, comm, args.torchrec_compatible)  # fmt: skip
+                         statistic, module, comm, args.torchrec_compatible,
+                         args.replicas or 1, args.replica_sync or "exact")  # fmt: skip
     priced = _Priced(args.output or "", result.plan, result.stats, settings, [], tables,
                      constraints)  # fmt: skip
     # Files first: neither a misspelt --table nor a reader that stops early (| head) loses them.
@@ -360,7 +374,14 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
             overrides.append(f"constraints {args.constraints}")
     else:
         constraints = recorded_constraints(recorded, path)
-    topology = _topology(plan.world_size, plan.ranks_per_host, args, recorded)
+    # a 2D plan is one shard group: its world is the group's times the replicas
+    replicas = args.replicas or recorded.get("replicas", 1)
+    replica_sync = args.replica_sync or recorded.get("replica_sync", "exact")
+    if replicas == 1:
+        topology = _topology(plan.world_size, plan.ranks_per_host, args, recorded)
+    else:
+        topology = _topology(plan.world_size * replicas,
+                             recorded.get("ranks_per_host", plan.ranks_per_host), args, recorded)
     work = _workload(args, recorded, path)
     # planned for TorchRec's layouts: the bound is theirs (a file without the record was not)
     torchrec = recorded.get("torchrec_compatible", False)
@@ -371,6 +392,7 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
     for name, value in (("batch_size", args.batch_size), ("optimizer", args.optimizer),
                         ("column_wise_statistic", args.column_wise_statistic),
                         ("comm_dtype", args.comm_dtype), ("module", args.module),
+                        ("replicas", args.replicas), ("replica_sync", args.replica_sync),
                         *((n, getattr(args, n, None)) for n in _SETTINGS)):  # fmt: skip
         was = recorded.get(name)
         if value is not None and was is not None and value != was:
@@ -384,12 +406,14 @@ def _price(path: str, args: argparse.Namespace) -> _Priced:
                            constraints=constraints or None,
                            column_wise_statistic=work.column_wise_statistic,
                            comm_dtype=work.comm_dtype,
-                           torchrec_compatible=torchrec)  # fmt: skip
+                           torchrec_compatible=torchrec, replicas=replicas,
+                           replica_sync=replica_sync)  # fmt: skip
     except PlanError as e:
         raise PlanError(f"{path}: {e}") from None
     settings = _settings(tables, tables_path, constraints, topology, work.batch_size,
                          Optimizer.parse(work.optimizer).value, work.column_wise_statistic, module,
-                         DataType.parse(work.comm_dtype).value, torchrec)  # fmt: skip
+                         DataType.parse(work.comm_dtype).value, torchrec, replicas,
+                         replica_sync)  # fmt: skip
     return _Priced(path, plan, stats, settings, overrides, tables, constraints)
 
 

@@ -11,6 +11,7 @@ from planners.explain import before_candidates, before_search, explain_no_plan
 from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology
 from planners.model_tables import TablesLike, as_table_set, match_constraints
 from planners.options import enumerate_candidates, lower_bound
+from planners.replicas import ReplicaSync, group_topology
 from planners.search import search
 from planners.stats import PlanStats, stats_for
 from planners.types import ShardingPlan, ShardingType, TablePlacement, even_split
@@ -39,6 +40,8 @@ def plan(
     pooling_factors: Mapping[str, float] | None = None,
     comm_dtype: DataType | str = DataType.FP32,
     torchrec_compatible: bool = False,
+    replicas: int = 1,
+    replica_sync: ReplicaSync | str = ReplicaSync.EXACT,
 ) -> ShardingPlan:
     """Places every table so that the slowest rank is as fast as possible and every rank fits.
 
@@ -80,6 +83,15 @@ def plan(
         plan = planners.plan(tables, topology, batch_size=512, torchrec_compatible=True)
         tr_plan = planners.to_torchrec(plan, tables)
 
+    `replicas=R` plans 2D sparse parallelism (`modular.shard(model, plan, mesh=mesh)` over a
+    ("replicate", "shard") mesh): one shard group of `topology.world_size / R` ranks, the plan's
+    world size, for the global batch of every rank, with each shard's cross-replica sync priced
+    under `replica_sync` ("exact", the default: every replica group's ids and pooled gradients
+    gathered each step; "periodic": nothing per step), Note [pricing replica groups]:
+
+        plan = planners.plan(tables, planners.Topology(64, ranks_per_host=8), batch_size=512,
+                             replicas=4)   # a plan for 16 ranks, replicated 4 times
+
     Raises `NoPlanError` (a PlanError) naming the tables that do not fit, with the numbers and
     the ways out; PlanError for invalid input.
     """
@@ -87,7 +99,7 @@ def plan(
         tables, topology, batch_size=batch_size, constraints=constraints,
         optimizer=optimizer, module_fqn=module_fqn, column_wise_statistic=column_wise_statistic,
         pooling_factors=pooling_factors, comm_dtype=comm_dtype,
-        torchrec_compatible=torchrec_compatible,
+        torchrec_compatible=torchrec_compatible, replicas=replicas, replica_sync=replica_sync,
     ).plan  # fmt: skip
 
 
@@ -103,6 +115,8 @@ def plan_with_stats(
     pooling_factors: Mapping[str, float] | None = None,
     comm_dtype: DataType | str = DataType.FP32,
     torchrec_compatible: bool = False,
+    replicas: int = 1,
+    replica_sync: ReplicaSync | str = ReplicaSync.EXACT,
 ) -> PlanResult:
     """Like `plan` (the same arguments), and also returns the plan's statistics, priced under
     the same optimizer and `column_wise_statistic`, and how long the search took.
@@ -112,9 +126,12 @@ def plan_with_stats(
     """
     start = time.perf_counter()
     table_set = as_table_set(tables, module_fqn, pooling_factors=pooling_factors)
+    layout = None
+    if replicas != 1:  # one shard group is planned (Note [pricing replica groups])
+        topology, layout = group_topology(topology, replicas, replica_sync)
     model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
                       column_wise_statistic=column_wise_statistic,
-                      comm_dtype=comm_dtype)  # parsed by CostModel
+                      comm_dtype=comm_dtype, replicas=layout)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     base = model.batch_buffer_bytes(TableArrays.of(plain))

@@ -24,6 +24,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, Table, Topology
+from planners.replicas import Replicas
 from planners.types import PlanError, ShardingType
 
 __all__ = [
@@ -97,6 +98,8 @@ COMPONENTS = (
     ("output_dist", "out-dist", "output dist: pooled bags out, their gradients back"),
     ("grad_sync", "dp-grad", "data-parallel gradient all-reduce"),
     ("stat_exchange", "cw-stat", "column-piece row-statistic exchange (exact row-wise Adagrad)"),
+    ("replica_sync", "rep-sync", "cross-replica sync: other replica groups' ids and pooled "
+                                 "gradients (2D, exact)"),
 )
 
 
@@ -113,10 +116,12 @@ class ShardCost(NamedTuple):
     grad_sync: np.ndarray
     stat_exchange: np.ndarray
     memory: np.ndarray
+    replica_sync: np.ndarray | float = 0.0  # 2D, exact (Note [pricing replica groups])
 
     @property
     def total(self) -> np.ndarray:
-        return self.lookup + self.input_dist + self.output_dist + self.grad_sync + self.stat_exchange
+        return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
+                + self.stat_exchange + self.replica_sync)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,9 @@ class CostModel:
     # The dtype pooled embeddings and their gradients travel in (`modular.shard(comm_dtype=)`,
     # modular's Note [low-precision comms]): FP16/BF16 halve the output dist's bytes.
     comm_dtype: DataType = field(default=DataType.FP32, kw_only=True)
+    # 2D: `topology` is one shard group's, replicated this way (Note [pricing replica groups]
+    # in planners/replicas.py); None is 1D.
+    replicas: Replicas | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         b = self.batch_size
@@ -308,5 +316,19 @@ class CostModel:
             # A sequence table sends each id's row back (its shard's columns), bytes per id.
             row_bytes = ids_from_each * out_cols * OUTPUT_BYTES
             output_dist = np.where(seq, 2 * row_bytes * alpha + zero, output_dist)
+        replica_sync = zero
+        if self.replicas is not None and self.replicas.per_step:
+            # Note [pricing replica groups]: the other groups' lookup batches gathered and
+            # replayed through this copy's backward.
+            peers = self.replicas.count - 1
+            held = ids_in * held_id_bytes + bags_out * 4 + bags_out * out_cols * OUTPUT_BYTES
+            beta = self.replicas.beta(topo.intra_host_bandwidth, topo.cross_host_bandwidth)
+            replica_sync = held * beta + zero  # beta: one byte from each of the peers
+            memory = memory + peers * held
+            if kind is ShardingType.DATA_PARALLEL:
+                bwd = bwd + peers * (bags_out * out_cols * OUTPUT_BYTES + ids_in * 2 * cols * t.elem)
+            else:
+                bwd = bwd + peers * bwd
         lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
-        return ShardCost(lookup, input_dist, output_dist, grad_sync, stat_exchange, memory + zero)
+        return ShardCost(lookup, input_dist, output_dist, grad_sync, stat_exchange, memory + zero,
+                         replica_sync)

@@ -19,6 +19,7 @@ from planners.model_tables import (
     TableSet, TablesLike, as_table_set, display_name, match_constraints,
 )  # fmt: skip
 from planners.options import enumerate_candidates, lower_bound
+from planners.replicas import Replicas, ReplicaSync, group_topology
 from planners.types import PlanError, ShardingPlan, ShardingType, check_one_host
 
 __all__ = [
@@ -62,10 +63,12 @@ class RankStats:
     grad_sync: float  # data-parallel gradient all-reduce
     tables: tuple[tuple[str, float], ...]  # (table, seconds) of each shard here, slowest first
     stat_exchange: float = 0.0  # column pieces' row statistics (exact row-wise Adagrad)
+    replica_sync: float = 0.0  # 2D, exact: the other replica groups' batches (planners/replicas.py)
 
     @property
     def cost(self) -> float:
-        return self.lookup + self.input_dist + self.output_dist + self.grad_sync + self.stat_exchange
+        return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
+                + self.stat_exchange + self.replica_sync)  # fmt: skip
 
     def __repr__(self) -> str:
         return (f"RankStats(rank={self.rank}, cost={format_seconds(self.cost)}, memory="
@@ -88,10 +91,12 @@ class ShardStats:
     output_dist: float
     grad_sync: float
     stat_exchange: float
+    replica_sync: float = 0.0
 
     @property
     def cost(self) -> float:
-        return self.lookup + self.input_dist + self.output_dist + self.grad_sync + self.stat_exchange
+        return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
+                + self.stat_exchange + self.replica_sync)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,8 @@ class PlanStats:
     comm_dtype: DataType = field(default=DataType.FP32, kw_only=True)
     # the bound is that of plans TorchRec runs unchanged (Note [plans TorchRec runs unchanged])
     torchrec_compatible: bool = field(default=False, kw_only=True)
+    # 2D: these ranks are one shard group of `replicas` (planners/replicas.py); None is 1D
+    replicas: Replicas | None = field(default=None, kw_only=True)
 
     @property
     def max_cost(self) -> float:
@@ -257,6 +264,14 @@ class PlanStats:
         if defaults:
             lines.append(f"H100 defaults in effect (give your own for other hardware, e.g. a CPU "
                          f"gloo job): {', '.join(defaults)}")  # fmt: skip
+        if self.replicas is not None and self.replicas.count > 1:
+            rep, g = self.replicas, len(self.ranks)
+            sync = (f"exact: {format_seconds(slow.replica_sync)} per step on the slowest rank "
+                    "for the other groups' ids and pooled gradients" if rep.per_step
+                    else "periodic: none per step (sync_replicas every N steps is not priced)")
+            lines.insert(1, f"2D: {rep.count} replica groups of {g} ranks ({rep.count * g} in all, "
+                            f"{rep.ranks_per_host} per host), global batch "
+                            f"{rep.count * g * self.batch_size}; replica sync {sync}")
         if self.over_capacity:
             lines.append(f"OVER CAPACITY on ranks {list(self.over_capacity)}")
         if self.plan_seconds is not None:
@@ -305,6 +320,8 @@ class PlanStats:
             "column_wise_statistic": self.column_wise_statistic.value,
             "comm_dtype": self.comm_dtype.value,
             "torchrec_compatible": self.torchrec_compatible,
+            "replicas": 1 if self.replicas is None else self.replicas.count,
+            "replica_sync": None if self.replicas is None else self.replicas.sync.value,
             "ranks": [
                 {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
                  **{c: getattr(r, c) for c in _COMPONENTS}, "tables": [n for n, _ in r.tables]}
@@ -426,6 +443,8 @@ def plan_stats(
     column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
     comm_dtype: DataType | str = DataType.FP32,
     torchrec_compatible: bool = False,
+    replicas: int = 1,
+    replica_sync: ReplicaSync | str = ReplicaSync.EXACT,
 ) -> PlanStats:
     """Prices `plan` for `tables` on `topology` and compares it with the lower bound.
 
@@ -435,15 +454,20 @@ def plan_stats(
     `optimizer` and `column_wise_statistic` as for `planners.plan`: price a plan under the
     settings it will be trained with ("per_shard" makes column pieces under row-wise Adagrad
     cheaper; under the other optimizers it changes nothing). `torchrec_compatible` as for
-    `planners.plan`: the bound is then that of plans TorchRec runs unchanged.
+    `planners.plan`: the bound is then that of plans TorchRec runs unchanged. `replicas` and
+    `replica_sync` as for `planners.plan`: `topology` is the whole world and `plan` one shard
+    group of `world_size / replicas` ranks, priced with its cross-replica sync.
 
     Raises PlanError if the plan does not place exactly these tables (see `validate_plan`).
     A plan over memory capacity is reported (`over_capacity`), not rejected.
     """
     table_set = as_table_set(tables, module_fqn)
+    layout = None
+    if replicas != 1:
+        topology, layout = group_topology(topology, replicas, replica_sync)
     model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
                       column_wise_statistic=column_wise_statistic,
-                      comm_dtype=comm_dtype)  # parsed by CostModel
+                      comm_dtype=comm_dtype, replicas=layout)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
     capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))
@@ -472,7 +496,7 @@ def stats_for(
             lookup=float(comp[r, 0]), input_dist=float(comp[r, 1]),
             output_dist=float(comp[r, 2]), grad_sync=float(comp[r, 3]),
             tables=tuple(sorted(held[r], key=lambda x: (-x[1], x[0]))),
-            stat_exchange=float(comp[r, 4]),
+            stat_exchange=float(comp[r, 4]), replica_sync=float(comp[r, 5]),
         )
         for r in range(topology.world_size)
     )  # fmt: skip
@@ -486,5 +510,6 @@ def stats_for(
                      tables=tables,
                      num_sequence_tables=sum(t.sequence for _, t in table_set),
                      comm_dtype=model.comm_dtype,
-                     torchrec_compatible=torchrec_compatible)  # fmt: skip
+                     torchrec_compatible=torchrec_compatible,
+                     replicas=model.replicas)  # fmt: skip
 

@@ -1,0 +1,110 @@
+"""2D sparse parallelism in the planner (issue 36): one shard group planned, replicated across
+replica groups, and what keeping the replicas in step costs.
+
+Note [pricing replica groups]
+`modular.shard(model, plan, mesh=mesh)` with a ("replicate", "shard") mesh of R x G ranks shards
+every table within each shard group of G ranks and keeps one copy per replica group; rank
+`r * G + s` is rank `s` of replica group `r`. So `plan(..., replicas=R)` plans one group: a
+topology of G = W / R ranks (hosts as the world's, or one group of G inside a host), the
+per-rank batch as given (the global batch is W x B), and every shard priced as the 1D cost
+model prices it in a world of G, plus its cross-replica part, `replica_sync`:
+
+  * "exact" (Note [exact replicas] in modular/kernels/replicas.py): before the update, every copy
+    of a shard gathers the other R - 1 replica groups' lookup batches, their ids (wire bytes, a
+    weight with each id of a weighted table), one 4-byte bag length per bag and the pooled
+    gradients (4 bytes per output value), and replays them through its backward. Per shard:
+
+        replica_sync = (ids_in * i_w + bags_out * 4 + bags_out * c_out * 4) * beta
+        lookup      += (R - 1) * bwd / mem_bw              (the replayed backward)
+        memory      += (R - 1) * (ids_in * i_w + bags_out * 4 + bags_out * c_out * 4)
+
+    with `beta` the seconds to receive one byte from each of the R - 1 other replica groups,
+    as the cost model's `alpha` is for the ranks of the world: a peer in the same host over
+    NVLink, the others over the NIC (a rank's replica peers are G ranks apart). A
+    data-parallel table gathers its own batch's ids and gradients likewise (its replay is the
+    dense gradient's share, `ids_in * 2 c e` and its bags, per peer).
+  * "periodic": no per-step traffic across replica groups (each trains as a 1D job on its own
+    G ranks' batches); `modular.sync_replicas` every N steps is not a per-step cost and is not
+    priced.
+
+A shard group must be a whole number of hosts or a whole fraction of one (G % H == 0 or
+H % G == 0), so that every group sits on the hosts alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from planners.inputs import Topology, _parse_member
+from planners.types import PlanError
+
+__all__ = ["ReplicaSync", "Replicas", "group_topology"]
+
+
+class ReplicaSync(enum.Enum):
+    """How replica groups stay in step, as given to `modular.shard(..., replica_sync=...)`."""
+
+    EXACT = "exact"
+    PERIODIC = "periodic"
+
+    @classmethod
+    def parse(cls, value: str | ReplicaSync) -> ReplicaSync:
+        """Accepts a member or its value, "exact" or "periodic" (any case)."""
+        return _parse_member(cls, value, "replica_sync")
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """R replica groups of G ranks each, on hosts of `ranks_per_host` (the world's), and the
+    sync mode: what `CostModel` needs to price a shard's cross-replica part."""
+
+    count: int
+    group_size: int
+    ranks_per_host: int
+    sync: ReplicaSync = ReplicaSync.EXACT
+
+    @property
+    def per_step(self) -> bool:
+        """Whether the replicas exchange anything every step ("exact" with R > 1)."""
+        return self.count > 1 and self.sync is ReplicaSync.EXACT
+
+    def beta(self, intra_host_bandwidth: float, cross_host_bandwidth: float) -> float:
+        """Seconds to receive one byte from each of the other R - 1 replica groups: the peers
+        `G` ranks apart that share this rank's host over NVLink, the rest over the NIC."""
+        same_host = 0
+        if self.group_size < self.ranks_per_host:
+            same_host = min(self.count, self.ranks_per_host // self.group_size) - 1
+        others = self.count - 1 - same_host
+        return same_host / intra_host_bandwidth + others / cross_host_bandwidth
+
+
+def group_topology(topology: Topology, replicas: int, replica_sync: ReplicaSync | str
+                   ) -> tuple[Topology, Replicas]:  # fmt: skip
+    """The topology of one shard group of `topology.world_size / replicas` ranks, and the
+    replica layout; refuses a world size that the replica count does not divide, or a group that
+    would sit on the hosts unevenly (Note [pricing replica groups])."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise PlanError(f"replicas must be a positive integer (replica groups), got {replicas!r}")
+    sync = ReplicaSync.parse(replica_sync)
+    world, host = topology.world_size, int(topology.ranks_per_host or 1)
+    if world % replicas:
+        near = [r for r in range(1, world + 1) if world % r == 0]
+        raise PlanError(
+            f"world_size {world} is not divisible by replicas {replicas}: each of the replica "
+            f"groups needs the same number of ranks; use replicas in {near}"
+        )
+    group = world // replicas
+    if group % host and host % group:
+        raise PlanError(
+            f"replica groups of {world} // {replicas} = {group} ranks would sit unevenly on hosts "
+            f"of {host} ranks; choose replicas so that the group size is a multiple or a divisor "
+            f"of {host}"
+        )
+    sub = Topology(group, ranks_per_host=min(host, group), device_memory=topology.device_memory,
+                   host_memory=topology.host_memory,
+                   device_memory_bandwidth=topology.device_memory_bandwidth,
+                   intra_host_bandwidth=topology.intra_host_bandwidth,
+                   cross_host_bandwidth=topology.cross_host_bandwidth,
+                   reserved_fraction=topology.reserved_fraction)  # fmt: skip
+    return sub, Replicas(replicas, group, host, sync)

@@ -1,12 +1,16 @@
 """Collectives as free functions over torch.distributed.
 
 Everything goes through `all_to_all_single` with explicit splits (gloo has no uneven
-`all_to_all`), on contiguous tensors, so the same code runs on gloo/CPU and NCCL/GPU.
+`all_to_all`), on contiguous tensors, so the same code runs on gloo/CPU and NCCL/GPU. On CPU each
+returns only once gloo has let go of the tensors it was handed (Note [collectives release their
+tensors]).
 """
 
 from __future__ import annotations
 
-from typing import Callable, NoReturn, Optional
+import time
+import weakref
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,85 @@ def raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) 
         "raised before reaching it (see that rank's error or exit status); this rank stops too so "
         "that none hangs (Note [a failed peer])"
     ) from error
+
+
+# Note [collectives release their tensors]
+# On gloo (torch 2.13) every collective, a synchronous one too, runs on one of its group's
+# `pt_gloo_runloop` threads, and the work it runs holds the tensors it was handed. `wait()`
+# returns once the work has completed, a moment before that thread drops its reference to the
+# work. A tensor that Python let go of in between is kept alive by the work together with its
+# Python object (torch keeps a tensor's PyObject while C++ still holds the tensor), so the gloo
+# thread that drops the work then needs the GIL to free it. While the interpreter finalizes,
+# CPython ends a thread that asks for the GIL with `pthread_exit`, and its forced unwinding
+# through the work's `noexcept` destructor calls `std::terminate`: SIGABRT after a finished run
+# (issue 40; the backtrace and a script with no project code in docs/troubleshooting.md). A
+# collective in a step's last backward (the fused replicas' gathers, the pooled gradients'
+# all-to-all) is the last thing a job does before it exits.
+# So on CPU modular's collectives hand gloo aliases that nothing else references (`_Handed`:
+# one view per tensor, watched by a weakref) and return only once each alias has been freed: by
+# then no work holds a tensor of theirs, and what a gloo thread does afterwards needs no GIL.
+# Usually the work is gone by the time the caller woke up and the aliases die on the spot; when
+# the gloo thread was descheduled, the caller waits for it with the GIL released. A collective
+# that failed raises at once: the exception's traceback keeps `_collective`'s frame, whose `work`
+# keeps the work and its tensors past the gloo thread's reference, so they are freed by whoever
+# frees the exception, with the GIL (at exit, the main thread). Not on CUDA: NCCL's
+# watchdog holds a work until the GPU has run it, and waiting for that would stall the stream.
+# tests/modular/test_collective_release.py checks it with a stand-in for a late gloo thread.
+
+RELEASE_TIMEOUT_S = 60.0
+"""How long a collective waits for gloo's work to free the tensors it was handed."""
+
+
+class _Handed:
+    """The aliases one collective hands gloo, and a wait until all of them have been freed
+    (Note [collectives release their tensors])."""
+
+    def __init__(self) -> None:
+        # Emptied by the weakrefs' callbacks, on whichever thread frees an alias (GIL held).
+        self._live: set[weakref.ref] = set()
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        alias = t.view(t.shape)
+        self._live.add(weakref.ref(alias, self._live.discard))
+        return alias
+
+    def wait_freed(self, what: str) -> None:
+        """Returns once every alias has been freed; sleeps meanwhile, so that a gloo thread
+        that needs the GIL to free one gets it."""
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        while self._live and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        if self._live:
+            raise RuntimeError(
+                f"{what}: gloo's work still held {len(self._live)} of its tensors "
+                f"{RELEASE_TIMEOUT_S:.0f} s after it completed; see "
+                "Note [collectives release their tensors] in modular/comm.py"
+            )
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _collective(
+    what: str,
+    group: Optional[ProcessGroup],
+    like: torch.Tensor,
+    start: Callable[[Callable[[torch.Tensor], torch.Tensor]], Any],
+) -> None:
+    """Runs one collective and waits for it: `start(hand)` starts it (`async_op=True`) on the
+    tensors it passes through `hand`. On CPU (`like`'s device) also waits until gloo has freed
+    them (Note [collectives release their tensors]); a failure raises `CollectiveError`."""
+    handed = _Handed() if like.device.type == "cpu" else None
+    work = None
+    try:
+        work = start(handed or _as_is)
+        work.wait()
+    except RuntimeError as e:
+        raise_failed(what, group, e)  # its traceback keeps this frame, so `work`, alive
+    del work
+    if handed is not None:
+        handed.wait_freed(what)
 
 
 class KeptBuffers:
@@ -78,12 +161,10 @@ def all_to_all(
     the error raised when it fails (Note [a failed peer]). Receives into `out` when given."""
     if out is None:
         out = tensor.new_empty(sum(output_splits))
-    try:
-        dist.all_to_all_single(
-            out, tensor.contiguous(), output_splits, input_splits, group=group
-        )
-    except RuntimeError as e:
-        raise_failed(what, group, e)
+    send = tensor.contiguous()
+    _collective(what, group, out, lambda hand: dist.all_to_all_single(
+        hand(out), hand(send), output_splits, input_splits, group=group, async_op=True
+    ))  # fmt: skip
     return out
 
 
@@ -183,13 +264,28 @@ def all_gather(
     world: int,
     what: str = "an all-gather of a sharded EmbeddingBagCollection",
 ) -> torch.Tensor:
-    """Every rank's `tensor` (the same shape on every rank), stacked: (world, *tensor.shape)."""
+    """Every rank's `tensor` (the same shape on every rank), stacked: (world, *tensor.shape).
+    One output tensor (`all_gather_single`, flat: gloo wants each rank's piece in the input's
+    shape), not a list of views of it."""
     out = tensor.new_empty(world, *tensor.shape)
-    try:
-        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group)
-    except RuntimeError as e:
-        raise_failed(what, group, e)
+    send = tensor.contiguous()
+    _collective(what, group, out, lambda hand: dist.all_gather_single(
+        hand(out.view(-1)), hand(send.view(-1)), group=group, async_op=True
+    ))  # fmt: skip
     return out
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: Optional[ProcessGroup],
+    what: str,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> None:
+    """all_reduce of `tensor` in place; `what` names it in the error raised when it fails."""
+    _collective(what, group, tensor, lambda hand: dist.all_reduce(
+        hand(tensor), op=op, group=group, async_op=True
+    ))  # fmt: skip
 
 
 def all_gather_padded(

@@ -33,11 +33,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from torch.distributed import ProcessGroup
 
-from modular.comm import raise_failed
+from modular.comm import all_reduce
 from modular.kernels.base import (
     KernelLookup,
     dense_tbe,
@@ -176,8 +175,5 @@ def replay_pays(global_ids: int, dim: int, numel: int, ratio: float = 1.0) -> bo
 
 def _all_reduce_mean(grad: torch.Tensor, group: Optional[ProcessGroup], world: int) -> None:
     # Note [grad scaling across ranks] (modular/comm.py): the mean over ranks, like DDP.
-    try:
-        dist.all_reduce(grad, group=group)
-    except RuntimeError as e:
-        raise_failed("the gradient all-reduce of a data-parallel table", group, e)
+    all_reduce(grad, group=group, what="the gradient all-reduce of a data-parallel table")
     grad.div_(world)

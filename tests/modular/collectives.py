@@ -16,6 +16,7 @@ _COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_to_all",
     "all_to_all_single",

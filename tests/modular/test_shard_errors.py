@@ -81,8 +81,9 @@ def _bad_plan(problem: str) -> None:
         modular.shard(model, plan)
 
 
-# The plan agreement: a digest all-gather, and the messages when some rank rejected the plan.
-AGREEMENT = ("all_gather", "all_gather_object")
+# The plan agreement: a digest all-gather, and the messages when some rank rejected the plan
+# (all_gather_object runs an all_gather inside).
+AGREEMENT = ("all_gather_single", "all_gather_object", "all_gather")
 W = r"\d"
 PLAN_ERRORS = {
     "missing_module": r"the plan names module 'tower\.ebc', which does not exist in the model; the model's EmbeddingBagCollections are \['ebc'\]",

@@ -459,6 +459,14 @@ def _run_call(blob: bytes, world: dist.ProcessGroup, log_fd: int, log_path: str,
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
+    # DTensor's caches key on meshes that compare equal by ranks and dim names, and keep the mesh
+    # they first saw: a later test's mesh of the same shape would get the destroyed groups back
+    # ("Could not resolve the process group"). Note [exit after destroy_process_group] in
+    # modular/exit.py lists them; they are only caches.
+    from modular.exit import _DTENSOR_CACHES
+
+    for clear in _DTENSOR_CACHES:
+        clear()
     torch.set_num_threads(1)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -51,8 +51,9 @@ def test_fuse_optimizer_on_meta_leaves_no_attribute_on_the_torchrec_module() -> 
 def test_fuse_optimizer_accepts_the_planners_spelling() -> None:
     opt = modular.fuse_optimizer(_Model("meta"), "rowwise_adagrad", lr=0.1)
     assert opt.kind.value == "exact_rowwise_adagrad"
-    with pytest.raises(ValueError, match="'adam' is not supported; fbgemm's fused kernels support"):
-        modular.fuse_optimizer(_Model("meta"), "adam", lr=0.1)
+    assert modular.fuse_optimizer(_Model("meta"), "adam", lr=0.1).kind.value == "adam"
+    with pytest.raises(ValueError, match="'sgd_momentum' is not supported; fuse_optimizer takes 'exact_sgd'"):
+        modular.fuse_optimizer(_Model("meta"), "sgd_momentum", lr=0.1)
 
 
 def test_fusing_a_materialised_model_replaces_its_ebc_in_place_and_keeps_names() -> None:

@@ -236,19 +236,7 @@ class Table:
         if len(set(features)) != len(features):
             raise PlanError(f"{where} lists a feature twice: {features}")
         object.__setattr__(self, "features", features)
-        pf = self.pooling_factor
-        if isinstance(pf, (int, float)) and not isinstance(pf, bool):
-            pf = (pf,) * len(features)
-        elif isinstance(pf, Iterable) and not isinstance(pf, str):
-            pf = tuple(pf)
-        else:
-            raise PlanError(f"{where}: pooling_factor must be a number or a list, got {pf!r}")
-        if len(pf) != len(features):
-            raise PlanError(
-                f"{where} has {len(features)} features {features} but {len(pf)} pooling "
-                f"factors {pf}; give one number, or one per feature"
-            )
-        pf = tuple(_positive_float(p, f"{where}: pooling_factor") for p in pf)
+        pf = _per_feature(self.pooling_factor, features, where, "pooling_factor", "pooling factors")
         object.__setattr__(self, "pooling_factor", pf)
         object.__setattr__(self, "dtype", DataType.parse(self.dtype))
         if not isinstance(self.weighted, bool):
@@ -260,7 +248,13 @@ class Table:
                 f"{where}: a sequence table (an EmbeddingCollection's) has no per-id weights; "
                 "drop weighted=True"
             )
-        object.__setattr__(self, "batch_fraction", _fractions(self.batch_fraction, features, where))
+        fractions = _per_feature(self.batch_fraction, features, where, "batch_fraction", "batch fractions")
+        if any(f > 1.0 for f in fractions):
+            raise PlanError(
+                f"{where}: batch_fraction is a feature's bags per sample, at most 1 (one bag per "
+                f"sample); got {self.batch_fraction}"
+            )
+        object.__setattr__(self, "batch_fraction", fractions)
         if self.sequence and any(f != 1.0 for f in self.batch_fraction):
             raise PlanError(
                 f"{where}: a sequence table (an EmbeddingCollection's) takes one bag per sample "
@@ -296,26 +290,22 @@ class Table:
         }
 
 
-def _fractions(value: Any, features: tuple[str, ...], where: str) -> tuple[float, ...]:
-    """`batch_fraction` as one number per feature, each in (0, 1]."""
+def _per_feature(
+    value: Any, features: tuple[str, ...], where: str, field: str, plural: str
+) -> tuple[float, ...]:
+    """A table's `field` as one positive number per feature: one number for all, or a list."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = (value,) * len(features)
     elif isinstance(value, Iterable) and not isinstance(value, str):
         value = tuple(value)
     else:
-        raise PlanError(f"{where}: batch_fraction must be a number or a list, got {value!r}")
+        raise PlanError(f"{where}: {field} must be a number or a list, got {value!r}")
     if len(value) != len(features):
         raise PlanError(
-            f"{where} has {len(features)} features {features} but {len(value)} batch fractions "
+            f"{where} has {len(features)} features {features} but {len(value)} {plural} "
             f"{value}; give one number, or one per feature"
         )
-    out = tuple(_positive_float(v, f"{where}: batch_fraction") for v in value)
-    if any(v > 1.0 for v in out):
-        raise PlanError(
-            f"{where}: batch_fraction is a feature's bags per sample, at most 1 (one bag per "
-            f"sample); got {value}"
-        )
-    return out
+    return tuple(_positive_float(v, f"{where}: {field}") for v in value)
 
 
 def _fraction_entry(fractions: tuple[float, ...]) -> dict[str, Any]:

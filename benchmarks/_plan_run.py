@@ -5,7 +5,8 @@
 imports `planners` from ROOT (this checkout, or an earlier revision's `git archive` for
 planner_bench.py --compare-ref), plans TABLES synthetic tables on RANKS ranks, and writes JSON to
 OUT: the wall and CPU seconds of `plan_with_stats` (statistics included), the plan in our JSON
-format or the first line of the NoPlanError, and the process's peak RSS. A process per run, so
+format or the first line of the NoPlanError, and the process's peak RSS (VmHWM, from its start:
+Python, numpy, the tables and the planning). A process per run, so
 that no run's memory peak or warm caches carry over to the next. Nothing here imports `planners`
 until ROOT is on the path.
 """
@@ -47,8 +48,23 @@ def topology(world: int, topology_class: Any) -> Any:
     return topology_class(world, ranks_per_host=min(RANKS_PER_HOST, world), device_memory=DEVICE_MEMORY)
 
 
+def _peak_rss() -> int:
+    """This process's peak RSS in bytes (VmHWM). getrusage's ru_maxrss would do, but Linux
+    keeps it across fork and exec, so a run would report its parent's RSS when larger."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def main(argv: list[str]) -> int:
     root, n, world, out = argv[:4]
+    try:  # forget the peak inherited across fork and exec (see _peak_rss)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     sys.path.insert(0, root)
     import planners
 
@@ -64,7 +80,7 @@ def main(argv: list[str]) -> int:
         result = {"no_plan": str(e).splitlines()[0]}
     result["seconds"] = time.perf_counter() - wall
     result["cpu_seconds"] = time.process_time() - cpu
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    result["peak_rss"] = _peak_rss()
     with open(out, "w") as f:
         json.dump(result, f)
     return 0

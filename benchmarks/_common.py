@@ -18,7 +18,7 @@ from torch import nn
 
 __all__ = [
     "PLANS", "Model", "Workload", "add_workload_args", "make_batches", "make_ebc",
-    "max_over_ranks", "our_plan", "time_block", "workload_fields",
+    "max_over_ranks", "our_plan", "status_kib", "time_block", "workload_fields",
 ]  # fmt: skip
 
 PLANS = {
@@ -139,6 +139,18 @@ def make_batches(cfg: Workload, rank: int, n: int = 4):
             )
         )  # fmt: skip
     return out
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def status_kib(field: str) -> int:
+    """A field of this process's /proc/self/status in KiB (VmRSS now, VmHWM its peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 # -- timing ---------------------------------------------------------------------------------------

@@ -35,17 +35,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks._common import status_kib  # noqa: E402
 from examples.ports import free_port  # noqa: E402
 
 MiB = 1 << 20
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _ebc(rows: list[int], dim: int):
@@ -129,12 +122,12 @@ def _unshard_memory(args, rank: int, world: int) -> dict[str, float]:
     del ebc
     out = {}
     for label, tables in (("big table", ["t0"]), ("every table", None)):
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
         with modular.unshard(model, tables=tables) as full:
             held = sum(t.numel() * t.element_size() for t in full.values())
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
         out[label] = ((peak - before) / 1024, held / MiB)
     return out
 

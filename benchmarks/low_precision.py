@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks._common import add_device_args, check_device_args, init_ranks  # noqa: E402
+from benchmarks._common import add_device_args, check_device_args, init_ranks, status_kib  # noqa: E402
 from examples.ports import free_port  # noqa: E402
 
 MiB = 1 << 20
@@ -54,13 +54,6 @@ CONFIGS = {  # name: (tables in FP16, comm dtype)
     "fp32+fp16comms": (False, torch.float16),
 }
 
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _init(weight: torch.Tensor) -> None:
@@ -87,14 +80,14 @@ def _used_bytes(args) -> int:
     """What this rank holds now: its RSS on CPU, torch's allocation on its GPU."""
     if args.device == "cuda":
         return torch.cuda.memory_allocated()
-    return _status_bytes("VmRSS")
+    return status_kib("VmRSS") * 1024
 
 
 def _peak_bytes(args) -> int:
     if args.device == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    return _status_bytes("VmHWM")
+    return status_kib("VmHWM") * 1024
 
 
 def _build(args, name: str):

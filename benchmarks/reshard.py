@@ -40,17 +40,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._common import status_kib  # noqa: E402
 from examples.ports import free_port  # noqa: E402
 
 MiB = 1 << 20
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _reset_peak() -> None:
@@ -127,7 +120,7 @@ def _worker(rank: int, args, world: int, optimizer: str, move: str, method: str,
     dist.broadcast_object_list(holder, src=0)
     path = os.path.join(holder[0], "ckpt")
     dist.barrier()
-    before = _status_kib("VmRSS") * 1024
+    before = status_kib("VmRSS") * 1024
     _reset_peak()
     start = time.perf_counter()
     if method == "reshard":
@@ -148,7 +141,7 @@ def _worker(rank: int, args, world: int, optimizer: str, move: str, method: str,
         dist.barrier()
         parts["load"] = time.perf_counter() - t
         parts["total"] = time.perf_counter() - start
-    peak = _status_kib("VmHWM") * 1024
+    peak = status_kib("VmHWM") * 1024
     written = 0
     if rank == 0 and method == "checkpoint":
         for root, _, files in os.walk(path):

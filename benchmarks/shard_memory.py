@@ -31,17 +31,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._common import status_kib  # noqa: E402
 from examples.ports import free_port  # noqa: E402
 
 GiB = 1 << 30
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _init(weight: torch.Tensor) -> None:
@@ -68,7 +61,7 @@ def _worker(rank: int, args, port: int, mode: str, queue) -> None:
         for i in range(args.tables)
     ]  # fmt: skip
     dist.barrier()
-    before = _status_kib("VmRSS") * 1024
+    before = status_kib("VmRSS") * 1024
     model = Model(EmbeddingBagCollection(tables=configs, device=torch.device("meta")))
     ranks = tuple(range(args.world_size))
     plan = ShardingPlan(
@@ -80,7 +73,7 @@ def _worker(rank: int, args, port: int, mode: str, queue) -> None:
         opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.01, eps=1e-8)
     modular.shard(model, plan)
     dist.barrier()
-    peak = _status_kib("VmHWM") * 1024
+    peak = status_kib("VmHWM") * 1024
     shards = sum(
         s.tensor.numel() * s.tensor.element_size()
         for p in model.parameters()

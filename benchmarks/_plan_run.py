@@ -50,7 +50,8 @@ def topology(world: int, topology_class: Any) -> Any:
 
 def _peak_rss() -> int:
     """This process's peak RSS in bytes (VmHWM). getrusage's ru_maxrss would do, but Linux
-    keeps it across fork and exec, so a run would report its parent's RSS when larger."""
+    keeps it across fork and exec, so a run would report its parent's RSS when larger. (Not
+    benchmarks/_common.status_kib: that module imports torch, whose memory would be counted.)"""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):

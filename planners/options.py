@@ -2,8 +2,10 @@
 
 A candidate is a (sharding type, shard count) pair: table-wise; column-wise over 2..W shards;
 table-row-wise over 2..H ranks of one host; row-wise over 2..W ranks; data-parallel. For n
-tables and m candidates the prices are (n, m) arrays, with `valid` false where a candidate does
-not apply (too few rows or columns, a constraint forbids it, a shard does not fit in memory).
+tables and the m candidates other than row-wise the prices are (n, m) arrays, with `valid` false
+where a candidate does not apply (too few rows or columns, a constraint forbids it, a shard does
+not fit in memory); row-wise ones, up to 4,096 shard counts a table, are priced in closed form
+(`RowWise`, Note [row-wise candidates in closed form] in planners/row_wise.py).
 
 Note [the lower bound]
 Whatever the plan, (1) the slowest rank is at least as slow as the largest shard it holds, and

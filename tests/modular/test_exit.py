@@ -58,9 +58,9 @@ def _wait(procs: list[subprocess.Popen], deadline: float) -> list[int]:
     return codes
 
 
-# ~230 CPU-seconds (42 fresh interpreters that import torchrec and train 3 steps), ~2 min on 2
-# idle cores. Before the shapes, 20 FSDP jobs measured 202 s on 2 cores shared with other jobs
-# (load 4-8), 358 s at load ~15.
+# ~210 CPU-seconds (42 fresh interpreters that import torchrec and train 3 steps), so ~2 min on 2
+# idle cores; measured 474 s on 2 cores shared with other jobs (load 5-9). Before the shapes, 20
+# one-step FSDP jobs measured 202 s at load 4-8, 358 s at load ~15.
 @pytest.mark.timeout(900)
 def test_finished_jobs_exit_0_with_no_process_group_thread_left_and_a_raising_one_exits_1(tmp_path: Path) -> None:
     shapes = {job: SHAPES[job % len(SHAPES)] for job in range(JOBS)}

@@ -22,7 +22,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from modular.collection import (
     CollectionOptions, ShardedCollection, ShardedCollectionModule, Wire,
 )  # fmt: skip
-from modular.comm import raise_failed
+from modular.comm import all_reduce
 from modular.fused.config import FusedConfig
 from modular.kinds import SEQUENCE
 from modular.local_shards import LocalShards
@@ -80,12 +80,10 @@ class SequencePart:
         if self.at.world == 1:
             return None
         longest = torch.tensor([max(counts, default=0)], dtype=torch.int64)
-        try:
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.at.group)
-        except RuntimeError as e:
-            raise_failed(
-                f"the replicas' batch agreement of module {self.at.module!r}", self.at.group, e
-            )
+        all_reduce(
+            longest, group=self.at.group, op=dist.ReduceOp.MAX,
+            what=f"the replicas' batch agreement of module {self.at.module!r}",
+        )  # fmt: skip
         return max(int(longest), 1)
 
     def send(self, looked: tuple[list, list], received: Received) -> Wire:

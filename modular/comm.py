@@ -288,6 +288,16 @@ def all_reduce(
     ))  # fmt: skip
 
 
+def broadcast(
+    tensor: torch.Tensor, *, src: int, group: Optional[ProcessGroup], what: str
+) -> None:
+    """broadcast of `tensor` in place from `src`, a rank of `group` (its group rank); `what` names
+    it in the error raised when it fails."""
+    _collective(what, group, tensor, lambda hand: dist.broadcast(
+        hand(tensor), group_src=src, group=group, async_op=True
+    ) if group is not None else dist.broadcast(hand(tensor), src=src, async_op=True))  # fmt: skip
+
+
 def all_gather_padded(
     pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device
 ) -> torch.Tensor:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from modular.collection import ShardedCollectionModule
-from modular.comm import collective_device
+from modular.comm import broadcast, collective_device
 from modular.errors import ShardingError
 from modular.sharded_types import tables_name
 from modular.sharding import sharded_modules
@@ -235,7 +235,7 @@ class _Held:
             buf = mine.detach().contiguous().to(self.comm_device)
         else:
             buf = self._buffer(region, spec)
-        dist.broadcast(buf, group=self.group, group_src=spec.rank)
+        broadcast(buf, src=spec.rank, group=self.group, what=f"unshard's broadcast of a shard of {spec.rank}")
         if buf is not region:
             region.copy_(buf)
 
@@ -302,7 +302,7 @@ class _Held:
                     buf = full.to(self.comm_device) if self.rank == 0 else replica.detach()
                     if buf.device != self.comm_device:
                         buf = buf.to(self.comm_device)
-                    dist.broadcast(buf, group=self.group, group_src=0)
+                    broadcast(buf, src=0, group=self.group, what="unshard's broadcast of a replica")
                     replica.detach().copy_(buf)
                 else:
                     replica.detach().copy_(full)

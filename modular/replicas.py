@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modular.comm import all_gather_bytes, raise_failed
+from modular.comm import all_gather_bytes, all_reduce
 from modular.errors import ShardingError
 from modular.sharding import sharded_modules
 from modular.tables.replicas import Replicas
@@ -52,10 +52,9 @@ def sync_replicas(model: nn.Module, *, optimizer_state: bool = True) -> nn.Modul
             continue
         _average(tensors, replicas, fqn)
     flag = torch.tensor([float(len(diverged))])
-    try:  # every rank hears of a divergence anywhere
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    except RuntimeError as e:  # a dead peer: CollectiveError (Note [a failed peer])
-        raise_failed("sync_replicas' all-reduce of the diverged-replica flag", None, e)
+    # every rank hears of a divergence anywhere; a dead peer: CollectiveError (Note [a failed peer])
+    all_reduce(flag, group=None, op=dist.ReduceOp.MAX,
+               what="sync_replicas' all-reduce of the diverged-replica flag")  # fmt: skip
     if flag.item() > 0:
         where = f"modules {diverged} on rank {dist.get_rank()}" if diverged else "another rank"
         raise ShardingError(
@@ -82,10 +81,7 @@ def _average(tensors: list[torch.Tensor], replicas: Replicas, fqn: str) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
         flat = torch.cat([t.detach().reshape(-1).float() for t in group])
-        try:
-            dist.all_reduce(flat, group=replicas.group)
-        except RuntimeError as e:
-            raise_failed(f"the replica average of module {fqn!r}", replicas.group, e)
+        all_reduce(flat, group=replicas.group, what=f"the replica average of module {fqn!r}")
         flat.div_(replicas.size)
         for t, piece in zip(group, flat.split([t.numel() for t in group])):
             t.detach().copy_(piece.view(t.shape).to(dtype))

@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils import get_total_norm
 
+from modular.comm import all_reduce
 from modular.sharded_types import SHARDED_COLLECTIONS
 from modular.tables.forms import is_sharded, local_pieces
 
@@ -100,12 +101,13 @@ def clip_grad_norm_(
     parts = []
     for group, (device, grads) in by_group.items():
         part = _part(grads, p, device)
-        dist.all_reduce(part, op=reduce_op, group=group)
+        all_reduce(part, op=reduce_op, group=group, what="clip_grad_norm_'s all-reduce of table norms")
         parts.append(part)
     for (mesh, dims), (device, grads) in by_mesh.items():
         part = _part(grads, p, device)
         for d in dims:
-            dist.all_reduce(part, op=reduce_op, group=mesh.get_group(d))
+            all_reduce(part, op=reduce_op, group=mesh.get_group(d),
+                       what="clip_grad_norm_'s all-reduce of dense norms")  # fmt: skip
         parts.append(part)
     device = parts[0].device if parts else _device_of(replicated)
     parts.append(_part(replicated, p, device))

@@ -12,11 +12,11 @@ import enum
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 
+from modular.comm import all_reduce
 from modular.fused.config import ColumnWiseStatistic
 from modular.fused.tables import FusedTables
 from modular.tables.forms import dtensor_from_pieces, is_sharded, local_pieces
@@ -350,7 +350,7 @@ def _sync_column_shard_rows(fused: FusedTables, t: int, name: str, states) -> No
     for j, spec in enumerate(layout.shards[t]):
         if spec.rank == at.rank and spec.col_offset == 0:
             acc += states[(table.name, j)][name]
-    dist.all_reduce(acc, group=at.group)
+    all_reduce(acc, group=at.group, what=f"the row statistic of table {table.name!r}")
     for j, spec in enumerate(layout.shards[t]):
         if spec.rank == at.rank:
             states[(table.name, j)][name].copy_(acc)

@@ -40,9 +40,8 @@ every replica by construction (the all-reduce's sum order is the backend's).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from modular.comm import all_gather, all_gather_padded, raise_failed
+from modular.comm import all_gather, all_gather_padded, all_reduce
 from modular.kernels.lookups import Lookup, merge_lookups
 from modular.tables.replicas import Replicas
 
@@ -91,8 +90,5 @@ def gather_replicas(mine: Lookup, routes: int, replicas: Replicas) -> Lookup:
 
 def all_reduce_replicas(grad: torch.Tensor, replicas: Replicas) -> None:
     """A dense kernel's gradient off CPU: the mean over the replica groups, in place."""
-    try:
-        dist.all_reduce(grad, group=replicas.group)
-    except RuntimeError as e:
-        raise_failed("the gradient all-reduce across replica groups", replicas.group, e)
+    all_reduce(grad, group=replicas.group, what="the gradient all-reduce across replica groups")
     grad.div_(replicas.size)

@@ -9,12 +9,11 @@ import warnings
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular import lifecycle
-from modular.comm import all_gather_bytes, raise_shared_failure
+from modular.comm import all_gather_bytes, broadcast, raise_shared_failure
 from modular.errors import ShardingError
 from modular.tables.layout import Layout, RankLayout
 from planners.types import ShardingType, ShardSpec
@@ -55,9 +54,8 @@ def init_shards(
         if p.sharding_type is not ShardingType.DATA_PARALLEL
     ]
     agree_on_init(failure, at.module, at.group, ebc, copied)
-    source = 0 if at.group is None else dist.get_global_rank(at.group, 0)
     for view in replicas:
-        dist.broadcast(view.data, src=source, group=at.group)
+        broadcast(view.data, src=0, group=at.group, what=f"module {at.module!r}'s replicas from rank 0")
 
 
 def fill_local_shards(

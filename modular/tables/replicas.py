@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from modular.comm import raise_failed
+from modular.comm import broadcast
 
 __all__ = ["ReplicaSync", "Replicas", "copy_from_first_replica"]
 
@@ -69,9 +68,6 @@ class Replicas:
 def copy_from_first_replica(tensors: list[torch.Tensor], replicas: Replicas) -> None:
     """Broadcasts `tensors` (this rank's shards) from the first replica group to the others, so
     every copy starts bit-identical whatever each rank's unsharded model held."""
-    source = dist.get_global_rank(replicas.group, 0)
-    for t in tensors:
-        try:
-            dist.broadcast(t.data, src=source, group=replicas.group)
-        except RuntimeError as e:  # a dead peer: CollectiveError (Note [a failed peer])
-            raise_failed("the broadcast of the first replica group's shards", replicas.group, e)
+    for t in tensors:  # a dead peer: CollectiveError (Note [a failed peer])
+        broadcast(t.data, src=0, group=replicas.group,
+                  what="the broadcast of the first replica group's shards")  # fmt: skip

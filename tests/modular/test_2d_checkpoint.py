@@ -114,13 +114,18 @@ def _save_2x2(path: str, periodic_path: str) -> dict[str, Any]:
     # A dead peer in the replica axis' collectives raises CollectiveError naming the collective
     # (injected on every rank, so that none is left waiting in the real collective).
     closed = RuntimeError("injected: connection closed by peer")
+    # Both go through modular.comm (Note [collectives release their tensors]), whose `dist` is
+    # broken inside the one call under test.
+    comm = sys.modules["modular.comm"]
     for name, module_name, call in (
         ("all_reduce", "modular.replicas", lambda: modular.sync_replicas(model)),
         ("broadcast", "modular.tables.replicas", lambda: _model(0, "A", (2, 2))),
     ):
-        fake = mock.MagicMock(wraps=dist)
-        getattr(fake, name).side_effect = closed
-        with mock.patch.object(sys.modules[module_name], "dist", fake):
+        def dead(*args, _name=name, **kwargs):
+            with mock.patch.object(comm.dist, _name, side_effect=closed):
+                return getattr(comm, _name)(*args, **kwargs)
+
+        with mock.patch.object(sys.modules[module_name], name, dead):
             out[f"dead {name}"] = _collective_error(call, f"a failed {name}")
     modular.sync_replicas(model)  # the exact replicas still agree
 

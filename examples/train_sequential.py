@@ -122,8 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(config)
         finally:
             dist.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)  # skip interpreter teardown (see examples/train_dlrm.py's main)
+        # A normal exit: `import modular`'s exit hook makes teardown safe (Note [exit after
+        # destroy_process_group] in modular/exit.py).
+        return 0
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(a.world_size))
     procs = [
         subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:])],

@@ -42,9 +42,10 @@ from planners.inputs import (
     ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
 )  # fmt: skip
 from planners.model_tables import TablesLike, as_table_set, display_name, match_constraints
+from planners.moves import adapt_placement, move_bytes, per_piece_statistic, shards_of
 from planners.stats import PlanStats, format_seconds, plan_stats, plural
 from planners.types import (
-    PlanError, ShardingPlan, ShardingType, ShardSpec, TablePlacement, even_split,
+    PlanError, ShardingPlan, ShardingType, TablePlacement, even_split,
 )  # fmt: skip
 
 __all__ = ["ReplanResult", "TableMove", "adapt_placement", "move_bytes", "replan"]
@@ -130,94 +131,10 @@ class ReplanResult:
         return "\n".join(lines)
 
 
-def adapt_placement(placement: TablePlacement, table: Table) -> TablePlacement:
-    """`placement` for `table`'s current shape: explicit row sizes that no longer sum to its
-    rows are scaled to them (the last shard takes the rounding); column sizes that no longer
-    sum to its width become an even split."""
-    sizes = placement.sizes
-    if sizes is None:
-        return placement
-    kind = placement.sharding_type
-    total = table.embedding_dim if kind is _T.COLUMN_WISE else table.num_embeddings
-    if sum(sizes) == total:
-        return placement
-    if kind is _T.COLUMN_WISE or total < len(sizes):
-        return TablePlacement(kind, placement.ranks)
-    scaled = [s * total // sum(sizes) for s in sizes[:-1]]
-    scaled.append(total - sum(scaled))
-    if min(scaled) < 1:
-        return TablePlacement(kind, placement.ranks)
-    return TablePlacement(kind, placement.ranks, tuple(scaled))
-
-
-def _shards(p: TablePlacement, t: Table, world: int) -> tuple[ShardSpec, ...]:
-    return p.shards(num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                    world_size=world, table=t.name)  # fmt: skip
-
-
-def _holders(shards: Sequence[ShardSpec], with_cols: bool) -> dict[tuple, list[int]]:
-    out: dict[tuple, list[int]] = {}
-    for s in shards:
-        if s.num_rows and s.num_cols:
-            key = (s.row_offset, s.num_rows) + ((s.col_offset, s.num_cols) if with_cols else ())
-            out.setdefault(key, []).append(s.rank)
-    return out
-
-
-def _per_piece(p: TablePlacement, optimizer: Optimizer, statistic: ColumnWiseStatistic) -> bool:
-    """Whether the table's column pieces each keep their own row statistic (modular's
-    `FusedTables.per_piece`): row-wise Adagrad under "per_shard", a table cut into columns."""
-    return (optimizer is Optimizer.ROWWISE_ADAGRAD and statistic is ColumnWiseStatistic.PER_SHARD
-            and p.sharding_type is _T.COLUMN_WISE and len(p.ranks) != 1)  # fmt: skip
-
-
-def move_bytes(
-    table: Table,
-    before: TablePlacement,
-    after: TablePlacement,
-    world_size: int,
-    optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
-    column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes each rank receives and sends when `table` goes from `before` to `after`: the
-    blocks `modular.reshard` moves (modular/resharding/blocks.py), each new shard's overlap
-    with each old rectangle that its rank does not hold, times the bytes of a weight and its
-    per-element optimizer state; and the per-row state's row ranges likewise. A block is sent
-    by the first rank holding it, as the mover reads it."""
-    optimizer = Optimizer.parse(optimizer)
-    statistic = ColumnWiseStatistic.parse(column_wise_statistic)
-    recv = np.zeros(world_size, dtype=np.int64)
-    sent = np.zeros(world_size, dtype=np.int64)
-    old, new = _shards(before, table, world_size), _shards(after, table, world_size)
-    per_row = int(optimizer.state_bytes_per_row(0))
-    per_elem = table.dtype.num_bytes + int(optimizer.state_bytes_per_row(1)) - per_row
-    rects = _holders(old, with_cols=True)
-    for n in new:
-        for (r0, nr, c0, nc), ranks in rects.items():
-            if n.rank in ranks:
-                continue
-            rows = min(r0 + nr, n.row_offset + n.num_rows) - max(r0, n.row_offset)
-            cols = min(c0 + nc, n.col_offset + n.num_cols) - max(c0, n.col_offset)
-            if rows > 0 and cols > 0:
-                recv[n.rank] += rows * cols * per_elem
-                sent[ranks[0]] += rows * cols * per_elem
-    if per_row:
-        pieces = _per_piece(before, optimizer, statistic) and _per_piece(after, optimizer, statistic)
-        held = _holders(old, with_cols=pieces)
-        for (dst, r0, nr, *cols) in {(n.rank, *k) for n in new
-                                     for k in _holders([n], with_cols=pieces)}:  # fmt: skip
-            for (o0, onr, *ocols), ranks in held.items():
-                rows = min(o0 + onr, r0 + nr) - max(o0, r0)
-                if ocols == cols and rows > 0 and dst not in ranks:
-                    recv[dst] += rows * per_row
-                    sent[ranks[0]] += rows * per_row
-    return recv, sent
-
-
 def _table_load(model: CostModel, table: Table, p: TablePlacement) -> tuple[np.ndarray, np.ndarray]:
     """What one table adds to each rank's seconds and bytes (as `stats.evaluate` counts them)."""
     world = model.topology.world_size
-    shards = _shards(p, table, world)
+    shards = shards_of(p, table, world)
     kind = p.sharding_type
     k = 1.0 if kind is _T.DATA_PARALLEL else float(len(shards))
     arrays = TableArrays.of([table]).take(np.zeros(len(shards), dtype=int))
@@ -240,8 +157,8 @@ def _relabel(fresh: list[TablePlacement], old: list[TablePlacement], tables: lis
     for t, a, b in zip(tables, old, fresh):
         if a.sharding_type is _T.DATA_PARALLEL or b.sharding_type is _T.DATA_PARALLEL:
             continue  # a replica is on every rank: no renaming changes what it keeps
-        for n in _shards(b, t, world):
-            for s in _shards(a, t, world):
+        for n in shards_of(b, t, world):
+            for s in shards_of(a, t, world):
                 rows = min(s.row_offset + s.num_rows, n.row_offset + n.num_rows) - max(s.row_offset, n.row_offset)
                 cols = min(s.col_offset + s.num_cols, n.col_offset + n.num_cols) - max(s.col_offset, n.col_offset)
                 if rows > 0 and cols > 0:
@@ -261,7 +178,7 @@ def _relabel(fresh: list[TablePlacement], old: list[TablePlacement], tables: lis
         ranks = [int(perm[r]) for r in p.ranks]
         if p.sharding_type in (_T.ROW_WISE, _T.TABLE_ROW_WISE):
             # row blocks go out by rank: keep ranks increasing, each with its own row count
-            sizes = p.sizes or tuple(s.num_rows for s in _shards(p, t, world))
+            sizes = p.sizes or tuple(s.num_rows for s in shards_of(p, t, world))
             pairs = sorted(zip(ranks, sizes))
             ranks, sizes2 = [r for r, _ in pairs], tuple(s for _, s in pairs)
             out.append(TablePlacement(p.sharding_type, tuple(ranks),
@@ -406,9 +323,9 @@ def table_set_as_modules(table_set) -> dict[str, list[Table]]:
 def _refused(a: TablePlacement, b: TablePlacement, optimizer: Optimizer,
              statistic: ColumnWiseStatistic) -> bool:  # fmt: skip
     """Whether `modular.reshard` refuses this change (a per-piece row statistic re-cut)."""
-    if not _per_piece(a, optimizer, statistic):
+    if not per_piece_statistic(a, optimizer, statistic):
         return False
-    return not _per_piece(b, optimizer, statistic) or (a.sizes, len(a.ranks)) != (b.sizes, len(b.ranks))
+    return not per_piece_statistic(b, optimizer, statistic) or (a.sizes, len(a.ranks)) != (b.sizes, len(b.ranks))
 
 
 def _relocations(i: int, p: TablePlacement, rank: int, load: np.ndarray, host: int,

@@ -20,7 +20,8 @@ from planners.model_tables import (
 )  # fmt: skip
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import Replicas, ReplicaSync, group_topology
-from planners.types import PlanError, ShardingPlan, ShardingType, check_one_host
+from planners.types import PlanError, ShardingPlan, ShardingType
+from planners.validate import check_placements, validate_plan
 
 __all__ = [
     "PlanStats", "RankStats", "ShardStats", "TableStats", "format_seconds", "plan_stats", "plural",
@@ -345,42 +346,6 @@ def _defaults_used(topology: Topology) -> list[str]:
     return [text for name, text, value in _DEFAULTS if getattr(topology, name) == value]
 
 
-def validate_plan(
-    plan: ShardingPlan, tables: TablesLike, topology: Topology, *, module_fqn: str = ""
-) -> None:
-    """Raises PlanError unless `plan` places every table exactly once on this topology.
-
-        validate_plan(plan, tables, Topology(8))   # tables: as `plan` takes them, or a model
-
-    Checks: world sizes agree; every table has a placement and the plan has no others; shards
-    cover every row and column exactly (TablePlacement.shards); table-row-wise stays on a host.
-    """
-    _validate(plan, as_table_set(tables, module_fqn), topology)
-
-
-def _validate(plan: ShardingPlan, table_set: TableSet, topology: Topology) -> None:
-    if plan.world_size != topology.world_size:
-        raise PlanError(
-            f"the plan is for {plan.world_size} ranks but the topology has "
-            f"{topology.world_size}; plan again for this world size"
-        )
-    expected = {(fqn, t.name) for fqn, t in table_set}
-    for fqn, tables in plan.modules.items():
-        for name in tables:
-            if (fqn, name) not in expected:
-                raise PlanError(
-                    f"the plan places table {display_name(fqn, name)!r}, which is not among "
-                    "the tables given; pass the tables the plan was made for"
-                )
-    for fqn, table in table_set:
-        placement = plan.placement(fqn, table.name)
-        where = f"table {display_name(fqn, table.name)!r}"
-        placement.shards(num_embeddings=table.num_embeddings, embedding_dim=table.embedding_dim,
-                         world_size=topology.world_size, table=where)  # fmt: skip
-        if placement.sharding_type is ShardingType.TABLE_ROW_WISE:
-            check_one_host(placement.ranks, int(topology.ranks_per_host or 1), where)
-
-
 def evaluate(
     plan: ShardingPlan, table_set: TableSet, model: CostModel
 ) -> tuple[np.ndarray, np.ndarray, list[list[tuple[str, float]]], list[list[ShardStats]]]:
@@ -488,7 +453,7 @@ def stats_for(
 ) -> PlanStats:
     """`plan_stats` for callers that already hold the flattened tables and the bound."""
     topology = model.topology
-    _validate(plan, table_set, topology)
+    check_placements(plan, table_set, topology)
     comp, mem, held, per_table = evaluate(plan, table_set, model)
     ranks = tuple(
         RankStats(

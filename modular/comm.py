@@ -298,6 +298,16 @@ def broadcast(
     ) if group is not None else dist.broadcast(hand(tensor), src=src, async_op=True))  # fmt: skip
 
 
+def send(tensor: torch.Tensor, *, dst: int, group: Optional[ProcessGroup], what: str) -> None:
+    """Point-to-point send of `tensor` to `dst`, a rank of `group`."""
+    _collective(what, group, tensor, lambda hand: dist.isend(hand(tensor), group=group, group_dst=dst))
+
+
+def recv(tensor: torch.Tensor, *, src: int, group: Optional[ProcessGroup], what: str) -> None:
+    """Point-to-point receive into `tensor` from `src`, a rank of `group`."""
+    _collective(what, group, tensor, lambda hand: dist.irecv(hand(tensor), group=group, group_src=src))
+
+
 def all_gather_padded(
     pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device
 ) -> torch.Tensor:

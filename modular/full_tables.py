@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from modular.collection import ShardedCollectionModule
-from modular.comm import broadcast, collective_device
+from modular.comm import broadcast, collective_device, recv, send
 from modular.errors import ShardingError
 from modular.sharded_types import tables_name
 from modular.sharding import sharded_modules
@@ -224,10 +224,10 @@ class _Held:
                 region.copy_(mine)
             elif spec.rank == self.rank:
                 piece = mine.detach().contiguous().to(self.comm_device)
-                dist.send(piece, group=self.group, group_dst=0)
+                send(piece, dst=0, group=self.group, what="unshard's send of a shard to rank 0")
             elif self.rank == 0:
                 buf = self._buffer(region, spec)
-                dist.recv(buf, group=self.group, group_src=spec.rank)
+                recv(buf, src=spec.rank, group=self.group, what=f"unshard's receive of a shard of {spec.rank}")
                 if buf is not region:
                     region.copy_(buf)
             return
@@ -321,13 +321,13 @@ class _Held:
             mine.detach().copy_(_region(full, spec))
         elif self.rank == 0:
             piece = _region(full, spec).contiguous().to(self.comm_device)
-            dist.send(piece, group=self.group, group_dst=spec.rank)
+            send(piece, dst=spec.rank, group=self.group, what="unshard's write-back of a shard")
         elif spec.rank == self.rank:
             target = mine.detach()
             buf = target
             if target.device != self.comm_device:
                 buf = torch.empty_like(target, device=self.comm_device)
-            dist.recv(buf, group=self.group, group_src=0)
+            recv(buf, src=0, group=self.group, what="unshard's write-back of a shard")
             if buf is not target:
                 target.copy_(buf)
 

@@ -29,7 +29,7 @@ from tests.modular.fused_reference import FUSED_LR, fused_ebc
 
 HOLD_S = 0.05
 # Every torch collective modular's comm.py calls.
-_TORCH_COLLECTIVES = ("all_to_all_single", "all_gather_single", "all_reduce")
+_TORCH_COLLECTIVES = ("all_to_all_single", "all_gather_single", "all_reduce", "broadcast", "isend", "irecv")
 
 
 class _LateGloo:
@@ -109,13 +109,25 @@ def _each_collective() -> list[str]:
         comm.all_reduce(total, group=None, what="a test all-reduce")
         check("all_reduce")
         assert total.tolist() == [world * (world + 1) / 2] * 3, total
+        shared = torch.full((2,), float(rank))
+        comm.broadcast(shared, src=world - 1, group=None, what="a test broadcast")
+        check("broadcast")
+        assert shared.tolist() == [float(world - 1)] * 2, shared
+        piece = torch.full((3,), 5.0 + rank)
+        if rank == 0:
+            comm.send(piece, dst=1, group=None, what="a test send")
+            check("send")
+        elif rank == 1:
+            comm.recv(piece, src=0, group=None, what="a test receive")
+            check("recv")
+            assert piece.tolist() == [5.0] * 3, piece
         pooled = torch.arange(4, dtype=torch.float32, requires_grad=True)
         moved = comm.pooled_all_to_all(pooled, input_splits=[2, 2], output_splits=[2, 2], group=None, grad_scale=0.5)
         check("pooled_all_to_all (forward)")
         moved.sum().backward()
         check("pooled_all_to_all (backward)")
         assert pooled.grad.tolist() == [0.5] * 4, pooled.grad
-    assert late.calls == 8, late.calls  # the stand-in saw every collective
+    assert late.calls == 10, late.calls  # the stand-in saw every collective
     return early
 
 

@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from modular.errors import InputError
 from modular.routing.checks import BatchChecks, Problem, Rejection
 from modular.routing.permute import Permutation, permute
-from modular.routing.variable_batch import bag_positions, permute_bags, strides_of
+from modular.routing.variable_batch import bag_positions, permute_bags, segment_sums, strides_of
 from modular.tables.layout import ROW_SPLIT, Layout
 
 
@@ -323,12 +323,15 @@ class Router(BatchChecks):
                 self._route_source, s_lengths, s_values, s_weights,
                 s_values.numel() if self._route_source_is_permutation else None,
             )
-        per_route = r_lengths.sum(1)
+        return self._routed(r_lengths.reshape(-1), r_values, r_weights, r_lengths.sum(1))
+
+    def _routed(self, lengths, values, weights, per_route: torch.Tensor) -> Routed:
+        """`Routed` of ids in route order, with each rank's count from each route's."""
         cumulative = torch.cat([per_route.new_zeros(1), torch.cumsum(per_route, 0)])
         return Routed(
-            lengths=r_lengths.reshape(-1),
-            values=r_values,
-            weights=r_weights,
+            lengths=lengths,
+            values=values,
+            weights=weights,
             counts=torch.diff(cumulative[self.rank_route_ends]),
         )
 
@@ -361,13 +364,4 @@ class Router(BatchChecks):
         route_bags = counts[self._source_list]
         at = bag_positions((torch.cumsum(counts, 0) - counts)[self._source_list], route_bags)
         r_lengths, r_values, r_weights = permute_bags(at, s_lengths, s_values, s_weights)
-        ends = torch.cumsum(route_bags, 0).to(r_lengths.device)
-        summed = torch.cat([r_lengths.new_zeros(1), torch.cumsum(r_lengths, 0)])
-        per_route = summed[ends] - summed[ends - route_bags.to(r_lengths.device)]
-        cumulative = torch.cat([per_route.new_zeros(1), torch.cumsum(per_route, 0)])
-        return Routed(
-            lengths=r_lengths,
-            values=r_values,
-            weights=r_weights,
-            counts=torch.diff(cumulative[self.rank_route_ends]),
-        )
+        return self._routed(r_lengths, r_values, r_weights, segment_sums(r_lengths, route_bags))

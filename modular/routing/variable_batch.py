@@ -125,13 +125,20 @@ def select_features(
     )  # fmt: skip
 
 
+def segment_sums(lengths: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+    """The ids of consecutive segments of `bags[i]` bags each (the lengths of a feature, or of
+    a route, whose bag counts differ)."""
+    bags = bags.to(lengths.device)
+    ends = torch.cumsum(bags, 0)
+    summed = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    return summed[ends] - summed[ends - bags]
+
+
 def ids_per_feature(lengths: torch.Tensor, features: int, bags) -> torch.Tensor:
     """Each feature's ids; `bags`: the batch size, or each feature's own bag count."""
     if isinstance(bags, int):
         return lengths.view(features, bags).sum(1)
-    ends = torch.cumsum(torch.tensor(bags, device=lengths.device), 0)
-    summed = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-    return summed[ends] - summed[torch.cat([ends.new_zeros(1), ends[:-1]])]
+    return segment_sums(lengths, torch.tensor(bags, dtype=torch.int64))
 
 
 def check_variable_batch(kjt: KeyedJaggedTensor, features: tuple[str, ...], module: str) -> Optional[str]:

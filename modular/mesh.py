@@ -91,7 +91,7 @@ def resolve_mesh(
         )
     replicas = Replicas(
         group=mesh.get_group("replicate"), size=mesh.size(0),
-        index=mesh.get_local_rank("replicate"), sync=replica_sync,
+        index=mesh.get_local_rank("replicate"), sync=replica_sync, mesh=mesh,
     )  # fmt: skip
     return MeshGroups(mesh.get_group("shard"), replicas, None, described), None
 

@@ -228,7 +228,7 @@ def _dtensor_state(
     )
     return dtensor_from_pieces(
         local, form.shape(table, len(pieces)), group=at.group, device=at.device,
-        column_wise=column_wise,
+        column_wise=column_wise, replicas=at.replicas,
     )  # fmt: skip
 
 

@@ -9,9 +9,14 @@ form for unevenly sharded embedding weights, which DCP saves and loads chunk by 
 ShardedTensor, with no deprecation warning. Both hold the same tensors (aliasing the kernels'
 weights) under the same FQN and global shape; a checkpoint of one loads into the other because
 DCP sees the same chunks. The DTensor's placements say only which dimension is cut (`Shard(1)`
-for column-wise tables, `Shard(0)` otherwise); the split itself is the plan's, which DTensor's
-own even split cannot express, so ops that redistribute (`full_tensor()`) are not for these
-tensors: use `modular.unshard` or `modular.checkpoint.export`. Data-parallel tables are plain
+for column-wise tables, `Shard(0)` otherwise; a table-wise table is `Shard(0)` too, its one
+holder's shard the whole table and every other rank's an empty placeholder); the split itself is
+the plan's, which DTensor's own even split cannot express, so ops that redistribute
+(`full_tensor()`) are not for these tensors: use `modular.unshard` or `modular.checkpoint.export`.
+In 2D (`shard(..., mesh=mesh)`, docs/design.md) the DTensor spans the whole ("replicate",
+"shard") mesh with `Replicate()` on "replicate" before that placement, as TorchRec's 2D tables
+do: each replica group's ranks hold the same pieces, and the pieces (and so DCP's chunks) are the
+1D ones. The shard dim is the mesh's last in both (`_group`). Data-parallel tables are plain
 replicas in both forms. Code that reads either goes through `is_sharded`, `local_pieces`,
 `global_pieces` and `laid_out_like` here.
 """
@@ -29,12 +34,13 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as STShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from modular.errors import ShardingError
 from modular.tables.deprecation import quiet_sharded_tensor
+from modular.tables.replicas import Replicas
 
 __all__ = [
     "Piece",
@@ -132,7 +138,10 @@ def dtype_of(t: torch.Tensor) -> torch.dtype:
 
 
 def _group(t: torch.Tensor) -> Optional[ProcessGroup]:
-    return t._process_group if isinstance(t, ShardedTensor) else t.device_mesh.get_group()
+    """The group whose ranks hold `t`'s pieces: a DTensor's is its mesh's last dim ("shard")."""
+    if isinstance(t, ShardedTensor):
+        return t._process_group
+    return t.device_mesh.get_group(t.device_mesh.ndim - 1)
 
 
 def global_pieces(t: torch.Tensor) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
@@ -162,21 +171,38 @@ def dtensor_from_pieces(
     group: Optional[ProcessGroup],
     device: torch.device,
     column_wise: bool = False,
+    replicas: Optional[Replicas] = None,
 ) -> DTensor:
-    """A table's DTensor (Note [table tensor types]) from this rank's shards, no collective."""
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    """A table's DTensor (Note [table tensor types]) from this rank's shards, no collective: over
+    `group`'s 1-D mesh, or in 2D (`replicas` given) over the replica axis' 2D mesh."""
+    if replicas is not None:
+        mesh = replicas.mesh
+    else:
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    return _dtensor(pieces, size, mesh=mesh, device=device, column_wise=column_wise)
+
+
+def _dtensor(
+    pieces: Sequence[tuple[tuple[int, ...], torch.Tensor]],
+    size: tuple[int, ...],
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    column_wise: bool,
+) -> DTensor:
     if pieces:
         wrapper = _TableShards([t for _, t in pieces], [tuple(o) for o, _ in pieces])
     else:  # one empty shard keeps the chunk's rank equal to the tensor's for DCP
         empty = torch.empty((0,) * len(size), device=device)
         wrapper = _TableShards([empty], [(0,) * len(size)])
     placement = Shard(1) if column_wise and len(size) > 1 else Shard(0)
+    placements = (Replicate(),) * (mesh.ndim - 1) + (placement,)  # "replicate" before "shard"
     dtype = pieces[0][1].dtype if pieces else torch.float32
     meta = TensorMeta(torch.Size(size), torch.empty(size, device="meta").stride(), dtype)
     # Built directly rather than by `DTensor.from_local`, whose autograd view would replace the
     # shards by views of them: the wrapper must hold the kernels' own tensors (ShardViews with
     # their gradients, Note [dense gradient buffer]).
-    spec = DTensorSpec(mesh, (placement,), tensor_meta=meta)
+    spec = DTensorSpec(mesh, placements, tensor_meta=meta)
     return DTensor(wrapper, spec, requires_grad=False)
 
 
@@ -198,9 +224,8 @@ def laid_out_like(
                 shards, meta, process_group=t._process_group
             )
     offsets = [p.offsets for p in local_pieces(t)]
-    column_wise = isinstance(t.placements[0], Shard) and t.placements[0].dim == 1
-    device = t._local_tensor.device
-    return dtensor_from_pieces(
+    column_wise = isinstance(t.placements[-1], Shard) and t.placements[-1].dim == 1
+    return _dtensor(
         [(o, x.detach()) for o, x in zip(offsets, tensors)], global_size(t),
-        group=_group(t), device=device, column_wise=column_wise,
+        mesh=t.device_mesh, device=t._local_tensor.device, column_wise=column_wise,
     )  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from modular.comm import broadcast
 
@@ -47,12 +48,14 @@ class ReplicaSync(enum.Enum):
 @dataclass(frozen=True)
 class Replicas:
     """This rank's replica axis: the group of ranks holding the same shards as this one (one per
-    replica group, in replica order), its size and this rank's index in it."""
+    replica group, in replica order), its size and this rank's index in it, and the 2D mesh
+    ("replicate", "shard") that DTensor tables span (Note [table tensor types])."""
 
     group: Optional[ProcessGroup]
     size: int
     index: int
     sync: ReplicaSync = ReplicaSync.EXACT
+    mesh: Optional[DeviceMesh] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.size:

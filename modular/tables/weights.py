@@ -206,6 +206,7 @@ def table_weight(
         return dtensor_from_pieces(
             mine, (table.num_embeddings, table.embedding_dim), group=at.group,
             device=at.device, column_wise=sharding is ShardingType.COLUMN_WISE,
+            replicas=at.replicas,
         )  # fmt: skip
     local = []
     for j, spec in enumerate(layout.shards[t]):

@@ -280,6 +280,9 @@ class CostModel:
         if kind is not ShardingType.DATA_PARALLEL:  # the low-precision copies (Note [wire copies])
             memory = memory + np.where(seq, 0.0, 2 * bags_out * out_cols * self.wire_bytes)
         input_dist, output_dist, grad_sync, stat_exchange = zero, zero, zero, zero
+        # Under exact replicas a copy's update runs on every group's batch (Note [pricing replica
+        # groups]), the column pieces' statistics exchange included.
+        merged = self.replicas.count if self.replicas is not None and self.replicas.per_step else 1
         if kind is ShardingType.COLUMN_WISE and self.exact_column_statistic:
             # Column pieces of one table (k > 1) under row-wise Adagrad, exact: the row's
             # statistic is the mean of g**2 over all its columns, so each piece runs its backward
@@ -292,7 +295,7 @@ class CostModel:
             bwd = bwd + piece * bwd
             memory = memory + piece * rows * state
             bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
-            stat_exchange = piece * ids_in * STAT_BYTES / bw + zero
+            stat_exchange = piece * merged * ids_in * STAT_BYTES / bw + zero
         if kind is ShardingType.DATA_PARALLEL:
             # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
             # steps over the whole table (read gradient, read and write weights and state).
@@ -321,7 +324,10 @@ class CostModel:
             # Note [pricing replica groups]: the other groups' lookup batches gathered and
             # replayed through this copy's backward.
             peers = self.replicas.count - 1
-            held = ids_in * held_id_bytes + bags_out * 4 + bags_out * out_cols * OUTPUT_BYTES
+            length_bytes = ID_BYTES if kind is ShardingType.DATA_PARALLEL else np.where(
+                t.rows <= INT32_ROWS, WIRE_ID_BYTES, ID_BYTES)  # bag lengths in the ids' dtype
+            held = (ids_in * held_id_bytes + bags_out * length_bytes
+                    + bags_out * out_cols * OUTPUT_BYTES)  # fmt: skip
             beta = self.replicas.beta(topo.intra_host_bandwidth, topo.cross_host_bandwidth)
             replica_sync = held * beta + zero  # beta: one byte from each of the peers
             memory = memory + peers * held

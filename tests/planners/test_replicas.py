@@ -12,7 +12,7 @@ import planners
 from planners import PlanError, ShardingPlan, ShardingType, Table, TablePlacement, Topology
 from planners.__main__ import main
 from planners.cost import OUTPUT_BYTES, CostModel, TableArrays
-from planners.replicas import ReplicaSync, group_topology
+from planners.replicas import ReplicaSync, group_topology, synced_bytes
 from tests.planners.helpers import synthetic
 
 BATCH = 256
@@ -139,3 +139,70 @@ def test_cli_replicas(tmp_path, capsys):
     assert main(["plan", str(tables), "--world-size", "8", "--batch-size", "128",
                  "--replicas", "3"]) == 2  # fmt: skip
     assert "not divisible by replicas 3" in capsys.readouterr().err
+
+
+# Bytes each rank received over its replica group in one exact step, counted by
+#   benchmarks/step_2d.py --tables 4 --rows 1000 --dim 16 --batch 8 --pooling 2
+# (world 4 as 2 x 2, fused exact row-wise Adagrad; its "counted / priced" lines), per shard rank
+# (ranks 2 and 3 received what ranks 0 and 1 did). Row-wise is left out: its shards' id counts
+# vary with the batch and each gather pads to the longest replica's.
+COUNTED = {
+    "table_wise": (2456, 2456),
+    "column_wise": (2840, 2840),
+    "data_parallel": (2840, 2840),
+    "mixed": (1968, 3184),  # rank 0: t0's column piece, t2; rank 1: the other piece, t1, t3
+}
+KERNELS = {"table_wise": 1, "column_wise": 1, "data_parallel": 1, "mixed": 2}
+# ... and what one periodic `modular.sync_replicas` call received there, on the rank receiving most
+# (the footnote of its table): every shard and its row-wise Adagrad state, fp32.
+SYNC_COUNTED = {"table_wise": 136_000, "row_wise": 136_000, "column_wise": 144_000,
+                "data_parallel": 272_000, "mixed": 172_000}  # fmt: skip
+COUNTS_BYTES = 24  # per kernel and peer, unpriced: a replica's (bags, ids, rows), 3 int64
+
+
+def _benchmark_plan(kind: str) -> ShardingPlan:
+    """benchmarks/_common.py's `our_plan` of 4 tables on a shard group of 2 ranks."""
+    if kind == "mixed":
+        placements = {"t0": TablePlacement(ShardingType.COLUMN_WISE, (0, 1))}
+        placements |= {f"t{i}": TablePlacement(ShardingType.TABLE_WISE, (i % 2,)) for i in (1, 2, 3)}
+    else:
+        sharding = ShardingType.parse(kind)
+        placements = {
+            f"t{i}": TablePlacement(sharding) if sharding is ShardingType.DATA_PARALLEL
+            else TablePlacement(sharding, (i % 2,) if sharding is ShardingType.TABLE_WISE else (0, 1))
+            for i in range(4)
+        }  # fmt: skip
+    return ShardingPlan(2, {"ebc": placements})
+
+
+def test_priced_bytes_are_the_bytes_modular_sends():
+    """Priced on links of 1 byte/s, seconds are bytes received per rank. Exact: equal, for each
+    plan of the benchmark's config, to what modular's replay gathers moved (less their small
+    counts header, which the planner leaves out); column pieces exchange row statistics for
+    every replica group's ids (R times a group's), periodic for its own. Periodic: one
+    `sync_replicas` call priced apart, equal to what the benchmark counted."""
+    tables = [Table(f"t{i}", 1000, 16, features=(f"f{i}",), pooling_factor=2.0) for i in range(4)]
+    unit = Topology(4, ranks_per_host=4, intra_host_bandwidth=1.0, cross_host_bandwidth=1.0)
+    for kind, counted in COUNTED.items():
+        stats = planners.plan_stats(_benchmark_plan(kind), tables, unit, batch_size=8,
+                                    module_fqn="ebc", replicas=2)  # fmt: skip
+        priced = [r.replica_sync for r in stats.ranks]
+        assert priced == [c - KERNELS[kind] * COUNTS_BYTES for c in counted], kind
+    _, layout = group_topology(unit, 2, "periodic")
+    for kind, counted in SYNC_COUNTED.items():
+        held = max(synced_bytes(_benchmark_plan(kind), tables, module_fqn="ebc"))
+        assert layout.sync_seconds(held, 1.0, 1.0) == counted, kind
+    # a ring over 4 replica groups of 2 ranks receives 2 x 3/4 of it, at the NIC's pace unless
+    # all 4 share a host
+    _, across = group_topology(Topology(8, ranks_per_host=4), 4, "periodic")
+    assert across.sync_seconds(1000.0, 450e9, 25e9) == pytest.approx(1.5 * 1000.0 / 25e9)
+    _, one_host = group_topology(Topology(8, ranks_per_host=8), 4, "periodic")
+    assert one_host.sync_seconds(1000.0, 450e9, 25e9) == pytest.approx(1.5 * 1000.0 / 450e9)
+    plan = _benchmark_plan("column_wise")
+    exact, periodic = (
+        planners.plan_stats(plan, tables, Topology(8, ranks_per_host=8), batch_size=8,
+                            module_fqn="ebc", replicas=4, replica_sync=sync)
+        for sync in ("exact", "periodic")
+    )  # fmt: skip
+    assert exact.ranks[0].stat_exchange == pytest.approx(4 * periodic.ranks[0].stat_exchange)
+    assert periodic.ranks[0].stat_exchange > 0

@@ -12,7 +12,8 @@ DCP sees the same chunks. The DTensor's placements say only which dimension is c
 for column-wise tables, `Shard(0)` otherwise; a table-wise table is `Shard(0)` too, its one
 holder's shard the whole table and every other rank's an empty placeholder); the split itself is
 the plan's, which DTensor's own even split cannot express, so ops that redistribute
-(`full_tensor()`) are not for these tensors: use `modular.unshard` or `modular.checkpoint.export`.
+(`full_tensor()`) raise `ShardingError` on every rank, before any collective (`_TableShards`):
+use `modular.unshard` or `modular.checkpoint.export`.
 In 2D (`shard(..., mesh=mesh)`, docs/design.md) the DTensor spans the whole ("replicate",
 "shard") mesh with `Replicate()` on "replicate" before that placement, as TorchRec's 2D tables
 do: each replica group's ranks hold the same pieces, and the pieces (and so DCP's chunks) are the
@@ -83,11 +84,31 @@ class Piece(NamedTuple):
     tensor: torch.Tensor
 
 
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
 class _TableShards(LocalShardsWrapper):
     """A LocalShardsWrapper whose `detach()` returns a new wrapper: torch 2.13's detaches in
     place, swapping its shards for detached copies, so a `state_dict()` (which detaches every
     parameter) would cut the table off from the kernels' tensors (ShardViews and their
     gradients) that the optimizer holds."""
+
+    # Note [table tensor types]: DTensor's redistribute (`full_tensor()`) pads this rank's local
+    # tensor to an even chunk and all-gathers it in mesh order, which the plan's split is not.
+    # Refused at either op, before any collective: every rank reaches one of them.
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.constant_pad_nd.default, _ALL_GATHER):
+            shards = zip(args[0].local_offsets(), args[0].local_shards())
+            pieces = [(tuple(o), tuple(t.shape)) for o, t in shards if t.numel() > 0]
+            raise ShardingError(
+                "full_tensor() / redistribute of a table DTensor (this rank's pieces, offsets and "
+                f"sizes: {pieces}): its shards are the plan's, not DTensor's even split, so "
+                "DTensor cannot gather them. Gather tables with modular.unshard(model) or "
+                "modular.checkpoint.export(model, rank=...); read this rank's pieces with "
+                "modular.tables.forms.local_pieces"
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     @staticmethod
     def handle_detach(args, kwargs) -> LocalShardsWrapper:

@@ -22,29 +22,40 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     pieces (each keeps the whole row's statistic, Note [row statistics across column shards]);
     column_wise_statistic="per_shard" pieces keep their own, which only the same columns take
     (another cut is refused naming the table). The Adam family's step count is the module's.
-  * Move. Every rank packs the blocks it sends into one buffer per dtype (the table dtypes, and
-    FP32 for the state), joins one small agreement (a rank that failed to pack, e.g. out of
-    memory, raises on every rank before the exchange), then one `all_to_all_single` per dtype
-    with element splits (gloo has no uneven all_to_all) moves them; the send buffers are freed
-    before anything is built.
   * Build. Each new module is built by the class `shard` uses, on the new `RankLayout`, with
     the old module's options; in place of shard init (which would copy or re-initialise every
-    shard and broadcast the replicas) its shards are filled from the received and kept blocks
-    (`lifecycle.set_shard_fill`, taken by `init_shards`), followed by an agreement, since the
-    tables' ShardedTensors are made collectively next. The optimizer state is written once the
-    module is built, and a last agreement says every rank has built every module.
-  * Swap. Only then are the old modules replaced, at every name they are registered under, and
-    their tensors retired (Note [lifecycle state]): an optimizer over the old `local_parameters`
-    raises at its next step, naming reshard. A failure before the swap raises on every rank
-    (ShardingError naming the rank, or CollectiveError for a peer that died: Note [a failed
-    peer]) and leaves every old module as it was; the old modules are only read.
+    shard and broadcast the replicas) its shards are left to the blocks
+    (`lifecycle.set_shard_fill`, taken by `init_shards`), and their buffers take memory only as
+    blocks are written into them (Note [reshard memory] in memory.py). The tables'
+    ShardedTensors are made collectively here, before anything moves.
+  * Move. The blocks that change rank are cut by rows into rounds (`exchange.rounds`), one dtype
+    each (the table dtypes, and FP32 for the state): per round every rank packs what it sends,
+    joins one small agreement (a rank that failed to pack, e.g. out of memory, or to write an
+    earlier round, raises on every rank before the next collective), then one
+    `all_to_all_single` with element splits (gloo has no uneven all_to_all) moves them and each
+    rank writes what it received into its new shards. Between two ranks a round carries at most
+    the smaller of their largest moved blocks over 2 x (world - 1) bytes (within 1-64 MiB, and
+    at least one row), so one round's send and receive buffers together hold at most a rank's
+    largest moved block. The Adam family's step count is copied.
+  * Commit. A last agreement says that every rank has written every block it receives. Until
+    here the old modules were only read: a failure raises on every rank (ShardingError naming
+    the rank and what it was doing, or CollectiveError for a peer that died: Note [a failed
+    peer]) and leaves every old module as it was.
+  * Keep. Each rank copies the blocks it keeps from its old shards into the new ones, in row
+    chunks, giving each chunk of an old shard back to the OS once copied, and old shards that
+    were sent away whole (Note [reshard memory]). Only local copies are left, which nothing but
+    a bug or the process dying can fail; if one does, that rank raises ShardingError saying its
+    old shards are partly given back (read as zeros) and that the last checkpoint must be loaded,
+    while the other ranks go on with the new plan.
+  * Swap. The old modules are replaced, at every name they are registered under, and their
+    tensors retired (Note [lifecycle state]): an optimizer over the old `local_parameters`
+    raises at its next step, naming reshard.
 
-Memory: each rank holds, beside the old modules, its send and receive buffers (the bytes it
-sends and receives) and the new modules' shards, which are new kernels' buffers (fbgemm's kernels
-own their flat buffers, so a shard that stays is copied once into the new kernel rather than
-shared); no full table is ever made. docs/benchmarks.md measures it against checkpoint save and
-load. Optimizer state of torch optimizers (unfused tables) does not move: they are rebuilt. A
-prefetched batch of a rebuilt module is dropped with the old module's prefetcher (Note
+Memory: beside its old shards a rank holds at most the bytes it receives plus the larger of one
+round's buffers (at most its largest moved block, unless the 1 MiB floor is more) and one kept
+chunk (4 MiB), on CPU under Linux (Note [reshard memory]); no full table is ever made.
+docs/benchmarks.md measures it against checkpoint save and load. Optimizer state of torch
+optimizers (unfused tables) does not move: they are rebuilt. A prefetched batch of a rebuilt module is dropped with the old module's prefetcher (Note
 [prefetched input dist]). Gradients of unfused tables are not moved either: reshard between a
 step's `optimizer.step()` and the next forward.
 """

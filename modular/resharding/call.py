@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -13,8 +12,9 @@ from torch.distributed import ProcessGroup
 from modular import lifecycle
 from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
-from modular.resharding.exchange import agree, exchange, pack, plan_traffic
-from modular.resharding.moves import WEIGHT, Item, ModuleMove
+from modular.resharding.exchange import agree, exchange, pack, plan_traffic, rounds
+from modular.resharding.memory import uncommitted
+from modular.resharding.moves import Item, ModuleMove, keep
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
 from modular.sharding import agree_on_plan, resolve_placements, retire_tables
 from modular.tables.layout import RankLayout
@@ -100,76 +100,70 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
 
 
 def _build(moves: list[ModuleMove], group: Optional[ProcessGroup]) -> list[nn.Module]:
-    """The new modules, filled from the old ones and the blocks that arrive (collective)."""
-    items: list[Item] = [item for move in moves for item in move.items]
+    """The new modules, filled from the old ones and the blocks that arrive (collective). Past
+    the last agreement here the old modules' shards are given back as they are copied (Note
+    [reshard memory] in memory.py): the caller swaps the new modules in straight after."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    readers = [move.reader() for move in moves]
-    traffic = plan_traffic(items, rank, world)
-    device = moves[0].at.device
-    sends, failure = [], None
-    try:
-        sends = [pack(t, items, lambda it: readers[it.module].read(it), device) for t in traffic]
-    except Exception as e:  # out of memory, say: every rank must hear it before the exchange
-        failure = e
-    agree(failure, "while packing the blocks it sends", group)
-    received: dict[int, torch.Tensor] = {}
-    for t in traffic:
-        received.update(exchange(t, items, sends.pop(0), group))
-    ranges, start = [], 0
-    for move in moves:
-        ranges.append(range(start, start + len(move.items)))
-        start += len(move.items)
     built = []
-    for move, mine in zip(moves, ranges):
+    for move in moves:  # shards that take pages only as blocks are written into them
         old = move.old
-
-        def fill(views: dict, move=move, mine=mine) -> None:
-            _fill(move, mine, items, received, readers[move.index], move.writer(views), rank)
-
-        lifecycle.set_shard_fill(move.at, fill)  # taken by the shard init it replaces
+        lifecycle.set_shard_fill(move.at, _filled_below)  # taken by the shard init it replaces
         try:
-            built.append(
-                sharded_class(old.kind)(
-                    old, move.at, fused=old.fused, output_dtype=old.output_dtype,
-                    comm_dtype=old.comm_dtype, tensor_type=old.tensor_type,
-                )  # fmt: skip
-            )
+            with uncommitted(move.at.device):
+                built.append(
+                    sharded_class(old.kind)(
+                        old, move.at, fused=old.fused, output_dtype=old.output_dtype,
+                        comm_dtype=old.comm_dtype, tensor_type=old.tensor_type,
+                    )  # fmt: skip
+                )
         finally:
             lifecycle.take_shard_fill(move.at)  # forgotten, also where the build failed first
-    failure = None
-    try:
-        for move, mine, new in zip(moves, ranges, built):
-            if new.fused_tables is None:
-                continue
-            writer = move.writer({}, new.fused_tables.states())
-            for name in move.state_names:
-                _write(move, mine, items, received, readers[move.index], writer, name, rank)
+    readers = [move.reader() for move in moves]
+    writers = [
+        move.writer(new.local_shard_views(), None if new.fused_tables is None else new.fused_tables.states())
+        for move, new in zip(moves, built)
+    ]  # fmt: skip
+    items: list[Item] = [item for move in moves for item in move.items]
+    failure, doing = None, ""
+    device = moves[0].at.device
+    for batch in rounds(items, world):
+        (traffic,) = plan_traffic(batch, rank, world)
+        send = None
+        if failure is None:
+            try:
+                send = pack(traffic, batch, lambda it: readers[it.module].read(it), device)
+            except Exception as e:  # out of memory, say: every rank must hear it first
+                failure, doing = e, "while packing the blocks it sends"
+        agree(failure, doing, group)
+        received = exchange(traffic, batch, send, group)
+        del send  # each round's buffers go before the next round's (Note [reshard memory])
+        try:
+            for i in list(received):
+                module = batch[i].module
+                doing = f"while filling the new shards of module {moves[module].fqn!r}"
+                writers[module].write(batch[i], received.pop(i))
+        except Exception as e:
+            failure = e
+        del received
+    for move, new in zip(moves, built):
+        if new.fused_tables is not None:  # the Adam family's bias correction reads it
             new.fused_tables.steps.value = move.old.fused_tables.steps.value
-    except Exception as e:
-        failure = e
-    agree(failure, "while filling the new shards' optimizer state", group)
+    # Every rank has every block it receives: from here on the new modules replace the old ones.
+    agree(failure, doing, group)
+    try:
+        keep(moves, readers, writers, rank)
+    except Exception as e:  # only local copies are left; the other ranks go on (Note [reshard memory])
+        raise ShardingError(
+            f"modular.reshard failed on rank {rank} after every rank had received its blocks, "
+            f"while copying the blocks it keeps ({type(e).__name__}: {e}); the other ranks hold "
+            "the new plan and this rank's old shards are partly given back: load the last "
+            "checkpoint on every rank (modular.checkpoint.load into a model sharded by either plan)"
+        ) from e
     return built
 
 
-def _fill(move, mine, items, received, reader, writer, rank: int) -> None:
-    """Writes module `move`'s weight blocks into its new shards (inside its build, in place of
-    shard init), then agrees with every rank that all of them could."""
-    failure = None
-    try:
-        _write(move, mine, items, received, reader, writer, WEIGHT, rank)
-    except Exception as e:
-        failure = e
-    agree(failure, f"while filling the new shards of module {move.fqn!r}", move.at.group)
-
-
-def _write(move, mine, items, received, reader, writer, what: str, rank: int) -> None:
-    """Writes the `what` blocks of module `move` (items `mine`) that land on this rank: received
-    ones from the receive buffers, kept ones straight from the old shards."""
-    for i in mine:
-        item = items[i]
-        if item.what != what or item.block.dst != rank:
-            continue
-        writer.write(item, received[i] if item.block.moves else reader.read(item))
+def _filled_below(views: dict) -> None:
+    """In place of shard init: `_build` writes the blocks once every new module is built."""
 
 
 def _sharded_names(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:

@@ -6,6 +6,7 @@ Note [resharding in memory] (modular/resharding/__init__.py) says how they trave
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,9 +15,10 @@ from torch import nn
 
 from modular.fused.tables import FusedTables
 from modular.resharding.blocks import Block, piece_problem, row_blocks, weight_blocks
+from modular.resharding.memory import KEEP_CHUNK_BYTES, Releaser
 from modular.tables.layout import Layout, RankLayout
 
-__all__ = ["Item", "ModuleMove", "WEIGHT"]
+__all__ = ["Item", "ModuleMove", "WEIGHT", "keep"]
 
 WEIGHT = "weight"  # an item of the table's weights; any other `what` names an optimizer state
 
@@ -99,6 +101,16 @@ class _Shards:
             return tensor[rows]
         return tensor[rows, block.cols[0] - spec.col_offset : block.cols[1] - spec.col_offset]
 
+    def sources(self) -> list[tuple[str, int, int, torch.Tensor]]:
+        """Every local tensor of this module's shards: (what, table index, shard index, tensor)."""
+        out = []
+        for (name, j), view in self.views.items():
+            t = self.layout.table_index(name)
+            out.append((WEIGHT, t, j, view.detach()))
+            for what, state in self.states.get((name, j), {}).items():
+                out.append((what, t, j, state))
+        return out
+
     def read(self, item: Item) -> torch.Tensor:
         return self.region(item.what, item.block, item.block.src_shard)
 
@@ -111,3 +123,32 @@ class _Shards:
 def copy_block(target: torch.Tensor, data: torch.Tensor) -> None:
     """Writes one block into a new shard: the one write of every reshard (tests make it fail)."""
     target.copy_(data.view(target.shape))
+
+
+def keep(moves: list[ModuleMove], readers: list[_Shards], writers: list[_Shards], rank: int) -> None:
+    """Copies every block this rank keeps from the old shards into the new ones, row chunk by row
+    chunk, giving each chunk of an old shard back as soon as it is copied, and old shards that
+    were sent away whole (Note [reshard memory] in memory.py). Past the reshard's last
+    agreement only: the old shards read as zeros afterwards."""
+    sources = [(m, *s) for m, r in enumerate(readers) for s in r.sources()]
+    releaser = Releaser([tensor for *_, tensor in sources])
+    kept: dict[tuple, list[Item]] = {}
+    for move in moves:
+        for item in move.items:
+            if not item.block.moves and item.block.dst == rank:
+                key = (move.index, item.what, item.block.table, item.block.src_shard)
+                kept.setdefault(key, []).append(item)
+    for m, what, t, j, tensor in sources:
+        spec = readers[m].layout.shards[t][j]
+        row = max(1, tensor[0].numel() * tensor.element_size()) if tensor.numel() else 1
+        step = max(1, KEEP_CHUNK_BYTES // row)
+        items = kept.get((m, what, t, j), [])
+        for a in range(0, spec.num_rows, step):
+            b = min(a + step, spec.num_rows)
+            lo, hi = spec.row_offset + a, spec.row_offset + b
+            for item in items:
+                r0, r1 = max(lo, item.block.rows[0]), min(hi, item.block.rows[1])
+                if r0 < r1:
+                    part = dataclasses.replace(item, block=dataclasses.replace(item.block, rows=(r0, r1)))
+                    writers[m].write(part, readers[m].read(part))
+            releaser.release(tensor, a, b)

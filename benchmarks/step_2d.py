@@ -366,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--replicas", type=int, default=2, help="R: 2D is R x (world_size / R)")
     p.add_argument("--sync-every", type=int, default=10, help="periodic: sync_replicas every N steps")
     p.add_argument("--steps", type=int, default=30, help="timed steps per contender and plan")
-    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--blocks", type=int, default=6, help="alternating blocks the steps are split in")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-pin", action="store_true", help="let the OS move ranks between cores")
     p.add_argument("--priced", action="store_true", help="print the planner's Criteo 1TB table only")

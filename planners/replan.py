@@ -13,26 +13,35 @@ the same bytes (`move_bytes`) and returns the best plan it finds whose move fits
      a host, without changing any rank's cost: they are renamed to keep as many of its bytes
      where the old plan holds them as a greedy matching finds (not under pins or the TorchRec
      restriction, which name ranks).
-  3. If moving to that plan fits the budget (and it is faster), it is the answer: an unlimited
-     budget gives a plan as good as `plan()`'s. Otherwise a greedy search starts from the old
-     plan and moves whole tables to their place in that plan, one at a time, taking the move
-     with the largest drop of the slowest rank per moved byte (and, where no single move lowers
-     it, e.g. two ranks tie at the top, the largest drop of the sum of squared rank costs per
-     byte, never raising the slowest rank), within the budget and every rank's memory. The
-     answer is the best prefix of those moves: the slowest rank lowest, then the fewest bytes.
+  3. If moving to that plan fits the budget (and it is faster, and reshard takes every change),
+     it is the answer: an unlimited budget gives a plan as good as `plan()`'s. Otherwise a greedy
+     search starts from the old plan and changes one table at a time (planners/nearby.py):
+     to its place in that plan; its shard on the slowest rank to a less loaded rank; or cut
+     anew: part of that shard peeled onto a less loaded rank (a table-wise table becomes
+     column- or row-wise, a sharded one gets a shard more), rows or columns shifted to the
+     shard's neighbour (all of them: a shard fewer), a replica made a sharded table (which
+     moves nothing: every rank holds it) or a shard made a replica. Each step takes the
+     change with the largest drop of the slowest rank per moved byte (where none lowers it,
+     e.g. two ranks tie at the top, the ranks near the top may change too, for the largest drop
+     of the sum of squared rank costs, never raising the slowest rank), within the budget and
+     every rank's memory. A second walk ranks the changes by their drop alone (a run of cheap
+     small steps can lead the first astray). The answer is the best prefix of either walk: the
+     slowest rank lowest, then the fewest bytes.
 
-The search mixes two valid plans table by table, so its result is valid too. It does not cut a
-table anew (e.g. peel half a table off the slowest rank): a table moves to its place in the
-fresh plan or stays. A table whose column pieces each keep their own row statistic
-(`column_wise_statistic="per_shard"` under row-wise Adagrad) moves only to the same pieces,
-since `modular.reshard` refuses any other cut of them.
+Every step is priced exactly: the ranks' seconds and bytes by the cost model, the move by
+`move_bytes` from the old placement as `modular.reshard` cuts its blocks (a table changed twice
+pays once). A re-cut respects the table's constraint (types, shard counts, pinned ranks), keeps
+column pieces to multiples of 4 columns where the width allows, and stays on the host of a
+table-row-wise table. A table whose column pieces each keep their own row statistic
+(`column_wise_statistic="per_shard"` under row-wise Adagrad) takes no other cut (its pieces may
+move), since `modular.reshard` refuses one; nor does `torchrec_compatible` re-cut anything.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
@@ -42,7 +51,8 @@ from planners.inputs import (
     ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
 )  # fmt: skip
 from planners.model_tables import TablesLike, as_table_set, display_name, match_constraints
-from planners.moves import adapt_placement, move_bytes, per_piece_statistic, shards_of
+from planners.moves import adapt_placement, move_bytes, shards_of
+from planners.nearby import greedy, refused, table_load
 from planners.stats import PlanStats, format_seconds, plan_stats, plural
 from planners.types import (
     PlanError, ShardingPlan, ShardingType, TablePlacement, even_split,
@@ -129,24 +139,6 @@ class ReplanResult:
             if len(busy) > 16:
                 lines.append(f"  ... {plural(len(busy) - 16, 'more rank')}")
         return "\n".join(lines)
-
-
-def _table_load(model: CostModel, table: Table, p: TablePlacement) -> tuple[np.ndarray, np.ndarray]:
-    """What one table adds to each rank's seconds and bytes (as `stats.evaluate` counts them)."""
-    world = model.topology.world_size
-    shards = shards_of(p, table, world)
-    kind = p.sharding_type
-    k = 1.0 if kind is _T.DATA_PARALLEL else float(len(shards))
-    arrays = TableArrays.of([table]).take(np.zeros(len(shards), dtype=int))
-    rows = np.array([s.num_rows for s in shards], dtype=np.float64)
-    cols = np.array([s.num_cols for s in shards], dtype=np.float64)
-    ranks = np.array([s.rank for s in shards])
-    cost = model.shard(kind, arrays, rows, cols, k)
-    load, mem = np.zeros(world), np.zeros(world)
-    np.add.at(load, ranks, cost.total)
-    np.add.at(mem, ranks, cost.memory)
-    mem += float(np.sum(model.arrival_wire_bytes(kind, arrays, cols)))
-    return load, mem
 
 
 def _relabel(fresh: list[TablePlacement], old: list[TablePlacement], tables: list[Table],
@@ -270,17 +262,19 @@ def replan(
     mover = lambda t, a, b: move_bytes(t, a, b, world, optimizer, statistic)[0].sum()  # noqa: E731
     cost = [0 if a == b else int(mover(t, a, b)) for t, a, b in zip(plain, old, fresh)]
     base = model.batch_buffer_bytes(TableArrays.of(plain), wire=False)
-    old_top = max(sum((_table_load(model, t, p)[0] for t, p in zip(plain, old)), np.zeros(world)))
+    old_top = max(sum((table_load(model, t, p)[0] for t, p in zip(plain, old)), np.zeros(world)))
     fresh_top = fresh_result.stats.max_cost
     steps: list[tuple[int, float, float, str]] = []
-    if sum(cost) <= budget and fresh_top < old_top:
+    refuse = lambda a, b: refused(a, b, optimizer, statistic)  # noqa: E731
+    whole = not any(refuse(a, b) for a, b in zip(old, fresh))  # reshard takes all of plan()'s plan
+    if whole and sum(cost) <= budget and fresh_top < old_top:
         chosen = list(fresh)
         steps = [(i, old_top, fresh_top, "to its place in plan()'s plan, all of which fits the budget")
                  for i in range(len(old)) if old[i] != fresh[i]]  # fmt: skip
     elif budget > 0:
         pins = match_constraints(table_set, constraints, world)
-        allowed = [not _refused(old[i], fresh[i], optimizer, statistic) for i in range(len(old))]
-        chosen, steps = _greedy(old, fresh, plain, model, base, budget, mover, pins, allowed)
+        chosen, steps = greedy(old, fresh, plain, model, base, budget, mover, pins, refuse,
+                               recut=not torchrec_compatible)  # fmt: skip
     else:
         chosen = list(old)
     modules: dict[str, dict[str, TablePlacement]] = {}
@@ -318,106 +312,3 @@ def table_set_as_modules(table_set) -> dict[str, list[Table]]:
     for fqn, t in table_set:
         out.setdefault(fqn, []).append(t)
     return out
-
-
-def _refused(a: TablePlacement, b: TablePlacement, optimizer: Optimizer,
-             statistic: ColumnWiseStatistic) -> bool:  # fmt: skip
-    """Whether `modular.reshard` refuses this change (a per-piece row statistic re-cut)."""
-    if not per_piece_statistic(a, optimizer, statistic):
-        return False
-    return not per_piece_statistic(b, optimizer, statistic) or (a.sizes, len(a.ranks)) != (b.sizes, len(b.ranks))
-
-
-def _relocations(i: int, p: TablePlacement, rank: int, load: np.ndarray, host: int,
-                 pins: TableConstraint | None, width: int = 8) -> list[TablePlacement]:  # fmt: skip
-    """`p` with its shard on `rank` moved to one of the `width` least loaded ranks that may take
-    it: not holding the table already, allowed by its pins, on the same host for table-row-wise."""
-    ok = np.ones(len(load), dtype=bool)
-    ok[list(p.ranks)] = False
-    if pins is not None and pins.ranks:
-        allowed = np.zeros(len(load), dtype=bool)
-        allowed[list(pins.ranks)] = True
-        ok &= allowed
-    if p.sharding_type is _T.TABLE_ROW_WISE:
-        h = rank // host
-        ok[: h * host] = False
-        ok[(h + 1) * host:] = False
-    targets = [int(r) for r in np.flatnonzero(ok)]
-    targets.sort(key=lambda r: (load[r], r))
-    out = []
-    for r in targets[:width]:
-        ranks = tuple(r if x == rank else x for x in p.ranks)
-        sizes = p.sizes
-        if p.sharding_type in (_T.ROW_WISE, _T.TABLE_ROW_WISE) and ranks != tuple(sorted(ranks)):
-            continue  # row blocks go out by rank; a move that reorders them is not a relocation
-        out.append(TablePlacement(p.sharding_type, ranks, sizes))
-    return out
-
-
-def _greedy(
-    old: list[TablePlacement], fresh: list[TablePlacement], tables: list[Table], model: CostModel,
-    base: float, budget: float, mover, pins: Sequence[TableConstraint | None], allowed: list[bool],
-) -> tuple[list[TablePlacement], list[tuple[int, float, float, str]]]:
-    """From the old plan, moves a table to its fresh placement, or one shard of the slowest rank
-    to a least loaded rank, best gain per moved byte first (Note [a move within a budget]).
-    Returns the placements of the best prefix and its steps (table, slowest before and after,
-    why)."""
-    world, host = model.topology.world_size, int(model.topology.ranks_per_host or 1)
-    capacity = float(model.topology.capacity)
-    cur = list(old)
-    contrib = [_table_load(model, t, p) for t, p in zip(tables, cur)]
-    load = sum((c[0] for c in contrib), np.zeros(world))
-    mem = base + sum((c[1] for c in contrib), np.zeros(world))
-    spent_by = [0] * len(cur)
-    steps: list[tuple[int, TablePlacement, float, float, str]] = []
-    best_prefix, best_key = 0, (float(load.max()), 0)
-    for _ in range(4 * len(cur) + 16):
-        top = float(load.max())
-        slow = int(np.argmax(load))
-        options: list[tuple[int, TablePlacement, str]] = [
-            (i, fresh[i], "to its place in plan()'s plan") for i in range(len(cur))
-            if allowed[i] and cur[i] != fresh[i]
-        ]
-        for i, p in enumerate(cur):
-            if p.sharding_type is not _T.DATA_PARALLEL and slow in p.ranks and allowed[i]:
-                options.extend((i, q, f"off rank {slow}, the slowest")
-                               for q in _relocations(i, p, slow, load, host, pins[i]))  # fmt: skip
-        best = None
-        spent = sum(spent_by)
-        for i, q, where in options:
-            nb = int(mover(tables[i], old[i], q)) if q != old[i] else 0
-            extra = nb - spent_by[i]
-            if spent + extra > budget:
-                continue
-            c = _table_load(model, tables[i], q)
-            new_load = load - contrib[i][0] + c[0]
-            new_mem = mem - contrib[i][1] + c[1]
-            if not np.all((new_mem <= capacity) | (new_mem <= mem)):
-                continue
-            new_top = float(new_load.max())
-            per_byte = max(extra, 1)
-            if new_top < top:
-                key = (0, -(top - new_top) / per_byte)
-            elif new_top == top and np.sum(new_load**2) < np.sum(load**2):
-                key = (1, -(np.sum(load**2) - np.sum(new_load**2)) / per_byte)
-            else:
-                continue
-            if best is None or key < best[0]:
-                best = (key, i, q, where, nb, c, new_load, new_mem, new_top, per_byte)
-        if best is None:
-            break
-        key, i, q, where, nb, c, load, mem, new_top, per_byte = best
-        if key[0] == 0:
-            why = (f"{where}: the slowest rank {format_seconds(top)} -> {format_seconds(new_top)} "
-                   f"({format_seconds((top - new_top) / per_byte * 2**30)} per GiB moved)")  # fmt: skip
-        else:
-            why = f"{where}: evens the ranks at the top ({format_seconds(top)}) for a later move"
-        cur[i], contrib[i], spent_by[i] = q, c, nb
-        steps.append((i, q, top, new_top, why))
-        k = (new_top, sum(spent_by))
-        if k < best_key:
-            best_prefix, best_key = len(steps), k
-    final = list(old)
-    for i, q, *_ in steps[:best_prefix]:
-        final[i] = q
-    return final, [(i, a, b, w) for i, _, a, b, w in steps[:best_prefix]]

@@ -197,3 +197,82 @@ def test_cli_replan(tmp_path, capsys):
     assert exit_.value.code == 2
     assert "needs a unit" in capsys.readouterr().err
     json.loads(new_json.read_text())
+
+
+def _hot_on_rank_0(kind: str = "table_wise") -> tuple[list[Table], planners.ShardingPlan, Topology]:
+    """Rank 0 holds only `hot`, whose pooling factor grew tenfold; ranks 1-3 one table each, and
+    `ctx` is replicated."""
+    tables = [Table("hot", 2_000_000, 64, pooling_factor=40.0),
+              *(Table(n, 1_000_000, 64, pooling_factor=4.0) for n in "abc"),
+              Table("ctx", 50_000, 32, pooling_factor=2.0)]  # fmt: skip
+    hot = (TablePlacement(_T.TABLE_WISE, (0,)) if kind == "table_wise"
+           else TablePlacement(_T.COLUMN_WISE, (0, 1)))  # fmt: skip
+    placements = {"hot": hot, "ctx": TablePlacement(_T.DATA_PARALLEL)}
+    placements.update({n: TablePlacement(_T.TABLE_WISE, (r,)) for r, n in enumerate("abc", 1)})
+    return tables, planners.ShardingPlan(4, {"": placements}, ranks_per_host=4), Topology(4, ranks_per_host=4)
+
+
+def test_a_recut_wins_within_a_budget():
+    """Moving `hot` whole costs more than the budget, so only cutting it anew can take load off
+    rank 0: part of it is peeled onto other ranks, the rest stays where it is."""
+    tables, old, topology = _hot_on_rank_0()
+    whole = int(move_bytes(tables[0], old.placement("", "hot"), TablePlacement(_T.TABLE_WISE, (1,)), 4)[0].sum())
+    # A replica made a shard moves nothing (every rank holds it): a 1-byte budget takes it.
+    r = planners.replan(old, tables, topology, batch_size=BATCH, max_moved_bytes=1)
+    assert r.moved_bytes == 0 and r.plan.placement("", "ctx").sharding_type is not _T.DATA_PARALLEL
+    assert r.plan.placement("", "hot") == old.placement("", "hot")
+    floor = r.stats.max_cost  # the best that leaves `hot` whole: rank 0 holds nothing else
+    for budget in (whole // 4, whole // 2):
+        r = planners.replan(old, tables, topology, batch_size=BATCH, max_moved_bytes=budget)
+        hot = r.plan.placement("", "hot")
+        assert hot.sharding_type in (_T.ROW_WISE, _T.COLUMN_WISE) and 0 in hot.ranks, hot
+        assert 0 < r.moved_bytes <= budget
+        assert r.stats.max_cost < 0.9 * floor
+        assert "cut anew" in r.format()
+        # the report's bytes are the mover's: `hot`'s blocks that change rank
+        recv = move_bytes(tables[0], old.placement("", "hot"), hot, 4)[0]
+        assert r.received == tuple(int(x) for x in recv)
+        stats = planners.plan_stats(r.plan, tables, topology, batch_size=BATCH)
+        assert r.stats.max_cost == pytest.approx(stats.max_cost, rel=1e-12) and not stats.over_capacity
+        floor = r.stats.max_cost  # a larger budget does better still
+    unlimited = planners.replan(old, tables, topology, batch_size=BATCH, max_moved_bytes=None)
+    assert unlimited.stats.max_cost <= r.stats.max_cost
+
+
+def test_a_recut_keeps_constraints_and_per_piece_statistics():
+    tables, old, topology = _hot_on_rank_0()
+    budget = 2**30
+    only_whole = {"hot": planners.TableConstraint(sharding_types=("table_wise",))}
+    r = planners.replan(old, tables, topology, batch_size=BATCH, max_moved_bytes=budget,
+                        constraints=only_whole)  # fmt: skip
+    assert r.plan.placement("", "hot").sharding_type is _T.TABLE_WISE
+    # Column pieces that keep their own row statistic take no other cut (modular.reshard refuses
+    # one), though they may move; under the exact statistic the same pieces are cut anew.
+    tables, old, topology = _hot_on_rank_0("column_wise")
+    cuts = {}
+    for statistic in ("per_shard", "exact"):
+        r = planners.replan(old, tables, topology, batch_size=BATCH, max_moved_bytes=budget,
+                            column_wise_statistic=statistic)  # fmt: skip
+        hot = r.plan.placement("", "hot")
+        cuts[statistic] = (hot.sharding_type, len(hot.ranks), hot.sizes)
+    assert cuts["per_shard"] == (_T.COLUMN_WISE, 2, None)
+    assert cuts["exact"] != cuts["per_shard"]
+
+
+def test_the_walkthrough_tables_buy_more_with_a_larger_budget():
+    """docs/planner.md's replan section: examples/tables_ranking.yaml planned for 16 ranks, then
+    item_hist, query_terms, user_id and city drift; 1 GiB buys a re-cut plan, 8 GiB a better one."""
+    tables = list(planners.files.load_tables("examples/tables_ranking.yaml"))
+    topology = Topology(16, ranks_per_host=8, device_memory="80GiB")
+    old = planners.plan(tables, topology, batch_size=1024)
+    drift = {"item_hist": 3.0, "query_terms": 4.0, "user_id": 3.0, "city": 20.0}
+    tables = [dataclasses.replace(t, pooling_factor=tuple(p * drift.get(t.name, 1.0) for p in t.pooling_factors))
+              for t in tables]  # fmt: skip
+    small, large = (planners.replan(old, tables, topology, batch_size=1024, max_moved_bytes=b * 2**30)
+                    for b in (1, 8))  # fmt: skip
+    assert small.moved_bytes <= 2**30 and large.moved_bytes <= 8 * 2**30
+    assert large.stats.max_cost < small.stats.max_cost < 0.9 * small.old_stats.max_cost
+    recut = [m for m in small.moves
+             if (m.before.sharding_type, len(m.before.ranks)) != (m.after.sharding_type, len(m.after.ranks))
+             or m.before.sizes != m.after.sizes]  # fmt: skip
+    assert recut, small.format()

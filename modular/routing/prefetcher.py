@@ -34,11 +34,12 @@ prefetch as a likely cause whenever this module prefetches.
 
 The background thread overlaps on CPU modules over a group that spans the world and runs its CPU
 collectives on gloo ("gloo", or `init_process_group()` with no backend); on CUDA see Note
-[prefetch on a side stream]; elsewhere (a module on a subgroup) `prefetch` runs the input dist at
-once on the module's group, which is correct but does not overlap. On CPU it pays when each rank
-is pinned to its own cores: unpinned, the background thread and gloo's threads of one rank
-preempt another rank's main thread, and on 2 cores the step got no faster (measured in
-docs/benchmarks.md, with and without pinning).
+[prefetch on a side stream]; a 2D mesh's shard group counts as spanning the world (every rank
+makes every shard group's second group); elsewhere (a module on another subgroup) `prefetch` runs
+the input dist at once on the module's group, which is correct but does not overlap. On CPU it
+pays when each rank is pinned to its own cores: unpinned, the background thread and gloo's
+threads of one rank preempt another rank's main thread, and on 2 cores the step got no faster
+(measured in docs/benchmarks.md, with and without pinning).
 
 # Note [prefetch on a side stream]
 On a CUDA module the prefetched input dist (the copy of a CPU batch to the GPU, its checks, its
@@ -166,7 +167,9 @@ class Prefetcher:
         self._armed: list[tuple[KeyedJaggedTensor, Future]] = []  # started, not yet released
         # On CUDA, what an armed batch already on the GPU waits for, by id(future).
         self._ready: dict[int, torch.cuda.Event] = {}
-        self._side = _side_group(group, device, world=at.world, local=local)
+        # A 2D mesh's shard groups (its rows) partition the world: each gets its second group.
+        rows = at.replicas.mesh.mesh.tolist() if at.replicas and at.replicas.mesh else None
+        self._side = _side_group(group, device, world=at.world, local=local, shard_groups=rows)
         self._exchange = None
         if self._side is not None and self._side[0] is not None:
             self._exchange = make_exchange(self._side[0])
@@ -306,20 +309,22 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _side_group(
-    group: Optional[ProcessGroup], device: torch.device, *, world: int, local: bool
+    group: Optional[ProcessGroup], device: torch.device, *, world: int, local: bool,
+    shard_groups: Optional[list[list[int]]] = None,
 ) -> Optional[tuple[Optional[ProcessGroup], ThreadPoolExecutor]]:
     """The background group (None if its input dists run no collective) and thread for a
     module's process group, made on first use; None where prefetching runs at once
     (`overlap_for`): a group that does not run the device's collectives on gloo, or one smaller
     than the world (a new group is a collective of the whole world, which the ranks outside it
-    would not join)."""
+    would not join) unless it is one of a 2D mesh's `shard_groups`, whose ranks every rank of
+    the world makes alike (`new_subgroups_by_enumeration`)."""
     if local:
         return None
     pg = group if group is not None else dist.group.WORLD
     overlap = overlap_for(
         device_type=device.type,
         backend=backend_for(device.type, dist.get_backend_config(pg)),
-        spans_world=dist.get_world_size(pg) == dist.get_world_size(),
+        spans_world=dist.get_world_size(pg) == dist.get_world_size() or shard_groups is not None,
         world=world,
         local=local,
     )
@@ -335,7 +340,12 @@ def _side_group(
         # The module's group's timeout: a prefetch that waits on a peer fails when a forward on
         # the module's group would (see Note [prefetch on every rank]).
         timeout = pg._get_backend(device).options._timeout
-        group = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+        if shard_groups is None:
+            group = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+        else:
+            group, _ = dist.new_subgroups_by_enumeration(
+                shard_groups, timeout=timeout, backend=dist.Backend.GLOO
+            )
         side = _SIDE_GROUPS[pg] = (group, ThreadPoolExecutor(1, "modular-input-dist"))
     return side
 

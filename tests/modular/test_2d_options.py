@@ -127,6 +127,8 @@ def _dtensor_case(mesh: DeviceMesh, case: str, optimizer: Optional[str]) -> tupl
     _check_placements(model, fused, plan, mesh, label)
     batches = [[make_batch(ebc, seed=1000 * step + r, batch_size=2) for r in range(world)] for step in range(STEPS)]
     modular.prefetch(model, batches[0][rank])
+    # In the background on a second gloo group per shard group (Note [prefetched input dist]).
+    assert model._prefetcher.overlaps, f"{label}: prefetch runs at once"
     worst = 0.0
     for step in range(STEPS):
         assert id(batches[step][rank]) in model._prefetcher._pending, f"{label}: step {step} not prefetched"

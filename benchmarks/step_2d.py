@@ -91,12 +91,9 @@ def _received(name: str, args: tuple, kwargs: dict, n: int, me: int) -> int:
     if name == "all_to_all_single":
         out = args[0]
         splits = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
-        per = out.numel() // n if not splits else None
-        own = per if per is not None else splits[me]
+        own = splits[me] if splits else out.numel() // n
         return (out.numel() - own) * out.element_size()
-    if name in ("all_gather_single", "all_gather_into_tensor"):
-        return (n - 1) * args[1].numel() * args[1].element_size()
-    if name == "all_gather":
+    if name.startswith("all_gather"):  # (output, input): every other rank's input
         return (n - 1) * args[1].numel() * args[1].element_size()
     t = args[0]
     if name == "all_reduce":

@@ -17,7 +17,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-_WRAPPED = ("all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast")
+# modular.comm's all_gather calls `all_gather_single` (one output tensor): without it a step's
+# gathers (data-parallel tables', the replicas') would be left out of the replay.
+_WRAPPED = (
+    "all_to_all_single", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce",
+    "broadcast",
+)
 
 
 def record(step: Callable, kjt) -> list[tuple]:
@@ -54,7 +59,7 @@ def _shape_of(name: str, args: tuple, kwargs: dict) -> tuple:
     if name == "all_gather":
         outs, inp = args[0], args[1]
         return (len(outs), inp.numel(), inp.dtype, inp.device, group)
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather_single"):
         out, inp = args[0], args[1]
         return (out.numel(), inp.numel(), inp.dtype, inp.device, group)
     t = args[0]  # all_reduce, broadcast
@@ -76,10 +81,11 @@ def replay(calls: list[tuple]) -> Callable:
             outs = [torch.empty(numel, dtype=dtype, device=device) for _ in range(n)]
             inp = torch.zeros(numel, dtype=dtype, device=device)
             ops.append(lambda o=outs, i=inp, g=group: dist.all_gather(o, i, group=g))
-        elif name == "all_gather_into_tensor":
+        elif name in ("all_gather_into_tensor", "all_gather_single"):
             n_out, n_in, dtype, device, group = shape
             out, inp = torch.empty(n_out, dtype=dtype, device=device), torch.zeros(n_in, dtype=dtype, device=device)
-            ops.append(lambda o=out, i=inp, g=group: dist.all_gather_into_tensor(o, i, group=g))
+            gather = getattr(dist, name)
+            ops.append(lambda o=out, i=inp, g=group, f=gather: f(o, i, group=g))
         else:
             numel, dtype, device, src, group = shape
             t = torch.zeros(numel, dtype=dtype, device=device)

@@ -9,6 +9,8 @@
     python examples/train_dlrm.py --world-size 2 --compile     # torch.compile around the tables
     python examples/train_dlrm.py --world-size 2 --fp16 --fp16-comms  # FP16 tables and comms
     python examples/train_dlrm.py --world-size 2 --optimizer adam --lr 0.01  # or lamb, ...
+    python examples/train_dlrm.py --world-size 2 --rebalance-every 50 \
+        --drift-feature f_cat_3 --drift-pooling 20 --drift-at 100  # replan + reshard as it drifts
 
 One training setup, in the order Note [order of sharding calls] (modular/compose/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` ->
@@ -18,6 +20,11 @@ EBC on meta) ->
 on the two MLP towers -> one `CombinedOptimizer`.
 Data is the synthetic Criteo stream (`examples.dlrm.SyntheticCriteo`, seeded per rank and step,
 so a resumed run sees exactly the batches an uninterrupted one would) or a Criteo TSV (`--data`).
+With `--rebalance-every N` the run measures the pooling factors every N steps, asks
+`planners.replan` for a plan near the current one within `--rebalance-budget`, and
+`modular.reshard`s to it when the slowest rank gets faster by more than `--rebalance-threshold`
+(examples/rebalance.py, Note [rebalancing while training]); `--drift-feature` makes one feature's
+bags longer from step `--drift-at` on, so that there is something to rebalance.
 
 # Note [stopping on Ctrl-C]
 Ctrl-C reaches every rank (a terminal signals the whole process group; torchrun forwards it). A
@@ -68,6 +75,7 @@ from examples.dlrm import (
     read_criteo_tsv,
 )
 from examples.ports import free_port
+from examples.rebalance import PoolingMeter, Rebalance, RebalanceSettings, planned_pooling, rebalance
 
 ROWS_CAP = 20_000
 DIM = 16
@@ -123,6 +131,24 @@ class TrainConfig:
     # tables] in modular/kernels/precision.py, Note [low-precision comms] in modular/comm.py).
     fp16: bool = False
     fp16_comms: bool = False
+    # Every `rebalance_every` steps (0: never): measure the pooling factors, replan within
+    # `rebalance_budget` of moved weights and optimizer state, reshard when the slowest rank gets
+    # `rebalance_threshold` (relative) faster (examples/rebalance.py).
+    rebalance_every: int = 0
+    rebalance_budget: str = "64MiB"
+    rebalance_threshold: float = 0.05
+    # Synthetic data only: from step `drift_at` on, feature `drift_feature` has `drift_pooling`
+    # ids per bag (every other feature keeps one), a pooling factor that drifts mid-run.
+    drift_feature: Optional[str] = None
+    drift_pooling: int = 1
+    drift_at: int = 0
+
+    @property
+    def rebalance(self) -> RebalanceSettings:
+        return RebalanceSettings(
+            every=self.rebalance_every, threshold=self.rebalance_threshold,
+            max_moved_bytes=planners.parse_bytes(self.rebalance_budget, "--rebalance-budget"),
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -133,6 +159,18 @@ class TrainConfig:
             raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir (where the last run saved)")
+        self.rebalance  # noqa: B018  its checks, now rather than at the first rebalance
+        if self.drift_feature is not None:
+            features = [c.feature_names[0] for c in table_configs()]
+            if self.drift_feature not in features:
+                raise ValueError(f"--drift-feature {self.drift_feature!r} is no feature of the "
+                                 f"model; pick one of {features[0]} .. {features[-1]}")  # fmt: skip
+            if self.data is not None:
+                raise ValueError(f"--drift-feature changes the synthetic stream; drop it with "
+                                 f"--data {self.data}")  # fmt: skip
+            if self.drift_pooling < 1 or self.drift_at < 0:
+                raise ValueError(f"--drift-pooling must be >= 1 id per bag and --drift-at >= 0, "
+                                 f"got {self.drift_pooling} and {self.drift_at}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -146,6 +184,8 @@ class TrainResult:
     examples_per_s: float
     interrupted: bool = False
     checkpoint: Optional[str] = None
+    rebalances: tuple[Rebalance, ...] = ()  # one per check (--rebalance-every)
+    plan: Optional[str] = None  # the plan the model has at the end, as JSON (ShardingPlan.from_json)
 
 
 def table_configs(fp16: bool = False):
@@ -162,6 +202,11 @@ def build_model(device: str | torch.device, fp16: bool = False) -> DLRM:
     return DLRM(table_configs(fp16), bottom_mlp=BOTTOM_MLP, top_mlp=TOP_MLP, device=device)
 
 
+def topology(world_size: int, device_memory: str) -> planners.Topology:
+    """What the planner assumes: `world_size` ranks of one host."""
+    return planners.Topology(world_size, ranks_per_host=world_size, device_memory=device_memory)
+
+
 def make_plan(
     model: nn.Module, *, world_size: int, batch_size: int, device_memory: str,
     column_wise_statistic: str = "exact", comm_dtype: str = "fp32",
@@ -169,11 +214,10 @@ def make_plan(
 ):  # fmt: skip
     """The planner's plan for this model (EBC at `sparse.ebc`) on `world_size` ranks of one host
     (its tables priced in their own dtype with `optimizer`'s state, the output dist in
-    `comm_dtype`)."""
-    topology = planners.Topology(world_size, ranks_per_host=world_size, device_memory=device_memory)
+    `comm_dtype`; every feature at pooling factor 1)."""
     result = planners.plan_with_stats(
-        model, topology, batch_size=batch_size, column_wise_statistic=column_wise_statistic,
-        comm_dtype=comm_dtype, optimizer=optimizer,
+        model, topology(world_size, device_memory), batch_size=batch_size,
+        column_wise_statistic=column_wise_statistic, comm_dtype=comm_dtype, optimizer=optimizer,
     )
     return result.plan, result.stats
 
@@ -222,8 +266,15 @@ class Data:
                 rows, batch_size=config.batch_size, seed=config.seed, rank=rank, world_size=world
             )
             self._batch_at = stream.batch_at
+            if config.drift_feature is not None:
+                features = [t.feature_names[0] for t in table_configs()]
+                bags = [config.drift_pooling if f == config.drift_feature else 1 for f in features]
+                drifted = SyntheticCriteo(rows, batch_size=config.batch_size, seed=config.seed,
+                                          rank=rank, world_size=world, multi_hot=bags)  # fmt: skip
+                at = config.drift_at
+                self._batch_at = lambda step: (drifted if step >= at else stream).batch_at(step)
             self.held_out = concat_batches(
-                [stream.batch_at(EVAL_STEP + i) for i in range(config.eval_batches)]
+                [self._batch_at(EVAL_STEP + i) for i in range(config.eval_batches)]
             )
             return
         batches = list(read_criteo_tsv(config.data, rows, batch_size=config.batch_size, rank=rank, world_size=world))
@@ -327,6 +378,7 @@ def train(config: TrainConfig) -> TrainResult:
 
     # 1. Plan on a meta model (no memory), for this world size.
     model = build_model("meta", fp16=config.fp16)
+    configs = {"sparse.ebc": model.sparse.ebc.embedding_bag_configs()}  # what replan re-prices
     plan, stats = make_plan(
         model, world_size=world, batch_size=config.batch_size, device_memory=config.device_memory,
         column_wise_statistic=config.column_wise_statistic,
@@ -359,6 +411,10 @@ def train(config: TrainConfig) -> TrainResult:
         model = modular.apply_compile(model, modules=lambda m: any(m is t for t in towers))
         forward = torch.compile(model)
     data = Data(config, rank, world)
+    rebalancing = config.rebalance
+    meter = PoolingMeter(model.sparse.feature_names, device) if rebalancing.every else None
+    priced = planned_pooling(meter.features if meter else ())
+    rebalances: list[Rebalance] = []
     losses: list[float] = []
     examples, seconds, interrupted = 0, 0.0, False
     saved: Optional[Path] = None
@@ -372,6 +428,8 @@ def train(config: TrainConfig) -> TrainResult:
                 upcoming = to_device(data.batch_at(step + 1), device)
                 if config.prefetch:  # its input dist overlaps this step (modular.prefetch)
                     modular.prefetch(model, upcoming.sparse)
+            if meter is not None:
+                meter.add(batch.sparse)
             loss = F.binary_cross_entropy_with_logits(forward(batch.dense, batch.sparse), batch.labels)
             opt.zero_grad()
             loss.backward()  # the tables are updated here (fused)
@@ -396,11 +454,27 @@ def train(config: TrainConfig) -> TrainResult:
             due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
             if config.checkpoint_dir and due and step + 1 < end:
                 saved = save_checkpoint(config.checkpoint_dir, step + 1, model, opt)
+            if meter is not None and (step + 1) % rebalancing.every == 0 and step + 1 < end:
+                # Between two steps, on every rank (Note [rebalancing while training]). The fused
+                # table optimizer and the dense Adam (over FSDP's dense parameters only) stay
+                # valid; `upcoming`'s prefetched input dist is dropped and runs again in forward.
+                plan, report = rebalance(
+                    model, plan, configs, topology(world, config.device_memory), step=step + 1,
+                    pooling=meter.take(), priced=priced, settings=rebalancing,
+                    batch_size=config.batch_size, optimizer=config.optimizer,
+                    column_wise_statistic=config.column_wise_statistic,
+                    comm_dtype="fp16" if config.fp16_comms else "fp32",
+                )  # fmt: skip
+                if report.resharded:
+                    priced = dict(report.pooling)
+                rebalances.append(report)
+                say(report.format(world))
     if bar is not None:
         bar.close()
     if interrupted:
         say(f"interrupted after step {end}: stopping without saving; the last checkpoint is intact")
-        return TrainResult(start, end, tuple(losses), float("nan"), 0.0, True, str(saved) if saved else None)
+        return TrainResult(start, end, tuple(losses), float("nan"), 0.0, True,
+                           str(saved) if saved else None, tuple(rebalances), plan.to_json())  # fmt: skip
 
     # 3. Held-out AUC over every rank's held-out batch.
     held_out = to_device(data.held_out, device)
@@ -428,7 +502,8 @@ def train(config: TrainConfig) -> TrainResult:
         say(f"final: loss {losses[-1]:.4f} (first {losses[0]:.4f}), AUC {score:.4f}, {rate:,.0f} examples/s")
     else:
         say(f"final: no steps run (at step {start}), AUC {score:.4f}")
-    return TrainResult(start, end, tuple(losses), score, rate, False, str(saved) if saved else None)
+    return TrainResult(start, end, tuple(losses), score, rate, False, str(saved) if saved else None,
+                       tuple(rebalances), plan.to_json())  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +540,18 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
                    help="send pooled embeddings and their gradients as FP16")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                    help="seconds a collective may wait before failing (a dead peer)")
+    p.add_argument("--rebalance-every", type=int, default=d.rebalance_every,
+                   help="steps between checks of the pooling factors (replan, then reshard if "
+                        "it pays); 0: never")  # fmt: skip
+    p.add_argument("--rebalance-budget", default=d.rebalance_budget,
+                   help="weights and optimizer state that may change rank at one check, e.g. 64MiB")
+    p.add_argument("--rebalance-threshold", type=float, default=d.rebalance_threshold,
+                   help="reshard only when the slowest rank gets this much faster (0.05: 5%%)")
+    p.add_argument("--drift-feature", default=None,
+                   help="synthetic data: this feature's bags get --drift-pooling ids from "
+                        "--drift-at on (e.g. f_cat_3)")  # fmt: skip
+    p.add_argument("--drift-pooling", type=int, default=d.drift_pooling, help="ids per bag after the drift")
+    p.add_argument("--drift-at", type=int, default=d.drift_at, help="the step the drift starts at")
     a = p.parse_args(argv)
     config = TrainConfig(
         steps=a.steps, batch_size=a.batch_size, optimizer=a.optimizer, lr=a.lr,
@@ -475,6 +562,9 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         collective_timeout=a.collective_timeout, column_wise_statistic=a.column_wise_statistic,
         compile=a.compile,
         fp16=a.fp16, fp16_comms=a.fp16_comms,
+        rebalance_every=a.rebalance_every, rebalance_budget=a.rebalance_budget,
+        rebalance_threshold=a.rebalance_threshold, drift_feature=a.drift_feature,
+        drift_pooling=a.drift_pooling, drift_at=a.drift_at,
     )  # fmt: skip
     return config, a.world_size
 

@@ -56,7 +56,8 @@ def refused(a: TablePlacement, b: TablePlacement, optimizer: Optimizer,
     """Whether `modular.reshard` refuses this change (a per-piece row statistic re-cut)."""
     if not per_piece_statistic(a, optimizer, statistic):
         return False
-    return not per_piece_statistic(b, optimizer, statistic) or (a.sizes, len(a.ranks)) != (b.sizes, len(b.ranks))
+    same_pieces = (a.sizes, len(a.ranks)) == (b.sizes, len(b.ranks))
+    return not per_piece_statistic(b, optimizer, statistic) or not same_pieces
 
 
 def _targets(p: TablePlacement, rank: int, load: np.ndarray, host: int,
@@ -126,8 +127,10 @@ def _amounts(size: int, unit: int, shares: Sequence[float]) -> list[int]:
     return sorted({c for f in shares if least <= (c := unit * round(f * size / unit)) <= size})
 
 
-def recuts(p: TablePlacement, table: Table, rank: int, load: np.ndarray, host: int,
-           con: TableConstraint | None, own: float, width: int = 3) -> list[tuple[TablePlacement, str]]:  # fmt: skip
+def recuts(
+    p: TablePlacement, table: Table, rank: int, load: np.ndarray, host: int,
+    con: TableConstraint | None, own: float, width: int = 3,
+) -> list[tuple[TablePlacement, str]]:  # fmt: skip
     """`table` (placed `p`, adding `own` seconds to `rank`) cut anew so that `rank` carries less
     of it, each with why (the module's docstring). A part peeled or shifted to a rank is the one
     that evens the two ranks if the table's seconds scaled with its rows or columns, half of it,
@@ -181,8 +184,9 @@ def recuts(p: TablePlacement, table: Table, rank: int, load: np.ndarray, host: i
             for c in _amounts(w, column_unit(dim) if cols else 1, shares(ranks[n], _SHARES + (1.0,))):
                 moved = [s - c if i == j else s + c if i == n else s for i, s in enumerate(sizes)]
                 keep = [i for i, s in enumerate(moved) if s > 0]
-                found.append((_placement(table, kind, [ranks[i] for i in keep], [moved[i] for i in keep], con, world),
-                              f"{c:_} of its {w:_} {axis} on rank {rank} shifted to its neighbour on rank {ranks[n]}"))  # fmt: skip
+                q = _placement(table, kind, [ranks[i] for i in keep], [moved[i] for i in keep], con, world)
+                found.append((q, f"{c:_} of its {w:_} {axis} on rank {rank} shifted to its "
+                                 f"neighbour on rank {ranks[n]}"))  # fmt: skip
     return [(q, why) for q, why in found if q is not None]
 
 
@@ -231,8 +235,8 @@ def _walk(
                 if not replica:
                     out.extend((i, q, f"off {where}") for q in relocations(p, r, load, host, pins[i]))
                 if recut:
-                    out.extend((i, q, f"cut anew ({where}): {why}")
-                               for q, why in recuts(p, tables[i], r, load, host, pins[i], contrib[i][0][r]))  # fmt: skip
+                    cuts = recuts(p, tables[i], r, load, host, pins[i], own=contrib[i][0][r])
+                    out.extend((i, q, f"cut anew ({where}): {why}") for q, why in cuts)
         return out
 
     def best_of(options: list[tuple[int, TablePlacement, str]], top: float, best):
@@ -269,7 +273,8 @@ def _walk(
     for _ in range(4 * len(cur) + 16):
         top = float(load.max())
         slow = int(np.argmax(load))
-        fresh_moves = [(i, fresh[i], "to its place in plan()'s plan") for i in range(len(cur)) if cur[i] != fresh[i]]
+        fresh_moves = [(i, fresh[i], "to its place in plan()'s plan")
+                       for i in range(len(cur)) if cur[i] != fresh[i]]  # fmt: skip
         best = best_of(fresh_moves + options([slow], top), top, None)
         if best is None or best[0][0] == 1:
             # Nothing lowers the slowest rank (ranks tie at the top, or its tables' targets are

@@ -34,7 +34,7 @@ from modular.routing.prefetcher import Prefetcher
 from modular.routing.received import Received
 from modular.routing.router import INT32_MAX, Router
 from modular.routing.variable_batch import (
-    VariableBatch, bag_positions, permute_bags, select_features, strides_of,
+    VariableBatch, permute_segments, select_features, strides_of,
 )  # fmt: skip
 from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
@@ -218,9 +218,10 @@ class ShardedCollection:
         mine = self.my_route_features
         if mine.numel() and self.at.world > 1:
             per_source = vbe.strides[:, mine]  # (ranks, my routes): the bags each rank sent
-            starts = torch.cumsum(per_source.reshape(-1), 0) - per_source.reshape(-1)
-            at = bag_positions(starts.view_as(per_source).t().reshape(-1), per_source.t().reshape(-1))
-            lengths, values, weights = permute_bags(at, lengths, values, weights)
+            order = torch.arange(per_source.numel()).view_as(per_source).t().reshape(-1)
+            lengths, values, weights, _ = permute_segments(
+                order, per_source.reshape(-1), lengths, values, weights
+            )
         local = None
         if self.layout.local:
             features = [r.feature for r in self.layout.local]

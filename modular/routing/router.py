@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from modular.errors import InputError
 from modular.routing.checks import BatchChecks, Problem, Rejection
 from modular.routing.permute import Permutation, permute
-from modular.routing.variable_batch import bag_positions, permute_bags, segment_sums, strides_of
+from modular.routing.variable_batch import permute_segments, segment_sums, strides_of
 from modular.tables.layout import ROW_SPLIT, Layout
 
 
@@ -337,7 +337,7 @@ class Router(BatchChecks):
 
     def _route_bags(self, lengths, values, weights, strides: list[int]) -> Routed:
         """`route` for a batch whose features have their own bag counts (Note [variable batch
-        per feature]): the same bucketing and permutations, over whole bags."""
+        per feature]): the same bucketing and permutations, of whole features and buckets."""
         stride = torch.tensor(strides, dtype=torch.int64)
         counts = stride  # bags in each row of the source the last permutation reads
         s_lengths, s_values, s_weights = lengths, values, weights
@@ -345,8 +345,9 @@ class Router(BatchChecks):
             slots = self._slot_feature_list
             slot_bags = stride[slots]
             if self._slot_features is not None:
-                at = bag_positions((torch.cumsum(stride, 0) - stride)[slots], slot_bags)
-                s_lengths, s_values, s_weights = permute_bags(at, lengths, values, weights)
+                s_lengths, s_values, s_weights, _ = permute_segments(
+                    slots, stride, lengths, values, weights
+                )
             b_lengths, b_values, b_weights, _, _ = (
                 torch.ops.fbgemm.block_bucketize_sparse_features(
                     s_lengths, s_values, False, False, self._block_sizes, self._num_buckets,
@@ -361,7 +362,10 @@ class Router(BatchChecks):
                 s_lengths = torch.cat([b_lengths, lengths])
                 s_values = torch.cat([b_values, values])
                 s_weights = None if weights is None else torch.cat([b_weights, weights])
-        route_bags = counts[self._source_list]
-        at = bag_positions((torch.cumsum(counts, 0) - counts)[self._source_list], route_bags)
-        r_lengths, r_values, r_weights = permute_bags(at, s_lengths, s_values, s_weights)
-        return self._routed(r_lengths, r_values, r_weights, segment_sums(r_lengths, route_bags))
+        if self._route_source is None:  # every source row is its route, in order
+            per_route = segment_sums(s_lengths, counts)
+            return self._routed(s_lengths, s_values, s_weights, per_route)
+        r_lengths, r_values, r_weights, per_route = permute_segments(
+            self._source_list, counts, s_lengths, s_values, s_weights
+        )
+        return self._routed(r_lengths, r_values, r_weights, per_route)

@@ -5,7 +5,7 @@ only its own bags, and the deduplicated output expanded to the batch on arrival.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -13,10 +13,12 @@ from modular.comm import KeptBuffers
 from modular.kernels.base import pool
 from modular.kernels.lookups import batch_offsets
 from modular.routing.received import Received
-from modular.routing.variable_batch import element_positions, padded_lengths
+from modular.routing.variable_batch import bag_positions, element_positions
 from modular.tables.layout import RankLayout
 
 __all__ = ["VariableBags"]
+
+_KEPT_STRIDES = 64  # distinct strides whose indices a module keeps; more start it afresh
 
 
 class _Gather(torch.autograd.Function):
@@ -47,6 +49,27 @@ def _long(values: list[int]) -> torch.Tensor:
 
 def _starts(sizes: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(sizes, 0) - sizes
+
+
+class _StepIndices(NamedTuple):
+    """What a variable-batch step's lookup, send and place read that depends on the strides
+    alone (`VariableBags.indices`, kept by the strides)."""
+
+    padded: int  # the longest route's bags: the padded kernels' bag count
+    padded_at: torch.Tensor  # where each route's bags sit in its padded batch
+    send_at: torch.Tensor  # each sent unit's place in the padded kernel output
+    input_splits: list[int]
+    output_splits: list[int]
+    local_padded: int
+    local_padded_at: Optional[torch.Tensor]
+    local_at: Optional[torch.Tensor]  # this rank's own bags in the local kernels' padded output
+    out_bags: torch.Tensor  # each output's bags on this rank
+    out_start: torch.Tensor  # each output's first element in the bagged output
+    bagged: int  # elements of the bagged output
+    at: torch.Tensor  # each arriving block-row's place in the bagged output, in units
+    source: Optional[torch.Tensor]  # each bagged unit's arriving unit, where each arrives once
+    columns: torch.Tensor  # (1, output units): each output unit's place in its bag's row
+    unit_dims: torch.Tensor  # (1, output units): its output's dim, in units
 
 
 class VariableBags:
@@ -98,6 +121,75 @@ class VariableBags:
         # block arrives once and the output is one gather from the arrivals.
         outputs_hit = [r.output for r in blocks]
         self.sums = len(outputs_hit) != len(set(zip(outputs_hit, (r.shard.col_offset for r in blocks))))
+        # Each output unit's feature, on the device: the rows of `inverse_indices` it reads.
+        self._unit_features = self.out_feature[self.col_output[:: self.unit]].to(self.device)
+        self._kept: dict[bytes, _StepIndices] = {}  # by the strides' bytes (`indices`)
+
+    # -- per-step indices ---------------------------------------------------------------------
+
+    def indices(self, strides: torch.Tensor) -> _StepIndices:
+        """The step's indices, made once per distinct strides: batches of one shape (the same
+        requests per batch) reuse them step after step."""
+        key = strides.numpy().tobytes()
+        got = self._kept.get(key)
+        if got is None:
+            if len(self._kept) >= _KEPT_STRIDES:
+                self._kept.clear()
+            got = self._kept[key] = self._make_indices(strides)
+        return got
+
+    def _make_indices(self, strides: torch.Tensor) -> _StepIndices:
+        u, world = self.unit, self.world
+        per_rank = strides[:, self.mine_feature]  # (ranks, my routes)
+        bags = per_rank.sum(0)  # each route's bags, from every rank
+        padded = max(int(bags.max()), 1) if bags.numel() else 1
+        routes = bags.numel()
+        padded_at = bag_positions(torch.arange(routes) * padded, bags)
+        # Each rank's bags of each route, out of the padded kernel output (rank by rank).
+        first = (torch.cumsum(per_rank, 0) - per_rank).reshape(-1)  # each block's first bag
+        send_at = element_positions(
+            first * (self.my_dim // u) + (self.mine_col // u).repeat(world),
+            per_rank.reshape(-1), (self.mine_width // u).repeat(world),
+            torch.full((per_rank.numel(),), self.my_dim // u, dtype=torch.int64),
+        )  # fmt: skip
+        mine = strides[self.rank]
+        arriving = mine[self.block_feature] * self.block_width
+        output_splits = torch.zeros(world, dtype=torch.int64).index_add_(
+            0, self.arrive_source, arriving[: self.arrive_source.numel()]
+        ).tolist()
+        local_padded, local_padded_at, local_at = 1, None, None
+        if self.local_feature.numel():
+            rows = mine[self.local_feature]
+            local_padded = max(int(strides[:, self.local_feature].max()), 1)
+            local_padded_at = bag_positions(torch.arange(rows.numel()) * local_padded, rows)
+            local_padded_at = local_padded_at.to(self.device)
+            local_at = element_positions(
+                self.local_col // u, rows, self.local_width // u,
+                torch.full_like(rows, self.local_dim // u),
+            ).to(self.device)  # fmt: skip
+        out_bags = mine[self.out_feature]
+        sizes = out_bags * self.out_dim
+        out_start = _starts(sizes)
+        bagged = int(sizes.sum())
+        at = element_positions(
+            (out_start[self.block_output] + self.block_col) // u, mine[self.block_feature],
+            self.block_width // u, self.out_dim[self.block_output] // u,
+        )  # fmt: skip
+        source = None
+        if not self.sums and not self.mean_outputs:  # every bag's block arrives once
+            source = torch.empty(bagged // u, dtype=torch.int64)
+            source[at] = torch.arange(at.numel())
+            source = source.to(self.device)
+        block_output = self.col_output[::u]
+        columns = (out_start[block_output] + self.col_within[::u]).view(1, -1) // u
+        return _StepIndices(
+            padded=padded, padded_at=padded_at.to(self.device), send_at=send_at.to(self.device),
+            input_splits=(per_rank * self.mine_width).sum(1).tolist(), output_splits=output_splits,
+            local_padded=local_padded, local_padded_at=local_padded_at, local_at=local_at,
+            out_bags=out_bags, out_start=out_start, bagged=bagged, at=at.to(self.device),
+            source=source, columns=columns.to(self.device),
+            unit_dims=(self.out_dim[block_output] // u).view(1, -1).to(self.device),
+        )  # fmt: skip
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -105,22 +197,21 @@ class VariableBags:
         """The kernels' pooled bags: routed ones padded to the longest route's bag count, local
         ones to the largest stride any rank has for their features (replicas gather equal
         shapes, Note [dense replicas])."""
-        strides = received.vbe.strides
+        ix = self.indices(received.vbe.strides)
         remote = torch.zeros(0, self.my_dim, device=self.device)
         if shards.kernels:
-            bags = strides[:, self.mine_feature].sum(0)  # each route's bags, from every rank
-            padded = max(int(bags.max()), 1)
-            lengths = padded_lengths(received.lengths, bags, padded)
+            lengths = received.lengths.new_zeros(ix.padded * self.mine_feature.numel())
+            lengths = lengths.index_copy(0, ix.padded_at, received.lengths)
             values, offsets = batch_offsets(lengths, received.values)
-            remote = pool(shards.kernels, values, offsets, received.weights, padded)
+            remote = pool(shards.kernels, values, offsets, received.weights, ix.padded)
         local = None
         if received.local is not None:
             kjt = received.local
-            padded = max(int(strides[:, self.local_feature].max()), 1)
-            lengths = padded_lengths(kjt.lengths(), strides[self.rank, self.local_feature], padded)
+            lengths = kjt.lengths().new_zeros(ix.local_padded * self.local_feature.numel())
+            lengths = lengths.index_copy(0, ix.local_padded_at, kjt.lengths())
             values, offsets = batch_offsets(lengths, kjt.values())
             weights = kjt.weights().float() if self.is_weighted else None
-            local = pool(shards.local_kernels, values.long(), offsets.long(), weights, padded)
+            local = pool(shards.local_kernels, values.long(), offsets.long(), weights, ix.local_padded)
         return remote, local
 
     # -- output dist ------------------------------------------------------------------------
@@ -128,73 +219,42 @@ class VariableBags:
     def send(self, remote: torch.Tensor, local: Optional[torch.Tensor], strides: torch.Tensor):
         """(send buffer, input splits, output splits, local part): for each rank, each of this
         rank's routes' bags of that rank's samples; the local part, this rank's own bags."""
+        ix = self.indices(strides)
         u = self.unit
-        per_rank = strides[:, self.mine_feature]  # (ranks, my routes)
-        first = (torch.cumsum(per_rank, 0) - per_rank).reshape(-1)  # each block's first bag
-        n = per_rank.numel()
-        at = element_positions(
-            first * (self.my_dim // u) + (self.mine_col // u).repeat(self.world),
-            per_rank.reshape(-1), (self.mine_width // u).repeat(self.world),
-            torch.full((n,), self.my_dim // u, dtype=torch.int64),
-        )  # fmt: skip
-        send = _Gather.apply(remote.reshape(-1, u), at.to(remote.device), self.buffers, "send")
-        send = send.reshape(-1)
-        input_splits = (per_rank * self.mine_width).sum(1).tolist()
-        mine = strides[self.rank]
-        arriving = mine[self.block_feature] * self.block_width
-        output_splits = torch.zeros(self.world, dtype=torch.int64).index_add_(
-            0, self.arrive_source, arriving[: self.arrive_source.numel()]
-        ).tolist()
+        send = _Gather.apply(remote.reshape(-1, u), ix.send_at, self.buffers, "send").reshape(-1)
         flat_local = None
         if local is not None:
-            rows = mine[self.local_feature]
-            at = element_positions(
-                self.local_col // u, rows, self.local_width // u,
-                torch.full_like(rows, self.local_dim // u),
-            )  # fmt: skip
-            flat_local = local.reshape(-1, u).index_select(0, at.to(local.device)).reshape(-1)
-        return send, input_splits, output_splits, flat_local
+            flat_local = local.reshape(-1, u).index_select(0, ix.local_at).reshape(-1)
+        return send, ix.input_splits, ix.output_splits, flat_local
 
     def place(self, arrived: torch.Tensor, received: Received) -> torch.Tensor:
         """The output (batch, output dim): the arrivals added into each feature's own bags,
         row-wise MEAN divided once, then every sample given its bag (`inverse_indices`)."""
-        strides, inverse = received.vbe.strides[self.rank], received.vbe.inverse
-        bags = strides[self.out_feature]
-        sizes = bags * self.out_dim
-        start = _starts(sizes)
+        ix = self.indices(received.vbe.strides)
+        inverse = received.vbe.inverse
         u = self.unit
-        rows = strides[self.block_feature]
-        at = element_positions(
-            (start[self.block_output] + self.block_col) // u, rows, self.block_width // u,
-            self.out_dim[self.block_output] // u,
-        )  # fmt: skip
-        device = arrived.device
         # Each output block of each sample reads its bag's: one gather, whose backward sums
         # the samples of each bag.
-        block_output = self.col_output[::u]
-        columns = (start[block_output] + self.col_within[::u]).to(device).view(1, -1) // u
-        rows_of = inverse.long().index_select(0, self.out_feature[block_output].to(device))
-        where = columns + rows_of.t() * (self.out_dim[block_output] // u).to(device).view(1, -1)
-        if not self.sums and not self.mean_outputs:  # every bag's block arrived once: gather it
-            source = torch.empty(int(sizes.sum()) // u, dtype=torch.int64)
-            source[at] = torch.arange(at.numel())
-            where = source.to(device)[where.reshape(-1)]
-            out = _Gather.apply(arrived.view(-1, u), where, self.buffers, "output")
+        rows_of = inverse.long().index_select(0, self._unit_features)
+        where = (ix.columns + rows_of.t() * ix.unit_dims).reshape(-1)
+        if ix.source is not None:  # every bag's block arrived once: gather it
+            out = _Gather.apply(arrived.view(-1, u), ix.source[where], self.buffers, "output")
             return out.view(inverse.shape[1], -1)
-        bagged = arrived.new_zeros(int(sizes.sum()) // u, u)
-        bagged = bagged.index_add(0, at.to(device), arrived.view(-1, u)).view(-1)
+        bagged = arrived.new_zeros(ix.bagged // u, u)
+        bagged = bagged.index_add(0, ix.at, arrived.view(-1, u)).view(-1)
         if self.mean_outputs:
-            bagged = bagged / self._bag_counts(received, bags, sizes, start).to(bagged.dtype)
-        out = _Gather.apply(bagged.view(-1, u), where.reshape(-1), self.buffers, "output")
+            divisor = self._bag_counts(received, ix.out_bags, ix.bagged, ix.out_start)
+            bagged = bagged / divisor.to(bagged.dtype)
+        out = _Gather.apply(bagged.view(-1, u), where, self.buffers, "output")
         return out.view(inverse.shape[1], -1)
 
-    def _bag_counts(self, received: Received, bags, sizes, start) -> torch.Tensor:
+    def _bag_counts(self, received: Received, bags, size: int, start) -> torch.Tensor:
         """Divisors of the bagged output: each row-wise MEAN output's bags' id counts (at least
         one), ones elsewhere."""
         kjt = received.kjt
         lengths = kjt.lengths()
         feature_start = _starts(received.vbe.strides[self.rank])
-        divisor = torch.ones(int(sizes.sum()), device=lengths.device)
+        divisor = torch.ones(size, device=lengths.device)
         for o in self.mean_outputs:
             f = int(self.out_feature[o])
             n = int(bags[o])

@@ -5,6 +5,8 @@ the module's `AdamFusedKernel`s in phases, with the collectives that make it exa
 the same collectives in the same order on every rank:
   1. each kernel's sparse gradient (rows it touched, summed gradients); data-parallel replicas
      average theirs over ranks (`all_gather_mean`, Note [emulated fused kernels]);
+  then the tables held whole take their whole update (`AdamFusedKernel.apply`), and the tables
+  cut into column pieces take theirs in phases:
   2. partial_rowwise: each touched row's sum of g**2, a column-wise table's summed over its
      pieces (one all-to-all, `exchange_row_sums`), divided by the whole row's width;
   3. the moments and each row's r, piece by piece (r is per element);
@@ -59,32 +61,39 @@ class MomentUpdates:
         for k in self.kernels:
             if id(k) in self.replicas:
                 grads[id(k)] = k.all_gather_mean(grads[id(k)], world=at.world, group=at.group)
+        # Tables held whole take the update at once, a block of rows at a time (Note [updating
+        # rows in blocks]); column pieces in phases, with their exchanges between.
+        cut: dict[int, list[Optional[RowGrad]]] = {}
+        for k in self.kernels:
+            pieces = [table in self.column_tables for table, _ in k.group.shards]
+            k.apply([None if p else g for g, p in zip(grads[id(k)], pieces)])
+            cut[id(k)] = [g if p else None for g, p in zip(grads[id(k)], pieces)]
+        if not self.column_tables:
+            return
         means: dict[int, PerTable] = {}
         if self.kind.partial_rowwise():
-            sums = {id(k): k.grad_square_sums(grads[id(k)]) for k in self.kernels}
-            whole = self._whole_rows(grads, sums)
-            for k in self.kernels:  # the whole row's sum over its width, or this shard's own
+            sums = {id(k): k.grad_square_sums(cut[id(k)]) for k in self.kernels}
+            whole = self._whole_rows(cut, sums)
+            for k in self.kernels:  # the whole row's sum over its width
                 means[id(k)] = [
-                    None if s is None
-                    else whole[table] / at.layout.table(table).embedding_dim if table in whole
-                    else s / cols
-                    for (table, _), (_, cols), s in zip(k.group.shards, k.sizes, sums[id(k)])
-                ]  # fmt: skip
+                    None if s is None else whole[table] / at.layout.table(table).embedding_dim
+                    for (table, _), s in zip(k.group.shards, sums[id(k)])
+                ]
         directions = {
-            id(k): k.directions(grads[id(k)], means.get(id(k), [None] * len(k.sizes)))
+            id(k): k.directions(cut[id(k)], means.get(id(k), [None] * len(k.sizes)))
             for k in self.kernels
         }
         norms: dict[int, Optional[PerTable]] = {id(k): None for k in self.kernels}
         if self.kind.trust_ratio():
-            own = {id(k): k.norm_squares(grads[id(k)], directions[id(k)]) for k in self.kernels}
-            whole = self._whole_rows(grads, own)
+            own = {id(k): k.norm_squares(cut[id(k)], directions[id(k)]) for k in self.kernels}
+            whole = self._whole_rows(cut, own)
             for k in self.kernels:
                 norms[id(k)] = [
-                    whole.get(table, s) if s is not None else None
+                    None if s is None else whole[table]
                     for (table, _), s in zip(k.group.shards, own[id(k)])
                 ]
         for k in self.kernels:
-            k.step_rows(grads[id(k)], directions[id(k)], norms[id(k)])
+            k.step_rows(cut[id(k)], directions[id(k)], norms[id(k)])
 
     def _whole_rows(
         self, grads: dict[int, list[Optional[RowGrad]]], sums: dict[int, PerTable]

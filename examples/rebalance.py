@@ -112,7 +112,7 @@ class Rebalance:
         lines = [head + (f"pooling factors moved: {drift}{more}" if drift else
                          "no pooling factor moved by more than 10%")]  # fmt: skip
         lines.append(f"  slowest rank {format_seconds(self.old_cost)} -> "
-                     f"{format_seconds(self.new_cost)} ({-100 * self.gain:+.1f}%): "
+                     f"{format_seconds(self.new_cost)} ({-100 * self.gain + 0.0:+.1f}%): "
                      f"{self.why}")  # fmt: skip
         if self.resharded:
             for m in self.moves:

@@ -267,7 +267,7 @@ def _walk(
             else:
                 continue
             if best is None or key < best[0]:
-                best = (key, i, q, where, nb, c, new_load, new_mem, new_top, max(extra, 1))
+                best = (key, i, q, where, nb, c, new_load, new_mem, new_top, extra)
         return best
 
     for _ in range(4 * len(cur) + 16):
@@ -283,10 +283,11 @@ def _walk(
             best = best_of(options([r for r in hot if r != slow], top), top, best)
         if best is None:
             break
-        key, i, q, where, nb, c, load, mem, new_top, per_byte = best
+        key, i, q, where, nb, c, load, mem, new_top, extra = best
         if key[0] == 0:
             why = (f"{where}: the slowest rank {format_seconds(top)} -> {format_seconds(new_top)} "
-                   f"({format_seconds((top - new_top) / per_byte * 2**30)} per GiB moved)")  # fmt: skip
+                   + (f"({format_seconds((top - new_top) / extra * 2**30)} per GiB moved)" if extra > 0
+                      else "(no more bytes moved)"))  # fmt: skip
         else:
             why = f"{where}: evens the ranks at the top ({format_seconds(top)}) for a later move"
         cur[i], contrib[i], spent_by[i] = q, c, nb

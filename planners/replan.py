@@ -297,7 +297,8 @@ def replan(
         received += recv
         sent += send
         mine = [st for st in steps if st[0] == i]
-        reason = "; then ".join(st[3] for st in mine)
+        reason = mine[0][3] if len(mine) == 1 else (
+            f"{len(mine)} steps, first {mine[0][3]}; last {mine[-1][3]}")
         out_moves.append(TableMove(names[i], old[i], chosen[i], int(recv.sum()), mine[0][1],
                                    mine[-1][2], reason))  # fmt: skip
     left = tuple((names[i], cost[i]) for i in range(len(old))

@@ -29,7 +29,7 @@ from planners.types import PlanError, ShardingType
 
 __all__ = [
     "COMPONENTS", "CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WIRE_ID_BYTES",
-    "WEIGHT_BYTES", "STAT_BYTES",
+    "WEIGHT_BYTES", "STAT_BYTES", "column_stat_floats",
 ]  # fmt: skip
 
 OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32 (also for FP16/BF16 tables)
@@ -40,6 +40,21 @@ WIRE_ID_BYTES = 4
 INT32_ROWS = 2**31 - 1
 WEIGHT_BYTES = 4  # per-id weights of weighted features are fp32
 STAT_BYTES = 4  # a column piece's row statistic (row-wise Adagrad, exact), one fp32 per id
+
+
+def column_stat_floats(optimizer: Optimizer, statistic: ColumnWiseStatistic) -> int:
+    """FP32 values per row that a column piece of a table sends to the table's other pieces at
+    the end of backward, so that each piece updates with statistics of the whole row (modular's
+    Note [row statistics across column shards] and Note [fused Adam and LAMB]):
+    exact row-wise Adagrad 1 (the row's sum of g**2 over the piece's columns; per id),
+    partial_rowwise_adam 1 (the same, for its row-wise second moment), lamb 2 (the piece's parts
+    of ||w_row||**2 and ||update_row||**2), partial_rowwise_lamb 3 (all three); 0 for the rest
+    (per-element statistics, or row-wise Adagrad keeping each piece's own under "per_shard")."""
+    if optimizer is Optimizer.ROWWISE_ADAGRAD:
+        return 1 if statistic is ColumnWiseStatistic.EXACT else 0
+    return {
+        Optimizer.PARTIAL_ROWWISE_ADAM: 1, Optimizer.LAMB: 2, Optimizer.PARTIAL_ROWWISE_LAMB: 3,
+    }.get(optimizer, 0)  # fmt: skip
 
 
 class TableArrays(NamedTuple):
@@ -97,7 +112,8 @@ COMPONENTS = (
     ("input_dist", "in-dist", "input dist: ids arriving from the other ranks"),
     ("output_dist", "out-dist", "output dist: pooled bags out, their gradients back"),
     ("grad_sync", "dp-grad", "data-parallel gradient all-reduce"),
-    ("stat_exchange", "cw-stat", "column-piece row-statistic exchange (exact row-wise Adagrad)"),
+    ("stat_exchange", "cw-stat", "column-piece row-statistic exchange (exact row-wise Adagrad, "
+                                 "partial_rowwise, LAMB)"),
     ("replica_sync", "rep-sync", "cross-replica sync: other replica groups' ids and pooled "
                                  "gradients (2D, exact)"),
 )
@@ -108,7 +124,8 @@ class ShardCost(NamedTuple):
 
     `grad_sync` is the all-reduce of a data-parallel table's gradient; `stat_exchange` the
     row statistics a column piece sends to the table's other pieces under exact row-wise
-    Adagrad (zero for every other shard)."""
+    Adagrad, the partial_rowwise kinds and LAMB (`column_stat_floats`; zero for every
+    other shard)."""
 
     lookup: np.ndarray
     input_dist: np.ndarray
@@ -296,6 +313,18 @@ class CostModel:
             memory = memory + piece * rows * state
             bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
             stat_exchange = piece * merged * ids_in * STAT_BYTES / bw + zero
+        floats = column_stat_floats(self.optimizer, self.column_wise_statistic)
+        if kind is ShardingType.COLUMN_WISE and floats and not self.exact_column_statistic:
+            # Column pieces (k > 1) under partial_rowwise_adam, lamb or partial_rowwise_lamb
+            # (Note [fused Adam and LAMB]): one pass, and at the end of backward `floats` fp32
+            # per touched row to the table's other pieces, one all-to-all per statistic; priced
+            # as one peer's worth, as above. Touched rows: the distinct rows of the step's ids
+            # drawn uniformly from the table's N, N * (1 - exp(-ids / N)) (fewer under skew;
+            # never more than the ids).
+            piece = (k > 1).astype(np.float64)
+            touched = t.rows * -np.expm1(-merged * ids_in / t.rows)
+            bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
+            stat_exchange = piece * touched * floats * STAT_BYTES / bw + zero
         if kind is ShardingType.DATA_PARALLEL:
             # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
             # steps over the whole table (read gradient, read and write weights and state).

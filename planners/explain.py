@@ -98,8 +98,7 @@ def before_candidates(
         ways = [f"use at least {need} ranks", "devices with more memory"]
         if any(t.dtype is DataType.FP32 for _, t in table_set):
             ways.append("fp16 weights (half the bytes; modular.shard takes them: DataType.FP16)")
-        if model.optimizer in (Optimizer.ADAM, Optimizer.ADAGRAD):
-            ways.append("rowwise_adagrad (4 bytes of optimizer state per row)")
+        ways += _lighter_optimizers(model.optimizer)
         return NoPlanError(
             f"no plan fits: the tables need {format_bytes(foot.sum())} of weights and optimizer "
             f"state ({model.optimizer.value}) but {world} ranks have {format_bytes(world * room)} "
@@ -246,11 +245,36 @@ def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, ro
         ways.append(f"a smaller batch (its id and output buffers alone take {format_bytes(buffers)})")
     if table.dtype is DataType.FP32:
         ways.append("fp16 weights (DataType.FP16: half the bytes)")
+    ways += _lighter_optimizers(model.optimizer)
     need = format_bytes(smallest) if np.isfinite(smallest) else "n/a (no allowed sharding type)"
     return (f"  {name!r} ({table.num_embeddings:_} rows x {table.embedding_dim}, "
             f"{table.dtype.value}, {format_bytes(foot)} with optimizer state): smallest allowed "
             f"shard needs {need} but a rank has {format_bytes(room)}; ways out: "
             f"{'; '.join(ways) or 'more memory per rank'}")  # fmt: skip
+
+
+# Optimizer state per row of c columns (Optimizer.state_bytes_per_row), as the ways out name it.
+_STATE_PER_ROW = {
+    Optimizer.ADAGRAD: "4c", Optimizer.ADAM: "8c", Optimizer.LAMB: "8c",
+    Optimizer.PARTIAL_ROWWISE_ADAM: "4c + 4", Optimizer.PARTIAL_ROWWISE_LAMB: "4c + 4",
+}  # fmt: skip
+# The lighter optimizers of the same kind, before row-wise Adagrad's 4 bytes a row.
+_LIGHTER = {
+    Optimizer.ADAM: (Optimizer.PARTIAL_ROWWISE_ADAM,),
+    Optimizer.LAMB: (Optimizer.PARTIAL_ROWWISE_LAMB,),
+}
+
+
+def _lighter_optimizers(optimizer: Optimizer) -> list[str]:
+    """Ways out through the optimizer: its state per row of c columns and lighter ones."""
+    if optimizer not in _STATE_PER_ROW:  # sgd (none), rowwise_adagrad (4 bytes): nothing lighter
+        return []
+    lighter = [f"{o.value} ({_STATE_PER_ROW[o]} bytes)" for o in _LIGHTER.get(optimizer, ())]
+    lighter.append(f"{Optimizer.ROWWISE_ADAGRAD.value} (4 bytes)")
+    return [
+        f"an optimizer with less state than {optimizer.value}'s {_STATE_PER_ROW[optimizer]} bytes "
+        f"per row of c columns: {' or '.join(lighter)}"
+    ]
 
 
 def _footprints(table_set: TableSet, optimizer: Optimizer) -> np.ndarray:

@@ -63,7 +63,7 @@ class RankStats:
     output_dist: float
     grad_sync: float  # data-parallel gradient all-reduce
     tables: tuple[tuple[str, float], ...]  # (table, seconds) of each shard here, slowest first
-    stat_exchange: float = 0.0  # column pieces' row statistics (exact row-wise Adagrad)
+    stat_exchange: float = 0.0  # column pieces' row statistics (cost.column_stat_floats)
     replica_sync: float = 0.0  # 2D, exact: the other replica groups' batches (planners/replicas.py)
 
     @property

@@ -53,7 +53,7 @@ through storage; `reshard` moves only what changes rank, in one step per module:
 
 Memory: beside its old shards a rank holds at most the bytes it receives plus the larger of one
 round's buffers (at most its largest moved block, unless the 1 MiB floor is more) and one kept
-chunk (4 MiB), on CPU under Linux (Note [reshard memory]); no full table is ever made.
+chunk (1 MiB), on CPU under Linux (Note [reshard memory]); no full table is ever made.
 docs/benchmarks.md measures it against checkpoint save and load. Optimizer state of torch
 optimizers (unfused tables) does not move: they are rebuilt. A prefetched batch of a rebuilt module is dropped with the old module's prefetcher (Note
 [prefetched input dist]). Gradients of unfused tables are not moved either: reshard between a

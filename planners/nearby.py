@@ -35,19 +35,30 @@ Step = tuple[int, float, float, str]  # (table, slowest before, slowest after, w
 
 def table_load(model: CostModel, table: Table, p: TablePlacement) -> tuple[np.ndarray, np.ndarray]:
     """What one table adds to each rank's seconds and bytes (as `stats.evaluate` counts them)."""
+    load, mem = table_loads(model, table, [p])
+    return load[0], mem[0]
+
+
+def table_loads(model: CostModel, table: Table,
+                placements: Sequence[TablePlacement]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """`table_load` of each placement, (placements, world) seconds and bytes: one cost-model call
+    per sharding type."""
     world = model.topology.world_size
-    shards = shards_of(p, table, world)
-    kind = p.sharding_type
-    k = 1.0 if kind is _T.DATA_PARALLEL else float(len(shards))
-    arrays = TableArrays.of([table]).take(np.zeros(len(shards), dtype=int))
-    rows = np.array([s.num_rows for s in shards], dtype=np.float64)
-    cols = np.array([s.num_cols for s in shards], dtype=np.float64)
-    ranks = np.array([s.rank for s in shards])
-    cost = model.shard(kind, arrays, rows, cols, k)
-    load, mem = np.zeros(world), np.zeros(world)
-    np.add.at(load, ranks, cost.total)
-    np.add.at(mem, ranks, cost.memory)
-    mem += float(np.sum(model.arrival_wire_bytes(kind, arrays, cols)))
+    load, mem = np.zeros((len(placements), world)), np.zeros((len(placements), world))
+    by_kind: dict[ShardingType, list[tuple[int, int, int, int, int]]] = {}
+    for n, p in enumerate(placements):
+        shards = shards_of(p, table, world)
+        k = 1 if p.sharding_type is _T.DATA_PARALLEL else len(shards)
+        by_kind.setdefault(p.sharding_type, []).extend((n, s.rank, s.num_rows, s.num_cols, k) for s in shards)
+    one = TableArrays.of([table])
+    for kind, entries in by_kind.items():
+        which, ranks, rows, cols, ks = (np.array(c) for c in zip(*entries))
+        arrays = one.take(np.zeros(len(entries), dtype=int))
+        cost = model.shard(kind, arrays, rows.astype(float), cols.astype(float), ks.astype(float))
+        np.add.at(load, (which, ranks), cost.total)
+        np.add.at(mem, (which, ranks), cost.memory)
+        wire = model.arrival_wire_bytes(kind, arrays, cols.astype(float))
+        mem += np.bincount(which, weights=np.broadcast_to(wire, which.shape), minlength=len(placements))[:, None]
     return load, mem
 
 
@@ -242,17 +253,25 @@ def _walk(
     def best_of(options: list[tuple[int, TablePlacement, str]], top: float, best):
         """The best of `options` and `best` (a step: its key, table, placement, why, ...)."""
         spent = sum(spent_by)
+        within = []
         for i, q, where in options:
             if q == cur[i] or refuse(old[i], q):
                 continue
             if (i, q) not in moved:  # the same change comes up again at later steps
                 moved[i, q] = int(mover(tables[i], old[i], q)) if q != old[i] else 0
+            if spent + moved[i, q] - spent_by[i] <= budget:
+                within.append((i, q, where))
+        unpriced: dict[int, list[TablePlacement]] = {}
+        for i, q, _ in within:
+            if (i, q) not in priced and q not in unpriced.setdefault(i, []):
+                unpriced[i].append(q)
+        for i, qs in unpriced.items():
+            loads, mems = table_loads(model, tables[i], qs)
+            for n, q in enumerate(qs):
+                priced[i, q] = loads[n], mems[n]
+        for i, q, where in within:
             nb = moved[i, q]
             extra = nb - spent_by[i]
-            if spent + extra > budget:
-                continue
-            if (i, q) not in priced:
-                priced[i, q] = table_load(model, tables[i], q)
             c = priced[i, q]
             new_load = load - contrib[i][0] + c[0]
             new_mem = mem - contrib[i][1] + c[1]

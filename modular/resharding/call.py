@@ -48,6 +48,11 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     rebuilt module (`modular.prefetch`) is dropped: the next forward runs its input dist under
     the new layout.
 
+    On CPU the old modules' shards are given back to the OS as their blocks are copied (Note
+    [reshard memory]): a tensor taken from an old module before (its `state_dict()`, a view, a
+    checkpoint not yet copied by `async_save`) reads zeros afterwards; clone what must
+    outlive the call, and finish asynchronous saves first.
+
     A plan that does not fit (another world size, a module that is not sharded, other tables)
     raises ShardingError on every rank before anything moves (Note [agreeing on the plan]). A
     failure while moving raises on every rank (ShardingError naming the rank and its error, or

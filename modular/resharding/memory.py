@@ -90,7 +90,7 @@ class _Uncommitted(TorchFunctionMode):
 
 
 def _plain(kwargs: dict) -> bool:
-    """A strided, unpinned CPU tensor of the default generator's kind, without `out=`."""
+    """A strided, unpinned CPU tensor, without `out=` or a generator of its own."""
     device = kwargs.get("device")
     device = torch.get_default_device() if device is None else torch.device(device)
     return (
@@ -98,6 +98,7 @@ def _plain(kwargs: dict) -> bool:
         and kwargs.get("layout", torch.strided) is torch.strided
         and not kwargs.get("pin_memory")
         and kwargs.get("out") is None
+        and kwargs.get("generator") is None
     )
 
 

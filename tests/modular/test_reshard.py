@@ -8,8 +8,10 @@ every reshard against the reference, which never reshards. Fused (exact_rowwise_
 exact_adagrad) and unfused (SGD over `local_parameters`, rebuilt after each reshard: the old one
 must refuse to step; a batch prefetched under the old layout is dropped) at worlds 2 and 3; the
 Adam family's moments and step count; an EmbeddingCollection case; DTensor tables under DDP and
-FSDP2; the bytes on the wire (one all-to-all per dtype); the blocks themselves (pure); and the faults (a rank failing mid-reshard, a failed collective,
-plans that do not fit), after which every rank's old module is intact and trains on exactly.
+FSDP2; the bytes on the wire (one all-to-all per dtype); the peak memory against issue 39's bound,
+and every value through the old shards' pages given back; the blocks themselves (pure); and the
+faults (a rank failing mid-reshard, a failed collective, plans that do not fit), after which
+every rank's old module is intact and trains on exactly, and a rank failing past the commit.
 """
 
 from __future__ import annotations
@@ -491,6 +493,7 @@ def _peak_growth() -> list[dict]:
         for i, n in enumerate(names)
     }  # fmt: skip
     modular.shard(holder, ShardingPlan(world_size=world, modules={m: at(0, ()) for m in ("dense", "fused")}))
+    _values_through_given_back_pages()
     out = []
     for module, row_bytes in (("dense", dim * 4), ("fused", dim * 4 + 4)):
         placed = at(0, ())
@@ -511,6 +514,43 @@ def _peak_growth() -> list[dict]:
             out.append({"what": f"{module}, {len(moved)} moved", "growth": growth, "bound": bound, "old": received + sum(rows * row_bytes for n in names if new[n].ranks[0] == rank)})
             placed = new
     return out
+
+
+def _values_through_given_back_pages() -> None:
+    """The old shards' pages are given back in chunks as kept blocks are copied: through a chain
+    of every sharding type, with chunks of two pages and tables of 128 pages, every weight and
+    row statistic (set to random values first, so a page read as zeros would show) is bit for
+    bit what it was."""
+    world = dist.get_world_size()
+    configs = [
+        EmbeddingBagConfig(name=n, embedding_dim=32, num_embeddings=4096, feature_names=[f"f{n}"])
+        for n in ("p0", "p1")
+    ]  # fmt: skip
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=configs)
+    modular.fuse_optimizer(ebc, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
+    modular.shard(ebc, ShardingPlan(world_size=world, modules={"": _placements("table_wise", ebc, world)}))
+    for states in ebc.fused_tables.states().values():  # each row's statistic is held once here
+        states["row_sum"].copy_(torch.rand(states["row_sum"].shape, generator=torch.Generator().manual_seed(7)) + 1)
+
+    def values() -> dict[str, torch.Tensor]:
+        out = {n: full_value(p) for n, p in ebc.named_parameters()}
+        layout = ebc.layout
+        for c in configs:
+            out[f"{c.name} row_sum"] = torch.zeros(c.num_embeddings)
+        for (name, j), states in ebc.fused_tables.states().items():
+            spec = layout.shards[layout.table_index(name)][j]
+            out[f"{name} row_sum"][spec.row_offset : spec.row_offset + spec.num_rows] = states["row_sum"]
+        for c in configs:  # copies (column pieces, replicas) hold the same positive values
+            dist.all_reduce(out[f"{c.name} row_sum"], op=dist.ReduceOp.MAX)
+        return out
+
+    want = values()
+    with mock.patch.object(reshard_moves, "KEEP_CHUNK_BYTES", 8192):
+        for case in ("row_wise", "column_wise", "table_row_wise", "data_parallel", "column_pieces", "table_wise"):
+            modular.reshard(ebc, ShardingPlan(world_size=world, modules={"": _placements(case, ebc, world)}))
+            for key, value in values().items():
+                assert torch.equal(value, want[key]), f"-> {case}: {key} changed"
 
 
 def test_peak_memory_is_at_most_what_a_rank_receives_plus_its_largest_moved_block() -> None:

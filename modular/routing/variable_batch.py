@@ -11,8 +11,8 @@ A sharded EBC moves and looks up only the deduplicated bags, and expands on the 
 after the output dist:
   * input dist: the header of the ids' exchange carries every rank's strides (Note [ids with
     their header]), so each rank knows how many bags each route brings from each peer; routing
-    and the arrival permutation move whole bags (`bag_positions`: fbgemm's 1-D permutation of
-    bags, where a batch of one stride permutes 2-D feature rows);
+    and the arrival permutation move whole segments of bags (`permute_segments`, where a batch
+    of one stride permutes 2-D feature rows);
   * lookup: a kernel takes one bag count for all its routes, so each route's bags are followed by
     empty ones up to the longest route's; empty bags pool to zero, train nothing, and never
     travel. (fbgemm's own variable-batch lookup, `batch_size_per_feature_per_rank`, would skip
@@ -20,10 +20,13 @@ after the output dist:
     against 2.4 ms for the padded forward of 9,216 bags, and it corrupts the heap on int32
     offsets; TorchRec's CPU VBE step pays the same);
   * output dist: each rank is sent, for each route, just the bags of its own samples' strides;
-    the arrivals (every rank's, then the local data-parallel ones) are added into each feature's
-    deduplicated output (row-wise pieces sum there), which one gather expands to the batch
-    (`VariableBags` in modular/routing/variable_output.py). Backward is the same in reverse:
-    the expansion's gradient sums the samples of each bag, and only bags travel.
+    one gather expands the arrivals (every rank's, then the local data-parallel ones) to the
+    batch, each sample reading its bag's columns where they arrive; where row-wise pieces must
+    be summed (or MEANs divided) the arrivals are first added into each feature's deduplicated
+    output (`VariableBags` in modular/routing/variable_output.py). Backward is the same in
+    reverse: the expansion's gradient sums the samples of each bag, and only bags travel.
+  * per step: the indices that depend on the strides alone are made once per distinct strides;
+    only the expansion's depend on the batch.
 So the bytes of both all-to-alls scale with the deduplicated batch. Ranks may differ in their
 strides; they must agree on the batch size, as without VBE. A batch whose strides are all the
 batch size costs what it did: nothing above runs for it. Data-parallel replicas gather every
@@ -44,7 +47,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
-    "VariableBatch", "bag_positions", "element_positions", "strides_of",
+    "VariableBatch", "bag_positions", "element_positions", "permute_segments", "strides_of",
 ]  # fmt: skip
 
 

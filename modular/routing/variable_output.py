@@ -1,6 +1,8 @@
 """A sharded EBC's lookup and output dist when features have their own bag counts (Note [variable
 batch per feature] in modular/routing/variable_batch.py): padded kernel batches, each rank sent
-only its own bags, and the deduplicated output expanded to the batch on arrival."""
+only its own bags, and the deduplicated output expanded to the batch on arrival. The indices that
+depend on the strides alone are made once per distinct strides (`VariableBags.indices`); a step
+makes only the expansion's, from its inverse indices."""
 
 from __future__ import annotations
 
@@ -51,6 +53,23 @@ def _starts(sizes: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(sizes, 0) - sizes
 
 
+def _unit_sources(blocks, outputs, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each output unit (outputs in order, `unit` columns each), where every output column
+    arrives in one block: that block, the unit's place within a row of it, and its width in
+    units."""
+    block_of, offset, step = [], [], []
+    for o, out in enumerate(outputs):
+        for col in range(0, out.dim, unit):
+            k = next(
+                k for k, r in enumerate(blocks)
+                if r.output == o and r.shard.col_offset <= col < r.shard.col_offset + r.shard.num_cols
+            )  # fmt: skip
+            block_of.append(k)
+            offset.append((col - blocks[k].shard.col_offset) // unit)
+            step.append(blocks[k].shard.num_cols // unit)
+    return _long(block_of), _long(offset), _long(step)
+
+
 class _StepIndices(NamedTuple):
     """What a variable-batch step's lookup, send and place read that depends on the strides
     alone (`VariableBags.indices`, kept by the strides)."""
@@ -67,9 +86,10 @@ class _StepIndices(NamedTuple):
     out_start: torch.Tensor  # each output's first element in the bagged output
     bagged: int  # elements of the bagged output
     at: torch.Tensor  # each arriving block-row's place in the bagged output, in units
-    source: Optional[torch.Tensor]  # each bagged unit's arriving unit, where each arrives once
-    columns: torch.Tensor  # (1, output units): each output unit's place in its bag's row
-    unit_dims: torch.Tensor  # (1, output units): its output's dim, in units
+    # Sample b's output unit c reads unit `columns[c] + bag * unit_dims[c]` (its bag in its
+    # feature) of the arrivals where each bag's block arrives once, else of the bagged output.
+    columns: torch.Tensor  # (1, output units)
+    unit_dims: torch.Tensor  # (1, output units)
 
 
 class VariableBags:
@@ -123,6 +143,11 @@ class VariableBags:
         self.sums = len(outputs_hit) != len(set(zip(outputs_hit, (r.shard.col_offset for r in blocks))))
         # Each output unit's feature, on the device: the rows of `inverse_indices` it reads.
         self._unit_features = self.out_feature[self.col_output[:: self.unit]].to(self.device)
+        self._direct = not self.sums and not self.mean_outputs
+        if self._direct:  # each output unit's arriving block, its unit in it, the block's width
+            self._unit_block, self._unit_offset, self._unit_step = _unit_sources(
+                blocks, outputs, self.unit
+            )
         self._kept: dict[bytes, _StepIndices] = {}  # by the strides' bytes (`indices`)
 
     # -- per-step indices ---------------------------------------------------------------------
@@ -175,20 +200,20 @@ class VariableBags:
             (out_start[self.block_output] + self.block_col) // u, mine[self.block_feature],
             self.block_width // u, self.out_dim[self.block_output] // u,
         )  # fmt: skip
-        source = None
-        if not self.sums and not self.mean_outputs:  # every bag's block arrives once
-            source = torch.empty(bagged // u, dtype=torch.int64)
-            source[at] = torch.arange(at.numel())
-            source = source.to(self.device)
         block_output = self.col_output[::u]
-        columns = (out_start[block_output] + self.col_within[::u]).view(1, -1) // u
+        if self._direct:  # unit c of a sample in bag j: unit columns[c] + j * step[c] arrived
+            block_start = _starts(mine[self.block_feature] * self.block_width // u)
+            columns = (block_start[self._unit_block] + self._unit_offset).view(1, -1)
+            unit_dims = self._unit_step.view(1, -1)
+        else:  # ... of the bagged output
+            columns = (out_start[block_output] + self.col_within[::u]).view(1, -1) // u
+            unit_dims = (self.out_dim[block_output] // u).view(1, -1)
         return _StepIndices(
             padded=padded, padded_at=padded_at.to(self.device), send_at=send_at.to(self.device),
             input_splits=(per_rank * self.mine_width).sum(1).tolist(), output_splits=output_splits,
             local_padded=local_padded, local_padded_at=local_padded_at, local_at=local_at,
             out_bags=out_bags, out_start=out_start, bagged=bagged, at=at.to(self.device),
-            source=source, columns=columns.to(self.device),
-            unit_dims=(self.out_dim[block_output] // u).view(1, -1).to(self.device),
+            columns=columns.to(self.device), unit_dims=unit_dims.to(self.device),
         )  # fmt: skip
 
     # -- lookup -----------------------------------------------------------------------------
@@ -237,8 +262,8 @@ class VariableBags:
         # the samples of each bag.
         rows_of = inverse.long().index_select(0, self._unit_features)
         where = (ix.columns + rows_of.t() * ix.unit_dims).reshape(-1)
-        if ix.source is not None:  # every bag's block arrived once: gather it
-            out = _Gather.apply(arrived.view(-1, u), ix.source[where], self.buffers, "output")
+        if self._direct:  # every bag's block arrived once: gather it from the arrivals
+            out = _Gather.apply(arrived.view(-1, u), where, self.buffers, "output")
             return out.view(inverse.shape[1], -1)
         bagged = arrived.new_zeros(ix.bagged // u, u)
         bagged = bagged.index_add(0, ix.at, arrived.view(-1, u)).view(-1)

@@ -225,6 +225,30 @@ def test_the_output_dist_moves_bags_not_samples() -> None:
     assert sum(run_on_ranks(2, _output_bytes, False, timeout=60)) == 2 * 134
 
 
+def test_permute_segments_moves_whole_segments_with_their_ids_and_weights() -> None:
+    from modular.routing.variable_batch import permute_segments
+
+    g = torch.Generator().manual_seed(0)
+    bags = torch.tensor([3, 0, 5, 1, 4])  # a segment of no bags, and ones of no ids below
+    lengths = torch.randint(0, 3, (int(bags.sum()),), generator=g).to(torch.int32)
+    lengths[:3] = 0
+    values = torch.randint(0, 100, (int(lengths.sum()),), generator=g).to(torch.int32)
+    weights = torch.rand(values.numel(), generator=g)
+    order = torch.tensor([4, 2, 0, 2, 1])  # segment 3 dropped, segment 2 twice
+    got_lengths, got_values, got_weights, got_ids = permute_segments(order, bags, lengths, values, weights)
+    cuts = torch.cumsum(bags, 0) - bags
+    bag_lengths = [lengths[c : c + b] for c, b in zip(cuts.tolist(), bags.tolist())]
+    firsts = torch.cumsum(lengths.long(), 0) - lengths.long()
+    ids = [int(seg.sum()) for seg in bag_lengths]
+    starts = [int(firsts[c]) if b else 0 for c, b in zip(cuts.tolist(), bags.tolist())]
+    want_values = torch.cat([values[starts[i] : starts[i] + ids[i]] for i in order.tolist()])
+    want_weights = torch.cat([weights[starts[i] : starts[i] + ids[i]] for i in order.tolist()])
+    assert torch.equal(got_lengths, torch.cat([bag_lengths[i] for i in order.tolist()]))
+    assert torch.equal(got_values, want_values)
+    assert torch.equal(got_weights, want_weights)
+    assert got_ids.tolist() == [ids[i] for i in order.tolist()]
+
+
 class _Ranker(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -37,7 +37,8 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     the smaller of their largest moved blocks over 2 x (world - 1) bytes (within 1-64 MiB, and
     at least one row), so one round's send and receive buffers together hold at most a rank's
     largest moved block. The Adam family's step count is copied.
-  * Commit. A last agreement says that every rank has written every block it receives. Until
+  * Commit. A last agreement says that every rank has written every block it receives (and
+    found the old tensor of every block it keeps, `moves.kept_blocks`). Until
     here the old modules were only read: a failure raises on every rank (ShardingError naming
     the rank and what it was doing, or CollectiveError for a peer that died: Note [a failed
     peer]) and leaves every old module as it was.

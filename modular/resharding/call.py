@@ -14,7 +14,7 @@ from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
 from modular.resharding.exchange import agree, exchange, pack, plan_traffic, rounds
 from modular.resharding.memory import uncommitted
-from modular.resharding.moves import Item, ModuleMove, keep
+from modular.resharding.moves import Item, ModuleMove, keep, kept_blocks
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
 from modular.sharding import agree_on_plan, resolve_placements, retire_tables
 from modular.tables.layout import RankLayout
@@ -153,10 +153,16 @@ def _build(moves: list[ModuleMove], group: Optional[ProcessGroup]) -> list[nn.Mo
     for move, new in zip(moves, built):
         if new.fused_tables is not None:  # the Adam family's bias correction reads it
             new.fused_tables.steps.value = move.old.fused_tables.steps.value
+    kept = []
+    if failure is None:
+        try:
+            kept = kept_blocks(moves, readers, rank)
+        except Exception as e:
+            failure, doing = e, "while listing the blocks it keeps"
     # Every rank has every block it receives: from here on the new modules replace the old ones.
     agree(failure, doing, group)
     try:
-        keep(moves, readers, writers, rank)
+        keep(kept, readers, writers)
     except Exception as e:  # only local copies are left; the other ranks go on (Note [reshard memory])
         raise ShardingError(
             f"modular.reshard failed on rank {rank} after every rank had received its blocks, "

@@ -18,7 +18,7 @@ from modular.resharding.blocks import Block, piece_problem, row_blocks, weight_b
 from modular.resharding.memory import KEEP_CHUNK_BYTES, Releaser
 from modular.tables.layout import Layout, RankLayout
 
-__all__ = ["Item", "ModuleMove", "WEIGHT", "keep"]
+__all__ = ["Item", "Kept", "ModuleMove", "WEIGHT", "keep", "kept_blocks"]
 
 WEIGHT = "weight"  # an item of the table's weights; any other `what` names an optimizer state
 
@@ -125,30 +125,56 @@ def copy_block(target: torch.Tensor, data: torch.Tensor) -> None:
     target.copy_(data.view(target.shape))
 
 
-def keep(moves: list[ModuleMove], readers: list[_Shards], writers: list[_Shards], rank: int) -> None:
-    """Copies every block this rank keeps from the old shards into the new ones, row chunk by row
-    chunk, giving each chunk of an old shard back as soon as it is copied, and old shards that
-    were sent away whole (Note [reshard memory] in memory.py). Past the reshard's last
-    agreement only: the old shards read as zeros afterwards."""
-    sources = [(m, *s) for m, r in enumerate(readers) for s in r.sources()]
-    releaser = Releaser([tensor for *_, tensor in sources])
+@dataclass(frozen=True)
+class Kept:
+    """One old local tensor of a reshard's module (`what` of shard `shard` of table `table`) and
+    the blocks this rank keeps from it."""
+
+    module: int
+    what: str
+    table: int
+    shard: int
+    tensor: torch.Tensor
+    items: tuple[Item, ...]
+
+
+def kept_blocks(moves: list[ModuleMove], readers: list[_Shards], rank: int) -> list[Kept]:
+    """Every old local tensor of the moving modules with the blocks this rank keeps from it; read
+    before the reshard's last agreement, so that a block whose old shard this rank cannot find
+    raises on every rank while the old shards are still whole."""
     kept: dict[tuple, list[Item]] = {}
     for move in moves:
         for item in move.items:
             if not item.block.moves and item.block.dst == rank:
                 key = (move.index, item.what, item.block.table, item.block.src_shard)
                 kept.setdefault(key, []).append(item)
-    for m, what, t, j, tensor in sources:
-        spec = readers[m].layout.shards[t][j]
+    out = []
+    for m, reader in enumerate(readers):
+        for what, t, j, tensor in reader.sources():
+            out.append(Kept(m, what, t, j, tensor, tuple(kept.pop((m, what, t, j), ()))))
+    if kept:
+        lost = sorted((moves[m].fqn, moves[m].layout.tables[t].name, w, j) for m, w, t, j in kept)
+        raise RuntimeError(f"blocks to keep from old shards this rank does not hold: {lost}")
+    return out
+
+
+def keep(kept: list[Kept], readers: list[_Shards], writers: list[_Shards]) -> None:
+    """Copies the blocks this rank keeps (`kept_blocks`) from the old shards into the new ones,
+    row chunk by row chunk, giving each chunk of an old tensor back as soon as it is copied, and
+    old tensors that were sent away whole (Note [reshard memory] in memory.py). Past the
+    reshard's last agreement only: the old shards read as zeros afterwards."""
+    releaser = Releaser([k.tensor for k in kept])
+    for k in kept:
+        spec = readers[k.module].layout.shards[k.table][k.shard]
+        tensor = k.tensor
         row = max(1, tensor[0].numel() * tensor.element_size()) if tensor.numel() else 1
         step = max(1, KEEP_CHUNK_BYTES // row)
-        items = kept.get((m, what, t, j), [])
         for a in range(0, spec.num_rows, step):
             b = min(a + step, spec.num_rows)
             lo, hi = spec.row_offset + a, spec.row_offset + b
-            for item in items:
+            for item in k.items:
                 r0, r1 = max(lo, item.block.rows[0]), min(hi, item.block.rows[1])
                 if r0 < r1:
                     part = dataclasses.replace(item, block=dataclasses.replace(item.block, rows=(r0, r1)))
-                    writers[m].write(part, readers[m].read(part))
+                    writers[k.module].write(part, readers[k.module].read(part))
             releaser.release(tensor, a, b)

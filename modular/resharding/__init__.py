@@ -38,10 +38,10 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     at least one row), so one round's send and receive buffers together hold at most a rank's
     largest moved block. The Adam family's step count is copied.
   * Commit. A last agreement says that every rank has written every block it receives (and
-    found the old tensor of every block it keeps, `moves.kept_blocks`). Until
-    here the old modules were only read: a failure raises on every rank (ShardingError naming
-    the rank and what it was doing, or CollectiveError for a peer that died: Note [a failed
-    peer]) and leaves every old module as it was.
+    found the old tensor of every block it keeps, `moves.kept_blocks`). Until here the old
+    modules were only read: a failure raises on every rank (ShardingError naming the rank and
+    what it was doing, or CollectiveError for a peer that died: Note [a failed peer]) and
+    leaves every old module as it was.
   * Keep. Each rank copies the blocks it keeps from its old shards into the new ones, in row
     chunks, giving each chunk of an old shard back to the OS once copied, and old shards that
     were sent away whole (Note [reshard memory]). Only local copies are left, which nothing but

@@ -263,11 +263,16 @@ def all_gather(
     group: Optional[ProcessGroup],
     world: int,
     what: str = "an all-gather of a sharded EmbeddingBagCollection",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Every rank's `tensor` (the same shape on every rank), stacked: (world, *tensor.shape).
     One output tensor (`all_gather_single`, flat: gloo wants each rank's piece in the input's
-    shape), not a list of views of it."""
-    out = tensor.new_empty(world, *tensor.shape)
+    shape), not a list of views of it; `out`: a buffer of at least world * numel elements to
+    receive into (Note [kept receive buffers])."""
+    if out is None:
+        out = tensor.new_empty(world, *tensor.shape)
+    else:
+        out = out[: world * tensor.numel()].view(world, *tensor.shape)
     send = tensor.contiguous()
     _collective(what, group, out, lambda hand: dist.all_gather_single(
         hand(out.view(-1)), hand(send.view(-1)), group=group, async_op=True
@@ -309,18 +314,24 @@ def recv(tensor: torch.Tensor, *, src: int, group: Optional[ProcessGroup], what:
 
 
 def all_gather_padded(
-    pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device
+    pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device,
+    *, kept: Optional[KeptBuffers] = None,
 ) -> torch.Tensor:
     """All-gathers 1-D data of different lengths per rank (gloo needs equal ones): each rank's
     pieces, back to back, padded to `size`; returns (world, size). Buffers are not zero-filled (a
-    fresh 40 MB zeros costs more than the collective); only the padding is."""
-    padded = torch.empty(size, dtype=dtype, device=device)
+    fresh 40 MB zeros costs more than the collective); only the padding is. With `kept`, both
+    buffers are kept across calls (Note [kept receive buffers]: a data-parallel table's touched
+    rows' gradients are tens of MB a step, whose fresh pages cost more than the copies)."""
+    like = torch.empty(0, dtype=dtype, device=device)
+    padded = torch.empty(size, dtype=dtype, device=device) if kept is None else kept.empty(
+        f"padded {dtype}", size, like)
     used = 0
     for p in pieces:
         padded[used : used + p.numel()] = p
         used += p.numel()
     padded[used:].zero_()
-    return all_gather(padded, group=group, world=world, what=f"an all-gather of {size} values")
+    out = None if kept is None else kept.empty(f"gathered {dtype}", world * size, like)
+    return all_gather(padded, group=group, world=world, what=f"an all-gather of {size} values", out=out)
 
 
 def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup]) -> list[bytes]:

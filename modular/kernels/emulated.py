@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from modular.comm import all_gather, all_gather_padded
+from modular.comm import KeptBuffers, all_gather, all_gather_padded
 from modular.kernels.base import KernelLookup, dense_tbe
 from modular.kernels.lookups import Lookup
 from modular.kernels.row_grads import summed_row_grads
@@ -59,6 +59,7 @@ class EmulatedFusedKernel:
         dims = [r.shard.num_cols for r in group.routes]
         self._route_cols = [sum(dims[:i]) for i in range(len(dims))]
         self._across: Optional[Replicas] = None
+        self._kept = KeptBuffers()  # all_gather_mean's buffers (Note [kept receive buffers])
 
     def replicate_across(self, replicas: Replicas) -> None:
         """Makes `take_pending` the mean over every replica group's gradients (Note [exact
@@ -107,7 +108,7 @@ class EmulatedFusedKernel:
                 out.append(parts[0])
             else:
                 rows = torch.cat([p.rows for p in parts])
-                out.append(_coalesce(rows, torch.cat([p.grad for p in parts]), cols))
+                out.append(_coalesce(rows, [p.grad for p in parts], cols))
         return out
 
     def decayed(self, t: int, g: RowGrad) -> torch.Tensor:
@@ -134,8 +135,10 @@ class EmulatedFusedKernel:
         val_splits = [[n * c for n, c in zip(per_table, cols)] for per_table in all_counts]
         row_total = [sum(x) for x in row_splits]
         val_total = [sum(x) for x in val_splits]
-        rows_all = all_gather_padded(rows_mine, max(row_total), group, world, torch.int64, device)
-        vals_all = all_gather_padded(vals_mine, max(val_total), group, world, torch.float32, device)
+        rows_all = all_gather_padded(rows_mine, max(row_total), group, world, torch.int64, device,
+                                     kept=self._kept)  # fmt: skip
+        vals_all = all_gather_padded(vals_mine, max(val_total), group, world, torch.float32, device,
+                                     kept=self._kept)  # fmt: skip
         out: list[Optional[RowGrad]] = []
         per_rank_rows = [r[:n].split(c) for r, n, c in zip(rows_all, row_total, row_splits)]
         per_rank_vals = [v[:n].split(c) for v, n, c in zip(vals_all, val_total, val_splits)]
@@ -144,8 +147,7 @@ class EmulatedFusedKernel:
             if ids.numel() == 0:
                 out.append(None)
                 continue
-            vals = torch.cat([per_rank_vals[r][t] for r in range(world)]).view(-1, width)
-            summed = _coalesce(ids, vals, width)
+            summed = _coalesce(ids, [per_rank_vals[r][t].view(-1, width) for r in range(world)], width)
             out.append(RowGrad(summed.rows, summed.grad.div_(world)))
         return out
 
@@ -208,7 +210,13 @@ def _add_rows(
     weight.index_copy_(0, rows, updated.to(weight.dtype))
 
 
-def _coalesce(ids: torch.Tensor, grads: torch.Tensor, cols: int) -> RowGrad:
+def _coalesce(ids: torch.Tensor, grads: list[torch.Tensor], cols: int) -> RowGrad:
+    """The unique rows of `ids` and each one's gradients summed in the order of `ids`, whose
+    rows `grads` hold one part after another (added part by part: no copy of them all)."""
     rows, inverse = torch.unique(ids.long(), return_inverse=True)
-    summed = torch.zeros(rows.numel(), cols, dtype=grads.dtype, device=grads.device)
-    return RowGrad(rows, summed.index_add_(0, inverse, grads))
+    summed = torch.zeros(rows.numel(), cols, dtype=grads[0].dtype, device=grads[0].device)
+    start = 0
+    for part in grads:
+        summed.index_add_(0, inverse[start : start + part.shape[0]], part)
+        start += part.shape[0]
+    return RowGrad(rows, summed)

@@ -16,9 +16,10 @@ after the output dist:
   * lookup: a kernel takes one bag count for all its routes, so each route's bags are followed by
     empty ones up to the longest route's; empty bags pool to zero, train nothing, and never
     travel. (fbgemm's own variable-batch lookup, `batch_size_per_feature_per_rank`, would skip
-    them, but fbgemm-gpu-cpu 1.8.0's builds its metadata with a tensor op per bag: 113 ms
-    against 2.4 ms for the padded forward of 9,216 bags, and it corrupts the heap on int32
-    offsets; TorchRec's CPU VBE step pays the same);
+    them, but fbgemm-gpu-cpu 1.8.0's CPU op builds its metadata (`generate_vbe_metadata`) with
+    a few tensor ops per bag: a forward of 9,216 bags took 37 ms against 1.3 ms padded, and
+    int32 offsets corrupted the heap. TorchRec's CPU VBE step spends most of its time there,
+    docs/benchmarks.md);
   * output dist: each rank is sent, for each route, just the bags of its own samples' strides;
     one gather expands the arrivals (every rank's, then the local data-parallel ones) to the
     batch, each sample reading its bag's columns where they arrive; where row-wise pieces must

@@ -8,11 +8,12 @@ the same collectives in the same order on every rank:
   then the tables held whole take their whole update (`AdamFusedKernel.apply`), and the tables
   cut into column pieces take theirs in phases:
   2. partial_rowwise: each touched row's sum of g**2, a column-wise table's summed over its
-     pieces (one all-to-all, `exchange_row_sums`), divided by the whole row's width;
-  3. the moments and each row's r, piece by piece (r is per element);
-  4. LAMB: each touched row's sums of w**2 and r**2, a column-wise table's summed over its pieces
+     pieces (one all-to-all, `exchange_row_sums`), divided by the whole row's width; then
+     partial_rowwise_adam's pieces take their whole update (`apply`, given those means);
+  3. LAMB: the moments and each row's r, piece by piece (r is per element), with each touched
+     row's sums of w**2 and r**2 over the piece (`directions`), summed over the table's pieces
      (a second all-to-all, two floats per row);
-  5. the weights.
+  4. LAMB: the weights (`step_rows`).
 Every column piece of a table looks up the same ids (each id goes to every piece), so its pieces
 agree on the touched rows, sorted and unique (Note [row statistics across column shards]). A
 rank holding no piece of a column-wise table joins the all-to-alls with nothing to send.
@@ -70,7 +71,7 @@ class MomentUpdates:
             cut[id(k)] = [g if p else None for g, p in zip(grads[id(k)], pieces)]
         if not self.column_tables:
             return
-        means: dict[int, PerTable] = {}
+        means: dict[int, PerTable] = {id(k): [None] * len(k.sizes) for k in self.kernels}
         if self.kind.partial_rowwise():
             sums = {id(k): k.grad_square_sums(cut[id(k)]) for k in self.kernels}
             whole = self._whole_rows(cut, sums)
@@ -79,21 +80,22 @@ class MomentUpdates:
                     None if s is None else whole[table] / at.layout.table(table).embedding_dim
                     for (table, _), s in zip(k.group.shards, sums[id(k)])
                 ]
-        directions = {
-            id(k): k.directions(cut[id(k)], means.get(id(k), [None] * len(k.sizes)))
+        if not self.kind.trust_ratio():  # partial_rowwise_adam: nothing else to combine
+            for k in self.kernels:
+                k.apply(cut[id(k)], means[id(k)])
+            return
+        directions = {id(k): k.directions(cut[id(k)], means[id(k)]) for k in self.kernels}
+        own = {
+            id(k): [None if d is None else d.norm_squares for d in directions[id(k)]]
             for k in self.kernels
         }
-        norms: dict[int, Optional[PerTable]] = {id(k): None for k in self.kernels}
-        if self.kind.trust_ratio():
-            own = {id(k): k.norm_squares(cut[id(k)], directions[id(k)]) for k in self.kernels}
-            whole = self._whole_rows(cut, own)
-            for k in self.kernels:
-                norms[id(k)] = [
-                    None if s is None else whole[table]
-                    for (table, _), s in zip(k.group.shards, own[id(k)])
-                ]
+        whole = self._whole_rows(cut, own)
         for k in self.kernels:
-            k.step_rows(cut[id(k)], directions[id(k)], norms[id(k)])
+            norms = [
+                None if s is None else whole[table]
+                for (table, _), s in zip(k.group.shards, own[id(k)])
+            ]
+            k.step_rows(cut[id(k)], directions[id(k)], norms)
 
     def _whole_rows(
         self, grads: dict[int, list[Optional[RowGrad]]], sums: dict[int, PerTable]

@@ -67,11 +67,12 @@ class StepCount:
 class AdamFusedKernel(EmulatedFusedKernel):
     """One kernel group under the Adam family, its update in torch (Note [fused Adam and LAMB]).
 
-    `apply` updates tables whose rows this kernel holds whole, a block of rows at a time from
-    gathering them to writing them back (Note [updating rows in blocks]). Tables cut into column
-    pieces elsewhere take the update in phases, so that the owning module's `MomentUpdates` can
-    sum the pieces' whole-row statistics across ranks between them: `grad_square_sums`,
-    `directions` (moves the moments), `norm_squares` (LAMB), `step_rows`."""
+    `apply` updates a block of rows at a time from gathering them to writing them back (Note
+    [updating rows in blocks]): tables whose rows this kernel holds whole, and column pieces
+    once partial_rowwise_adam's row means are combined (`grad_square_sums`, summed over the
+    pieces by the owning module's `MomentUpdates`). LAMB's column pieces take it in two phases,
+    their rows' norms summed across the pieces between them: `directions` (moves the moments),
+    `step_rows`."""
 
     def __init__(
         self,
@@ -105,55 +106,43 @@ class AdamFusedKernel(EmulatedFusedKernel):
     def directions(
         self, grads: list[Optional[RowGrad]], row_means: list[Optional[torch.Tensor]]
     ) -> list[Optional[Direction]]:
-        """Moves each touched row's moments and returns its r (with LAMB's wd * w added);
-        `row_means[t]`: partial_rowwise's mean of g**2 over the whole row, per touched row."""
-        kind = self.config.optimizer
-        reads_w = kind.trust_ratio() or bool(self.config.weight_decay)
+        """LAMB's first phase: moves each touched row's moments and returns its r (with
+        wd * w added) and the row's sums of w**2 and r**2 over this shard's columns, a block of
+        rows at a time; `row_means[t]`: partial_rowwise's mean of g**2 over the whole row."""
         out: list[Optional[Direction]] = []
         for i, g in enumerate(grads):
             if g is None:
                 out.append(None)
                 continue
-            r = torch.empty_like(g.grad)
-            w = torch.empty_like(g.grad) if reads_w else None
-            v = self._second_moment_buffer(i, g.rows.numel())
-            for lo, hi in self._blocks(i, g.rows.numel()):
+            n, cols = g.rows.numel(), self.sizes[i][1]
+            r, sums = torch.empty_like(g.grad), g.grad.new_empty(n, 2)
+            block = min(n, _block_rows(cols))
+            w_buf, v_buf = g.grad.new_empty(block, cols), self._second_moment_buffer(i, block)
+            for lo, hi in self._blocks(i, n):
                 mean = None if row_means[i] is None else row_means[i][lo:hi]
-                self._direction(i, g.rows[lo:hi], g.grad[lo:hi], mean, r[lo:hi], v[lo:hi],
-                                None if w is None else w[lo:hi])  # fmt: skip
-            out.append(Direction(r, w))
+                w = w_buf[: hi - lo]
+                d = self._direction(i, g.rows[lo:hi], g.grad[lo:hi], mean, r[lo:hi],
+                                    v_buf[: hi - lo], w)  # fmt: skip
+                torch.stack(((w * w).sum(1), (d * d).sum(1)), dim=1, out=sums[lo:hi])
+            out.append(Direction(r, sums))
         return out
-
-    def norm_squares(
-        self, grads: list[Optional[RowGrad]], directions: list[Optional[Direction]]
-    ) -> list[Optional[torch.Tensor]]:
-        """LAMB: per kernel table, each touched row's (sum of w**2, sum of r**2) over this
-        shard's columns, as a (rows, 2) tensor."""
-        return [
-            None if d is None else torch.stack(((d.w * d.w).sum(1), (d.r * d.r).sum(1)), dim=1)
-            for d in directions
-        ]
 
     @torch.no_grad()
     def step_rows(
         self,
         grads: list[Optional[RowGrad]],
         directions: list[Optional[Direction]],
-        norm_squares: Optional[list[Optional[torch.Tensor]]] = None,
+        norm_squares: list[Optional[torch.Tensor]],
     ) -> None:
-        """The weight update on each touched row; `norm_squares[t]` (LAMB): the whole rows'
-        (sum of w**2, sum of r**2)."""
-        trust = self.config.optimizer.trust_ratio()
+        """LAMB's second phase: the weight update on each touched row; `norm_squares[t]`: the
+        whole rows' (sum of w**2, sum of r**2)."""
         for i, (g, d) in enumerate(zip(grads, directions)):
             if g is None:
                 continue
             for lo, hi in self._blocks(i, g.rows.numel()):
-                ratio = None
-                if trust:
-                    sums = norm_squares[i][lo:hi]
-                    ratio = sums[:, 0].sqrt() / sums[:, 1].sqrt()
-                w = None if d.w is None else d.w[lo:hi]
-                self._step(i, g.rows[lo:hi], d.r[lo:hi], w, ratio)
+                sums = norm_squares[i][lo:hi]
+                ratio = sums[:, 0].sqrt() / sums[:, 1].sqrt()
+                self._step(i, g.rows[lo:hi], d.r[lo:hi], None, ratio)
 
     @torch.no_grad()
     def apply(
@@ -266,11 +255,11 @@ class AdamFusedKernel(EmulatedFusedKernel):
 
 
 class Direction(NamedTuple):
-    """One kernel table's update direction r on its touched rows, and their weights (FP32;
-    None where the update does not read them)."""
+    """LAMB on one kernel table's touched rows: the update direction r, and each row's sums of
+    w**2 and r**2 over this shard's columns, (rows, 2)."""
 
     r: torch.Tensor
-    w: Optional[torch.Tensor]
+    norm_squares: torch.Tensor
 
 
 # Note [updating rows in blocks]

@@ -436,6 +436,7 @@ def train(config: TrainConfig) -> TrainResult:
             opt.step()
             # One small all-reduce per step: the loss averaged over ranks, and the stop flag.
             shared = torch.tensor([loss.item(), float(stop.count > 0)], device=device)
+            del loss  # its graph holds the tables' kernels, which a reshard would have to keep
             dist.all_reduce(shared)
             losses.append(shared[0].item() / world)
             if step > start:  # the first step pays one-off costs (allocation, warm-up)

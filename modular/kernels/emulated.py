@@ -147,7 +147,8 @@ class EmulatedFusedKernel:
             if ids.numel() == 0:
                 out.append(None)
                 continue
-            summed = _coalesce(ids, [per_rank_vals[r][t].view(-1, width) for r in range(world)], width)
+            parts = [per_rank_vals[r][t].view(-1, width) for r in range(world)]
+            summed = _coalesce(ids, parts, width, kept=(self._kept, f"summed {t}"))
             out.append(RowGrad(summed.rows, summed.grad.div_(world)))
         return out
 
@@ -210,11 +211,22 @@ def _add_rows(
     weight.index_copy_(0, rows, updated.to(weight.dtype))
 
 
-def _coalesce(ids: torch.Tensor, grads: list[torch.Tensor], cols: int) -> RowGrad:
+def _coalesce(
+    ids: torch.Tensor,
+    grads: list[torch.Tensor],
+    cols: int,
+    *,
+    kept: Optional[tuple[KeptBuffers, str]] = None,
+) -> RowGrad:
     """The unique rows of `ids` and each one's gradients summed in the order of `ids`, whose
-    rows `grads` hold one part after another (added part by part: no copy of them all)."""
+    rows `grads` hold one part after another (added part by part: no copy of them all); into
+    a kept buffer, `kept` = (buffers, key), when given (Note [kept receive buffers])."""
     rows, inverse = torch.unique(ids.long(), return_inverse=True)
-    summed = torch.zeros(rows.numel(), cols, dtype=grads[0].dtype, device=grads[0].device)
+    if kept is None:
+        summed = torch.zeros(rows.numel(), cols, dtype=grads[0].dtype, device=grads[0].device)
+    else:
+        buffers, key = kept
+        summed = buffers.empty(key, rows.numel() * cols, grads[0]).view(-1, cols).zero_()
     start = 0
     for part in grads:
         summed.index_add_(0, inverse[start : start + part.shape[0]], part)

@@ -42,22 +42,28 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     modules were only read: a failure raises on every rank (ShardingError naming the rank and
     what it was doing, or CollectiveError for a peer that died: Note [a failed peer]) and
     leaves every old module as it was.
-  * Keep. Each rank copies the blocks it keeps from its old shards into the new ones, in row
-    chunks, giving each chunk of an old shard back to the OS once copied, and old shards that
-    were sent away whole (Note [reshard memory]). Only local copies are left, which nothing but
-    a bug or the process dying can fail; if one does, that rank raises ShardingError saying its
-    old shards are partly given back (read as zeros) and that the last checkpoint must be loaded,
-    while the other ranks go on with the new plan.
   * Swap. The old modules are replaced, at every name they are registered under, and their
     tensors retired (Note [lifecycle state]): an optimizer over the old `local_parameters`
-    raises at its next step, naming reshard.
+    raises at its next step, naming reshard. The mover then drops the old modules: it holds
+    their shards only through tensors of its own (`Kept`), so that what else still holds them
+    shows (Note [reshard memory]).
+  * Keep. Each rank copies the blocks it keeps from its old shards into the new ones, in row
+    chunks, giving each chunk of an old shard back to the OS once copied, and old shards that
+    were sent away whole; an old shard that something outside the mover still holds (a
+    `state_dict()`, a view, the old parameters, an optimizer over them, the last loss's graph)
+    is kept whole instead, so that it reads what it read, and one warning per reshard names its
+    tables and the bytes over the bound (Note [reshard memory]). Only local copies are left,
+    which nothing but a bug or the process dying can fail; if one does, that rank raises
+    ShardingError saying its new shards are partly filled and its old ones partly given back,
+    and that the last checkpoint must be loaded (every rank holds the new plan).
 
 Memory: beside its old shards a rank holds at most the bytes it receives plus the larger of one
 round's buffers (at most its largest moved block, unless the 1 MiB floor is more) and one kept
-chunk (1 MiB), on CPU under Linux (Note [reshard memory]); no full table is ever made.
-docs/benchmarks.md measures it against checkpoint save and load. Optimizer state of torch
-optimizers (unfused tables) does not move: they are rebuilt. A prefetched batch of a rebuilt module is dropped with the old module's prefetcher (Note
-[prefetched input dist]). Gradients of unfused tables are not moved either: reshard between a
+chunk (1 MiB), on CPU under Linux, where nothing outside the model holds the old shards (Note
+[reshard memory]); no full table is ever made. docs/benchmarks.md measures it against
+checkpoint save and load. Optimizer state of torch optimizers (unfused tables) does not move:
+they are rebuilt. A prefetched batch of a rebuilt module is dropped with the old module's
+prefetcher (Note [prefetched input dist]). Gradients of unfused tables are not moved either: reshard between a
 step's `optimizer.step()` and the next forward.
 """
 

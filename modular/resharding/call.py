@@ -3,6 +3,8 @@ modular/resharding/__init__.py)."""
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Optional
 
 import torch.distributed as dist
@@ -14,7 +16,9 @@ from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
 from modular.resharding.exchange import agree, exchange, pack, plan_traffic, rounds
 from modular.resharding.memory import uncommitted
-from modular.resharding.moves import Item, ModuleMove, keep, kept_blocks
+from modular.resharding.moves import (
+    Item, Kept, ModuleMove, Shards, keep, kept_blocks, kept_whole_warning,
+)  # fmt: skip
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
 from modular.sharding import agree_on_plan, resolve_placements, retire_tables
 from modular.tables.layout import RankLayout
@@ -48,10 +52,14 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     rebuilt module (`modular.prefetch`) is dropped: the next forward runs its input dist under
     the new layout.
 
-    On CPU the old modules' shards are given back to the OS as their blocks are copied (Note
-    [reshard memory]): a tensor taken from an old module before (its `state_dict()`, a view, a
-    checkpoint not yet copied by `async_save`) reads zeros afterwards; clone what must
-    outlive the call, and finish asynchronous saves first.
+    On CPU the old modules' shards are given back to the OS as their blocks are copied, which
+    keeps the peak memory within issue 39's bound (Note [reshard memory]), but only where
+    nothing outside the model still holds them. A tensor taken from an old module before the
+    call (its `state_dict()`, a view, its parameters, a torch optimizer over them, a checkpoint
+    `async_save` has not copied yet) and the last step's loss (its autograd graph) keep those
+    shards whole instead: they read what they read before, and a warning names the tables and
+    how far the peak went over the bound. Drop such references before the call (`del loss`;
+    clone what must outlive it) to stay within the bound.
 
     A plan that does not fit (another world size, a module that is not sharded, other tables)
     raises ShardingError on every rank before anything moves (Note [agreeing on the plan]). A
@@ -63,6 +71,17 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
         raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
     if not dist.is_initialized():
         raise ShardingError("modular.reshard needs the process group the model was sharded on")
+    moves, names, group = _agreed_moves(model, plan)
+    if moves:
+        _move(model, moves, names, group)
+    return model
+
+
+def _agreed_moves(
+    model: nn.Module, plan: ShardingPlan
+) -> tuple[list[ModuleMove], dict[int, list[str]], Optional[ProcessGroup]]:
+    """The moves of the modules `plan` changes, once every rank agreed on it (collective), with
+    the names each moving module is registered under (by move index) and their group."""
     names = _sharded_names(model)
     group = _group_guess(names)
     targets: list[tuple[str, nn.Module]] = []
@@ -95,19 +114,43 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     except ShardingError as e:
         problem = e
     agree_on_plan(plan, targets, group, problem, call="modular.reshard")
-    if moves:
-        built = _build(moves, group)
-        for move, new in zip(moves, built):  # every rank built every module: swap them in
-            retire_tables(move.old, move.fqn, by="modular.reshard")
-            for name in names[id(move.old)][1]:
-                lifecycle.replace_module(model, name, new)
-    return model
+    return moves, {move.index: names[id(move.old)][1] for move in moves}, group
 
 
-def _build(moves: list[ModuleMove], group: Optional[ProcessGroup]) -> list[nn.Module]:
-    """The new modules, filled from the old ones and the blocks that arrive (collective). Past
-    the last agreement here the old modules' shards are given back as they are copied (Note
-    [reshard memory] in memory.py): the caller swaps the new modules in straight after."""
+def _move(
+    model: nn.Module, moves: list[ModuleMove], names: dict[int, list[str]], group: Optional[ProcessGroup]
+) -> None:
+    """Builds the new modules (collective), swaps them in, then copies the blocks this rank
+    keeps. By then the mover holds the old shards through `kept` alone (the old modules and
+    their readers are dropped: Note [reshard memory] counts what else holds them), and what
+    something else holds is kept whole, with one warning."""
+    built, kept, writers = _build(moves, group)
+    insides = [weakref.ref(move.old._sharded) for move in moves]  # what holds the old kernels
+    for move, new in zip(moves, built):  # every rank built every module: swap them in
+        retire_tables(move.old, move.fqn, by="modular.reshard")
+        for name in names[move.index]:
+            lifecycle.replace_module(model, name, new)
+        move.old = None
+    rank = dist.get_rank(group)
+    try:  # a collection only where an old module outlived the swap (a cycle, or a user's)
+        whole = keep(kept, writers, collect=any(inside() is not None for inside in insides))
+    except Exception as e:  # only local copies are left; the other ranks go on (Note [reshard memory])
+        raise ShardingError(
+            f"modular.reshard failed on rank {rank} after every rank had received its blocks, "
+            f"while copying the blocks it keeps ({type(e).__name__}: {e}); every rank holds the "
+            "new plan, but this rank's new shards are partly filled and its old ones partly given "
+            "back: load the last checkpoint on every rank (modular.checkpoint.load into this model)"
+        ) from e
+    if whole:
+        warnings.warn(kept_whole_warning(whole, moves, rank), stacklevel=3)  # the caller's line
+
+
+def _build(
+    moves: list[ModuleMove], group: Optional[ProcessGroup]
+) -> tuple[list[nn.Module], list[Kept], list[Shards]]:
+    """The new modules, filled with the blocks that arrive (collective), and what `keep` copies
+    into them once they replace the old ones: the old local tensors with the blocks this rank
+    keeps from them, and the new modules' shards. Its last agreement is the reshard's commit."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     built = []
     for move in moves:  # shards that take pages only as blocks are written into them
@@ -161,16 +204,8 @@ def _build(moves: list[ModuleMove], group: Optional[ProcessGroup]) -> list[nn.Mo
             failure, doing = e, "while listing the blocks it keeps"
     # Every rank has every block it receives: from here on the new modules replace the old ones.
     agree(failure, doing, group)
-    try:
-        keep(kept, readers, writers)
-    except Exception as e:  # only local copies are left; the other ranks go on (Note [reshard memory])
-        raise ShardingError(
-            f"modular.reshard failed on rank {rank} after every rank had received its blocks, "
-            f"while copying the blocks it keeps ({type(e).__name__}: {e}); the other ranks hold "
-            "the new plan and this rank's old shards are partly given back: load the last "
-            "checkpoint on every rank (modular.checkpoint.load into a model sharded by either plan)"
-        ) from e
-    return built
+    return built, kept, writers
+
 
 
 def _filled_below(views: dict) -> None:

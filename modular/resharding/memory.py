@@ -26,18 +26,39 @@ plus its largest moved block, on CPU under Linux:
     by row chunk (`KEEP_CHUNK_BYTES`), and each chunk of the old shard is given back right after
     (madvise(MADV_DONTNEED) on the whole pages inside it), so the copy holds one chunk twice,
     not the whole kept shard; an old shard that was sent away is given back whole. Pages read
-    as zeros afterwards, so this happens only past the point where the new modules replace the
-    old ones (a failure there is Note [resharding in memory]'s "Keep"). Tensors sharing bytes
-    with another are left alone, so a block still to be copied never reads zeros.
+    as zeros afterwards, so this happens only once the new modules have replaced the old ones
+    (a failure there is Note [resharding in memory]'s "Keep"), and only for an old storage that
+    nothing but the mover can see. Tensors sharing bytes with another are left alone, so a
+    block still to be copied never reads zeros.
 
-The growth of a rank's peak resident set is then at most what it receives plus the larger of one
-round's buffers and one kept chunk; measured in docs/benchmarks.md ("reshard.py") and
-tests/modular/test_reshard.py. One case stays over issue 39's bound: a rank that neither sends
-nor receives but whose module is rebuilt (another rank's table moved) copies its kept shards
-into new buffers, so it holds one chunk (1 MiB) where the bound says 0; only a kernel kept as it
-is (not done: the new module's tables would share tensors with the retired old ones) avoids it. Elsewhere (a GPU, another OS) all three are skipped: the new
-modules' buffers are allocated when they are built, and the old shards are freed when the old
-modules are dropped after the swap, so a rank holds its old and new shards side by side (the
+What else may see an old storage: a user's `state_dict()` (its ShardedTensors and DTensors wrap
+new detached tensors on the shards' storages), a view of a shard, the old parameter objects, a
+torch optimizer over the old `local_parameters`, the last step's loss (its autograd graph holds
+the old kernels until it is dropped), a Python storage object. Each of those is a tensor of its
+own on the storage, or keeps one alive (a shard's view keeps its kernel's flat buffer), so it
+counts in the storage's use count (`torch._C._storage_Use_Count`, torch 2.13), or it is a
+reference to the storage's Python object. So the mover swaps the new modules in and drops the
+old ones (and their readers) first, and holds each old shard and state only through one
+`detach()`ed tensor of its own (`Kept`), which no one else can hold; an old storage is given
+back only where its use count is exactly the mover's tensors on it (plus the storage object the
+check itself makes) and nothing else refers to that storage object. Anything more, or any doubt,
+keeps the storage whole: its values stay as they were, the blocks kept from it are copied beside
+it (the peak goes over the bound by them), and it is freed when its last holder goes; `reshard`
+warns once per call, naming the tables and both sizes. An old module in a reference cycle (its
+prefetcher holds it) outlives the drop until the collector runs, so where an old module's insides
+(its `ShardedCollection`, weakly referenced) outlived it, a storage that looks held is counted
+again after `gc.collect()` (0.2 s in a process that imported torchrec, so not otherwise). A
+rank that releases nothing (a GPU, another OS) does not check or warn.
+
+Where nothing else holds the old shards, the growth of a rank's peak resident set is then at
+most what it receives plus the larger of one round's buffers and one kept chunk; measured in
+docs/benchmarks.md ("reshard.py") and tests/modular/test_reshard.py. One case stays over issue
+39's bound: a rank that neither sends nor receives but whose module is rebuilt (another rank's
+table moved) copies its kept shards into new buffers, so it holds one chunk (1 MiB) where the
+bound says 0; only a kernel kept as it is (not done: the new module's tables would share tensors
+with the retired old ones) avoids it. Elsewhere (a GPU, another OS) all three are skipped: the
+new modules' buffers are allocated when they are built, and the old shards are freed when the
+old modules are dropped after the swap, so a rank holds its old and new shards side by side (the
 bytes it receives plus all its new shards beyond its old ones): a GPU caching allocator cannot
 give back part of a buffer, and a flat buffer per kernel cannot adopt a kept shard's storage.
 """
@@ -46,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import mmap
 import sys
 from typing import Iterator, Optional
@@ -114,12 +136,14 @@ def uncommitted(device: torch.device) -> Iterator[None]:
 
 
 class Releaser:
-    """Gives the pages of old shards back to the kernel (Note [reshard memory]). Only tensors
-    whose bytes no other of `tensors` shares are released, so that a block still to be copied
-    can never read zeros."""
+    """Gives the pages of old shards back to the kernel (Note [reshard memory]). `tensors` are
+    the only tensors the caller holds on their storages. Only tensors whose bytes no other of
+    `tensors` shares, so that a block still to be copied can never read zeros, and whose storage
+    nothing but `tensors` holds (`held_outside`) are released."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], *, collect: bool) -> None:
         self._madvise = _madvise() if _ON_LINUX else None
+        self._outside = _held_outside(tensors, collect) if self._madvise is not None else set()
         spans = sorted(_span(t) for t in tensors if _releasable(t))
         self._ok: set[tuple[int, int]] = set()
         reach = -1  # the furthest end of the spans before
@@ -129,10 +153,17 @@ class Releaser:
                 self._ok.add((lo, hi))
             reach = max(reach, hi)
 
+    def held_outside(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage, which would have been given back, was kept whole because
+        something besides the caller's tensors holds it."""
+        return _storage_key(tensor) in self._outside
+
     def release(self, tensor: torch.Tensor, first_row: int, end_row: int) -> None:
         """Gives back the whole pages inside rows [first_row, end_row) of `tensor`, whose values
         are read as zeros afterwards."""
-        if self._madvise is None or _span(tensor) not in self._ok or end_row <= first_row:
+        if self._madvise is None or end_row <= first_row or _span(tensor) not in self._ok:
+            return
+        if _storage_key(tensor) in self._outside:  # kept whole: someone else reads it
             return
         row = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
         start = tensor.data_ptr() + first_row * row
@@ -140,6 +171,49 @@ class Releaser:
         hi = (start + (end_row - first_row) * row) // _PAGE * _PAGE
         if hi > lo:
             self._madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+def _held_outside(tensors: list[torch.Tensor], collect: bool) -> set[int]:
+    """The storages (by `_storage_key`) of `tensors` that something else holds too: another
+    tensor on them (a view, a parameter, a `state_dict()`'s detached tensors, an optimizer's
+    params), each of which counts in the storage's use count, or a Python storage object. With
+    `collect` (something of the old modules outlived their drop: a cycle, which only the
+    collector frees, or a user's reference) a storage that looks held is looked at again after
+    `gc.collect()`, which takes a good fraction of a second in a large process."""
+    held = _extra_holders(tensors)
+    if held and collect:
+        gc.collect()
+        held = _extra_holders(tensors)
+    return held
+
+
+def _extra_holders(tensors: list[torch.Tensor]) -> set[int]:
+    """The storages of `tensors` with something to give back whose holders are more than the
+    caller's tensors on them."""
+    mine: dict[int, set[int]] = {}  # storage -> ids of the caller's tensors on it
+    releasable: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        key = _storage_key(t)
+        mine.setdefault(key, set()).add(id(t))
+        if _releasable(t):
+            releasable.setdefault(key, t)
+    sole_refs, sole_uses = _SOLE
+    return {k for k, t in releasable.items() if _holders(t) != (sole_refs, sole_uses + len(mine[k]) - 1)}
+
+
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """(Python references to `t`'s storage object, the storage's use count): with a storage
+    object made here, the use count is one for it plus one per tensor on the storage (torch 2.13,
+    `torch._C._storage_Use_Count`); references beyond `_SOLE`'s are someone else's."""
+    storage = t.untyped_storage()
+    return sys.getrefcount(storage), torch._C._storage_Use_Count(storage._cdata)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+_SOLE = _holders(torch.empty(1))  # what one tensor alone on its storage shows
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -17,8 +17,10 @@ from modular.fused.tables import FusedTables
 from modular.resharding.blocks import Block, piece_problem, row_blocks, weight_blocks
 from modular.resharding.memory import KEEP_CHUNK_BYTES, Releaser
 from modular.tables.layout import Layout, RankLayout
+from planners.inputs import format_bytes
+from planners.types import ShardSpec
 
-__all__ = ["Item", "Kept", "ModuleMove", "WEIGHT", "keep", "kept_blocks"]
+__all__ = ["Item", "Kept", "ModuleMove", "Shards", "WEIGHT", "keep", "kept_blocks", "kept_whole_warning"]
 
 WEIGHT = "weight"  # an item of the table's weights; any other `what` names an optimizer state
 
@@ -39,7 +41,8 @@ class ModuleMove:
     its weights and, for a fused module, each state its optimizer keeps."""
 
     def __init__(self, index: int, fqn: str, old: nn.Module, at: RankLayout) -> None:
-        self.index, self.fqn, self.old, self.at = index, fqn, old, at
+        self.index, self.fqn, self.at = index, fqn, at
+        self.old: Optional[nn.Module] = old  # dropped once the new module replaces it
         before, after = old.layout, at.layout
         fused = old.fused_tables
         self.state_names: tuple[str, ...] = () if fused is None else fused.config.optimizer.state_names()
@@ -73,18 +76,18 @@ class ModuleMove:
     def layout(self) -> Layout:
         return self.at.layout
 
-    def reader(self) -> _Shards:
+    def reader(self) -> Shards:
         """The old module's shards, which blocks are read from (this rank's)."""
         old = self.old
         states = {} if old.fused_tables is None else old.fused_tables.states()
-        return _Shards(old.layout, old.local_shard_views(), states)
+        return Shards(old.layout, old.local_shard_views(), states)
 
-    def writer(self, views: dict, states: Optional[dict] = None) -> _Shards:
+    def writer(self, views: dict, states: Optional[dict] = None) -> Shards:
         """The new module's shards (this rank's `views`, and `states` once it is built)."""
-        return _Shards(self.layout, views, states or {})
+        return Shards(self.layout, views, states or {})
 
 
-class _Shards:
+class Shards:
     """One module's local shards and their optimizer state, by (table, shard index), seen as
     blocks of the table (`Block.rows` and `cols` are the table's, not the shard's)."""
 
@@ -96,19 +99,19 @@ class _Shards:
         spec = self.layout.shards[block.table][shard]
         key = (table.name, shard)
         tensor = self.views[key].detach() if what == WEIGHT else self.states[key][what]
-        rows = slice(block.rows[0] - spec.row_offset, block.rows[1] - spec.row_offset)
-        if block.cols is None:
-            return tensor[rows]
-        return tensor[rows, block.cols[0] - spec.col_offset : block.cols[1] - spec.col_offset]
+        return _region(tensor, spec, block)
 
-    def sources(self) -> list[tuple[str, int, int, torch.Tensor]]:
-        """Every local tensor of this module's shards: (what, table index, shard index, tensor)."""
+    def sources(self) -> list[tuple[str, int, int, ShardSpec, torch.Tensor]]:
+        """Every local tensor of this module's shards: (what, table index, shard index, its spec,
+        tensor), each a tensor of its own (`detach`) on the shard's storage, which nothing else
+        holds: Note [reshard memory] counts them."""
         out = []
         for (name, j), view in self.views.items():
             t = self.layout.table_index(name)
-            out.append((WEIGHT, t, j, view.detach()))
+            spec = self.layout.shards[t][j]
+            out.append((WEIGHT, t, j, spec, view.detach()))
             for what, state in self.states.get((name, j), {}).items():
-                out.append((what, t, j, state))
+                out.append((what, t, j, spec, state.detach()))
         return out
 
     def read(self, item: Item) -> torch.Tensor:
@@ -118,6 +121,14 @@ class _Shards:
     def write(self, item: Item, data: torch.Tensor) -> None:
         for shard in item.block.dst_shards:
             copy_block(self.region(item.what, item.block, shard), data)
+
+
+def _region(tensor: torch.Tensor, spec: ShardSpec, block: Block) -> torch.Tensor:
+    """`block` (the table's rows and columns) of shard `spec`'s `tensor`."""
+    rows = slice(block.rows[0] - spec.row_offset, block.rows[1] - spec.row_offset)
+    if block.cols is None:
+        return tensor[rows]
+    return tensor[rows, block.cols[0] - spec.col_offset : block.cols[1] - spec.col_offset]
 
 
 def copy_block(target: torch.Tensor, data: torch.Tensor) -> None:
@@ -134,11 +145,12 @@ class Kept:
     what: str
     table: int
     shard: int
+    spec: ShardSpec
     tensor: torch.Tensor
     items: tuple[Item, ...]
 
 
-def kept_blocks(moves: list[ModuleMove], readers: list[_Shards], rank: int) -> list[Kept]:
+def kept_blocks(moves: list[ModuleMove], readers: list[Shards], rank: int) -> list[Kept]:
     """Every old local tensor of the moving modules with the blocks this rank keeps from it; read
     before the reshard's last agreement, so that a block whose old shard this rank cannot find
     raises on every rank while the old shards are still whole."""
@@ -150,23 +162,24 @@ def kept_blocks(moves: list[ModuleMove], readers: list[_Shards], rank: int) -> l
                 kept.setdefault(key, []).append(item)
     out = []
     for m, reader in enumerate(readers):
-        for what, t, j, tensor in reader.sources():
-            out.append(Kept(m, what, t, j, tensor, tuple(kept.pop((m, what, t, j), ()))))
+        for what, t, j, spec, tensor in reader.sources():
+            out.append(Kept(m, what, t, j, spec, tensor, tuple(kept.pop((m, what, t, j), ()))))
     if kept:
         lost = sorted((moves[m].fqn, moves[m].layout.tables[t].name, w, j) for m, w, t, j in kept)
         raise RuntimeError(f"blocks to keep from old shards this rank does not hold: {lost}")
     return out
 
 
-def keep(kept: list[Kept], readers: list[_Shards], writers: list[_Shards]) -> None:
+def keep(kept: list[Kept], writers: list[Shards], *, collect: bool) -> list[Kept]:
     """Copies the blocks this rank keeps (`kept_blocks`) from the old shards into the new ones,
     row chunk by row chunk, giving each chunk of an old tensor back as soon as it is copied, and
-    old tensors that were sent away whole (Note [reshard memory] in memory.py). Past the
-    reshard's last agreement only: the old shards read as zeros afterwards."""
-    releaser = Releaser([k.tensor for k in kept])
+    old tensors that were sent away whole (Note [reshard memory] in memory.py). Past the swap
+    only, when `kept` holds the old shards' only tensors the mover has: a storage that something
+    else holds too (a user's `state_dict()`, a view) is kept whole. Returns those kept whole.
+    `collect`: whether the collector may free some of those holders (`Releaser`)."""
+    releaser = Releaser([k.tensor for k in kept], collect=collect)
     for k in kept:
-        spec = readers[k.module].layout.shards[k.table][k.shard]
-        tensor = k.tensor
+        spec, tensor = k.spec, k.tensor
         row = max(1, tensor[0].numel() * tensor.element_size()) if tensor.numel() else 1
         step = max(1, KEEP_CHUNK_BYTES // row)
         for a in range(0, spec.num_rows, step):
@@ -175,6 +188,38 @@ def keep(kept: list[Kept], readers: list[_Shards], writers: list[_Shards]) -> No
             for item in k.items:
                 r0, r1 = max(lo, item.block.rows[0]), min(hi, item.block.rows[1])
                 if r0 < r1:
-                    part = dataclasses.replace(item, block=dataclasses.replace(item.block, rows=(r0, r1)))
-                    writers[k.module].write(part, readers[k.module].read(part))
+                    block = dataclasses.replace(item.block, rows=(r0, r1))
+                    part = dataclasses.replace(item, block=block)
+                    writers[k.module].write(part, _region(tensor, spec, block))
             releaser.release(tensor, a, b)
+    return [k for k in kept if releaser.held_outside(k.tensor)]
+
+
+def kept_whole_warning(whole: list[Kept], moves: list[ModuleMove], rank: int) -> str:
+    """What `keep` returned, said to the user: the tables whose old shards stayed whole, what
+    they hold after the call, and how far the peak went over the bound (the blocks copied
+    beside them)."""
+    tables: dict[str, list[str]] = {}
+    storages, copied = {}, 0
+    for k in whole:
+        names = tables.setdefault(moves[k.module].fqn, [])
+        name = moves[k.module].layout.tables[k.table].name
+        if name not in names:
+            names.append(name)
+        storage = k.tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        copied += sum(item.block.numel for item in k.items) * k.tensor.element_size()
+    which = " and ".join(
+        f"{'table' if len(ns) == 1 else 'tables'} {', '.join(map(repr, ns))} of module {fqn!r}"
+        for fqn, ns in tables.items()
+    )
+    return (
+        f"modular.reshard on rank {rank}: the old shards of {which} are still referenced outside "
+        "the model (a state_dict(), a view, the old parameters or an optimizer over them, or the "
+        "last step's loss, whose autograd graph holds them?), so they were kept whole and read as "
+        "before: "
+        f"{format_bytes(sum(storages.values()))} stay held until those references are dropped, "
+        f"and this rank's peak memory was up to {format_bytes(copied)} above the bound (Note "
+        "[reshard memory]). Drop such references before resharding (`del loss, opt`; clone what "
+        "must outlive the call)"
+    )

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import re
+import warnings
 from datetime import timedelta
 from unittest import mock
 
@@ -46,7 +47,7 @@ from tests.modular.compare import close, full_value, local_blocks, state_error
 from tests.modular.dlrm_cases import (
     DLRM, DLRM_LR, MLP, dlrm_batch, global_dlrm_batch, loss_of, mixed_plan,
 )  # fmt: skip
-from tests.modular.ebc_cases import global_batch, make_batch, make_ebc, placements_for
+from tests.modular.ebc_cases import global_batch, make_batch, make_ebc, placements_for, unweighted_tables
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference, fused_ebc
 from tests.modular.sequence_cases import (
     SEQ_FEATURES, make_seq_model, seq_global_batch, seq_plan_for, seq_rank_batches,
@@ -105,9 +106,10 @@ def _check_weights(model: nn.Module, ref: nn.Module, what: str) -> None:
     refs = dict(ref.named_parameters())
     names = [n for n, _ in model.named_parameters()]
     assert names == list(refs), f"{what}: parameter names {names} != {list(refs)}"
-    for name, p in model.named_parameters():
-        for tensor, rows, cols in local_blocks(p):
-            close(tensor.detach(), refs[name].detach()[rows, cols], f"{what}: {name}")
+    for name, p in model.named_parameters():  # ShardedTensor or DTensor tables, or replicas
+        for piece in local_pieces(p) if is_sharded(p) else [Piece((0, 0), tuple(p.shape), p)]:
+            (r0, c0), (nr, nc) = piece.offsets, piece.sizes
+            close(piece.tensor.detach(), refs[name].detach()[r0 : r0 + nr, c0 : c0 + nc], f"{what}: {name}")
 
 
 class _Reference:
@@ -342,9 +344,22 @@ def _dlrm_placements(case: str, world: int) -> dict[str, TablePlacement]:
     return {n: TablePlacement(kind) for n in names}
 
 
+def _check_dlrm_weights(model: nn.Module, ref: nn.Module, what: str) -> None:
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():  # the dense part collectively (FSDP's DTensors)
+        if name.startswith("sparse."):
+            for piece in local_pieces(p) if is_sharded(p) else [Piece((0, 0), tuple(p.shape), p)]:
+                (r0, c0), (nr, nc) = piece.offsets, piece.sizes
+                close(piece.tensor.detach(), refs[name].detach()[r0 : r0 + nr, c0 : c0 + nc], f"{what}: {name}")
+        else:
+            close(full_value(p), refs[name].detach(), f"{what}: {name}")
+
+
 def _dlrm_dtensor(compose: str) -> int:
     """A DLRM whose tables are DTensors and whose MLPs are under DDP or FSDP2, resharded along a
-    chain: the tables keep their form, the dense part its wrapper, and training its parity."""
+    chain: the tables keep their form, the dense part its wrapper, and training its parity. A
+    `state_dict()` held across the first reshard keeps its values (its old shards are kept whole,
+    with a warning); the other reshards, with nothing held, warn of nothing."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     ref = DLRM()
@@ -373,22 +388,24 @@ def _dlrm_dtensor(compose: str) -> int:
             ref_opt.step()
             ref_opt.zero_grad()
             step += 1
-        refs = dict(ref.named_parameters())
-        for name, p in model.named_parameters():  # the dense part collectively (FSDP's DTensors)
-            if name.startswith("sparse."):
-                for piece in local_pieces(p) if is_sharded(p) else [Piece((0, 0), tuple(p.shape), p)]:
-                    (r0, c0), (nr, nc) = piece.offsets, piece.sizes
-                    close(piece.tensor.detach(), refs[name].detach()[r0 : r0 + nr, c0 : c0 + nc], f"{what}: {name}")
-            else:
-                close(full_value(p), refs[name].detach(), f"{what}: {name}")
+        _check_dlrm_weights(model, ref, what)  # its frame's views of the tables go with it
         if i + 1 == len(chain):
             break
-        modular.reshard(model, ShardingPlan(world_size=world, modules={"sparse": _dlrm_placements(chain[i + 1], world)}))
-        tables = model.sparse.table_weights()
-        for name, w in tables.items():
+        del opt, loss  # both hold the old shards (the loss through its graph): dropped, they are given back
+        held = {k: v for k, v in model.state_dict().items() if k.startswith("sparse.")} if i == 0 else {}
+        want, said = _local_values(held), []
+        with _reshard_warnings(said):
+            modular.reshard(model, ShardingPlan(world_size=world, modules={"sparse": _dlrm_placements(chain[i + 1], world)}))
+        for k, values in _local_values(held).items():  # the state_dict's DTensors and replicas
+            assert all(torch.equal(a, b) for a, b in zip(values, want[k])), f"{what}: held state_dict {k} changed"
+        assert len(said) == (1 if held else 0), f"{what}: {said}"
+        assert not held or "still referenced outside the model" in said[0], f"{what}: {said}"
+        del held
+        forms = {name: type(w) for name, w in model.sparse.table_weights().items()}  # not the tables:
+        for name, form in forms.items():  # the next reshard would keep what this frame holds whole
             placement = _dlrm_placements(chain[i + 1], world)[name]
-            assert isinstance(w, DTensor) == (placement.sharding_type is not ShardingType.DATA_PARALLEL), (
-                f"{what}: table {name} is a {type(w).__name__}"
+            assert (form is DTensor) == (placement.sharding_type is not ShardingType.DATA_PARALLEL), (
+                f"{what}: table {name} is a {form.__name__}"
             )
         assert {n: p for n, p in model.named_parameters() if not n.startswith("sparse.")} == dense, (
             f"{what}: reshard touched the dense part"
@@ -553,14 +570,102 @@ def _values_through_given_back_pages() -> None:
                 assert torch.equal(value, want[key]), f"-> {case}: {key} changed"
 
 
+@contextlib.contextmanager
+def _reshard_warnings(said: list):
+    """Collects what `modular.reshard` warns inside (every warning, repeats too)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    said.extend(str(w.message) for w in caught if str(w.message).startswith("modular.reshard"))
+
+
+def _local_values(state: dict) -> dict[str, list[torch.Tensor]]:
+    """Copies of this rank's values of each entry of a state_dict (its pieces where sharded)."""
+    return {
+        k: [p.tensor.clone() for p in local_pieces(v)] if is_sharded(v) else [v.clone()]
+        for k, v in state.items()
+    }
+
+
+def _references_held(tensor_type: str, holds: tuple[str, ...]) -> dict[str, list[str]]:
+    """References to the old shards taken before a reshard and held across it (`holds`, one a
+    reshard: a `state_dict()`, a slice view in the middle of a local shard, the tables' parameter
+    objects, or nothing) read what they read before: their old shards are kept whole, with a
+    warning, where they were given back (and read as zeros) before; with nothing held the old
+    shards are given back without one. Tables of 32-160 pages, so that every shard has whole
+    pages to give back. Training equals the reference throughout (the optimizer is rebuilt after
+    each reshard and dropped before it, and each step's loss goes with `_train_steps`' frame)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[dataclasses.replace(c, num_embeddings=c.num_embeddings * 512) for c in unweighted_tables()])
+    ref = copy.deepcopy(ebc)
+    holder = _Holder(ebc)
+    plan = lambda case: ShardingPlan(world_size=world, modules={"ebc": placements_for(case, ebc, world)})  # noqa: E731
+    modular.shard(holder, plan("row_wise"), tensor_type=tensor_type)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+
+    def view() -> dict[str, torch.Tensor]:
+        piece = local_pieces(holder.ebc.table_weights()["t_sum"])[0].tensor
+        return {"view": piece[piece.shape[0] // 2 : piece.shape[0] // 2 + 2]}
+
+    take = {
+        "state_dict": holder.state_dict, "view": view, "nothing": dict,
+        "parameters": lambda: dict(holder.ebc.table_weights()),  # the very objects the module held
+    }  # fmt: skip
+    said: dict[str, list[str]] = {}
+    cases = ("column_wise", "table_wise", "row_wise", "table_row_wise")
+    for i, (case, hold) in enumerate(zip(cases, holds)):
+        what = f"rank {rank} {tensor_type}: resharding to {case} holding {hold}"
+        opt = torch.optim.SGD(modular.local_parameters(holder), lr=LR)
+        _train_steps(holder, ref, opt, ref_opt, range(2 * i, 2 * i + 2), what)
+        del opt  # it holds the old shards too
+        held = take[hold]()
+        if hold == "nothing":  # a batch prefetched for the old module: its prefetcher and the
+            modular.prefetch(holder, make_batch(ref, seed=100 + rank))  # module hold each other
+        want = _local_values(held)
+        said[f"{tensor_type} {hold}"] = got = []
+        with _reshard_warnings(got):
+            modular.reshard(holder, plan(case))
+        for k, values in _local_values(held).items():
+            assert all(torch.equal(a, b) for a, b in zip(values, want[k])), f"{what}: {k} changed"
+        _check_weights(holder.ebc, ref, what)
+        del held
+    opt = torch.optim.SGD(modular.local_parameters(holder), lr=LR)
+    _train_steps(holder, ref, opt, ref_opt, range(2 * len(holds), 2 * len(holds) + 2), f"rank {rank}: after")
+    _check_weights(holder.ebc, ref, f"rank {rank} {tensor_type}: after the reshards")
+    return said
+
+
+def _peak_growth_and_held_references() -> tuple[list[dict], dict[str, list[str]]]:
+    rows = _peak_growth()
+    said = _references_held("sharded_tensor", ("state_dict", "view", "parameters", "nothing"))
+    return rows, {**said, **_references_held("dtensor", ("state_dict", "nothing"))}
+
+
 def test_peak_memory_is_at_most_what_a_rank_receives_plus_its_largest_moved_block() -> None:
     """What a rank holds beyond its old shards during a reshard (issue 39): at most the bytes it
     receives plus its largest moved block, where building new kernels beside the old ones took
-    the bytes it receives plus all its new shards (`old`)."""
-    for rank, rows in enumerate(run_on_ranks(2, _peak_growth, timeout=TIMEOUT)):
+    the bytes it receives plus all its new shards (`old`); a user's references to the old shards
+    keep them whole (and intact), with a warning."""
+    results = run_on_ranks(2, _peak_growth_and_held_references, timeout=TIMEOUT)
+    for rank, (rows, said) in enumerate(results):
         for r in rows:
             assert r["growth"] <= r["bound"] + (1 << 20), (rank, r)  # 1 MiB: the interpreter's own
             assert r["growth"] < r["old"] or r["old"] <= r["bound"], (rank, r)
+        assert said["sharded_tensor nothing"] == said["dtensor nothing"] == [], (rank, said)
+        names = {"t_sum", "t_mean", "t_small", "t_big"}
+        held = {
+            "sharded_tensor state_dict": names, "sharded_tensor view": {"t_sum"},
+            "sharded_tensor parameters": set(), "dtensor state_dict": names,
+        }  # fmt: skip
+        for hold, tables in held.items():  # at least these (and those sharing their storages)
+            assert len(said[hold]) == 1, (rank, hold, said[hold])
+            named = re.match(
+                rf"modular\.reshard on rank {rank}: the old shards of tables? (.*) of module 'ebc' are "
+                r"still referenced outside the model .* so they were kept whole and read as before",
+                said[hold][0],
+            )
+            assert named and tables <= set(re.findall(r"'(\w+)'", named[1])) <= names, (rank, hold, said[hold])
 
 
 # -- faults and refusals -------------------------------------------------------------------------
@@ -597,8 +702,8 @@ def _fails_mid_reshard() -> str:
     assert holder.ebc is old, "a failed reshard replaced the module"
     _train_steps(holder, ref, opt, ref_opt, range(2, 5), f"rank {rank} after the failed reshard")
     _check_weights(holder.ebc, ref, f"rank {rank} after the failed reshard")
-    # Past the last agreement only local copies are left: a rank failing there raises alone,
-    # saying its old shards are partly given back; the others hold the new plan.
+    # Past the last agreement (and the swap) only local copies are left: a rank failing there
+    # raises alone, saying its shards are partly copied; every rank holds the new plan.
     late = mock.patch.object(reshard_call, "keep", side_effect=fault) if rank == 1 else contextlib.nullcontext()
     late_message = ""
     with late:
@@ -606,7 +711,7 @@ def _fails_mid_reshard() -> str:
             modular.reshard(holder, plan)
         except modular.ShardingError as e:
             late_message = str(e)
-    assert (holder.ebc is old) == (rank == 1)
+    assert holder.ebc is not old
     return str(raised.value), late_message
 
 

@@ -2,16 +2,17 @@
 
 Each EBC body walks one chain of plans through every ordered pair of the five sharding types (an
 Eulerian circuit of the complete directed graph, so each pair is one reshard), then through a
-change in the number of column pieces and the `mixed` plan: 2 steps before the first reshard and
-3 after each, checking outputs every step and every weight (and the fused optimizer's state) after
+change in the number of column pieces and the `mixed` plan: 2 steps before the first reshard and 3
+after each, checking outputs every step and every weight (and the fused optimizer's state) after
 every reshard against the reference, which never reshards. Fused (exact_rowwise_adagrad,
 exact_adagrad) and unfused (SGD over `local_parameters`, rebuilt after each reshard: the old one
 must refuse to step; a batch prefetched under the old layout is dropped) at worlds 2 and 3; the
 Adam family's moments and step count; an EmbeddingCollection case; DTensor tables under DDP and
 FSDP2; the bytes on the wire (one all-to-all per dtype); the peak memory against issue 39's bound,
-and every value through the old shards' pages given back; the blocks themselves (pure); and the
-faults (a rank failing mid-reshard, a failed collective, plans that do not fit), after which
-every rank's old module is intact and trains on exactly, and a rank failing past the commit.
+and every value through the old shards' pages given back; a `state_dict()`, a view or the old
+parameters held across a reshard, which keep their values (and warn); the blocks themselves (pure);
+and the faults (a rank failing mid-reshard, a failed collective, plans that do not fit), after
+which every rank's old module is intact and trains on exactly, and a rank failing past the commit.
 """
 
 from __future__ import annotations
@@ -597,7 +598,8 @@ def _references_held(tensor_type: str, holds: tuple[str, ...]) -> dict[str, list
     each reshard and dropped before it, and each step's loss goes with `_train_steps`' frame)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=[dataclasses.replace(c, num_embeddings=c.num_embeddings * 512) for c in unweighted_tables()])
+    tables = [dataclasses.replace(c, num_embeddings=c.num_embeddings * 512) for c in unweighted_tables()]
+    ebc = EmbeddingBagCollection(tables=tables)
     ref = copy.deepcopy(ebc)
     holder = _Holder(ebc)
     plan = lambda case: ShardingPlan(world_size=world, modules={"ebc": placements_for(case, ebc, world)})  # noqa: E731
@@ -719,6 +721,7 @@ def test_a_rank_failing_mid_reshard_raises_everywhere_and_keeps_the_old_module()
     results = run_on_ranks(2, _fails_mid_reshard, timeout=TIMEOUT)
     assert results[0][1] == "", results[0][1]
     assert results[1][1].startswith("modular.reshard failed on rank 1 after every rank had received its blocks"), results[1][1]
+    assert "every rank holds the new plan" in results[1][1], results[1][1]
     assert "load the last checkpoint on every rank" in results[1][1], results[1][1]
     for m, _ in results:
         assert "modular.reshard failed on rank 1 while filling the new shards of module 'ebc'" in m, m

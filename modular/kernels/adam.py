@@ -150,9 +150,10 @@ class AdamFusedKernel(EmulatedFusedKernel):
         grads: list[Optional[RowGrad]],
         row_means: Optional[list[Optional[torch.Tensor]]] = None,
     ) -> None:
-        """The whole update for tables whose rows this kernel holds whole (no column pieces
-        elsewhere: their statistics are this shard's own), a block of rows at a time (Note
-        [updating rows in blocks]); `row_means`, when given, replaces partial_rowwise's own."""
+        """The whole update, a block of rows at a time (Note [updating rows in blocks]), for
+        tables whose rows this kernel holds whole (their statistics are this shard's own), and
+        for partial_rowwise_adam's column pieces given `row_means`, the whole rows' means of
+        g**2 (per kernel table, None for this shard's own)."""
         kind = self.config.optimizer
         reads_w = kind.trust_ratio() or bool(self.config.weight_decay)
         for i, g in enumerate(grads):

@@ -57,6 +57,17 @@ def _blocks(p: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     return [(tuple(slice(0, n) for n in p.shape), p)]
 
 
+def _local_blocks_match(model, full: dict[str, torch.Tensor], worst: float, label: str) -> tuple[float, dict]:
+    """Each local block of the model's tables against the same region of the reference's
+    (`full`): the largest difference so far, and the blocks by (name, first row, first column)."""
+    mine_now = {}
+    for name, p in model.named_parameters():
+        for region, t in _blocks(p):
+            worst = max(worst, close(t.detach(), full[name].detach()[region], f"{label}: {name}{region}"))
+            mine_now[(name, region[0].start, region[1].start)] = t
+    return worst, mine_now
+
+
 def _pieces_of(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], list]]:
     """Each entry's global shape and this rank's pieces (offsets, tensor), to assemble whole."""
     return {
@@ -150,11 +161,7 @@ def _dtensor_case(mesh: DeviceMesh, case: str, optimizer: Optional[str]) -> tupl
             ref_opt.zero_grad()
     assert not model._prefetcher._pending, f"{label}: a prefetched batch was left unused"
     full = dict(ref_ebc.named_parameters())
-    mine_now = {}
-    for name, p in model.named_parameters():
-        for region, t in _blocks(p):
-            worst = max(worst, close(t.detach(), full[name].detach()[region], f"{label}: {name}{region}"))
-            mine_now[(name, region[0].start, region[1].start)] = t
+    worst, mine_now = _local_blocks_match(model, full, worst, label)
     with modular.unshard(model) as whole:  # the whole tables on every rank, which full_tensor() refuses
         assert sorted(whole) == sorted(full), f"{label}: unshard gave {sorted(whole)}"
         for name, t in whole.items():
@@ -252,11 +259,7 @@ def _vbe_case(mesh: DeviceMesh, case: str, weighted: bool, optimizer: Optional[s
         if optimizer is None:
             ref.zero_grad()
     full = dict(ref_ebc.named_parameters())
-    mine_now = {}
-    for name, p in model.named_parameters():
-        for region, t in _blocks(p):
-            worst = max(worst, close(t.detach(), full[name].detach()[region], f"{label}: {name}{region}"))
-            mine_now[(name, region[0].start, region[1].start)] = t
+    worst, mine_now = _local_blocks_match(model, full, worst, label)
     _assert_replicas_identical(mesh, mine_now, label)
     return worst
 

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from modular import lifecycle
 from modular.fused.config import FusedConfig
 from modular.fused.tables import FusedTables
 from modular.kernels.base import Kernel
@@ -73,9 +74,13 @@ class LocalShards:
         gradients over ranks (Note [dense replicas])."""
         views = self.views()
         replicas = [view for k in self.local_kernels for view in k.views]
-        init_shards(source, views, replicas, at=self.at)  # Note [agreeing on the shards' init]
-        if self.at.replicas is not None:  # every replica group starts from the first one's
-            copy_from_first_replica(list(views.values()), self.at.replicas)
+        moved = lifecycle.take_shard_fill(self.at)  # reshard's blocks fill every replica group's
+        if moved is not None:  # copies alike (Note [resharding in memory]): nothing to broadcast
+            moved(views)
+        else:
+            init_shards(source, views, replicas, at=self.at)  # Note [agreeing on the shards' init]
+            if self.at.replicas is not None:  # every replica group starts from the first one's
+                copy_from_first_replica(list(views.values()), self.at.replicas)
         tables = {}
         for t, table in enumerate(self.at.layout.tables):
             weight = table_weight(

@@ -12,7 +12,6 @@ import torch
 from torch.distributed import ProcessGroup
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from modular import lifecycle
 from modular.comm import all_gather_bytes, broadcast, raise_shared_failure
 from modular.errors import ShardingError
 from modular.tables.layout import Layout, RankLayout
@@ -32,12 +31,8 @@ def init_shards(
     """Fills this rank's shards (`views`) from `ebc`'s weights or init_fn; a failure on any rank
     is raised on every rank (Note [agreeing on the shards' init]); data-parallel `replicas` then
     take rank 0's values, so they start equal everywhere. A module `modular.reshard` builds is
-    filled by the blocks it moved instead (Note [resharding in memory] in
-    modular/resharding/__init__.py), which agree across ranks themselves."""
-    fill = lifecycle.take_shard_fill(at)
-    if fill is not None:
-        fill(views)
-        return
+    filled by the blocks it moved instead, and never comes here (`LocalShards.build_tables`,
+    Note [resharding in memory] in modular/resharding/__init__.py)."""
     failure: Optional[BaseException] = None
     try:
         fill_local_shards(ebc, views, layout=at.layout, module=at.module)

@@ -25,8 +25,8 @@ through storage; `reshard` moves only what changes rank, in one step per module:
   * Build. Each new module is built by the class `shard` uses, on the new `RankLayout`, with
     the old module's options; in place of shard init (which would copy or re-initialise every
     shard and broadcast the replicas) its shards are left to the blocks
-    (`lifecycle.set_shard_fill`, taken by `init_shards`), and their buffers take memory only as
-    blocks are written into them (Note [reshard memory] in memory.py). The tables'
+    (`lifecycle.set_shard_fill`, taken by `LocalShards.build_tables`), and their buffers take
+    memory only as blocks are written into them (Note [reshard memory] in memory.py). The tables'
     ShardedTensors are made collectively here, before anything moves.
   * Move. The blocks that change rank are cut by rows into rounds (`exchange.rounds`), one dtype
     each (the table dtypes, and FP32 for the state): per round every rank packs what it sends,
@@ -56,6 +56,14 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     which nothing but a bug or the process dying can fail; if one does, that rank raises
     ShardingError saying its new shards are partly filled and its old ones partly given back,
     and that the last checkpoint must be loaded (every rank holds the new plan).
+
+2D (`shard(..., mesh=mesh)`): the plan is for the shard group, and every replica group makes the
+same moves inside its own shard group (the all-to-alls run over `module.process_group`, the shard
+group), into new modules whose `RankLayout`s keep the old `replicas` (so their sync, and DTensor
+tables' Replicate() on "replicate"); nothing crosses the replica axis, whose copies stay
+bit-identical under exact sync and each group's own under periodic sync. The plan's agreement and
+every `agree` above run over every rank of the world, so a failure in any replica group raises
+everywhere before the commit.
 
 Memory: beside its old shards a rank holds at most the bytes it receives plus the larger of one
 round's buffers (at most its largest moved block, unless the 1 MiB floor is more) and one kept

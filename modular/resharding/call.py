@@ -22,6 +22,7 @@ from modular.resharding.moves import (
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
 from modular.sharding import agree_on_plan, resolve_placements, retire_tables
 from modular.tables.layout import RankLayout
+from modular.tables.replicas import Replicas
 from modular.tables.weights import check_widths_off_cpu
 from planners.types import ShardingPlan
 
@@ -31,7 +32,8 @@ __all__ = ["reshard"]
 def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     """Moves the sharded EBCs and EmbeddingCollections that `plan` names to its placements, in
     memory and in place, and returns `model`. Call it on every rank with the same plan, between
-    training steps, at the world size the model was sharded on:
+    training steps, at the world size the model was sharded on (in 2D, `shard(..., mesh=mesh)`,
+    the shard group's: every replica group moves alike and keeps its replica axis):
 
         model = modular.reshard(model, new_plan)
         opt = torch.optim.SGD(modular.local_parameters(model), lr=0.1)  # rebuilt: see below
@@ -71,38 +73,41 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
         raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
     if not dist.is_initialized():
         raise ShardingError("modular.reshard needs the process group the model was sharded on")
-    moves, names, group = _agreed_moves(model, plan)
+    moves, names, group, agreement = _agreed_moves(model, plan)
     if moves:
-        _move(model, moves, names, group)
+        _move(model, moves, names, group, agreement)
     return model
 
 
 def _agreed_moves(
     model: nn.Module, plan: ShardingPlan
-) -> tuple[list[ModuleMove], dict[int, list[str]], Optional[ProcessGroup]]:
+) -> tuple[list[ModuleMove], dict[int, list[str]], Optional[ProcessGroup], Optional[ProcessGroup]]:
     """The moves of the modules `plan` changes, once every rank agreed on it (collective), with
-    the names each moving module is registered under (by move index) and their group."""
+    the names each moving module is registered under (by move index), their (shard) group and
+    the group that agrees: every rank in 2D (Note [resharding in memory])."""
     names = _sharded_names(model)
-    group = _group_guess(names)
+    group, agreement = _group_guess(names)
     targets: list[tuple[str, nn.Module]] = []
     moves: list[ModuleMove] = []
     problem: Optional[ShardingError] = None
+    described = None
     try:
         targets = _targets(model, plan, names)
         group = _one_group(targets)
+        replicas = _one_axis(targets)
+        agreement = None if replicas is not None else group  # 2D: every rank of the world
         world = dist.get_world_size(group)
+        if replicas is not None:
+            mesh = replicas.mesh
+            shape = None if mesh is None else list(mesh.mesh.shape)
+            described = {"shape": shape, "sync": replicas.sync.value}  # agreed beside the plan
         if plan.world_size != world:
-            raise ShardingError(
-                f"the plan is for {plan.world_size} ranks but the modules are sharded over "
-                f"{world}; reshard keeps the world size: make a plan for world_size={world} (a "
-                "new world size goes through modular.checkpoint save and load)"
-            )
+            raise ShardingError(_world_message(plan.world_size, world, replicas))
         for fqn, module in targets:
-            _refuse_2d(fqn, module)
             placements, shards = resolve_placements(fqn, module, plan, world, module.device)
             at = RankLayout.build(
                 module.kind.read_tables(module, fqn), placements, shards, module=fqn,
-                group=group, device=module.device, local=False,
+                group=group, device=module.device, local=False, replicas=replicas,
             )  # fmt: skip
             if module.device.type != "cpu":  # what the build would refuse, refused before moving
                 check_widths_off_cpu(at.layout, fqn, module.device)
@@ -113,25 +118,26 @@ def _agreed_moves(
                 moves.append(move)
     except ShardingError as e:
         problem = e
-    agree_on_plan(plan, targets, group, problem, call="modular.reshard")
-    return moves, {move.index: names[id(move.old)][1] for move in moves}, group
+    agree_on_plan(plan, targets, agreement, problem, call="modular.reshard", mesh=described)
+    return moves, {move.index: names[id(move.old)][1] for move in moves}, group, agreement
 
 
 def _move(
-    model: nn.Module, moves: list[ModuleMove], names: dict[int, list[str]], group: Optional[ProcessGroup]
+    model: nn.Module, moves: list[ModuleMove], names: dict[int, list[str]],
+    group: Optional[ProcessGroup], agreement: Optional[ProcessGroup],
 ) -> None:
     """Builds the new modules (collective), swaps them in, then copies the blocks this rank
     keeps. By then the mover holds the old shards through `kept` alone (the old modules and
     their readers are dropped: Note [reshard memory] counts what else holds them), and what
     something else holds is kept whole, with one warning."""
-    built, kept, writers = _build(moves, group)
+    built, kept, writers = _build(moves, group, agreement)
     insides = [weakref.ref(move.old._sharded) for move in moves]  # what holds the old kernels
     for move, new in zip(moves, built):  # every rank built every module: swap them in
         retire_tables(move.old, move.fqn, by="modular.reshard")
         for name in names[move.index]:
             lifecycle.replace_module(model, name, new)
         move.old = None
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(agreement)  # the rank every rank's errors name (the world's in 2D)
     try:  # a collection only where an old module outlived the swap (a cycle, or a user's)
         whole = keep(kept, writers, collect=any(inside() is not None for inside in insides))
     except Exception as e:  # only local copies are left; the other ranks go on (Note [reshard memory])
@@ -146,11 +152,13 @@ def _move(
 
 
 def _build(
-    moves: list[ModuleMove], group: Optional[ProcessGroup]
+    moves: list[ModuleMove], group: Optional[ProcessGroup], agreement: Optional[ProcessGroup]
 ) -> tuple[list[nn.Module], list[Kept], list[Shards]]:
     """The new modules, filled with the blocks that arrive (collective), and what `keep` copies
     into them once they replace the old ones: the old local tensors with the blocks this rank
-    keeps from them, and the new modules' shards. Its last agreement is the reshard's commit."""
+    keeps from them, and the new modules' shards. Blocks travel within the shard `group` (each
+    replica group moves its own copies alike); the agreements run over `agreement`, every rank
+    in 2D. Its last agreement is the reshard's commit."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     built = []
     for move in moves:  # shards that take pages only as blocks are written into them
@@ -182,7 +190,7 @@ def _build(
                 send = pack(traffic, batch, lambda it: readers[it.module].read(it), device)
             except Exception as e:  # out of memory, say: every rank must hear it first
                 failure, doing = e, "while packing the blocks it sends"
-        agree(failure, doing, group)
+        agree(failure, doing, agreement)
         received = exchange(traffic, batch, send, group)
         del send  # each round's buffers go before the next round's (Note [reshard memory])
         try:
@@ -203,7 +211,7 @@ def _build(
         except Exception as e:
             failure, doing = e, "while listing the blocks it keeps"
     # Every rank has every block it receives: from here on the new modules replace the old ones.
-    agree(failure, doing, group)
+    agree(failure, doing, agreement)
     return built, kept, writers
 
 
@@ -221,13 +229,14 @@ def _sharded_names(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
     return out
 
 
-def _group_guess(names: dict) -> Optional[ProcessGroup]:
-    """The group the agreement runs on when this rank cannot tell the plan's modules: the
-    model's first sharded collection's (the default group if there is none)."""
+def _group_guess(names: dict) -> tuple[Optional[ProcessGroup], Optional[ProcessGroup]]:
+    """The groups this rank uses when it cannot tell the plan's modules: the model's first
+    sharded collection's (the default group if there is none), and the group that agrees on
+    the plan, which is every rank where that collection is sharded in 2D."""
     for module, _ in names.values():
         if not module.is_local:
-            return module.process_group
-    return None
+            return module.process_group, (None if module.replicas is not None else module.process_group)
+    return None, None
 
 
 def _targets(model: nn.Module, plan: ShardingPlan, names: dict) -> list[tuple[str, nn.Module]]:
@@ -267,20 +276,35 @@ def _targets(model: nn.Module, plan: ShardingPlan, names: dict) -> list[tuple[st
     return targets
 
 
-def _refuse_2d(fqn: str, module: nn.Module) -> None:
-    """A 2D-sharded module (`shard(..., mesh=mesh)`) is not resharded: the layouts built here
-    have no replica axis, so each replica group would become a 1D model of its own. Every rank
-    holds a replica axis then, so every rank raises."""
-    replicas = module.replicas
+def _one_axis(targets: list[tuple[str, nn.Module]]) -> Optional[Replicas]:
+    """The replica axis every target shares (None in 1D): each replica group applies the same
+    moves to its copies of the shards, and the new modules keep the axis."""
+    axes = {
+        (None if m.replicas is None else (id(m.replicas.group), m.replicas.sync)): fqn
+        for fqn, m in targets
+    }
+    if len(axes) > 1:
+        raise ShardingError(
+            f"modules {sorted(axes.values())} are sharded on different meshes (1D and 2D, or "
+            "another replica_sync); reshard the modules of each mesh in a call of its own"
+        )
+    return targets[0][1].replicas
+
+
+def _world_message(planned: int, world: int, replicas: Optional[Replicas]) -> str:
+    """Why a plan for `planned` ranks does not fit modules sharded over groups of `world`."""
     if replicas is None:
-        return
-    shard = dist.get_world_size(module.process_group)
-    raise ShardingError(
-        f"module {fqn!r} is sharded in 2D ({replicas.size} replica groups of {shard} ranks, "
-        f"replica_sync={replicas.sync.value!r}); reshard moves 1D layouts only and would drop "
-        "the replica axis. Save it with modular.checkpoint.save, shard a fresh model with the new "
-        "plan and the same mesh (modular.shard(model, plan, mesh=mesh)), and load the checkpoint "
-        "into it"
+        over = f"the modules are sharded over {world}"
+    else:
+        shape = None if replicas.mesh is None else tuple(replicas.mesh.mesh.shape)
+        over = (
+            f"the modules are sharded in 2D over shard groups of {world} (mesh {shape} over "
+            f"('replicate', 'shard'): {replicas.size} replica groups of {world} ranks, each "
+            "resharded alike)"
+        )
+    return (
+        f"the plan is for {planned} ranks but {over}; reshard keeps the world size: make a plan "
+        f"for world_size={world} (a new world size goes through modular.checkpoint save and load)"
     )
 
 

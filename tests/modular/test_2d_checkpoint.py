@@ -5,7 +5,8 @@ DTensor tables into either form;
 `export` gives the same one-process state dict from every layout (and from either replica
 group's rank); only replica group 0 writes table data (Note [one replica group writes] in
 modular/checkpoint/_replicas.py), which a "periodic" model whose replicas differ shows.
-The 2x2 body also checks that `reshard` refuses a 2D model on every rank, and that the replica
+The 2x2 body also checks that `reshard` refuses a plan for the world size rather than the shard
+group's on every rank (tests/modular/test_reshard_2d.py reshards 2D models), and that the replica
 axis' own collectives (the init broadcast, sync_replicas' flag) raise CollectiveError.
 
 Few, tiny cases: 4 and 6 gloo ranks on 2 cores are slow, so each world size runs one body that
@@ -101,10 +102,11 @@ def _save_2x2(path: str, periodic_path: str) -> dict[str, Any]:
     modular.checkpoint.save(path, model, opt)
     out: dict[str, Any] = {"snapshot": _snapshot(model, opt), "exports": _exports(model)}
 
-    # reshard would rebuild 1D layouts: refused on every rank, the model left as it was.
+    # A plan for the world (4) instead of the shard group (2): refused on every rank, the model
+    # left as it was.
     before = _snapshot(model, opt)
     old = model.ebc
-    plan = ShardingPlan(world_size=2, modules={"ebc": H.checkpoint_placements("B", 2)})
+    plan = ShardingPlan(world_size=4, modules={"ebc": H.checkpoint_placements("B", 4)})
     with pytest.raises(modular.ShardingError) as refused:
         modular.reshard(model, plan)
     assert model.ebc is old
@@ -187,8 +189,8 @@ def test_2x2_checkpoint_loads_into_1d_and_2d_bit_for_bit(tmp_path: Path) -> None
     _assert_exports([r["exports"] for r in saved_ranks], want, "2x2")
 
     for r in saved_ranks:
-        assert "sharded in 2D (2 replica groups of 2 ranks" in r["reshard"], r["reshard"]
-        assert "modular.checkpoint.save" in r["reshard"], r["reshard"]
+        assert "the plan is for 4 ranks but the modules are sharded in 2D over shard groups of 2" in r["reshard"], r["reshard"]
+        assert "2 replica groups of 2 ranks" in r["reshard"] and "world_size=2" in r["reshard"], r["reshard"]
         assert "diverged-replica flag failed on rank" in r["dead all_reduce"], r["dead all_reduce"]
         assert "broadcast of the first replica group's shards failed" in r["dead broadcast"], r["dead broadcast"]
 

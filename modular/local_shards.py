@@ -9,13 +9,14 @@ modular/tables/init.py) and makes each table's weight under its unsharded name.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from modular import lifecycle
 from modular.fused.config import FusedConfig
 from modular.fused.tables import FusedTables
+from modular.kernels.adam import StepCount
 from modular.kernels.base import Kernel
 from modular.kernels.dense import DenseKernel
 from modular.tables.forms import TensorType
@@ -24,7 +25,23 @@ from modular.tables.replicas import copy_from_first_replica
 from modular.tables.layout import KernelGroup, RankLayout, kernel_groups
 from modular.tables.weights import ShardedTable, table_weight
 
-__all__ = ["LocalShards"]
+__all__ = ["LocalShards", "ShardFill"]
+
+
+class ShardFill(Protocol):
+    """What `reshard` gives a module it builds in place of shard init (`lifecycle.set_shard_fill`,
+    Note [resharding in memory]): kernels it adopts from the old module as they are, and what
+    fills the other shards."""
+
+    def adopt(self, group: KernelGroup, sizes: list[tuple[int, int]], *, is_local: bool) -> Optional[Kernel]:
+        """The old module's kernel over exactly these shards, taken as it is, or None."""
+
+    def __call__(self, views: dict) -> None:
+        """Fills the shards (the adopted kernels' too, which it leaves as they are)."""
+
+    def steps(self) -> Optional[StepCount]:
+        """The old module's step count, which the new module and its kernels continue (Note
+        [fused Adam and LAMB]): one object, so that an adopted kernel counts with the others."""
 
 
 class LocalShards:
@@ -35,6 +52,11 @@ class LocalShards:
         self.at = at
         # The fused optimizer's part (Note [fused tables]): it picks every fused kernel.
         self.fused_tables = None if fused is None else FusedTables(fused, at=at)
+        self._fill: Optional[ShardFill] = lifecycle.take_shard_fill(at)  # reshard's, or None
+        self.adopted: set[int] = set()  # ids of the kernels taken from an old module as they are
+        steps = None if self._fill is None else self._fill.steps()
+        if self.fused_tables is not None and steps is not None:
+            self.fused_tables.steps = steps
         layout = at.layout
         self.kernels = [self._kernel(g, False) for g in kernel_groups(layout.routes_to(at.rank))]
         self.local_kernels = [self._kernel(g, True) for g in kernel_groups(layout.local)]
@@ -47,6 +69,10 @@ class LocalShards:
         for table, j in group.shards:
             spec = layout.shards[layout.table_index(table)][j]
             sizes.append((spec.num_rows, spec.num_cols))
+        adopted = None if self._fill is None else self._fill.adopt(group, sizes, is_local=is_local)
+        if adopted is not None:  # its replicas' sync is set up already
+            self.adopted.add(id(adopted))
+            return adopted
         if self.fused_tables is not None:
             return self.fused_tables.kernel(group, sizes, is_local=is_local)
         kernel = DenseKernel(group, sizes, self.at.device)
@@ -74,8 +100,8 @@ class LocalShards:
         gradients over ranks (Note [dense replicas])."""
         views = self.views()
         replicas = [view for k in self.local_kernels for view in k.views]
-        moved = lifecycle.take_shard_fill(self.at)  # reshard's blocks fill every replica group's
-        if moved is not None:  # copies alike (Note [resharding in memory]): nothing to broadcast
+        moved, self._fill = self._fill, None  # reshard's blocks fill every replica group's copies
+        if moved is not None:  # alike (Note [resharding in memory]): nothing to broadcast
             moved(views)
         else:
             init_shards(source, views, replicas, at=self.at)  # Note [agreeing on the shards' init]
@@ -89,6 +115,6 @@ class LocalShards:
             tables[table.name] = ShardedTable(weight)
         if self.at.world > 1:
             for k in self.local_kernels:
-                if isinstance(k, DenseKernel):
+                if isinstance(k, DenseKernel) and id(k) not in self.adopted:
                     k.replicate(self.at.group, self.at.world)
         return tables

@@ -1,7 +1,8 @@
 """Resharding in memory: `modular.reshard(model, plan)` moves sharded collections to a new plan
 at the same world size, a change of the step's layout between two steps (docs/design.md,
 docs/resharding.md). `blocks.py` says which blocks of which shards move (pure), `moves.py` reads
-and writes them for one module, `exchange.py` holds the collectives, `call.py` the public call.
+and writes them for one module, `adopt.py` says which kernels stay as they are, `exchange.py`
+holds the collectives, `call.py` the public call.
 
 # Note [resharding in memory]
 A new plan changes where some tables live. Through a checkpoint, every table makes a round trip
@@ -25,8 +26,10 @@ through storage; `reshard` moves only what changes rank, in one step per module:
   * Build. Each new module is built by the class `shard` uses, on the new `RankLayout`, with
     the old module's options; in place of shard init (which would copy or re-initialise every
     shard and broadcast the replicas) its shards are left to the blocks
-    (`lifecycle.set_shard_fill`, taken by `LocalShards.build_tables`), and their buffers take
-    memory only as blocks are written into them (Note [reshard memory] in memory.py). The tables'
+    (`lifecycle.set_shard_fill`, taken by `LocalShards`), and their buffers take memory only as
+    blocks are written into them (Note [reshard memory] in memory.py). A local kernel whose
+    shards stay as they are on this rank is adopted instead, buffers, optimizer state and step
+    count with it (`adopt.py`): nothing of it is built, copied or given back. The tables'
     ShardedTensors are made collectively here, before anything moves.
   * Move. The blocks that change rank are cut by rows into rounds (`exchange.rounds`), one dtype
     each (the table dtypes, and FP32 for the state): per round every rank packs what it sends,
@@ -43,11 +46,12 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     what it was doing, or CollectiveError for a peer that died: Note [a failed peer]) and
     leaves every old module as it was.
   * Swap. The old modules are replaced, at every name they are registered under, and their
-    tensors retired (Note [lifecycle state]): an optimizer over the old `local_parameters`
-    raises at its next step, naming reshard. The mover then drops the old modules: it holds
-    their shards only through tensors of its own (`Kept`), so that what else still holds them
-    shows (Note [reshard memory]).
-  * Keep. Each rank copies the blocks it keeps from its old shards into the new ones, in row
+    tensors retired (Note [lifecycle state]), but for those adopted fused kernels still hold
+    (an adopted dense kernel has new parameter objects): an optimizer over the old
+    `local_parameters` raises at its next step on every rank, naming reshard. The mover then
+    drops the old modules: it holds their shards only through tensors of its own (`Kept`), so
+    that what else still holds them shows (Note [reshard memory]).
+  * Keep. Each rank copies the blocks it keeps (outside adopted kernels) into the new ones, in row
     chunks, giving each chunk of an old shard back to the OS once copied, and old shards that
     were sent away whole; an old shard that something outside the mover still holds (a
     `state_dict()`, a view, the old parameters, an optimizer over them, the last loss's graph)
@@ -67,8 +71,8 @@ everywhere before the commit.
 
 Memory: beside its old shards a rank holds at most the bytes it receives plus the larger of one
 round's buffers (at most its largest moved block, unless the 1 MiB floor is more) and one kept
-chunk (1 MiB), on CPU under Linux, where nothing outside the model holds the old shards (Note
-[reshard memory]); no full table is ever made. docs/benchmarks.md measures it against
+chunk (1 MiB; none where every kernel it keeps is adopted), on CPU under Linux, where nothing
+outside the model holds the old shards (Note [reshard memory]); no full table is ever made. docs/benchmarks.md measures it against
 checkpoint save and load. Optimizer state of torch optimizers (unfused tables) does not move:
 they are rebuilt. A prefetched batch of a rebuilt module is dropped with the old module's
 prefetcher (Note [prefetched input dist]). Gradients of unfused tables are not moved either: reshard between a

@@ -14,13 +14,14 @@ from torch.distributed import ProcessGroup
 from modular import lifecycle
 from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
+from modular.resharding.adopt import Adoption, retire_replaced
 from modular.resharding.exchange import agree, exchange, pack, plan_traffic, rounds
 from modular.resharding.memory import uncommitted
 from modular.resharding.moves import (
     Item, Kept, ModuleMove, Shards, keep, kept_blocks, kept_whole_warning,
 )  # fmt: skip
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
-from modular.sharding import agree_on_plan, resolve_placements, retire_tables
+from modular.sharding import agree_on_plan, resolve_placements
 from modular.tables.layout import RankLayout
 from modular.tables.replicas import Replicas
 from modular.tables.weights import check_widths_off_cpu
@@ -130,10 +131,17 @@ def _move(
     keeps. By then the mover holds the old shards through `kept` alone (the old modules and
     their readers are dropped: Note [reshard memory] counts what else holds them), and what
     something else holds is kept whole, with one warning."""
-    built, kept, writers = _build(moves, group, agreement)
+    fills = [Adoption(move) for move in moves]
+    try:
+        built, kept, writers = _build(moves, fills, group, agreement)
+    except BaseException:
+        for fill in fills:  # the old modules' kernels as they were
+            fill.undo()
+        raise
+    del fills  # they hold the old kernels the new modules did not adopt
     insides = [weakref.ref(move.old._sharded) for move in moves]  # what holds the old kernels
     for move, new in zip(moves, built):  # every rank built every module: swap them in
-        retire_tables(move.old, move.fqn, by="modular.reshard")
+        retire_replaced(move.old, new, move.fqn)
         for name in names[move.index]:
             lifecycle.replace_module(model, name, new)
         move.old = None
@@ -152,7 +160,8 @@ def _move(
 
 
 def _build(
-    moves: list[ModuleMove], group: Optional[ProcessGroup], agreement: Optional[ProcessGroup]
+    moves: list[ModuleMove], fills: list[Adoption], group: Optional[ProcessGroup],
+    agreement: Optional[ProcessGroup],
 ) -> tuple[list[nn.Module], list[Kept], list[Shards]]:
     """The new modules, filled with the blocks that arrive (collective), and what `keep` copies
     into them once they replace the old ones: the old local tensors with the blocks this rank
@@ -161,9 +170,9 @@ def _build(
     in 2D. Its last agreement is the reshard's commit."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     built = []
-    for move in moves:  # shards that take pages only as blocks are written into them
+    for move, fill in zip(moves, fills):  # shards that take pages only as blocks are written into them
         old = move.old
-        lifecycle.set_shard_fill(move.at, _filled_below)  # taken by the shard init it replaces
+        lifecycle.set_shard_fill(move.at, fill)  # taken by the shard init it replaces
         try:
             with uncommitted(move.at.device):
                 built.append(
@@ -176,8 +185,11 @@ def _build(
             lifecycle.take_shard_fill(move.at)  # forgotten, also where the build failed first
     readers = [move.reader() for move in moves]
     writers = [
-        move.writer(new.local_shard_views(), None if new.fused_tables is None else new.fused_tables.states())
-        for move, new in zip(moves, built)
+        move.writer(
+            new.local_shard_views(), None if new.fused_tables is None else new.fused_tables.states(),
+            fill.adopted_shards(),
+        )
+        for move, new, fill in zip(moves, built, fills)
     ]  # fmt: skip
     items: list[Item] = [item for move in moves for item in move.items]
     failure, doing = None, ""
@@ -201,23 +213,16 @@ def _build(
         except Exception as e:
             failure = e
         del received
-    for move, new in zip(moves, built):
-        if new.fused_tables is not None:  # the Adam family's bias correction reads it
-            new.fused_tables.steps.value = move.old.fused_tables.steps.value
     kept = []
     if failure is None:
         try:
-            kept = kept_blocks(moves, readers, rank)
+            kept = kept_blocks(moves, readers, writers, rank)
         except Exception as e:
             failure, doing = e, "while listing the blocks it keeps"
     # Every rank has every block it receives: from here on the new modules replace the old ones.
     agree(failure, doing, agreement)
     return built, kept, writers
 
-
-
-def _filled_below(views: dict) -> None:
-    """In place of shard init: `_build` writes the blocks once every new module is built."""
 
 
 def _sharded_names(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:

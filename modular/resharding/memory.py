@@ -50,17 +50,30 @@ prefetcher holds it) outlives the drop until the collector runs, so where an old
 again after `gc.collect()` (0.2 s in a process that imported torchrec, so not otherwise). A
 rank that releases nothing (a GPU, another OS) does not check or warn.
 
+Kernels that stay are adopted, not copied (`Adoption`, modular/resharding/adopt.py): a local
+kernel whose shards are all the same on this rank in both layouts (its kernel group: tables,
+shard indices, row and column ranges, routes; its sizes; and each of its tables cut as before,
+which decides the kernel's kind and dtype) is moved into the new module as it is, with its
+buffers, its optimizer state and its replica sync. Its blocks are neither copied nor given back
+(`kept_blocks` leaves them out; `Kept.adopted` marks an adopted tensor that another new shard
+still reads from), so a rank whose module is rebuilt only because another rank's table moved
+copies nothing. Its tables' ShardedTensors and DTensors are made anew on the new layout over
+the same local tensors; a fused module's step count object passes to the new module (the Adam
+family's kernels read it); an adopted dense kernel gets new parameter objects on the same
+storage, so that the old ones are retired and an optimizer built before the reshard raises on
+every rank alike.
+
 Where nothing else holds the old shards, the growth of a rank's peak resident set is then at
 most what it receives plus the larger of one round's buffers and one kept chunk; measured in
-docs/benchmarks.md ("reshard.py") and tests/modular/test_reshard.py. One case stays over issue
-39's bound: a rank that neither sends nor receives but whose module is rebuilt (another rank's
-table moved) copies its kept shards into new buffers, so it holds one chunk (1 MiB) where the
-bound says 0; only a kernel kept as it is (not done: the new module's tables would share tensors
-with the retired old ones) avoids it. Elsewhere (a GPU, another OS) all three are skipped: the
-new modules' buffers are allocated when they are built, and the old shards are freed when the
-old modules are dropped after the swap, so a rank holds its old and new shards side by side (the
-bytes it receives plus all its new shards beyond its old ones): a GPU caching allocator cannot
-give back part of a buffer, and a flat buffer per kernel cannot adopt a kept shard's storage.
+docs/benchmarks.md ("reshard.py") and tests/modular/test_reshard.py: a rank that neither sends
+nor receives (world 3, one table moved) grows by 0.2 MiB of the new module's own objects, where
+copying its kept shards took a 1 MiB chunk (2.0-2.1 MiB measured). Elsewhere (a GPU, another
+OS) the three above are skipped: the new modules' buffers are allocated when they are built, and
+the old shards are freed when the old modules are dropped after the swap. Adoption holds there
+too, so a kernel that stays takes no second copy; but a kernel that gains or loses a table is
+rebuilt whole, so a rank holds the bytes it receives plus every new shard of its rebuilt kernels
+beside the old ones: a GPU caching allocator cannot give back part of a buffer, and a flat buffer
+per kernel cannot adopt a kept shard's storage.
 """
 
 from __future__ import annotations

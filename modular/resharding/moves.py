@@ -82,17 +82,19 @@ class ModuleMove:
         states = {} if old.fused_tables is None else old.fused_tables.states()
         return Shards(old.layout, old.local_shard_views(), states)
 
-    def writer(self, views: dict, states: Optional[dict] = None) -> Shards:
-        """The new module's shards (this rank's `views`, and `states` once it is built)."""
-        return Shards(self.layout, views, states or {})
+    def writer(self, views: dict, states: Optional[dict] = None, adopted: frozenset = frozenset()) -> Shards:
+        """The new module's shards (this rank's `views`, and `states` once it is built), but for
+        those of the kernels it `adopted` from the old module, which hold their values already."""
+        return Shards(self.layout, views, states or {}, adopted)
 
 
 class Shards:
     """One module's local shards and their optimizer state, by (table, shard index), seen as
     blocks of the table (`Block.rows` and `cols` are the table's, not the shard's)."""
 
-    def __init__(self, layout: Layout, views: dict, states: dict) -> None:
+    def __init__(self, layout: Layout, views: dict, states: dict, adopted: frozenset = frozenset()) -> None:
         self.layout, self.views, self.states = layout, views, states
+        self.adopted = adopted  # (table, shard) of kernels the new module took as they were
 
     def region(self, what: str, block: Block, shard: int) -> torch.Tensor:
         table = self.layout.tables[block.table]
@@ -119,8 +121,10 @@ class Shards:
 
     @torch.no_grad()
     def write(self, item: Item, data: torch.Tensor) -> None:
+        table = self.layout.tables[item.block.table].name
         for shard in item.block.dst_shards:
-            copy_block(self.region(item.what, item.block, shard), data)
+            if (table, shard) not in self.adopted:
+                copy_block(self.region(item.what, item.block, shard), data)
 
 
 def _region(tensor: torch.Tensor, spec: ShardSpec, block: Block) -> torch.Tensor:
@@ -148,22 +152,37 @@ class Kept:
     spec: ShardSpec
     tensor: torch.Tensor
     items: tuple[Item, ...]
+    adopted: bool = False  # the new module holds it too (an adopted kernel's): never given back
 
 
-def kept_blocks(moves: list[ModuleMove], readers: list[Shards], rank: int) -> list[Kept]:
+def kept_blocks(
+    moves: list[ModuleMove], readers: list[Shards], writers: list[Shards], rank: int
+) -> list[Kept]:
     """Every old local tensor of the moving modules with the blocks this rank keeps from it; read
     before the reshard's last agreement, so that a block whose old shard this rank cannot find
-    raises on every rank while the old shards are still whole."""
+    raises on every rank while the old shards are still whole. A block only into shards of
+    kernels the new module adopted (`writers`' `adopted`) is not kept: it is there already; an
+    adopted old tensor is listed only where another new shard takes a block from it, and
+    marked, so that it is never given back."""
     kept: dict[tuple, list[Item]] = {}
     for move in moves:
+        adopted, names = writers[move.index].adopted, move.layout.tables
         for item in move.items:
-            if not item.block.moves and item.block.dst == rank:
-                key = (move.index, item.what, item.block.table, item.block.src_shard)
-                kept.setdefault(key, []).append(item)
+            block = item.block
+            if block.moves or block.dst != rank:
+                continue
+            if all((names[block.table].name, j) in adopted for j in block.dst_shards):
+                continue
+            key = (move.index, item.what, block.table, block.src_shard)
+            kept.setdefault(key, []).append(item)
     out = []
     for m, reader in enumerate(readers):
+        adopted = writers[m].adopted
         for what, t, j, spec, tensor in reader.sources():
-            out.append(Kept(m, what, t, j, spec, tensor, tuple(kept.pop((m, what, t, j), ()))))
+            items = tuple(kept.pop((m, what, t, j), ()))
+            mine = (reader.layout.tables[t].name, j) in adopted
+            if items or not mine:
+                out.append(Kept(m, what, t, j, spec, tensor, items, adopted=mine))
     if kept:
         lost = sorted((moves[m].fqn, moves[m].layout.tables[t].name, w, j) for m, w, t, j in kept)
         raise RuntimeError(f"blocks to keep from old shards this rank does not hold: {lost}")
@@ -177,7 +196,7 @@ def keep(kept: list[Kept], writers: list[Shards], *, collect: bool) -> list[Kept
     only, when `kept` holds the old shards' only tensors the mover has: a storage that something
     else holds too (a user's `state_dict()`, a view) is kept whole. Returns those kept whole.
     `collect`: whether the collector may free some of those holders (`Releaser`)."""
-    releaser = Releaser([k.tensor for k in kept], collect=collect)
+    releaser = Releaser([k.tensor for k in kept if not k.adopted], collect=collect)
     for k in kept:
         spec, tensor = k.spec, k.tensor
         row = max(1, tensor[0].numel() * tensor.element_size()) if tensor.numel() else 1
@@ -191,8 +210,9 @@ def keep(kept: list[Kept], writers: list[Shards], *, collect: bool) -> list[Kept
                     block = dataclasses.replace(item.block, rows=(r0, r1))
                     part = dataclasses.replace(item, block=block)
                     writers[k.module].write(part, _region(tensor, spec, block))
-            releaser.release(tensor, a, b)
-    return [k for k in kept if releaser.held_outside(k.tensor)]
+            if not k.adopted:
+                releaser.release(tensor, a, b)
+    return [k for k in kept if not k.adopted and releaser.held_outside(k.tensor)]
 
 
 def kept_whole_warning(whole: list[Kept], moves: list[ModuleMove], rank: int) -> str:

@@ -77,6 +77,10 @@ def _placements(case: str, ebc: nn.Module, world: int) -> dict[str, TablePlaceme
         names = [c.name for c in ebc.embedding_bag_configs()]
         ranks = (world - 1, *range(world))
         return {n: TablePlacement(ShardingType.COLUMN_WISE, ranks=ranks) for n in names}
+    if case in ("one_before", "one_moved"):  # world 3, table-wise: one table moves from 0 to 1
+        names = [c.name for c in ebc.embedding_bag_configs()]
+        ranks = (2, 0, 0 if case == "one_before" else 1, 1)  # rank 2's table stays
+        return {n: TablePlacement(ShardingType.TABLE_WISE, ranks=(r,)) for n, r in zip(names, ranks)}
     return placements_for(case, ebc, world)
 
 
@@ -176,7 +180,11 @@ def _ebc_chain(optimizer: str | None, chain: list[str], prefetch: bool = False) 
         plan = ShardingPlan(world_size=world, modules={"": _placements(chain[i + 1], ebc, world)})
         if prefetch and i == 0:
             assert model._prefetcher is not None and model._prefetcher._pending, "nothing prefetched"
+        adopted = chain[i + 1] == "one_moved" and rank == world - 1  # its tables stay
+        kernels = _kernel_storages(model) if adopted else None
         assert modular.reshard(model, plan) is model
+        if adopted:  # the very kernels, on the same buffers (Note [reshard memory])
+            assert _kernel_storages(model) == kernels, f"{what}: rank {rank}'s kernels were rebuilt"
         if prefetch and i == 0:  # dropped: the next forward runs its input dist on the new layout
             assert model._prefetcher is None, "reshard kept the old layout's prefetched batch"
         _check_weights(model, ref.module, f"{what} -> {chain[i + 1]}, after the reshard")
@@ -194,13 +202,27 @@ def _ebc_chain(optimizer: str | None, chain: list[str], prefetch: bool = False) 
     return len(chain) - 1
 
 
+def _kernel_storages(model: nn.Module) -> list:
+    """This rank's kernels (ids) with the storages of their shards and optimizer state."""
+    out = []
+    for k in (*model._kernels, *model._local_kernels):
+        ptrs = [v.untyped_storage().data_ptr() for v in k.views]
+        ptrs += [t.untyped_storage().data_ptr() for st in getattr(k, "states", ()) for t in st.values()]
+        out.append((id(k), ptrs))
+    return out
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_training_across_every_pair_of_sharding_types(world: int) -> None:
-    """Unfused (SGD, its optimizer rebuilt after each reshard) and fused with both Adagrads."""
+    """Unfused (SGD, its optimizer rebuilt after each reshard) and fused with both Adagrads. At
+    world 3 the chain ends by moving one table from rank 0 to rank 1: rank 2 keeps its kernels,
+    the same objects on the same buffers."""
     pairs = len(TYPES) * (len(TYPES) - 1)
+    chain = _chain() + (["one_before", "one_moved"] if world == 3 else [])
     for optimizer in (None, "exact_rowwise_adagrad", "exact_adagrad"):
-        done = run_on_ranks(world, _ebc_chain, optimizer, _chain(), prefetch=optimizer is None, timeout=TIMEOUT)
-        assert done == [pairs + 3] * world
+        done = run_on_ranks(world, _ebc_chain, optimizer, chain, prefetch=optimizer is None, timeout=TIMEOUT)
+        assert done == [len(chain) - 1] * world
+    assert pairs + 3 == len(_chain()) - 1
 
 
 def test_adam_state_and_step_count_move() -> None:
@@ -668,6 +690,46 @@ def test_peak_memory_is_at_most_what_a_rank_receives_plus_its_largest_moved_bloc
                 said[hold][0],
             )
             assert named and tables <= set(re.findall(r"'(\w+)'", named[1])) <= names, (rank, hold, said[hold])
+
+
+def _tables_that_stay() -> list[dict]:
+    """World 3, one table moved from rank 0 to rank 1: Adam's moments and step count under the
+    kernels rank 2 adopts, a failure on rank 1 that leaves rank 2's old module as it was (its
+    adopted dense kernel's parameters given back), then the memory of a rank neither sending
+    nor receiving."""
+    assert _ebc_chain("adam", ["one_before", "one_moved"]) == 1
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ebc = make_ebc(False)
+    ref, holder = copy.deepcopy(ebc), _Holder(ebc)
+    plan = lambda case: ShardingPlan(world_size=world, modules={"ebc": _placements(case, ebc, world)})  # noqa: E731
+    modular.shard(holder, plan("one_before"))
+    opt = torch.optim.SGD(modular.local_parameters(holder), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    _train_steps(holder, ref, opt, ref_opt, range(2), f"rank {rank} before")
+    old, views = holder.ebc, list(holder.ebc.local_shard_views().values())
+    fault = RuntimeError("injected fault")
+    failing = mock.patch.object(reshard_moves, "copy_block", side_effect=fault) if rank == 1 else contextlib.nullcontext()
+    with failing, pytest.raises(modular.ShardingError, match="injected fault"):
+        modular.reshard(holder, plan("one_moved"))
+    assert holder.ebc is old and all(a is b for a, b in zip(old.local_shard_views().values(), views, strict=True))
+    _train_steps(holder, ref, opt, ref_opt, range(2, 5), f"rank {rank} after the failed reshard")
+    _check_weights(holder.ebc, ref, f"rank {rank} after the failed reshard")
+    return _peak_growth()
+
+
+def test_a_rank_whose_tables_stay_keeps_its_kernels_and_copies_nothing() -> None:
+    """Rank 2 adopts its kernels as they are (Note [reshard memory]): Adam trains on with its
+    moments and step count, a failed reshard leaves its old module whole, and its peak grows by
+    next to nothing, where copying its kept
+    shards into new kernels took one 1 MiB chunk of each tensor (issue 39's bound is 0)."""
+    results = run_on_ranks(3, _tables_that_stay, timeout=TIMEOUT)
+    for rank, rows in enumerate(results):
+        for r in rows:
+            assert r["growth"] <= r["bound"] + (1 << 20), (rank, r)
+    still = [r for r in results[2] if r["what"].endswith("1 moved")]
+    assert len(still) == 2 and all(r["bound"] == 0 for r in still), still
+    for r in still:
+        assert r["growth"] < 256 << 10, r
 
 
 # -- faults and refusals -------------------------------------------------------------------------

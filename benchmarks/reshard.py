@@ -169,6 +169,7 @@ def main() -> None:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     p.add_argument("--optimizers", nargs="+", choices=("dense", "fused"), default=["dense", "fused"])
     p.add_argument("--moves", nargs="+", choices=("one table", "all tables"), default=["one table", "all tables"])
+    p.add_argument("--methods", nargs="+", choices=("reshard", "checkpoint"), default=["reshard", "checkpoint"])
     args = p.parse_args()
     size = args.tables * args.rows * args.dim * 4
     load = os.getloadavg()[0]
@@ -183,7 +184,7 @@ def main() -> None:
     for world in args.world_sizes:
         for optimizer in args.optimizers:
             for move in args.moves:
-                for method in ("reshard", "checkpoint"):
+                for method in args.methods:
                     queue = ctx.Queue()
                     mp.start_processes(
                         _worker, args=(args, world, optimizer, move, method, free_port(), queue),
@@ -210,8 +211,8 @@ def _print(world: int, optimizer: str, move: str, method: str, rows: list[dict])
     bound, within, beside = "-", "-", "-"
     if method == "reshard":
         bound = ", ".join(f"{(r['received'] + r['largest']) / MiB:.1f}" for r in rows)
-        over = [r["rank"] for r in rows if r["growth"] > r["received"] + r["largest"]]
-        within = "yes" if not over else f"no (ranks {over})"
+        over = {r["rank"]: r["growth"] - r["received"] - r["largest"] for r in rows if r["growth"] > r["received"] + r["largest"]}
+        within = "yes" if not over else "no (" + ", ".join(f"rank {k} by {v / MiB:.1f}" for k, v in over.items()) + ")"
         beside = ", ".join(f"{(r['received'] + r['shards_after']) / MiB:.1f}" for r in rows)
     print(f"| {world} | {optimizer} | {move} | {method} | {slowest['total']:.2f} | {parts or '-'} | "
           f"{sent} | {received} | {mib('growth')} | {bound} | {within} | {beside} |", flush=True)  # fmt: skip

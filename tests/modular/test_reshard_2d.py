@@ -32,14 +32,15 @@ from modular.resharding import moves as reshard_moves
 from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
-from tests.modular.adam_reference import ADAM_BETAS, ADAM_EPS, ADAM_LR, MomentsReference, touched_rows
+from tests.modular.adam_reference import ADAM_BETAS, ADAM_EPS, ADAM_LR
 from tests.modular.compare import close
 from tests.modular.ebc_cases import global_batch, make_batch, make_ebc, placements_for
-from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference, fused_ebc
+from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, fused_ebc
+from tests.modular.test_reshard import _Reference  # the unsharded EBC under the torch twin of the optimizer
 
 DIMS = ("replicate", "shard")
 REPLICAS, GROUP = 2, 2
-LR = 0.3
+LR = 0.3  # as test_reshard.py's, which _Reference steps with
 
 # (before, after, optimizer (None: SGD over local_parameters), tensor_type)
 EXACT = (
@@ -74,34 +75,6 @@ def _assert_replicas_identical(mesh, tensors: dict, what: str) -> None:
     for r, (s, theirs) in enumerate(every):
         if s == mine[0] and theirs != digests:
             raise AssertionError(f"{what}: rank {dist.get_rank()} and its replica rank {r} differ")
-
-
-class _Reference:
-    """The unsharded EBC trained by the torch twin of `optimizer` (None: SGD)."""
-
-    def __init__(self, ebc, optimizer: str | None) -> None:
-        self.module, self.optimizer = copy.deepcopy(ebc), optimizer
-        if optimizer is None:
-            self.opt = torch.optim.SGD(self.module.parameters(), lr=LR)
-        elif optimizer == "adam":
-            self.moments = MomentsReference(self.module, optimizer)
-        else:
-            self.fused = FusedReference(self.module, optimizer)
-
-    def step(self, batches: list) -> None:
-        if self.optimizer is None:
-            self.opt.step()
-            self.opt.zero_grad()
-        elif self.optimizer == "adam":
-            self.moments.step(touched_rows(self.module, batches))
-        else:
-            self.fused.step()
-
-    def state(self, name: str) -> dict[str, torch.Tensor]:
-        if self.optimizer == "adam":
-            return {**self.moments.state(name), "step": torch.tensor(self.moments.steps)}
-        key = "sum" if self.optimizer == "exact_adagrad" else "row_sum"
-        return {key: self.fused.state(name)}
 
 
 def _check(model, ref: _Reference, fused, mesh, what: str) -> None:

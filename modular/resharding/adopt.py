@@ -71,6 +71,10 @@ class Adoption:
     def steps(self) -> Optional[StepCount]:
         return self._steps
 
+    def candidate_shards(self) -> frozenset:
+        """(table, shard index) of every shard of the kernels this rank may adopt."""
+        return frozenset(key for _, kernel in self._candidates for key in kernel.group.shards)
+
     def adopted_shards(self) -> frozenset:
         """(table, shard index) of every shard of the adopted kernels."""
         return frozenset(key for kernel in self.taken for key in kernel.group.shards)

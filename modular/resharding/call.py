@@ -3,6 +3,7 @@ modular/resharding/__init__.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Optional
@@ -20,6 +21,7 @@ from modular.resharding.memory import uncommitted
 from modular.resharding.moves import (
     Item, Kept, ModuleMove, Shards, keep, kept_blocks, kept_whole_warning,
 )  # fmt: skip
+from modular.resharding.staging import Staged, stages
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
 from modular.sharding import agree_on_plan, resolve_placements
 from modular.tables.layout import RankLayout
@@ -55,6 +57,9 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     rebuilt module (`modular.prefetch`) is dropped: the next forward runs its input dist under
     the new layout.
 
+    Off CPU the old shards of the kernels a rank rebuilds are copied to host memory and freed
+    on the device before the new ones are built, and given their bytes back if the reshard
+    fails or something else holds them (Note [reshard memory]; not yet run on a GPU).
     On CPU the old modules' shards are given back to the OS as their blocks are copied, which
     keeps the peak memory within issue 39's bound (Note [reshard memory]), but only where
     nothing outside the model still holds them. A tensor taken from an old module before the
@@ -132,11 +137,16 @@ def _move(
     their readers are dropped: Note [reshard memory] counts what else holds them), and what
     something else holds is kept whole, with one warning."""
     fills = [Adoption(move) for move in moves]
+    staged = None
     try:
-        built, kept, writers = _build(moves, fills, group, agreement)
+        if stages(moves[0].at.device):  # off CPU: old shards of rebuilt kernels go to host first
+            staged = Staged(moves, [fill.candidate_shards() for fill in fills])
+        built, kept, writers = _build(moves, fills, group, agreement, None if staged is None else staged.readers)
     except BaseException:
         for fill in fills:  # the old modules' kernels as they were
             fill.undo()
+        if staged is not None:
+            staged.restore()
         raise
     del fills  # they hold the old kernels the new modules did not adopt
     insides = [weakref.ref(move.old._sharded) for move in moves]  # what holds the old kernels
@@ -146,8 +156,13 @@ def _move(
             lifecycle.replace_module(model, name, new)
         move.old = None
     rank = dist.get_rank(agreement)  # the rank every rank's errors name (the world's in 2D)
+    collect = any(inside() is not None for inside in insides)
     try:  # a collection only where an old module outlived the swap (a cycle, or a user's)
-        whole = keep(kept, writers, collect=any(inside() is not None for inside in insides))
+        restored = set() if staged is None else staged.restore(only_held=True, collect=collect)
+        whole = keep(kept, writers, collect=collect)
+        if staged is not None:  # host copies are the mover's: what counts is the device storage
+            whole = [k for k in whole if not staged.is_host(k.tensor)]
+            whole += [k for k in kept if k.tensor.untyped_storage().data_ptr() in restored]
     except Exception as e:  # only local copies are left; the other ranks go on (Note [reshard memory])
         raise ShardingError(
             f"modular.reshard failed on rank {rank} after every rank had received its blocks, "
@@ -161,7 +176,7 @@ def _move(
 
 def _build(
     moves: list[ModuleMove], fills: list[Adoption], group: Optional[ProcessGroup],
-    agreement: Optional[ProcessGroup],
+    agreement: Optional[ProcessGroup], readers: Optional[list[Shards]] = None,
 ) -> tuple[list[nn.Module], list[Kept], list[Shards]]:
     """The new modules, filled with the blocks that arrive (collective), and what `keep` copies
     into them once they replace the old ones: the old local tensors with the blocks this rank
@@ -174,7 +189,8 @@ def _build(
         old = move.old
         lifecycle.set_shard_fill(move.at, fill)  # taken by the shard init it replaces
         try:
-            with uncommitted(move.at.device):
+            # Staged through host, buffers are made as off CPU: its storages can be freed in place.
+            with uncommitted(move.at.device) if readers is None else contextlib.nullcontext():
                 built.append(
                     sharded_class(old.kind)(
                         old, move.at, fused=old.fused, output_dtype=old.output_dtype,
@@ -183,7 +199,7 @@ def _build(
                 )
         finally:
             lifecycle.take_shard_fill(move.at)  # forgotten, also where the build failed first
-    readers = [move.reader() for move in moves]
+    readers = readers or [move.reader() for move in moves]
     writers = [
         move.writer(
             new.local_shard_views(), None if new.fused_tables is None else new.fused_tables.states(),

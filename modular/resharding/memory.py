@@ -67,13 +67,27 @@ Where nothing else holds the old shards, the growth of a rank's peak resident se
 most what it receives plus the larger of one round's buffers and one kept chunk; measured in
 docs/benchmarks.md ("reshard.py") and tests/modular/test_reshard.py: a rank that neither sends
 nor receives (world 3, one table moved) grows by 0.2 MiB of the new module's own objects, where
-copying its kept shards took a 1 MiB chunk (2.0-2.1 MiB measured). Elsewhere (a GPU, another
-OS) the three above are skipped: the new modules' buffers are allocated when they are built, and
-the old shards are freed when the old modules are dropped after the swap. Adoption holds there
-too, so a kernel that stays takes no second copy; but a kernel that gains or loses a table is
-rebuilt whole, so a rank holds the bytes it receives plus every new shard of its rebuilt kernels
-beside the old ones: a GPU caching allocator cannot give back part of a buffer, and a flat buffer
-per kernel cannot adopt a kept shard's storage.
+copying its kept shards took a 1 MiB chunk (2.0-2.1 MiB measured). Elsewhere (another OS) the
+three above are skipped: the new modules' buffers are allocated when they are built, and the old
+shards are freed when the old modules are dropped after the swap.
+
+On a device (any but CPU; `staging.stages`), the three do not apply and a kernel that gains or
+loses a table is rebuilt whole: a caching allocator cannot give back part of a buffer, and a flat
+buffer per kernel cannot adopt a kept shard's storage. So the old storages of the kernels that no
+new module can adopt (`Adoption.candidate_shards` are left alone) pass through host memory
+(`Staged`, modular/resharding/staging.py): before the build, each is copied into a host storage
+and freed in place (`resize_(0)`: every tensor on it, views and fbgemm's own included, stays the
+same object and is whole again after `resize_` and a copy back), and the move and `keep` read
+their blocks from host tensors over those copies. A failure before the commit gives every freed
+storage its bytes back; after the swap, those that something besides the mover holds (the check
+above, on the one tensor the mover keeps per storage) get theirs back and are warned about, so
+that they read what they read. The new modules are then built the ordinary way, on the memory
+the old kernels gave back: the device grows by the growth of the rebuilt kernels (at most what
+the rank receives) plus one round's buffers. The held check runs after the swap only (before it
+the old module's own references hide others'), so a reader on another thread or stream during
+the call would read freed memory. Tests run the path on CPU ranks (`_STAGE_THROUGH_HOST`); the
+new modules are then built without `uncommitted`, whose mappings cannot be resized. It has never
+run on a GPU (docs/resharding.md, "Memory", says what a GPU session must measure).
 """
 
 from __future__ import annotations
@@ -88,7 +102,7 @@ from typing import Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["KEEP_CHUNK_BYTES", "Releaser", "scratch", "uncommitted"]
+__all__ = ["KEEP_CHUNK_BYTES", "Releaser", "scratch", "sole_holders", "uncommitted"]
 
 KEEP_CHUNK_BYTES = 1 << 20  # a kept block is copied this many bytes of rows at a time
 _LAZY_FROM_BYTES = 1 << 20  # smaller buffers are allocated as usual
@@ -220,6 +234,11 @@ def _holders(t: torch.Tensor) -> tuple[int, int]:
     `torch._C._storage_Use_Count`); references beyond `_SOLE`'s are someone else's."""
     storage = t.untyped_storage()
     return sys.getrefcount(storage), torch._C._storage_Use_Count(storage._cdata)
+
+
+def sole_holders(t: torch.Tensor) -> bool:
+    """Whether `t` is the only tensor on its storage and nothing else refers to that storage."""
+    return _holders(t) == _SOLE
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -37,6 +37,7 @@ import modular
 from modular.resharding import call as reshard_call
 from modular.resharding import exchange as reshard_exchange
 from modular.resharding import moves as reshard_moves
+from modular.resharding import staging as reshard_staging
 from modular.resharding.blocks import row_blocks, weight_blocks
 from modular.tables.forms import Piece, dtype_of, is_sharded, local_pieces
 from planners.types import ShardingPlan, ShardingType, TablePlacement
@@ -572,6 +573,7 @@ def _values_through_given_back_pages() -> None:
     modular.shard(ebc, ShardingPlan(world_size=world, modules={"": _placements("table_wise", ebc, world)}))
     for states in ebc.fused_tables.states().values():  # each row's statistic is held once here
         states["row_sum"].copy_(torch.rand(states["row_sum"].shape, generator=torch.Generator().manual_seed(7)) + 1)
+    states = None  # the loop's last would hold an old shard
 
     def values() -> dict[str, torch.Tensor]:
         out = {n: full_value(p) for n, p in ebc.named_parameters()}
@@ -660,10 +662,39 @@ def _references_held(tensor_type: str, holds: tuple[str, ...]) -> dict[str, list
     return said
 
 
-def _peak_growth_and_held_references() -> tuple[list[dict], dict[str, list[str]]]:
+def _staged_through_host() -> tuple[dict[str, list[str]], list[int], list[int]]:
+    """The device path (Note [reshard memory], "On a device") on CPU ranks: the old storages of
+    rebuilt kernels copied to host and freed before the build; values bit for bit through a
+    chain with nothing held (no storage given its bytes back), and a `state_dict()` held across
+    a reshard reads what it read (its storages given their bytes back, with the warning).
+    Returns the warnings, and per reshard how many storages were staged and given back."""
+    staged, restored = [], []
+    init, restore = reshard_staging.Staged.__init__, reshard_staging.Staged.restore
+
+    def spy_init(self, *args) -> None:
+        init(self, *args)
+        staged.append(len(self._storages))
+
+    def spy_restore(self, *args, **kwargs) -> set:
+        out = restore(self, *args, **kwargs)
+        restored.append(len(out))
+        return out
+
+    with (
+        mock.patch.object(reshard_staging, "_STAGE_THROUGH_HOST", True),
+        mock.patch.object(reshard_staging.Staged, "__init__", spy_init),
+        mock.patch.object(reshard_staging.Staged, "restore", spy_restore),
+    ):
+        _values_through_given_back_pages()
+        said = _references_held("sharded_tensor", ("state_dict", "nothing"))
+    return {f"staged {k}": v for k, v in said.items()}, staged, restored
+
+
+def _peak_growth_and_held_references() -> tuple[list[dict], dict[str, list[str]], list[int], list[int]]:
     rows = _peak_growth()
     said = _references_held("sharded_tensor", ("state_dict", "view", "parameters", "nothing"))
-    return rows, {**said, **_references_held("dtensor", ("state_dict", "nothing"))}
+    staged_said, staged, restored = _staged_through_host()
+    return rows, {**said, **_references_held("dtensor", ("state_dict", "nothing")), **staged_said}, staged, restored
 
 
 def test_peak_memory_is_at_most_what_a_rank_receives_plus_its_largest_moved_block() -> None:
@@ -672,7 +703,12 @@ def test_peak_memory_is_at_most_what_a_rank_receives_plus_its_largest_moved_bloc
     the bytes it receives plus all its new shards (`old`); a user's references to the old shards
     keep them whole (and intact), with a warning."""
     results = run_on_ranks(2, _peak_growth_and_held_references, timeout=TIMEOUT)
-    for rank, (rows, said) in enumerate(results):
+    for rank, (rows, said, staged, restored) in enumerate(results):
+        # Through host: 6 reshards holding nothing, then one holding a state_dict, one nothing.
+        assert len(staged) == len(restored) == 8 and all(staged), (rank, staged, restored)
+        assert restored[:6] == [0] * 6 and restored[6] > 0 and restored[7] == 0, (rank, restored)
+        assert said["staged sharded_tensor nothing"] == [], (rank, said)
+        assert said["staged sharded_tensor state_dict"], (rank, said)
         for r in rows:
             assert r["growth"] <= r["bound"] + (1 << 20), (rank, r)  # 1 MiB: the interpreter's own
             assert r["growth"] < r["old"] or r["old"] <= r["bound"], (rank, r)
@@ -761,11 +797,14 @@ def _fails_mid_reshard() -> str:
     fault = RuntimeError("injected fault")
     failing = mock.patch.object(reshard_moves, "copy_block", side_effect=fault) if rank == 1 else contextlib.nullcontext()
     plan = ShardingPlan(world_size=world, modules={"ebc": placements_for("row_wise", ebc, world)})
-    with failing, pytest.raises(modular.ShardingError) as raised:
-        modular.reshard(holder, plan)
-    assert holder.ebc is old, "a failed reshard replaced the module"
-    _train_steps(holder, ref, opt, ref_opt, range(2, 5), f"rank {rank} after the failed reshard")
-    _check_weights(holder.ebc, ref, f"rank {rank} after the failed reshard")
+    for staged in (False, True):  # through host (Note [reshard memory]): the old bytes come back
+        what = f"rank {rank} after the failed reshard{' staged through host' if staged else ''}"
+        with failing, pytest.raises(modular.ShardingError) as raised:
+            with mock.patch.object(reshard_staging, "_STAGE_THROUGH_HOST", staged):
+                modular.reshard(holder, plan)
+        assert holder.ebc is old, "a failed reshard replaced the module"
+        _train_steps(holder, ref, opt, ref_opt, range(2 + 3 * staged, 5 + 3 * staged), what)
+        _check_weights(holder.ebc, ref, what)
     # Past the last agreement (and the swap) only local copies are left: a rank failing there
     # raises alone, saying its shards are partly copied; every rank holds the new plan.
     late = mock.patch.object(reshard_call, "keep", side_effect=fault) if rank == 1 else contextlib.nullcontext()

@@ -73,8 +73,8 @@ Memory: beside its old shards a rank holds at most the bytes it receives plus th
 round's buffers (at most its largest moved block, unless the 1 MiB floor is more) and one kept
 chunk (1 MiB; none where every kernel it keeps is adopted), on CPU under Linux, where nothing
 outside the model holds the old shards (Note [reshard memory]); off CPU, the old shards of the
-kernels a rank rebuilds pass through host memory instead, freed on the device before the new
-ones are built (`staging.py`; never run on a GPU yet); no full table is ever made. docs/benchmarks.md measures it against
+kernels a rank rebuilds can pass through host memory instead, freed on the device before the new
+ones are built (`staging.py`; off until a GPU session has run it); no full table is ever made. docs/benchmarks.md measures it against
 checkpoint save and load. Optimizer state of torch optimizers (unfused tables) does not move:
 they are rebuilt. A prefetched batch of a rebuilt module is dropped with the old module's
 prefetcher (Note [prefetched input dist]). Gradients of unfused tables are not moved either: reshard between a

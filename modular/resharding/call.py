@@ -57,9 +57,9 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     rebuilt module (`modular.prefetch`) is dropped: the next forward runs its input dist under
     the new layout.
 
-    Off CPU the old shards of the kernels a rank rebuilds are copied to host memory and freed
+    Off CPU the old shards of the kernels a rank rebuilds can be copied to host memory and freed
     on the device before the new ones are built, and given their bytes back if the reshard
-    fails or something else holds them (Note [reshard memory]; not yet run on a GPU).
+    fails or something else holds them (Note [reshard memory]; off until run on a GPU).
     On CPU the old modules' shards are given back to the OS as their blocks are copied, which
     keeps the peak memory within issue 39's bound (Note [reshard memory]), but only where
     nothing outside the model still holds them. A tensor taken from an old module before the
@@ -139,7 +139,7 @@ def _move(
     fills = [Adoption(move) for move in moves]
     staged = None
     try:
-        if stages(moves[0].at.device):  # off CPU: old shards of rebuilt kernels go to host first
+        if stages(moves[0].at.device):  # old shards of rebuilt kernels go to host first (staging.py)
             staged = Staged(moves, [fill.candidate_shards() for fill in fills])
         built, kept, writers = _build(moves, fills, group, agreement, None if staged is None else staged.readers)
     except BaseException:

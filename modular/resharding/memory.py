@@ -87,7 +87,8 @@ the rank receives) plus one round's buffers. The held check runs after the swap 
 the old module's own references hide others'), so a reader on another thread or stream during
 the call would read freed memory. Tests run the path on CPU ranks (`_STAGE_THROUGH_HOST`); the
 new modules are then built without `uncommitted`, whose mappings cannot be resized. It has never
-run on a GPU (docs/resharding.md, "Memory", says what a GPU session must measure).
+run on a GPU, so it is off by default (`_STAGE_THROUGH_HOST = False`) until a GPU session has
+checked it (docs/resharding.md, "Memory", says what to check and measure).
 """
 
 from __future__ import annotations

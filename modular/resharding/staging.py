@@ -14,9 +14,10 @@ from modular.resharding.moves import ModuleMove, Shards
 
 __all__ = ["Staged", "stages"]
 
-# Whether old shards of rebuilt kernels pass through host memory: None is "off CPU only"; tests
-# set True to run the device path on CPU ranks.
-_STAGE_THROUGH_HOST: Optional[bool] = None
+# Whether old shards of rebuilt kernels pass through host memory. Off (False) until a GPU session
+# has run the path: it frees device storages in place, and docs/resharding.md ("Memory") lists
+# what must be checked first; then None, "every device but CPU". Tests set True on CPU ranks.
+_STAGE_THROUGH_HOST: Optional[bool] = False
 
 
 def stages(device: torch.device) -> bool:

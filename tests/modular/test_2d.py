@@ -128,12 +128,12 @@ def test_2x2_matches_unsharded_on_the_global_batch(optimizer: str | None) -> Non
     assert all(set(r) == set(CASES) for r in results)
 
 
-def _refused(call) -> str:
+def _refused(call, doing: str = "shard") -> str:
     try:
         call()
     except modular.ShardingError as e:
         return str(e)
-    raise AssertionError(f"rank {dist.get_rank()}: shard accepted what it must refuse")
+    raise AssertionError(f"rank {dist.get_rank()}: {doing} accepted what it must refuse")
 
 
 def _errors() -> list[str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 from unittest import mock
 
 import pytest
@@ -36,6 +35,7 @@ from tests.modular.adam_reference import ADAM_BETAS, ADAM_EPS, ADAM_LR
 from tests.modular.compare import close
 from tests.modular.ebc_cases import global_batch, make_batch, make_ebc, placements_for
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, fused_ebc
+from tests.modular.test_2d import _assert_replicas_identical, _refused
 from tests.modular.test_reshard import _Reference  # the unsharded EBC under the torch twin of the optimizer
 
 DIMS = ("replicate", "shard")
@@ -64,19 +64,6 @@ def _compare(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         close(tensor.detach(), want.detach()[where], what)
 
 
-def _assert_replicas_identical(mesh, tensors: dict, what: str) -> None:
-    """Every rank's `tensors` byte for byte equal to its replica rank's (same shard rank)."""
-    digests = {
-        k: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest() for k, t in tensors.items()
-    }
-    mine = (mesh.get_local_rank("shard"), digests)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for r, (s, theirs) in enumerate(every):
-        if s == mine[0] and theirs != digests:
-            raise AssertionError(f"{what}: rank {dist.get_rank()} and its replica rank {r} differ")
-
-
 def _check(model, ref: _Reference, fused, mesh, what: str) -> None:
     """Weights (and fused state) against the reference; every piece against its replicas'."""
     refs = dict(ref.module.named_parameters())
@@ -92,14 +79,6 @@ def _check(model, ref: _Reference, fused, mesh, what: str) -> None:
                 _compare(got, want[key], f"{what}: state {key} of {name}")
                 mine.update({(name, key, o): t for o, t in _pieces(got)})
     _assert_replicas_identical(mesh, mine, what)
-
-
-def _refused(call) -> str:
-    try:
-        call()
-    except modular.ShardingError as e:
-        return str(e)
-    raise AssertionError(f"rank {dist.get_rank()}: reshard accepted what it must refuse")
 
 
 def _exact(mesh, before: str, after: str, optimizer: str | None, form: str) -> dict[str, str]:
@@ -122,11 +101,11 @@ def _exact(mesh, before: str, after: str, optimizer: str | None, form: str) -> d
             if optimizer is None:
                 inside = model._sharded
                 wrong = ShardingPlan(world_size=world, modules={"": placements_for(after, ebc, world)})
-                out["wrong world"] = _refused(lambda: modular.reshard(model, wrong))
+                out["wrong world"] = _refused(lambda: modular.reshard(model, wrong), doing="reshard")
                 fault = RuntimeError("injected fault")
                 failing = mock.patch.object(reshard_moves, "copy_block", side_effect=fault)
                 with failing if rank == 3 else contextlib.nullcontext():  # the 2nd replica group's
-                    out["fault"] = _refused(lambda: modular.reshard(model, new))
+                    out["fault"] = _refused(lambda: modular.reshard(model, new), doing="reshard")
                 assert model._sharded is inside, f"{what}: a refused reshard replaced the module"
                 _check(model, ref, fused, mesh, f"{what}, after the refusals")
             assert modular.reshard(model, new) is model

@@ -56,6 +56,19 @@ def _same_on_every_rank(t: torch.Tensor, what: str) -> None:
         assert torch.equal(other, t), f"{what}: rank {r} differs from rank {dist.get_rank()}"
 
 
+def _matches_reference(model, opt, ref: MomentsReference, worst: float, label: str) -> tuple[float, dict]:
+    """Each table and its moments against the reference's after `STEPS` steps, and the step
+    count: the worst difference so far, and the optimizer's state."""
+    state = opt.state_dict()["state"]
+    params = dict(ref.module.named_parameters())
+    for name, p in model.named_parameters():
+        worst = max(worst, close(whole(p), params[name].detach(), f"{label}: {name}"))
+        for key, want in ref.state(name).items():
+            worst = max(worst, close(whole(state[name][key]), want, f"{label}: {name} {key}"))
+        assert int(state[name]["step"]) == STEPS, (label, name, state[name]["step"])
+    return worst, state
+
+
 def _train(
     kind: str,
     case: str,
@@ -89,13 +102,8 @@ def _train(
         ((expected * target).sum() / world).backward()
         opt.step()
         ref.step(touched_rows(ref.module, batches))
-    state = opt.state_dict()["state"]
-    params = dict(ref.module.named_parameters())
+    worst, state = _matches_reference(model, opt, ref, worst, label)
     for name, p in model.named_parameters():
-        worst = max(worst, close(whole(p), params[name].detach(), f"{label}: {name}"))
-        for key, want in ref.state(name).items():
-            worst = max(worst, close(whole(state[name][key]), want, f"{label}: {name} {key}"))
-        assert int(state[name]["step"]) == STEPS, (label, name, state[name]["step"])
         if not is_sharded(p) and world > 1:  # a data-parallel replica
             _same_on_every_rank(p.detach(), f"{label}: replica {name}")
             _same_on_every_rank(state[name]["exp_avg_sq"], f"{label}: replica {name} exp_avg_sq")
@@ -172,14 +180,7 @@ def _trained_then_sharded(kind: str, case: str) -> float:
         loss.backward()
         ((ref.module(whole_batch).values() * target).sum() / world).backward()
         ref.step(touched_rows(ref.module, batches))
-    state = opt.state_dict()["state"]
-    params = dict(ref.module.named_parameters())
-    for name, p in ebc.named_parameters():
-        worst = max(worst, close(whole(p), params[name].detach(), f"{label}: {name}"))
-        for key, want in ref.state(name).items():
-            worst = max(worst, close(whole(state[name][key]), want, f"{label}: {name} {key}"))
-        assert int(state[name]["step"]) == STEPS, (label, name)
-    return worst
+    return _matches_reference(ebc, opt, ref, worst, label)[0]
 
 
 @pytest.mark.timeout(120)

@@ -25,6 +25,7 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import pickle
 import shutil
@@ -36,7 +37,7 @@ import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -435,15 +436,28 @@ def _worker_main(
         try:
             message = pickle.loads(conn.recv_bytes())
         except EOFError:  # the parent is gone
-            os._exit(0)
+            _exit_rank()
         if message[0] == "exit":
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            _exit_rank()
         if message[0] == "health":
             conn.send_bytes(_health_check(world_size))
         else:
             conn.send_bytes(_run_call(message[1], world, log_fd, log_path, rank))
+
+
+def _exit_rank() -> NoReturn:
+    # os._exit skips what multiprocessing runs after a process's target returns
+    # (Process._bootstrap calls util._exit_function): its finalizers, which unlink the semaphores
+    # made in the rank (tqdm makes a multiprocessing RLock the first time torch.fx's interpreter
+    # builds a progress bar, as every torch.compile does) and tell the parent's resource tracker.
+    # Skipped, every such rank leaves a semaphore in /dev/shm until the tracker unlinks it as pytest
+    # exits, warning "resource_tracker: There appear to be N leaked semaphore objects". The
+    # finalizers also shut down inductor's compile workers. The interpreter's own teardown (atexit
+    # hooks, module cleanup) is still skipped, as before.
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_call(blob: bytes, world: dist.ProcessGroup, log_fd: int, log_path: str, rank: int) -> bytes:

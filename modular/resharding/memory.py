@@ -66,10 +66,18 @@ every rank alike.
 Where nothing else holds the old shards, the growth of a rank's peak resident set is then at
 most what it receives plus the larger of one round's buffers and one kept chunk; measured in
 docs/benchmarks.md ("reshard.py") and tests/modular/test_reshard.py: a rank that neither sends
-nor receives (world 3, one table moved) grows by 0.2 MiB of the new module's own objects, where
-copying its kept shards took a 1 MiB chunk (2.0-2.1 MiB measured). Elsewhere (another OS) the
-three above are skipped: the new modules' buffers are allocated when they are built, and the old
-shards are freed when the old modules are dropped after the swap.
+nor receives (world 3, one table moved) copies nothing, where copying its kept shards took a 1
+MiB chunk (2.0-2.1 MiB measured). What it still grows by is no shard's: 192 KiB of libtorch's
+code (libtorch_cpu.so 128, libtorch_python.so 64), file pages that the first all_to_all_single
+of a process maps in whatever its splits (an empty one too), clean and shared by the ranks
+(Pss_File +64 KiB on each of 3), which any training step's output dist has mapped before, and
+30-50 KiB of Python heap where the new module's objects are built beside the old ones until the
+commit (no shard bytes: its kernels are adopted). The benchmark's fresh processes never ran an
+all-to-all, so they show both (0.23 MiB); the test's ranks trained first and show the heap (0-64
+KiB). Every rank of the group joins every round's all-to-all, as a collective must, so the code
+pages come with the call. Elsewhere (another OS) the three above are skipped: the new modules'
+buffers are allocated when they are built, and the old shards are freed when the old modules are
+dropped after the swap.
 
 On a device (any but CPU; `staging.stages`), the three do not apply and a kernel that gains or
 loses a table is rebuilt whole: a caching allocator cannot give back part of a buffer, and a flat

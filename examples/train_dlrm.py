@@ -74,6 +74,7 @@ from examples.dlrm import (
     criteo_table_configs,
     read_criteo_tsv,
 )
+from examples.parent_death import end_with_parent
 from examples.ports import free_port
 from examples.rebalance import PoolingMeter, Rebalance, RebalanceSettings, planned_pooling, rebalance
 
@@ -612,6 +613,19 @@ def _pin(rank: int, world_size: int):
     return lambda: os.sched_setaffinity(0, cores)
 
 
+def _before_exec(rank: int, world_size: int):
+    """What a launched rank's process runs before this script starts in it: it asks to end when
+    the launcher dies, even by SIGKILL (examples/parent_death.py), and pins itself (`_pin`)."""
+    end, pin = end_with_parent(), _pin(rank, world_size)
+
+    def before_exec() -> None:
+        end()
+        if pin is not None:
+            pin()
+
+    return before_exec
+
+
 def launch(argv: Sequence[str], world_size: int) -> int:
     """Starts `world_size` CPU ranks of this script, one process each; the worst exit status."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -621,7 +635,7 @@ def launch(argv: Sequence[str], world_size: int) -> int:
         subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), *argv],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            preexec_fn=_pin(r, world_size),
+            preexec_fn=_before_exec(r, world_size),
         )
         for r in range(world_size)
     ]

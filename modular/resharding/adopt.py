@@ -15,7 +15,7 @@ from modular.kernels.dense import DenseKernel
 from modular.kernels.views import ShardView
 from modular.resharding.moves import ModuleMove
 from modular.tables.forms import is_sharded, local_pieces
-from modular.tables.layout import KernelGroup
+from modular.tables.layout import KernelGroup, kernel_groups
 
 __all__ = ["Adoption", "retire_replaced"]
 
@@ -38,12 +38,15 @@ class Adoption:
             and _cuts(before.shards[t]) == _cuts(after.shards[t])
         }  # fmt: skip
         # Kernels whose every table is cut as before (which decides the kernel's kind, Note [fused
-        # tables]); `adopt` takes one only for the same group (routes, shards) and sizes.
+        # tables]) and whose group (routes, shards) the new module has on this rank: `adopt` takes
+        # one only for the same group and sizes; the others are rebuilt (and staged off CPU).
+        groups = {(False, g) for g in kernel_groups(after.routes_to(move.at.rank))}
+        groups |= {(True, g) for g in kernel_groups(after.local)}
         self._candidates = [
             (is_local, k)
             for is_local, kernels in ((False, old._kernels), (True, old._local_kernels))
             for k in kernels
-            if all(name in same for name, _ in k.group.shards)
+            if all(name in same for name, _ in k.group.shards) and (is_local, k.group) in groups
         ]  # fmt: skip
         self._steps = None if old.fused_tables is None else old.fused_tables.steps
         self.taken: list = []

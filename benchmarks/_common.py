@@ -181,21 +181,24 @@ def max_over_ranks(times: list[float]) -> list[float]:
 
 
 def init_ranks(
-    rank: int, world_size: int, device: str = "cpu", cuda_backend: str = "nccl"
+    rank: int, world_size: int, device: str = "cpu", cuda_backend: str = "nccl",
+    *, store: dist.Store | None = None,
 ) -> torch.device:
     """This rank's process group and device. CPU: gloo. CUDA: one GPU per rank over NCCL, or
     with `cuda_backend="gloo"` the ranks share the GPUs round-robin (gloo moves CUDA tensors
-    through host memory: the shape of a multi-rank step on one GPU, not NCCL's timing)."""
+    through host memory: the shape of a multi-rank step on one GPU, not NCCL's timing). The ranks
+    meet at `store` (`Rendezvous.store()`, benchmarks/_rendezvous.py), or without it at env://'s
+    MASTER_ADDR and MASTER_PORT."""
     if device == "cuda":
         gpu = rank % torch.cuda.device_count() if cuda_backend == "gloo" else rank
         torch.cuda.set_device(gpu)
         if cuda_backend == "gloo":
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         else:
-            dist.init_process_group("nccl", rank=rank, world_size=world_size,
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
                                     device_id=torch.device("cuda", gpu))  # fmt: skip
         return torch.device("cuda", gpu)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return torch.device("cpu")
 
 

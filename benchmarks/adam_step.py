@@ -47,7 +47,7 @@ from benchmarks._common import (  # noqa: E402
     PLANS, Model, Workload, add_workload_args, make_batches, make_ebc, max_over_ranks, our_plan,
     time_block, workload_fields,
 )
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 OPTIMIZERS = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
 CONTENDERS = ("ours", "torchrec", "floor")
@@ -148,12 +148,11 @@ def _run_case(cfg: Config, plan: str, kind: str, ebc, kjts, probe) -> dict[str, 
     return times
 
 
-def _worker(rank: int, cfg: Config, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _worker(rank: int, cfg: Config, rendezvous: Rendezvous) -> None:
     warnings.simplefilter("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)  # a line per data-parallel table
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    dist.init_process_group("gloo", store=rendezvous.store(), rank=rank, world_size=cfg.world_size)
     torch.manual_seed(0)
     ebc = make_ebc(cfg)
     kjts = make_batches(cfg, rank)
@@ -207,7 +206,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     given, defaults = workload_fields(a), workload_fields(p.parse_args([]))
     default = all(given[k] == defaults[k] for k in given if k not in timing)
     cfg = Config(**given, optimizers=tuple(a.optimizers), default=default)
-    mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
+    with hosted_rendezvous() as rendezvous:
+        mp.spawn(_worker, args=(cfg, rendezvous), nprocs=cfg.world_size, join=True)
 
 
 if __name__ == "__main__":

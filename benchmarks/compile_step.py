@@ -41,8 +41,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 from examples.dlrm import DLRM  # noqa: E402
-from examples.ports import free_port  # noqa: E402
 import modular  # noqa: E402
 from examples.train_dlrm import (  # noqa: E402
     BOTTOM_MLP, DIM, TOP_MLP, Data, TrainConfig, make_plan, table_configs,
@@ -124,10 +124,10 @@ def _measure(towers: str, fsdp: bool, a: argparse.Namespace) -> dict[str, Timing
     return {m: Timing(first[m], 1000 * statistics.median(times[m]), losses[m]) for m in models}
 
 
-def _worker(rank: int, a: argparse.Namespace, port: int) -> None:
+def _worker(rank: int, a: argparse.Namespace, rendezvous: Rendezvous) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=a.world_size)
+    dist.init_process_group("gloo", store=rendezvous.store(), rank=rank, world_size=a.world_size)
     rows = []
     for towers, fsdp in [(t, f) for t in a.towers for f in (True, False)]:
         got = _measure(towers, fsdp, a)
@@ -159,7 +159,8 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3, help="alternating blocks the steps are split in")
     p.add_argument("--towers", nargs="+", choices=sorted(TOWERS), default=list(TOWERS))
     a = p.parse_args()
-    mp.spawn(_worker, args=(a, free_port()), nprocs=a.world_size, join=True)
+    with hosted_rendezvous() as rendezvous:
+        mp.spawn(_worker, args=(a, rendezvous), nprocs=a.world_size, join=True)
 
 
 if __name__ == "__main__":

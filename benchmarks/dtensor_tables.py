@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks._common import status_kib  # noqa: E402
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 MiB = 1 << 20
 
@@ -132,10 +132,9 @@ def _unshard_memory(args, rank: int, world: int) -> dict[str, float]:
     return out
 
 
-def _worker(rank: int, args, port: int, queue) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _worker(rank: int, args, rendezvous: Rendezvous, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    dist.init_process_group("gloo", store=rendezvous.store(), rank=rank, world_size=args.world_size)
     result = {}
     if args.part in ("both", "steps"):
         result["steps"] = _step_times(args, rank, args.world_size)
@@ -157,15 +156,15 @@ def main() -> None:
     p.add_argument("--big-rows", type=int, default=1_000_000)
     p.add_argument("--part", choices=("both", "steps", "unshard"), default="both")
     args = p.parse_args()
-    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get() for _ in procs)
-    for proc in procs:
-        proc.join()
+    with hosted_rendezvous() as rendezvous:
+        procs = [ctx.Process(target=_worker, args=(r, args, rendezvous, queue)) for r in range(args.world_size)]
+        for proc in procs:
+            proc.start()
+        results = dict(queue.get() for _ in procs)
+        for proc in procs:
+            proc.join()
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
           f"{args.world_size} gloo ranks on CPU, {os.cpu_count()} cores")
     if "steps" in results[0]:

@@ -38,7 +38,7 @@ from benchmarks._common import (  # noqa: E402
     PLANS, Model, Workload, add_workload_args, make_batches, make_ebc, max_over_ranks, our_plan,
     time_block, workload_fields,
 )
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,11 +91,10 @@ def _run_plan(cfg: Config, plan: str, kjts) -> dict[str, list[float]]:
     return times
 
 
-def _worker(rank: int, cfg: Config, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _worker(rank: int, cfg: Config, rendezvous: Rendezvous) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    dist.init_process_group("gloo", store=rendezvous.store(), rank=rank, world_size=cfg.world_size)
     kjts = make_batches(cfg, rank)
     if rank == 0:
         ids = cfg.tables * cfg.batch * cfg.pooling
@@ -122,7 +121,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args(argv)
     cfg = Config(**workload_fields(a))
-    mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
+    with hosted_rendezvous() as rendezvous:
+        mp.spawn(_worker, args=(cfg, rendezvous), nprocs=cfg.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks._common import add_device_args, check_device_args, init_ranks, status_kib  # noqa: E402
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 MiB = 1 << 20
 CONFIGS = {  # name: (tables in FP16, comm dtype)
@@ -60,10 +60,9 @@ def _init(weight: torch.Tensor) -> None:
     torch.nn.init.uniform_(weight, -0.01, 0.01)
 
 
-def _setup(rank: int, args, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _setup(rank: int, args, rendezvous: Rendezvous) -> None:
     torch.set_num_threads(1)
-    args.rank_device = init_ranks(rank, args.world_size, args.device, args.cuda_backend)
+    args.rank_device = init_ranks(rank, args.world_size, args.device, args.cuda_backend, store=rendezvous.store())
 
 
 def _batch(args, rank: int):
@@ -129,9 +128,9 @@ def _steps(ebc, kjt, n: int) -> list[float]:
     return times
 
 
-def _memory_worker(rank: int, args, port: int, name: str, queue) -> None:
+def _memory_worker(rank: int, args, rendezvous: Rendezvous, name: str, queue) -> None:
     """One configuration alone in fresh processes: its RSS growth to the peak."""
-    _setup(rank, args, port)
+    _setup(rank, args, rendezvous)
     kjt = _batch(args, rank)
     dist.barrier()
     if args.device == "cuda":
@@ -145,9 +144,9 @@ def _memory_worker(rank: int, args, port: int, name: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def _timing_worker(rank: int, args, port: int, queue) -> None:
+def _timing_worker(rank: int, args, rendezvous: Rendezvous, queue) -> None:
     """Every configuration's model in the same processes, timed in alternating blocks."""
-    _setup(rank, args, port)
+    _setup(rank, args, rendezvous)
     kjt = _batch(args, rank)
     models = {name: _build(args, name) for name in args.configs}
     for ebc in models.values():
@@ -197,10 +196,11 @@ def main() -> None:
 
 def _spawn(ctx, worker, args, *extra) -> list:
     queue = ctx.Queue()
-    mp.start_processes(
-        worker, args=(args, free_port(), *extra, queue), nprocs=args.world_size, join=True,
-        start_method="spawn",
-    )  # fmt: skip
+    with hosted_rendezvous() as rendezvous:
+        mp.start_processes(
+            worker, args=(args, rendezvous, *extra, queue), nprocs=args.world_size, join=True,
+            start_method="spawn",
+        )  # fmt: skip
     return sorted((queue.get() for _ in range(args.world_size)), key=lambda r: r[0])
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 LR, EPS = 0.01, 1e-8
 PLANS = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise"}
@@ -177,11 +177,10 @@ def _time(step, kjts, n: int) -> list[float]:
     return out
 
 
-def _rank(rank: int, cfg: Config, port: int, queue) -> None:
+def _rank(rank: int, cfg: Config, rendezvous: Rendezvous, queue) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    dist.init_process_group("gloo", store=rendezvous.store(), rank=rank, world_size=cfg.world_size)
     ec = _make_ec(cfg)
     kjts = _batches(cfg, rank)
     results = {}
@@ -224,15 +223,15 @@ def main() -> None:
     a = p.parse_args()
     cfg = Config(a.tables, a.rows, a.dim, a.batch, tuple(a.length), a.world_size, tuple(a.plans),
                  tuple(a.optimizers), a.steps, a.blocks, a.warmup, a.only)  # fmt: skip
-    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, cfg, port, queue)) for r in range(cfg.world_size)]
-    for proc in procs:
-        proc.start()
-    results = queue.get()
-    for proc in procs:
-        proc.join()
+    with hosted_rendezvous() as rendezvous:
+        procs = [ctx.Process(target=_rank, args=(r, cfg, rendezvous, queue)) for r in range(cfg.world_size)]
+        for proc in procs:
+            proc.start()
+        results = queue.get()
+        for proc in procs:
+            proc.join()
     print(f"{cfg.tables} tables x {cfg.rows} rows x {cfg.dim}, batch {cfg.batch} per rank, "
           f"sequences of {'/'.join(map(str, cfg.length))} ids, world {cfg.world_size} (gloo, CPU, 1 thread per rank)")  # fmt: skip
     print(f"{'case':<10} {'ours ms':>9} {'torchrec ms':>12} {'ours/torchrec':>14}")

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._common import status_kib  # noqa: E402
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 GiB = 1 << 30
 
@@ -41,10 +41,9 @@ def _init(weight: torch.Tensor) -> None:
     torch.nn.init.uniform_(weight, -0.01, 0.01)
 
 
-def _worker(rank: int, args, port: int, mode: str, queue) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _worker(rank: int, args, rendezvous: Rendezvous, mode: str, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    dist.init_process_group("gloo", store=rendezvous.store(), rank=rank, world_size=args.world_size)
     import modular
     from planners.types import ShardingPlan, ShardingType, TablePlacement
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -121,10 +120,11 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     for opt in args.optimizers:
         queue = ctx.Queue()
-        mp.start_processes(
-            _worker, args=(args, free_port(), opt, queue), nprocs=args.world_size,
-            join=True, start_method="spawn",
-        )  # fmt: skip
+        with hosted_rendezvous() as rendezvous:
+            mp.start_processes(
+                _worker, args=(args, rendezvous, opt, queue), nprocs=args.world_size,
+                join=True, start_method="spawn",
+            )  # fmt: skip
         rows = sorted(queue.get() for _ in range(args.world_size))
         for rank, before, peak, shards, state in rows:
             bound = 1.2 * (shards + state + GiB)

@@ -64,7 +64,7 @@ from benchmarks._common import (  # noqa: E402
     PLANS, Model, Workload, add_workload_args, make_batches, make_ebc, max_over_ranks, our_plan,
     workload_fields,
 )
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 CONTENDERS = ("1D", "exact", "periodic")
 LR, EPS = 0.01, 1e-8
@@ -233,15 +233,14 @@ def priced_replica_bytes(cfg: Config, plan: str) -> list[float]:
 # -- ranks ----------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, cfg: Config, port: int) -> None:
+def _worker(rank: int, cfg: Config, rendezvous: Rendezvous) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     if cfg.cores:  # before the process group, so that gloo's threads stay on the rank's core
         os.sched_setaffinity(0, {cfg.cores[rank % len(cfg.cores)]})
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
+    dist.init_process_group("gloo", store=rendezvous.store(), rank=rank, world_size=cfg.world_size)
     group_size = cfg.world_size // cfg.replicas
     mesh = init_device_mesh("cpu", (cfg.replicas, group_size), mesh_dim_names=("replicate", "shard"))
     groups = {
@@ -375,7 +374,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         p.error(f"--replicas {a.replicas} must be at least 2 and divide --world-size {a.world_size}")
     cfg = Config(**workload_fields(a), replicas=a.replicas, sync_every=a.sync_every,
                  cores=() if a.no_pin else tuple(sorted(os.sched_getaffinity(0))))  # fmt: skip
-    mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
+    with hosted_rendezvous() as rendezvous:
+        mp.spawn(_worker, args=(cfg, rendezvous), nprocs=cfg.world_size, join=True)
 
 
 if __name__ == "__main__":

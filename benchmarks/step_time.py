@@ -89,7 +89,7 @@ from benchmarks._common import (  # noqa: E402
     PLANS, Model, Workload, add_device_args, add_workload_args, check_device_args, init_ranks,
     make_batches, make_ebc, max_over_ranks, our_plan, time_block, workload_fields,
 )
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 OPTIMIZERS = ("dense", "fused")
 CONTENDERS = ("ours", "prefetch", "torchrec", "pipeline", "floor", "unsharded", "dense", "comm")
@@ -604,15 +604,14 @@ def workload(cfg: Config, rank: int):
     return ebc, kjts, probe.to(device)
 
 
-def _worker(rank: int, cfg: Config, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _worker(rank: int, cfg: Config, rendezvous: Rendezvous) -> None:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     cores = _cores_of(rank, cfg)
     if cores:  # before the process group, so that gloo's threads stay on the rank's cores too
         os.sched_setaffinity(0, cores)
-    init_ranks(rank, cfg.world_size, cfg.device, cfg.cuda_backend)
+    init_ranks(rank, cfg.world_size, cfg.device, cfg.cuda_backend, store=rendezvous.store())
     ebc, kjts, probe = workload(cfg, rank)
     results = {}
     for plan in cfg.plans:
@@ -807,7 +806,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         only=a.only,
         cores=tuple(sorted(os.sched_getaffinity(0))),
     )  # fmt: skip
-    mp.spawn(_worker, args=(cfg, free_port()), nprocs=cfg.world_size, join=True)
+    with hosted_rendezvous() as rendezvous:
+        mp.spawn(_worker, args=(cfg, rendezvous), nprocs=cfg.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks._common import init_ranks, max_over_ranks, time_block  # noqa: E402
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 LR, EPS = 0.05, 1e-8
 CONTENDERS = ("vbe", "expanded", "torchrec")
@@ -143,12 +143,11 @@ def _output_floats(step, kjt) -> int:
     return sent[0]
 
 
-def _worker(rank: int, args, port: int, queue) -> None:
+def _worker(rank: int, args, rendezvous: Rendezvous, queue) -> None:
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    init_ranks(rank, args.world_size)
+    init_ranks(rank, args.world_size, store=rendezvous.store())
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables=_tables(args))
     pairs = _batches(args, rank)
@@ -198,8 +197,9 @@ def main() -> None:
           f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_worker, args=(args, free_port(), queue), nprocs=args.world_size,
-                       join=True, start_method="spawn")  # fmt: skip
+    with hosted_rendezvous() as rendezvous:
+        mp.start_processes(_worker, args=(args, rendezvous, queue), nprocs=args.world_size,
+                           join=True, start_method="spawn")  # fmt: skip
     results = sorted((queue.get() for _ in range(args.world_size)), key=lambda r: r[0])
     _, blocks, _, skipped, _ = results[0]
     print("| contender | median step ms (block medians min - max) | CPU ms / step, per rank "

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root, after scripts/gpu/pack.sh here (carry .gpu/):
 #
-#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~20 min)
-#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 (several: a list)
+#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~25 min)
+#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard (several: a list)
 #
 # A lent device gives a session ~15 minutes in all and 10 per command, so run the part an issue
 # needs, one command per part. Figures go to $OUT (default /tmp/gpu-out), which the device tool
 # brings back.
-#   tests    the CUDA tests (tests/gpu), ~4-5 min
+#   tests    the CUDA tests (tests/gpu), ~5-6 min (test_cuda_reshard.py's ~1 min an estimate)
 #   example  the README example on one GPU (NCCL) for 200 steps, then resumed to 260, ~2 min
 #   speed    issue 29: step_time.py against TorchRec at world 1, at the 26 x 500k size that ran
 #            out of memory side by side (one contender at a time now), and two ranks sharing
 #            the GPU over gloo (prefetch on a side stream), ~6-8 min
 #   fp16     issue 25: the FP16/BF16 CUDA tests, then low_precision.py (FP16 tables and comms
 #            against FP32: memory and step time) at world 1 and two ranks over gloo, ~5-7 min
+#   reshard  issue 39: whether reshard's host staging can be turned on (docs/gpu.md, "Reshard's
+#            host staging"): tests/gpu/test_cuda_reshard.py (staging forced on: parity through a
+#            chain of plans, a held state_dict, a failure before the commit, the device's peak
+#            growth against the bound), then reshard.py with two ranks sharing the GPU over gloo,
+#            4 x 1M x 64 FP32, dense and fused, one and all tables moved, staging on and off side
+#            by side (peak allocated growth against the bound, time to host against the
+#            all-to-alls), ~4 min (an estimate: never run)
 source scripts/gpu/setup.sh || exit 1
 export PYTHONWARNINGS=ignore
 OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
@@ -46,11 +53,18 @@ fp16() {
         --rows 1000000 --batch-size 4096 | tee "$OUT/low_precision_gloo2.txt"
 }
 
+reshard() {
+    [ -n "${RAN_TESTS:-}" ] || python3 -m pytest tests/gpu/test_cuda_reshard.py -q -rfE \
+        -p no:cacheprovider --timeout=150 | tee "$OUT/tests_gpu_reshard.txt"
+    python3 benchmarks/reshard.py --device cuda --cuda-backend gloo --world-sizes 2 \
+        --methods reshard --stage on off | tee "$OUT/reshard_gloo2.txt"
+}
+
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16)
+[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard)
 for part in "${parts[@]}"; do
     case "$part" in
-        tests|example|speed|fp16) echo "== $part" && "$part" ;;
-        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16)" >&2; exit 2 ;;
+        tests|example|speed|fp16|reshard) echo "== $part" && "$part" ;;
+        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard)" >&2; exit 2 ;;
     esac
 done

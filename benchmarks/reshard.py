@@ -59,7 +59,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._common import add_device_args, init_ranks, status_kib  # noqa: E402
-from examples.ports import free_port  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
 
 MiB = 1 << 20
 STAGES = {"on": True, "off": False}  # --stage: _STAGE_THROUGH_HOST in every rank ("default": left)
@@ -135,11 +135,11 @@ def _reset(device: torch.device) -> None:
 
 
 def _worker(
-    rank: int, args, world: int, optimizer: str, move: str, method: str, stage: str, port: int, queue
+    rank: int, args, world: int, optimizer: str, move: str, method: str, stage: str,
+    rendezvous: Rendezvous, queue,
 ) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    device = init_ranks(rank, world, args.device, args.cuda_backend)
+    device = init_ranks(rank, world, args.device, args.cuda_backend, store=rendezvous.store())
     import modular
     import modular.resharding.exchange as exchange
     import modular.resharding.staging as staging
@@ -261,10 +261,11 @@ def main() -> None:
                 for method in args.methods:
                     for stage in args.stage if method == "reshard" else ["default"]:
                         queue = ctx.Queue()
-                        mp.start_processes(
-                            _worker, args=(args, world, optimizer, move, method, stage, free_port(), queue),
-                            nprocs=world, join=True, start_method="spawn",
-                        )  # fmt: skip
+                        with hosted_rendezvous() as rendezvous:
+                            mp.start_processes(
+                                _worker, args=(args, world, optimizer, move, method, stage, rendezvous, queue),
+                                nprocs=world, join=True, start_method="spawn",
+                            )  # fmt: skip
                         rows = sorted((queue.get() for _ in range(world)), key=lambda r: r["rank"])
                         label = method if stage == "default" else f"{method} (stage {stage})"
                         _print(world, optimizer, move, method, rows, label=label)

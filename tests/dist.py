@@ -32,6 +32,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -41,6 +42,7 @@ from typing import Any, Callable, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 # Note [persistent rank pools]
 # Importing torch + torchrec costs ~3 s per process, so spawning ranks per test would dominate the
@@ -425,6 +427,10 @@ def _worker_main(
         sys.path.insert(0, _REPO_ROOT)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\._shard")
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*deprecating ShardedTensor")
+    # tqdm's default lock holds a multiprocessing semaphore (torch.fx makes a bar in every
+    # torch.compile), which a rank that is killed, or ends itself with os._exit, never unlinks (see
+    # `_exit_rank`). A rank's bars need no lock shared with other processes: each has its own log.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(1)
 
     timeout = timedelta(seconds=collective_timeout)
@@ -446,14 +452,13 @@ def _worker_main(
 
 
 def _exit_rank() -> NoReturn:
-    # os._exit skips what multiprocessing runs after a process's target returns
-    # (Process._bootstrap calls util._exit_function): its finalizers, which unlink the semaphores
-    # made in the rank (tqdm makes a multiprocessing RLock the first time torch.fx's interpreter
-    # builds a progress bar, as every torch.compile does) and tell the parent's resource tracker.
-    # Skipped, every such rank leaves a semaphore in /dev/shm until the tracker unlinks it as pytest
-    # exits, warning "resource_tracker: There appear to be N leaked semaphore objects". The
-    # finalizers also shut down inductor's compile workers. The interpreter's own teardown (atexit
-    # hooks, module cleanup) is still skipped, as before.
+    # os._exit skips what multiprocessing runs after a process's target returns (Process._bootstrap
+    # calls util._exit_function): among its finalizers, those that unlink the semaphores the rank
+    # made (a test's multiprocessing lock or queue) and tell the parent's resource tracker. Skipped,
+    # each stays in /dev/shm until the tracker unlinks it as pytest exits, warning
+    # "resource_tracker: There appear to be N leaked semaphore objects". The finalizers also shut
+    # down inductor's compile workers. The interpreter's own teardown (atexit hooks, module
+    # cleanup) is still skipped, as before.
     multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -4,7 +4,7 @@ The examples launch their own CPU ranks (`python examples/train_dlrm.py --world-
 do scripts/ and the tests that start processes outside tests/dist.py. Those ranks are separate
 programs that meet at env://'s MASTER_PORT (as under torchrun), so the port has to be picked
 before they start. Where the launcher is the ranks' Python parent and can hold their store for
-them, nothing needs picking: tests/dist.py and most benchmarks do that (Note [ranks meet at a
+them, nothing needs picking: tests/dist.py and the benchmarks do that (Note [ranks meet at a
 store their parent holds] in benchmarks/_rendezvous.py). The one helper lives here, in the
 examples, because the examples must run on their own (they import nothing from tests/ or
 benchmarks/), while tests and benchmarks may import the examples: so every launcher can share it

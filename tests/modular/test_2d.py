@@ -42,7 +42,9 @@ def _batch_size(replica: int) -> int:
 
 
 def _digests(tensors: dict) -> dict:
-    return {k: hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest() for k, t in tensors.items()}
+    # Of copies: `.numpy()` on a tensor marks its storage not resizable for good, which would keep
+    # reshard's host staging (staging.py) from freeing it later in the same process.
+    return {k: hashlib.sha256(t.detach().clone().numpy().tobytes()).hexdigest() for k, t in tensors.items()}
 
 
 def _assert_replicas_identical(mesh: DeviceMesh, tensors: dict, what: str) -> None:

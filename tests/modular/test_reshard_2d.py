@@ -11,7 +11,10 @@ a plan for the world size rather than the shard group's (refused on every rank);
 row-wise Adagrad row-wise -> column-wise (pieces change); Adam data-parallel -> mixed; Adagrad
 over DTensor tables column-wise -> table-row-wise (they keep Replicate() on "replicate"); and
 replica_sync="periodic", resharded while the replicas differ, against one reference per replica
-group that averages alike (tests/modular/test_2d.py's `_periodic`).
+group that averages alike (tests/modular/test_2d.py's `_periodic`). The unfused and the Adam cases
+run again with the old shards of rebuilt kernels staged through host memory (the path off CPU,
+Note [reshard memory]; forced on these CPU ranks): every reshard stages storages, the failure
+restores them, and the rest holds as above.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import modular
+from modular.resharding import call as reshard_call
 from modular.resharding import moves as reshard_moves
+from modular.resharding import staging as reshard_staging
 from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
@@ -192,12 +197,33 @@ def _periodic(mesh) -> None:
     _assert_replicas_identical(mesh, mine, f"{what} after the last sync")
 
 
+@contextlib.contextmanager
+def _staged(counts: list):
+    """Host staging forced on; `counts` gets the number of storages each reshard staged."""
+    real = reshard_call.Staged
+
+    def staged(*args, **kwargs):
+        made = real(*args, **kwargs)
+        counts.append(len(made._storages))
+        return made
+
+    with mock.patch.object(reshard_staging, "_STAGE_THROUGH_HOST", True), \
+            mock.patch.object(reshard_call, "Staged", staged):  # fmt: skip
+        yield
+
+
 def _cases() -> dict[str, str]:
     mesh = init_device_mesh("cpu", (REPLICAS, GROUP), mesh_dim_names=DIMS)
     out: dict[str, str] = {}
     for case in EXACT:
         out.update(_exact(mesh, *case))
     _periodic(mesh)
+    for case in (EXACT[0], EXACT[2]):  # the unfused case (with its failure) and Adam's, staged
+        counts: list = []
+        with _staged(counts):
+            got = _exact(mesh, *case)
+        out.update({f"staged {k}": v for k, v in got.items()})
+        assert counts and all(counts), f"rank {dist.get_rank()}: {case[:2]} staged {counts} storages"
     return out
 
 
@@ -207,6 +233,6 @@ def test_2x2_reshard_matches_unsharded_and_keeps_replicas_identical() -> None:
         wrong = r["wrong world"]
         assert "the plan is for 4 ranks" in wrong and "shard groups of 2" in wrong, wrong
         assert "2 replica groups of 2 ranks" in wrong and "world_size=2" in wrong, wrong
-        fault = r["fault"]
-        assert "modular.reshard failed on rank 3 while filling the new shards of module ''" in fault, fault
-        assert "RuntimeError: injected fault" in fault and "keeps its old shards" in fault, fault
+        for fault in (r["fault"], r["staged fault"]):
+            assert "modular.reshard failed on rank 3 while filling the new shards of module ''" in fault, fault
+            assert "RuntimeError: injected fault" in fault and "keeps its old shards" in fault, fault

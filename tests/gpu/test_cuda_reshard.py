@@ -40,8 +40,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from modular.resharding import moves as reshard_moves
@@ -53,7 +51,9 @@ from tests.modular.adam_reference import ADAM_FAMILY, MomentsReference, touched_
 from tests.modular.compare import full_value, state_error
 from tests.modular.ebc_cases import global_batch, make_batch, placements_for
 from tests.modular.fused_reference import FusedReference
-from tests.modular.test_reshard import LR, _circuit, _fuse, _Holder, _local_values, _reshard_warnings
+from tests.modular.test_reshard import (
+    LR, _circuit, _fuse, _Holder, _local_values, _reshard_warnings, memory_holder,
+)
 
 pytestmark = pytest.mark.skipif(
     DEVICE_KIND == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
@@ -264,13 +264,7 @@ def _peak_growth(device: torch.device) -> list[dict]:
     moving one table and then every table to the next rank; every value checked after."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rows, dim, names = 32_768, 64, [f"m{i}" for i in range(4)]
-    configs = [
-        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{n}"])
-        for n in names
-    ]  # fmt: skip
-    holder = nn.Module()
-    holder.dense, holder.fused = EmbeddingBagCollection(tables=configs), EmbeddingBagCollection(tables=configs)
-    modular.fuse_optimizer(holder.fused, "exact_rowwise_adagrad", lr=0.1, eps=1e-3)
+    holder = memory_holder(rows, dim, names)
     at: Callable[[dict], dict] = lambda ranks: {  # noqa: E731
         n: TablePlacement(ShardingType.TABLE_WISE, ranks=(ranks[n],)) for n in names
     }  # fmt: skip

@@ -514,6 +514,19 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
+def memory_holder(rows: int, dim: int, names: list[str]) -> nn.Module:
+    """The memory checks' model: `dense` and `fused` (row-wise Adagrad), each an EBC of the same
+    FP32 tables of rows x dim, one feature each."""
+    configs = [
+        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{n}"])
+        for n in names
+    ]  # fmt: skip
+    holder = nn.Module()
+    holder.dense, holder.fused = EmbeddingBagCollection(tables=configs), EmbeddingBagCollection(tables=configs)
+    modular.fuse_optimizer(holder.fused, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
+    return holder
+
+
 def _peak_growth() -> list[dict]:
     """Issue 39's memory bound, measured as the kernel counts it: the growth of this process's
     peak resident set (VmHWM, reset through /proc/self/clear_refs) over its resident set before
@@ -522,13 +535,7 @@ def _peak_growth() -> list[dict]:
     given back as they are copied, so every value is checked afterwards too."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rows, dim, names = 32_768, 64, [f"m{i}" for i in range(4)]
-    configs = [
-        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{n}"])
-        for n in names
-    ]  # fmt: skip
-    holder = nn.Module()
-    holder.dense, holder.fused = EmbeddingBagCollection(tables=configs), EmbeddingBagCollection(tables=configs)
-    modular.fuse_optimizer(holder.fused, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
+    holder = memory_holder(rows, dim, names)
     at = lambda shift, moved: {  # noqa: E731
         n: TablePlacement(ShardingType.TABLE_WISE, ranks=((i + (shift if n in moved else 0)) % world,))
         for i, n in enumerate(names)

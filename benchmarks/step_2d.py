@@ -104,10 +104,13 @@ def _received(name: str, args: tuple, kwargs: dict, n: int, me: int) -> int:
     return t.numel() * t.element_size()  # irecv
 
 
-def count_bytes(run: Callable[[], object], groups: dict[str, list[int]]) -> dict[str, int]:
-    """Bytes received by this rank in `run()`, keyed "<collective> <group>", the group named by
-    its ranks as in `groups` ("world" for the default group)."""
+def count_bytes(
+    run: Callable[[], object], groups: dict[str, list[int]]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes received by this rank in `run()`, and how many calls, each keyed "<collective>
+    <group>", the group named by its ranks as in `groups` ("world" for the default group)."""
     counts: dict[str, int] = {}
+    calls: dict[str, int] = {}
     originals = {name: getattr(dist, name) for name in _COUNTED}
     world = list(range(dist.get_world_size()))
 
@@ -121,6 +124,7 @@ def count_bytes(run: Callable[[], object], groups: dict[str, list[int]]) -> dict
             key = f"{_SHORT[name]} {where}"
             me = ranks.index(dist.get_rank())
             counts[key] = counts.get(key, 0) + _received(name, args, kwargs, len(ranks), me)
+            calls[key] = calls.get(key, 0) + 1
             return original(*args, **kwargs)
 
         return counting
@@ -132,7 +136,7 @@ def count_bytes(run: Callable[[], object], groups: dict[str, list[int]]) -> dict
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    return counts
+    return counts, calls
 
 
 # -- the contenders -------------------------------------------------------------------------------
@@ -177,8 +181,10 @@ def _run_plan(cfg: Config, plan: str, mesh, groups, ebc, kjts, probe) -> dict:
         for i in range(cfg.warmup):
             step(kjts[i % len(kjts)])
     sync()
-    moved = {name: count_bytes(lambda s=step: s(kjts[0]), groups) for name, step in steps.items()}
-    moved["sync"] = count_bytes(sync, groups)
+    counted = {name: count_bytes(lambda s=step: s(kjts[0]), groups) for name, step in steps.items()}
+    counted["sync"] = count_bytes(sync, groups)
+    moved = {name: c[0] for name, c in counted.items()}
+    calls = {name: c[1] for name, c in counted.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     sync_times: list[float] = []
     done = {name: 0 for name in steps}
@@ -201,14 +207,15 @@ def _run_plan(cfg: Config, plan: str, mesh, groups, ebc, kjts, probe) -> dict:
             if synced:
                 sync_times += max_over_ranks(synced)
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, moved)
-    bytes_max = {
-        name: {k: max(r[name].get(k, 0) for r in every) for r in every for k in r[name]}
-        for name in moved
-    }
-    counted = [r["exact"].get("gather replicas", 0) for r in every]
-    return {"times": times, "sync": sync_times, "bytes": bytes_max, "counted": counted,
-            "priced": priced_replica_bytes(cfg, plan)}  # fmt: skip
+    dist.all_gather_object(every, (moved, calls))
+
+    def most(part: int) -> dict:
+        return {name: {k: max(r[part][name].get(k, 0) for r in every)
+                       for r in every for k in r[part][name]} for name in moved}  # fmt: skip
+
+    replicas = [r[0]["exact"].get("gather replicas", 0) for r in every]
+    return {"times": times, "sync": sync_times, "bytes": most(0), "calls": most(1),
+            "counted": replicas, "priced": priced_replica_bytes(cfg, plan)}  # fmt: skip
 
 
 def priced_replica_bytes(cfg: Config, plan: str) -> list[float]:
@@ -297,6 +304,13 @@ def _print(cfg: Config, results: dict) -> None:
           f"sync's / {cfg.sync_every}: one sync_replicas call receives over the replica group "
           + ", ".join(f"{PLANS[p]} {r['bytes']['sync'].get('all-reduce replicas', 0):,} B"
                       for p, r in results.items()) + ")")  # fmt: skip
+    print("\ncollectives per step by kind and group, on the rank that calls most (periodic's "
+          "sync_replicas call apart):")
+    for plan, r in results.items():
+        for name in (*CONTENDERS, "sync"):
+            calls = r["calls"][name]
+            print(f"  {PLANS[plan]} {name}: " + ", ".join(f"{k} {calls[k]}" for k in sorted(calls))
+                  + f"; {sum(calls.values())} in all")
     print("\nexact, bytes each rank receives over its replica group per step, counted / priced "
           "(rank r is rank r mod G of its shard group):")
     for plan, r in results.items():

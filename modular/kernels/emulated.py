@@ -16,9 +16,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from modular.comm import KeptBuffers, all_gather, all_gather_padded
+from modular.comm import KeptBuffers, all_gather
 from modular.kernels.base import KernelLookup, dense_tbe
-from modular.kernels.lookups import Lookup
+from modular.kernels.lookups import Lookup, all_gather_packed
 from modular.kernels.row_grads import summed_row_grads
 from modular.tables.layout import KernelGroup
 from modular.tables.replicas import Replicas
@@ -122,32 +122,29 @@ class EmulatedFusedKernel:
         self, grads: list[Optional[RowGrad]], *, world: int, group
     ) -> list[Optional[RowGrad]]:
         """Data-parallel replicas: every rank gathers every rank's touched rows and gradients and
-        sums them in rank order, so all replicas apply the same mean gradient (three collectives
-        per kernel, the same order on every rank). Sends only the touched rows, not the table."""
+        sums them in rank order, so all replicas apply the same mean gradient (two collectives
+        per kernel, the same order on every rank: the row counts, then the rows and gradients
+        together, Note [one gather per batch] in modular/kernels/lookups.py). Sends only the
+        touched rows, not the table."""
         device = self._placeholder.device
         counts = torch.tensor([0 if g is None else g.rows.numel() for g in grads], device=device)
         # The only read back from the device: every rank's row counts, once.
         all_counts = all_gather(counts, group=group, world=world, what="a replica's row counts").tolist()
-        rows_mine = [g.rows for g in grads if g is not None]
-        vals_mine = [g.grad.reshape(-1) for g in grads if g is not None]
+        empty = torch.zeros(0, device=device)
+        rows_mine = [empty.long() if g is None else g.rows.long() for g in grads]
+        vals_mine = [empty if g is None else g.grad.reshape(-1).float() for g in grads]
         cols = [c for _, c in self.sizes]
-        row_splits = all_counts  # per rank, per table
-        val_splits = [[n * c for n, c in zip(per_table, cols)] for per_table in all_counts]
-        row_total = [sum(x) for x in row_splits]
-        val_total = [sum(x) for x in val_splits]
-        rows_all = all_gather_padded(rows_mine, max(row_total), group, world, torch.int64, device,
-                                     kept=self._kept)  # fmt: skip
-        vals_all = all_gather_padded(vals_mine, max(val_total), group, world, torch.float32, device,
-                                     kept=self._kept)  # fmt: skip
+        sizes = [per_table + [n * c for n, c in zip(per_table, cols)] for per_table in all_counts]
+        got = all_gather_packed(rows_mine + vals_mine, sizes, group, world,
+                                what="a replica's touched rows and their gradients", kept=self._kept)  # fmt: skip
+        tables = len(self.sizes)
         out: list[Optional[RowGrad]] = []
-        per_rank_rows = [r[:n].split(c) for r, n, c in zip(rows_all, row_total, row_splits)]
-        per_rank_vals = [v[:n].split(c) for v, n, c in zip(vals_all, val_total, val_splits)]
         for t, (_, width) in enumerate(self.sizes):
-            ids = torch.cat([per_rank_rows[r][t] for r in range(world)])
+            ids = torch.cat([got[r][t] for r in range(world)])
             if ids.numel() == 0:
                 out.append(None)
                 continue
-            parts = [per_rank_vals[r][t].view(-1, width) for r in range(world)]
+            parts = [got[r][tables + t].view(-1, width) for r in range(world)]
             summed = _coalesce(ids, parts, width, kept=(self._kept, f"summed {t}"))
             out.append(RowGrad(summed.rows, summed.grad.div_(world)))
         return out

@@ -3,7 +3,8 @@
 A data-parallel replica's gradient is the mean over ranks of each rank's batch. The kernels that
 hold replicas gather those batches (ids, bag lengths, pooled outputs' gradients) and replay the
 global one through fbgemm's backward, instead of reducing a table-sized gradient: Note [fused
-replicas] in modular/kernels/deferred.py, Note [dense replicas] in modular/kernels/dense.py.
+replicas] in modular/kernels/deferred.py, Note [dense replicas] in modular/kernels/dense.py;
+every part of a batch in one all-gather after its counts (Note [one gather per batch]).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.distributed import ProcessGroup
 
-from modular.comm import all_gather, all_gather_padded
+from modular.comm import KeptBuffers, all_gather
 from modular.routing.router import INT32_MAX
 
 
@@ -84,30 +85,82 @@ def gather_batch(
     world: int,
 ) -> Lookup:
     """Every rank's lookup batch merged in rank order, gradients divided by the world size (the
-    mean over ranks, Note [grad scaling across ranks]): the pooled gradients (equal shapes), then
-    the ids (and weights) padded to the longest. The same result, bit for bit, on every rank."""
-    device, id_type = mine.indices.device, mine.indices.dtype
-    all_grads = all_gather(
-        mine.grad_out.contiguous(), group=group, world=world,
-        what="the pooled-output gradients of a replica",
-    )  # fmt: skip
+    mean over ranks, Note [grad scaling across ranks]): the pooled gradients (equal shapes) and
+    the ids (and weights), in one gather (Note [one gather per batch]). The same result, bit for
+    bit, on every rank."""
     counts = all_lengths.sum(1).tolist()
-    longest = max(counts)
-    ids = all_gather_padded([mine.indices], longest, group, world, id_type, device)
-    weights = None
+    pieces = [mine.grad_out.reshape(-1), mine.indices]
     if mine.weights is not None:
-        weights = all_gather_padded(
-            [mine.weights.float()], longest, group, world, torch.float32, device
-        )
+        pieces.append(mine.weights.float())
+    every = [[pieces[0].numel(), n] + ([n] if mine.weights is not None else []) for n in counts]
+    got = all_gather_packed(pieces, every, group, world, what="the lookup batches of a replica")
     entries = []
-    for r in range(world):
+    for r, (grads, ids, *weights) in enumerate(got):
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths[r])
         entries.append(
             Lookup(
-                all_grads[r].div_(world),
-                ids[r, : counts[r]],
-                offsets.to(id_type),
-                None if weights is None else weights[r, : counts[r]],
+                grads.view(mine.grad_out.shape).div_(world),
+                ids,
+                offsets.to(mine.indices.dtype),
+                weights[0] if weights else None,
             )
         )
     return merge_lookups(entries, routes)
+
+
+def all_gather_packed(
+    pieces: list[torch.Tensor],
+    every: list[list[int]],
+    group: Optional[ProcessGroup],
+    world: int,
+    *,
+    what: str,
+    kept: Optional[KeptBuffers] = None,
+) -> list[list[torch.Tensor]]:
+    """Every rank's 1-D `pieces`, each of its own dtype, in one all-gather instead of one per
+    piece (Note [one gather per batch]): `every[r][i]` is rank r's length of piece i, which the
+    ranks already agree on (an earlier gather of counts), and every rank's piece i has the same
+    dtype. Returns `got[r][i]`, rank r's piece i, a view of the gathered buffer; with `kept`, the
+    buffers are kept across calls (Note [kept receive buffers]).
+
+    # Note [one gather per batch]
+    A collective over gloo or NCCL costs a round of latency whatever its size, and a kernel's
+    batch (bag lengths, ids, per-sample weights, pooled gradients; or touched rows and their
+    gradients) was one all-gather per part. Here they travel as bytes in one buffer per rank:
+    pieces with larger elements first (sizes are powers of two, so each piece starts aligned
+    for its dtype and is read back as a view, no copy), the buffer padded to the longest
+    rank's, rounded up to the widest element. Bytes are copied, never converted: what arrives
+    is bit for bit what the per-part gathers delivered. A rank receives the longest rank's
+    total rather than the sum of each part's longest: the same where ranks' batches are alike
+    (but for the rounding), less where they differ (row-wise shards, replica groups of
+    different batch sizes)."""
+    sizes = [p.element_size() for p in pieces]
+    order = sorted(range(len(pieces)), key=lambda i: -sizes[i])
+
+    def layout(lengths: list[int]) -> tuple[list[int], int]:
+        """Each piece's byte offset in a rank's buffer, and the bytes used."""
+        start, at = [0] * len(pieces), 0
+        for i in order:
+            start[i], at = at, at + lengths[i] * sizes[i]
+        return start, at
+
+    starts = [layout(lengths)[0] for lengths in every]
+    align = max(sizes)  # each rank's buffer starts aligned for the widest dtype
+    size = max(align, -(-max(layout(lengths)[1] for lengths in every) // align) * align)
+    device = pieces[0].device
+    like = torch.empty(0, dtype=torch.uint8, device=device)
+    mine = torch.empty(size, dtype=torch.uint8, device=device) if kept is None else kept.empty(
+        "packed", size, like)
+    start, used = layout([p.numel() for p in pieces])
+    for i, p in enumerate(pieces):
+        mine[start[i] : start[i] + p.numel() * sizes[i]] = p.contiguous().view(-1).view(torch.uint8)
+    mine[used:].zero_()
+    out = None if kept is None else kept.empty("gathered packed", world * size, like)
+    got = all_gather(mine, group=group, world=world, what=what, out=out)
+    return [
+        [
+            got[r, start : start + n * sizes[i]].view(pieces[i].dtype)
+            for i, (start, n) in enumerate(zip(starts[r], every[r]))
+        ]
+        for r in range(world)
+    ]

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from modular.comm import all_gather, all_gather_padded, all_reduce
-from modular.kernels.lookups import Lookup, merge_lookups
+from modular.comm import all_gather, all_reduce
+from modular.kernels.lookups import Lookup, all_gather_packed, merge_lookups
 from modular.tables.replicas import Replicas
 
 __all__ = ["gather_replicas", "all_reduce_replicas"]
@@ -54,38 +54,30 @@ __all__ = ["gather_replicas", "all_reduce_replicas"]
 def gather_replicas(mine: Lookup, routes: int, replicas: Replicas) -> Lookup:
     """Every replica group's lookup batch for this shard (Note [exact replicas]), merged in
     replica order, gradients divided by the replica count. Replica groups may have different
-    batch sizes, so each rank first shares its bag and id counts (one small all-gather), then
-    its lengths, ids (weights) and pooled gradients, each padded to the longest. The same
-    result, bit for bit, on every replica."""
+    batch sizes, so each rank first shares its bag, id and gradient row counts (one small
+    all-gather), then its lengths, ids (weights) and pooled gradients in one more, padded to the
+    longest (Note [one gather per batch] in modular/kernels/lookups.py). The same result, bit
+    for bit, on every replica."""
     group, world = replicas.group, replicas.size
     ids, device = mine.indices, mine.indices.device
     rows, cols = mine.grad_out.shape
     lengths = (mine.offsets[1:] - mine.offsets[:-1]).to(ids.dtype)
     counts = torch.tensor([lengths.numel(), ids.numel(), rows], dtype=torch.int64, device=device)
     every = all_gather(counts, group=group, world=world, what="a replica's lookup counts").tolist()
-    bags = [c[0] for c in every]
-    n_ids = [c[1] for c in every]
-    n_rows = [c[2] for c in every]
-    all_lengths = all_gather_padded([lengths], max(max(bags), 1), group, world, ids.dtype, device)
-    all_ids = all_gather_padded([ids], max(max(n_ids), 1), group, world, ids.dtype, device)
-    all_weights = None
+    pieces = [lengths, ids, mine.grad_out.reshape(-1)]
     if mine.weights is not None:
-        all_weights = all_gather_padded(
-            [mine.weights.float()], max(max(n_ids), 1), group, world, torch.float32, device
-        )
-    grads = all_gather_padded(
-        [mine.grad_out.reshape(-1)], max(max(n_rows) * cols, 1), group, world,
-        mine.grad_out.dtype, device,
-    )  # fmt: skip
+        pieces.append(mine.weights.float())
+    sizes = [[bags, n, n_rows * cols] + [n] * (len(pieces) - 3) for bags, n, n_rows in every]
+    got = all_gather_packed(pieces, sizes, group, world, what="a replica's lookup batch")
     entries = []
-    for r in range(world):
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths[r, : bags[r]])
+    for (all_lengths, all_ids, grads, *weights), (_, _, n_rows) in zip(got, every):
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths)
         entries.append(
             Lookup(
-                grads[r, : n_rows[r] * cols].view(n_rows[r], cols).div_(world),
-                all_ids[r, : n_ids[r]],
+                grads.view(n_rows, cols).div_(world),
+                all_ids,
                 offsets.to(ids.dtype),
-                None if all_weights is None else all_weights[r, : n_ids[r]],
+                weights[0] if weights else None,
             )
         )
     return merge_lookups(entries, routes)

@@ -15,7 +15,7 @@ import torch
 
 from modular.comm import all_to_all
 from modular.kernels.base import Kernel
-from modular.kernels.deferred import ReplicaFusedKernel, RowStatsFusedKernel
+from modular.kernels.deferred import ReplicaFusedKernel, RowStatsFusedKernel, gather_across_replicas
 from modular.kernels.emulated import EmulatedFusedKernel
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
 from modular.fused.row_means import IdRowMeans
@@ -61,7 +61,9 @@ class EndOfBackward:
         """End of backward (Note [emulated fused kernels], Note [row statistics across column
         shards]): one all-to-all of the column-wise tables' row statistics, then the data-parallel
         gradients kernel by kernel (the same collectives in the same order on every rank), then
-        each kernel's update on the rows it touched."""
+        each kernel's update on the rows it touched. Under exact replicas, every deferred
+        kernel's batch is first every replica group's, all kernels' in two all-gathers."""
+        gather_across_replicas(self.kernels)
         emulated = [k for k in self.kernels if isinstance(k, EmulatedFusedKernel)]
         grads = {id(k): k.take_pending() for k in emulated}
         two_pass: list[RowStatsFusedKernel] = []

@@ -16,10 +16,27 @@ from modular.fused.config import FusedOptimizerKind
 from modular.kernels.base import KernelLookup, sum_weights
 from modular.kernels.fused import FusedKernel
 from modular.kernels.lookups import Lookup, merge_lookups
-from modular.kernels.replicas import gather_replicas
+from modular.kernels.replicas import gather_every_replica
 from modular.kernels.row_sums import RowGradSquares
 from modular.tables.layout import KernelGroup
 from modular.tables.replicas import Replicas
+
+
+def gather_across_replicas(kernels: list) -> None:
+    """Under exact replicas, makes each deferred kernel's pending lookups every replica group's
+    batch, for all of a module's kernels in the same two all-gathers (Note [exact replicas] in
+    modular/kernels/replicas.py); run once a step before any `take_batch`. Other kernels are
+    left as they are."""
+    held = [
+        k for k in kernels
+        if isinstance(k, DeferredFusedKernel) and k._across is not None and k.pending
+    ]  # fmt: skip
+    if not held:
+        return
+    routes = [len(k.group.routes) for k in held]
+    mine = [k.take_batch() for k in held]
+    for k, batch in zip(held, gather_every_replica(mine, routes, held[0]._across)):
+        k.pending = [batch]
 
 
 class RowForm(enum.Enum):
@@ -64,15 +81,11 @@ class DeferredFusedKernel(FusedKernel):
     def take_batch(self) -> Optional[Lookup]:
         """The lookups since the last update as one batch (several are merged, so their
         gradients add up before one update); None if there were none. Under exact replicas,
-        every replica group's batch (Note [exact replicas])."""
+        every replica group's batch, which `gather_across_replicas` made it."""
         pending, self.pending = self.pending, []
         if not pending:
             return None
-        routes = len(self.group.routes)
-        batch = pending[0] if len(pending) == 1 else merge_lookups(pending, routes)
-        if self._across is not None:
-            batch = gather_replicas(batch, routes, self._across)
-        return batch
+        return pending[0] if len(pending) == 1 else merge_lookups(pending, len(self.group.routes))
 
     def run_backward(
         self,

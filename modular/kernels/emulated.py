@@ -135,8 +135,8 @@ class EmulatedFusedKernel:
         vals_mine = [empty if g is None else g.grad.reshape(-1).float() for g in grads]
         cols = [c for _, c in self.sizes]
         sizes = [per_table + [n * c for n, c in zip(per_table, cols)] for per_table in all_counts]
-        got = all_gather_packed(rows_mine + vals_mine, sizes, group, world,
-                                what="a replica's touched rows and their gradients", kept=self._kept)  # fmt: skip
+        got = all_gather_packed(rows_mine + vals_mine, sizes, group, world, kept=self._kept,
+                                what="a replica's touched rows and their gradients")  # fmt: skip
         tables = len(self.sizes)
         out: list[Optional[RowGrad]] = []
         for t, (_, width) in enumerate(self.sizes):

@@ -48,39 +48,59 @@ from modular.comm import all_gather, all_reduce
 from modular.kernels.lookups import Lookup, all_gather_packed, merge_lookups
 from modular.tables.replicas import Replicas
 
-__all__ = ["gather_replicas", "all_reduce_replicas"]
+__all__ = ["gather_replicas", "gather_every_replica", "all_reduce_replicas"]
 
 
 def gather_replicas(mine: Lookup, routes: int, replicas: Replicas) -> Lookup:
     """Every replica group's lookup batch for this shard (Note [exact replicas]), merged in
-    replica order, gradients divided by the replica count. Replica groups may have different
-    batch sizes, so each rank first shares its bag, id and gradient row counts (one small
-    all-gather), then its lengths, ids (weights) and pooled gradients in one more, padded to the
-    longest (Note [one gather per batch] in modular/kernels/lookups.py). The same result, bit
-    for bit, on every replica."""
+    replica order, gradients divided by the replica count: `gather_every_replica` of one."""
+    return gather_every_replica([mine], [routes], replicas)[0]
+
+
+def gather_every_replica(
+    batches: list[Lookup], routes: list[int], replicas: Replicas
+) -> list[Lookup]:
+    """`gather_replicas` for several kernels' batches (`routes[k]` routes each) in the same two
+    all-gathers: replica groups may have different batch sizes, so each rank first shares every
+    batch's bag, id and gradient row counts (one small all-gather), then their lengths, ids
+    (weights) and pooled gradients in one more, padded to the longest (Note [one gather per
+    batch] in modular/kernels/lookups.py). The same result, bit for bit, on every replica."""
     group, world = replicas.group, replicas.size
-    ids, device = mine.indices, mine.indices.device
-    rows, cols = mine.grad_out.shape
-    lengths = (mine.offsets[1:] - mine.offsets[:-1]).to(ids.dtype)
-    counts = torch.tensor([lengths.numel(), ids.numel(), rows], dtype=torch.int64, device=device)
-    every = all_gather(counts, group=group, world=world, what="a replica's lookup counts").tolist()
-    pieces = [lengths, ids, mine.grad_out.reshape(-1)]
-    if mine.weights is not None:
-        pieces.append(mine.weights.float())
-    sizes = [[bags, n, n_rows * cols] + [n] * (len(pieces) - 3) for bags, n, n_rows in every]
-    got = all_gather_packed(pieces, sizes, group, world, what="a replica's lookup batch")
-    entries = []
-    for (all_lengths, all_ids, grads, *weights), (_, _, n_rows) in zip(got, every):
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths)
-        entries.append(
-            Lookup(
-                grads.view(n_rows, cols).div_(world),
-                all_ids,
-                offsets.to(ids.dtype),
-                weights[0] if weights else None,
+    counts, pieces, widths = [], [], []
+    for mine in batches:
+        lengths = (mine.offsets[1:] - mine.offsets[:-1]).to(mine.indices.dtype)
+        counts += [lengths.numel(), mine.indices.numel(), mine.grad_out.shape[0]]
+        pieces += [lengths, mine.indices, mine.grad_out.reshape(-1)]
+        if mine.weights is not None:
+            pieces.append(mine.weights.float())
+        widths.append(4 if mine.weights is not None else 3)
+    device = batches[0].indices.device
+    mine_counts = torch.tensor(counts, dtype=torch.int64, device=device)
+    every = all_gather(mine_counts, group=group, world=world, what="a replica's lookup counts").tolist()
+    sizes = []  # per rank, each piece's length
+    for per_rank in every:
+        sizes.append([])
+        for k, (mine, width) in enumerate(zip(batches, widths)):
+            bags, n, rows = per_rank[3 * k : 3 * k + 3]
+            sizes[-1] += [bags, n, rows * mine.grad_out.shape[1]] + [n] * (width - 3)
+    got = all_gather_packed(pieces, sizes, group, world, what="the replicas' lookup batches")
+    out, first = [], 0
+    for k, (mine, width) in enumerate(zip(batches, widths)):
+        entries = []
+        for r in range(world):
+            lengths, ids, grads, *weights = got[r][first : first + width]
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+            entries.append(
+                Lookup(
+                    grads.view(every[r][3 * k + 2], mine.grad_out.shape[1]).div_(world),
+                    ids,
+                    offsets.to(mine.indices.dtype),
+                    weights[0] if weights else None,
+                )
             )
-        )
-    return merge_lookups(entries, routes)
+        out.append(merge_lookups(entries, routes[k]))
+        first += width
+    return out
 
 
 def all_reduce_replicas(grad: torch.Tensor, replicas: Replicas) -> None:

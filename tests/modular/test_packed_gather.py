@@ -19,7 +19,8 @@ def _pieces(rank: int, case: int) -> list[torch.Tensor]:
     """Rank `rank`'s pieces in `case`: the same dtypes on every rank, lengths of its own."""
     g = torch.Generator().manual_seed(100 * case + rank)
     n = 3 + 2 * rank + case  # odd and even lengths, different per rank
-    weird = torch.tensor([0x7FC00001, -0x80000000, 0x7F800000], dtype=torch.int32).view(torch.float32)
+    bits = torch.tensor([0x7FC00001, -0x80000000, 0x7F800000], dtype=torch.int32)
+    weird = bits.view(torch.float32)
     ids = torch.int32 if case == 2 else torch.int64  # the widest element 4 bytes, or 8
     bound = 2**30 if case == 2 else 2**40
     return [
@@ -50,8 +51,8 @@ def _gather_cases() -> list[tuple[int, int]]:
                                     kept=kept if case else None)  # fmt: skip
             for r in range(world):
                 for i, (a, b) in enumerate(zip(got[r], _pieces(r, case))):
-                    assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8),
-                                                              b.view(torch.uint8)), (case, r, i)  # fmt: skip
+                    same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    assert a.dtype == b.dtype and same, (case, r, i)
             sent.append((len(calls), calls[-1]))
     finally:
         dist.all_gather_single = original

@@ -157,7 +157,9 @@ KERNELS = {"table_wise": 1, "column_wise": 1, "data_parallel": 1, "mixed": 2}
 # (the footnote of its table): every shard and its row-wise Adagrad state, fp32.
 SYNC_COUNTED = {"table_wise": 136_000, "row_wise": 136_000, "column_wise": 144_000,
                 "data_parallel": 272_000, "mixed": 172_000}  # fmt: skip
-COUNTS_BYTES = 24  # per kernel and peer, unpriced: a replica's (bags, ids, rows), 3 int64
+# per kernel and peer, unpriced: a replica's (bags, ids, rows), 3 int64, in one gather for all of a
+# fused module's kernels
+COUNTS_BYTES = 24
 
 
 def _benchmark_plan(kind: str) -> ShardingPlan:

@@ -26,7 +26,9 @@ model prices it in a world of G, plus its cross-replica part, `replica_sync`:
     data-parallel table gathers its own batch's ids and gradients likewise (its replay is the
     dense gradient's share, `ids_in * 2 c e` and its bags, per peer). Column pieces exchange
     row statistics for the merged batch, R times a group's ids (`stat_exchange` x R). Not
-    priced: each kernel's gather of its replicas' counts first (3 int64 per peer).
+    priced: the replicas' counts gathered first (3 int64 per kernel and peer), nor any
+    collective's latency (none is priced; the replay is two all-gathers per fused module and
+    step, two per unfused kernel: Note [exact replicas]).
     These are the bytes modular sends: tests/planners/test_replicas.py pins them against those
     benchmarks/step_2d.py counts on gloo ranks (table-wise, column-wise, data-parallel and
     mixed plans; row-wise shards' gathers pad to the replica with most ids).

@@ -16,7 +16,7 @@ import torch
 from modular.comm import all_to_all
 from modular.kernels.base import Kernel
 from modular.kernels.deferred import ReplicaFusedKernel, RowStatsFusedKernel, gather_across_replicas
-from modular.kernels.emulated import EmulatedFusedKernel
+from modular.kernels.emulated import EmulatedFusedKernel, all_gather_means, take_every_pending
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
 from modular.fused.row_means import IdRowMeans
 from modular.tables.layout import RankLayout
@@ -60,12 +60,13 @@ class EndOfBackward:
     def run(self) -> None:
         """End of backward (Note [emulated fused kernels], Note [row statistics across column
         shards]): one all-to-all of the column-wise tables' row statistics, then the data-parallel
-        gradients kernel by kernel (the same collectives in the same order on every rank), then
-        each kernel's update on the rows it touched. Under exact replicas, every deferred
-        kernel's batch is first every replica group's, all kernels' in two all-gathers."""
+        gradients of every kernel at once (the same collectives in the same order on every
+        rank), then each kernel's update on the rows it touched. Under exact replicas, every
+        kernel's batch or gradients are first every replica group's, all kernels' of a kind in
+        two all-gathers."""
         gather_across_replicas(self.kernels)
         emulated = [k for k in self.kernels if isinstance(k, EmulatedFusedKernel)]
-        grads = {id(k): k.take_pending() for k in emulated}
+        grads = dict(zip(map(id, emulated), take_every_pending(emulated)))
         two_pass: list[RowStatsFusedKernel] = []
         row_means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self._id_means is not None:  # no emulated shard holds a column-wise table
@@ -75,12 +76,14 @@ class EndOfBackward:
         stats = {id(k): k.row_stats() for k in two_pass}
         if self.column_rowwise and self._id_means is None:
             row_means = self._column_row_means(emulated, grads, two_pass, stats)
+        replicas = [k for k in emulated if id(k) in self.replicas]  # data-parallel: every rank's
+        if replicas:
+            means = all_gather_means(replicas, [grads[id(k)] for k in replicas],
+                                     world=self.at.world, group=self.at.group)  # fmt: skip
+            grads.update(zip(map(id, replicas), means))
         for k in emulated:
-            g = grads[id(k)]
-            if id(k) in self.replicas:
-                g = k.all_gather_mean(g, world=self.at.world, group=self.at.group)
             means = [row_means.get(name) for name, _ in k.group.shards]
-            k.apply(g, [None if m is None else m[1] for m in means])
+            k.apply(grads[id(k)], [None if m is None else m[1] for m in means])
         for k in two_pass:
             if stats[id(k)] is None:
                 continue

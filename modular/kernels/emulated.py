@@ -59,7 +59,7 @@ class EmulatedFusedKernel:
         dims = [r.shard.num_cols for r in group.routes]
         self._route_cols = [sum(dims[:i]) for i in range(len(dims))]
         self._across: Optional[Replicas] = None
-        self._kept = KeptBuffers()  # all_gather_mean's buffers (Note [kept receive buffers])
+        self._kept = KeptBuffers()  # all_gather_means' buffers (Note [kept receive buffers])
 
     def replicate_across(self, replicas: Replicas) -> None:
         """Makes `take_pending` the mean over every replica group's gradients (Note [exact
@@ -92,10 +92,7 @@ class EmulatedFusedKernel:
     def take_pending(self) -> list[Optional[RowGrad]]:
         """The gradients of every backward since the last update, summed per table; under
         exact replicas, their mean over every replica group's (Note [exact replicas])."""
-        out = self._own_pending()
-        if self._across is not None:
-            out = self.all_gather_mean(out, world=self._across.size, group=self._across.group)
-        return out
+        return take_every_pending([self])[0]
 
     def _own_pending(self) -> list[Optional[RowGrad]]:
         pending, self.pending = self.pending, []
@@ -117,37 +114,6 @@ class EmulatedFusedKernel:
         if wd == 0.0:
             return g.grad
         return g.grad + wd * self.views[t].detach().index_select(0, g.rows).float()
-
-    def all_gather_mean(
-        self, grads: list[Optional[RowGrad]], *, world: int, group
-    ) -> list[Optional[RowGrad]]:
-        """Data-parallel replicas: every rank gathers every rank's touched rows and gradients and
-        sums them in rank order, so all replicas apply the same mean gradient (two collectives
-        per kernel, the same order on every rank: the row counts, then the rows and gradients
-        together, Note [one gather per batch] in modular/kernels/lookups.py). Sends only the
-        touched rows, not the table."""
-        device = self._placeholder.device
-        counts = torch.tensor([0 if g is None else g.rows.numel() for g in grads], device=device)
-        # The only read back from the device: every rank's row counts, once.
-        all_counts = all_gather(counts, group=group, world=world, what="a replica's row counts").tolist()
-        empty = torch.zeros(0, device=device)
-        rows_mine = [empty.long() if g is None else g.rows.long() for g in grads]
-        vals_mine = [empty if g is None else g.grad.reshape(-1).float() for g in grads]
-        cols = [c for _, c in self.sizes]
-        sizes = [per_table + [n * c for n, c in zip(per_table, cols)] for per_table in all_counts]
-        got = all_gather_packed(rows_mine + vals_mine, sizes, group, world, kept=self._kept,
-                                what="a replica's touched rows and their gradients")  # fmt: skip
-        tables = len(self.sizes)
-        out: list[Optional[RowGrad]] = []
-        for t, (_, width) in enumerate(self.sizes):
-            ids = torch.cat([got[r][t] for r in range(world)])
-            if ids.numel() == 0:
-                out.append(None)
-                continue
-            parts = [got[r][tables + t].view(-1, width) for r in range(world)]
-            summed = _coalesce(ids, parts, width, kept=(self._kept, f"summed {t}"))
-            out.append(RowGrad(summed.rows, summed.grad.div_(world)))
-        return out
 
     @torch.no_grad()
     def apply(
@@ -188,6 +154,52 @@ class EmulatedFusedKernel:
                 step = grad / (total.sqrt() + cfg.eps)
             rowwise = cfg.optimizer.rowwise()
             _add_rows(weight, rows, spread, step.mul_(-cfg.lr), round_step=not rowwise)
+
+
+def take_every_pending(kernels: list[EmulatedFusedKernel]) -> list[list[Optional[RowGrad]]]:
+    """Each kernel's `take_pending`, the means over replica groups of all of them (a module's
+    kernels) in the same two all-gathers (Note [exact replicas] in modular/kernels/replicas.py)."""
+    out = [k._own_pending() for k in kernels]
+    across = [i for i, k in enumerate(kernels) if k._across is not None]
+    if across:
+        replicas = kernels[across[0]]._across
+        means = all_gather_means([kernels[i] for i in across], [out[i] for i in across],
+                                 world=replicas.size, group=replicas.group)  # fmt: skip
+        for i, mean in zip(across, means):
+            out[i] = mean
+    return out
+
+
+def all_gather_means(
+    kernels: list[EmulatedFusedKernel], grads: list[list[Optional[RowGrad]]], *, world: int, group
+) -> list[list[Optional[RowGrad]]]:
+    """Every rank's touched rows and gradients of each kernel's tables (`grads[k]`), summed in
+    rank order and divided by `world`, so every rank applies the same mean gradient; for all
+    `kernels` in two collectives, the same order on every rank: the row counts, then the rows
+    and gradients together (Note [one gather per batch] in modular/kernels/lookups.py)."""
+    device = kernels[0]._placeholder.device
+    per_table = [(i, t, cols) for i, k in enumerate(kernels) for t, (_, cols) in enumerate(k.sizes)]
+    mine = [g for per_kernel in grads for g in per_kernel]
+    counts = torch.tensor([0 if g is None else g.rows.numel() for g in mine], device=device)
+    # The only read back from the device: every rank's row counts, once.
+    every = all_gather(counts, group=group, world=world, what="a replica's row counts").tolist()
+    empty = torch.zeros(0, device=device)
+    rows = [empty.long() if g is None else g.rows.long() for g in mine]
+    vals = [empty if g is None else g.grad.reshape(-1).float() for g in mine]
+    sizes = [n + [c * w for c, (_, _, w) in zip(n, per_table)] for n in every]
+    got = all_gather_packed(rows + vals, sizes, group, world, kept=kernels[0]._kept,
+                            what="the replicas' touched rows and their gradients")  # fmt: skip
+    out: list[list[Optional[RowGrad]]] = [[] for _ in kernels]
+    tables = len(per_table)
+    for j, (i, t, width) in enumerate(per_table):
+        ids = torch.cat([got[r][j] for r in range(world)])
+        if ids.numel() == 0:
+            out[i].append(None)
+            continue
+        parts = [got[r][tables + j].view(-1, width) for r in range(world)]
+        summed = _coalesce(ids, parts, width, kept=(kernels[i]._kept, f"summed {t}"))
+        out[i].append(RowGrad(summed.rows, summed.grad.div_(world)))
+    return out
 
 
 def _add_rows(

@@ -15,15 +15,17 @@ module's deferred kernels gather first thing at the end of backward, all of them
 (`gather_across_replicas` in modular/kernels/deferred.py; so the column pieces' row statistics
 of Note [row statistics across column shards] are the global batch's too), dense kernels at the
 start of their own backward, and the torch emulation gathers its touched rows' gradients instead
-(`all_gather_mean`), as its data-parallel replicas do. A data-parallel table is a copy in every
+(`take_every_pending`, all of a module's emulated kernels together), as its data-parallel
+replicas do. A data-parallel table is a copy in every
 rank: gathered over the replica group first, then over the shard group, it replays all G x R
 ranks' batches.
 Each gather is two all-gathers over the replica group, whatever it holds: every batch's counts
 (3 int64 per kernel), then every part of every batch as bytes in one buffer (Note [one gather per
 batch] in modular/kernels/lookups.py). A step then costs a fused module 2 replica-axis
-collectives, a dense kernel or an emulated one 2 each; it was 4-5 per kernel (counts, lengths,
-ids, weights, gradients), which on a latency-bound link dominate (benchmarks/step_2d.py counts
-them; docs/benchmarks.md, "step_2d.py").
+collectives (4 where it holds both deferred and emulated kernels), an unfused one 2 per kernel
+(they gather inside autograd's backward, one kernel at a time); it was 4-5 per kernel (counts,
+lengths, ids, weights, gradients; 3 for the emulation), which on a latency-bound link dominate
+(benchmarks/step_2d.py counts them; docs/benchmarks.md, "step_2d.py").
 A fused kernel that would update inside fbgemm's backward becomes a deferred one (CPU; other
 devices take the torch emulation, as for data-parallel replicas); a dense kernel off CPU
 all-reduces its gradient over the replica group instead.

@@ -26,9 +26,11 @@ torch.distributed's collectives wrapped, and each call's bytes *received* by the
 up by collective and by the group it ran on (world, shard group, replica group): an all-to-all
 the sum of its output splits less the rank's own, an all-gather (n - 1) x its input, an
 all-reduce 2 (n - 1) / n x its tensor (a ring's), a broadcast its tensor on every rank but the
-source. The table shows the max over ranks. "priced" is what the planner charges the same plan
-for exact replica sync, in bytes received per rank (`plan_stats(..., replicas=R)` on links of
-1 byte/s, the max over ranks), beside the replica group's gathers counted.
+source. The table shows the max over ranks; below it, how many collectives each contender calls
+per step by kind and group (the replica axis' gathers are latency-bound: Note [exact replicas]
+counts them). "priced" is what the planner charges the same plan for exact replica sync, in
+bytes received per rank (`plan_stats(..., replicas=R)` on links of 1 byte/s, the max over
+ranks), beside the replica group's gathers counted.
 
 Ranks run one thread each. This machine's cores are fewer than the ranks, so rank r is pinned
 to core r mod (cores this process may use) with its gloo threads (round robin, two ranks a core

@@ -313,27 +313,6 @@ def recv(tensor: torch.Tensor, *, src: int, group: Optional[ProcessGroup], what:
     _collective(what, group, tensor, lambda hand: dist.irecv(hand(tensor), group=group, group_src=src))
 
 
-def all_gather_padded(
-    pieces: list[torch.Tensor], size: int, group, world: int, dtype: torch.dtype, device,
-    *, kept: Optional[KeptBuffers] = None,
-) -> torch.Tensor:
-    """All-gathers 1-D data of different lengths per rank (gloo needs equal ones): each rank's
-    pieces, back to back, padded to `size`; returns (world, size). Buffers are not zero-filled (a
-    fresh 40 MB zeros costs more than the collective); only the padding is. With `kept`, both
-    buffers are kept across calls (Note [kept receive buffers]: a data-parallel table's touched
-    rows' gradients are tens of MB a step, whose fresh pages cost more than the copies)."""
-    like = torch.empty(0, dtype=dtype, device=device)
-    padded = torch.empty(size, dtype=dtype, device=device) if kept is None else kept.empty(
-        f"padded {dtype}", size, like)
-    used = 0
-    for p in pieces:
-        padded[used : used + p.numel()] = p
-        used += p.numel()
-    padded[used:].zero_()
-    out = None if kept is None else kept.empty(f"gathered {dtype}", world * size, like)
-    return all_gather(padded, group=group, world=world, what=f"an all-gather of {size} values", out=out)
-
-
 def all_gather_bytes(payload: bytes, *, width: int, group: Optional[ProcessGroup]) -> list[bytes]:
     """Gathers a fixed-width byte string from every rank (one small collective)."""
     if len(payload) != width:

@@ -98,11 +98,6 @@ def _each_collective() -> list[str]:
         gathered = comm.all_gather(torch.full((2, 3), float(rank)), group=None, world=world)
         check("all_gather")
         assert gathered.shape == (world, 2, 3) and gathered[:, 0, 0].tolist() == list(map(float, range(world)))
-        padded = comm.all_gather_padded(
-            [torch.arange(rank + 1)], world, None, world, torch.int64, torch.device("cpu")
-        )
-        check("all_gather_padded")
-        assert padded[-1, : world].tolist() == list(range(world)), padded
         assert comm.all_gather_bytes(bytes([rank, 7]), width=2, group=None) == [bytes([r, 7]) for r in range(world)]
         check("all_gather_bytes")
         total = torch.full((3,), float(rank + 1))
@@ -127,7 +122,7 @@ def _each_collective() -> list[str]:
         moved.sum().backward()
         check("pooled_all_to_all (backward)")
         assert pooled.grad.tolist() == [0.5] * 4, pooled.grad
-    assert late.calls == 10, late.calls  # the stand-in saw every collective
+    assert late.calls == 9, late.calls  # the stand-in saw every collective
     return early
 
 

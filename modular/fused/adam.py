@@ -4,7 +4,7 @@ Note [fused Adam and LAMB] (modular/kernels/adam.py) says what the update is; th
 the module's `AdamFusedKernel`s in phases, with the collectives that make it exact between them,
 the same collectives in the same order on every rank:
   1. each kernel's sparse gradient (rows it touched, summed gradients); data-parallel replicas
-     average theirs over ranks, all kernels' at once (`all_gather_means`, Note [emulated fused
+     average theirs over ranks, all kernels' at once (`average_in_place`, Note [emulated fused
      kernels]);
   then the tables held whole take their whole update (`AdamFusedKernel.apply`), and the tables
   cut into column pieces take theirs in phases:
@@ -29,7 +29,7 @@ import torch
 from modular.fused.backward import exchange_row_sums
 from modular.fused.config import FusedOptimizerKind
 from modular.kernels.adam import AdamFusedKernel
-from modular.kernels.emulated import RowGrad, all_gather_means, take_every_pending
+from modular.kernels.emulated import RowGrad, average_in_place, take_every_pending
 from modular.tables.layout import RankLayout
 
 __all__ = ["MomentUpdates"]
@@ -60,11 +60,8 @@ class MomentUpdates:
     def run(self) -> None:
         at = self.at
         grads = dict(zip(map(id, self.kernels), take_every_pending(self.kernels)))
-        replicas = [k for k in self.kernels if id(k) in self.replicas]
-        if replicas:  # every rank's, all kernels' in two all-gathers
-            means = all_gather_means(replicas, [grads[id(k)] for k in replicas],
-                                     world=at.world, group=at.group)  # fmt: skip
-            grads.update(zip(map(id, replicas), means))
+        replicas = [k for k in self.kernels if id(k) in self.replicas]  # every rank's, at once
+        average_in_place(replicas, grads, world=at.world, group=at.group)
         # Tables held whole take the update at once, a block of rows at a time (Note [updating
         # rows in blocks]); column pieces in phases, with their exchanges between.
         cut: dict[int, list[Optional[RowGrad]]] = {}

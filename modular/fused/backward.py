@@ -16,7 +16,7 @@ import torch
 from modular.comm import all_to_all
 from modular.kernels.base import Kernel
 from modular.kernels.deferred import ReplicaFusedKernel, RowStatsFusedKernel, gather_across_replicas
-from modular.kernels.emulated import EmulatedFusedKernel, all_gather_means, take_every_pending
+from modular.kernels.emulated import EmulatedFusedKernel, average_in_place, take_every_pending
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
 from modular.fused.row_means import IdRowMeans
 from modular.tables.layout import RankLayout
@@ -77,10 +77,7 @@ class EndOfBackward:
         if self.column_rowwise and self._id_means is None:
             row_means = self._column_row_means(emulated, grads, two_pass, stats)
         replicas = [k for k in emulated if id(k) in self.replicas]  # data-parallel: every rank's
-        if replicas:
-            means = all_gather_means(replicas, [grads[id(k)] for k in replicas],
-                                     world=self.at.world, group=self.at.group)  # fmt: skip
-            grads.update(zip(map(id, replicas), means))
+        average_in_place(replicas, grads, world=self.at.world, group=self.at.group)
         for k in emulated:
             means = [row_means.get(name) for name, _ in k.group.shards]
             k.apply(grads[id(k)], [None if m is None else m[1] for m in means])

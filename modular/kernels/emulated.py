@@ -159,15 +159,21 @@ class EmulatedFusedKernel:
 def take_every_pending(kernels: list[EmulatedFusedKernel]) -> list[list[Optional[RowGrad]]]:
     """Each kernel's `take_pending`, the means over replica groups of all of them (a module's
     kernels) in the same two all-gathers (Note [exact replicas] in modular/kernels/replicas.py)."""
-    out = [k._own_pending() for k in kernels]
-    across = [i for i, k in enumerate(kernels) if k._across is not None]
+    out = {id(k): k._own_pending() for k in kernels}
+    across = [k for k in kernels if k._across is not None]
     if across:
-        replicas = kernels[across[0]]._across
-        means = all_gather_means([kernels[i] for i in across], [out[i] for i in across],
-                                 world=replicas.size, group=replicas.group)  # fmt: skip
-        for i, mean in zip(across, means):
-            out[i] = mean
-    return out
+        average_in_place(across, out, world=across[0]._across.size, group=across[0]._across.group)
+    return [out[id(k)] for k in kernels]
+
+
+def average_in_place(
+    kernels: list[EmulatedFusedKernel], grads: dict[int, list[Optional[RowGrad]]], *, world: int, group
+) -> None:
+    """Replaces `grads[id(k)]` of each of `kernels` by its mean over the `world` ranks of
+    `group` (`all_gather_means`: two all-gathers for all of them); nothing for no kernels."""
+    if kernels:
+        means = all_gather_means(kernels, [grads[id(k)] for k in kernels], world=world, group=group)
+        grads.update(zip(map(id, kernels), means))
 
 
 def all_gather_means(

@@ -144,9 +144,10 @@ def all_gather_packed(
             start[i], at = at, at + lengths[i] * sizes[i]
         return start, at
 
-    starts = [layout(lengths)[0] for lengths in every]
+    laid = [layout(lengths) for lengths in every]
+    starts = [start for start, _ in laid]
     align = max(sizes)  # each rank's buffer starts aligned for the widest dtype
-    size = max(align, -(-max(layout(lengths)[1] for lengths in every) // align) * align)
+    size = max(align, -(-max(used for _, used in laid) // align) * align)
     device = pieces[0].device
     like = torch.empty(0, dtype=torch.uint8, device=device)
     mine = torch.empty(size, dtype=torch.uint8, device=device) if kept is None else kept.empty(

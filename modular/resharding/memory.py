@@ -72,8 +72,8 @@ code (libtorch_cpu.so 128, libtorch_python.so 64), file pages that the first all
 of a process maps in whatever its splits (an empty one too), clean and shared by the ranks
 (Pss_File +64 KiB on each of 3), which any training step's output dist has mapped before, and
 30-50 KiB of Python heap where the new module's objects are built beside the old ones until the
-commit (no shard bytes: its kernels are adopted). The benchmark's fresh processes never ran an
-all-to-all, so they show both (0.23 MiB); the test's ranks trained first and show the heap (0-64
+commit (no shard bytes: its kernels are adopted). Processes that never ran an all-to-all show
+both (0.23 MiB); the benchmark's and the test's ranks train a step first and show the heap (0-64
 KiB). Every rank of the group joins every round's all-to-all, as a collective must, so the code
 pages come with the call. Elsewhere (another OS) the three above are skipped: the new modules'
 buffers are allocated when they are built, and the old shards are freed when the old modules are

@@ -264,7 +264,7 @@ def _peak_growth(device: torch.device) -> list[dict]:
     moving one table and then every table to the next rank; every value checked after."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rows, dim, names = 32_768, 64, [f"m{i}" for i in range(4)]
-    holder = memory_holder(rows, dim, names)
+    holder, _ = memory_holder(rows, dim, names)
     at: Callable[[dict], dict] = lambda ranks: {  # noqa: E731
         n: TablePlacement(ShardingType.TABLE_WISE, ranks=(ranks[n],)) for n in names
     }  # fmt: skip

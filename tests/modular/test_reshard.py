@@ -454,12 +454,14 @@ class _Holder(nn.Module):
 
 @contextlib.contextmanager
 def _counting_all_to_alls(calls: list):
-    """Records (dtype, input splits, output splits) of each reshard all-to-all on this rank."""
+    """Records (dtype's name, input splits, output splits, ranks of the group) of each reshard
+    all-to-all on this rank."""
     real = reshard_exchange.all_to_all
 
-    def spy(tensor, *, input_splits, output_splits, **kwargs):
-        calls.append((tensor.dtype, list(input_splits), list(output_splits)))
-        return real(tensor, input_splits=input_splits, output_splits=output_splits, **kwargs)
+    def spy(tensor, *, input_splits, output_splits, group=None, **kwargs):
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        calls.append((str(tensor.dtype), list(input_splits), list(output_splits), ranks))
+        return real(tensor, input_splits=input_splits, output_splits=output_splits, group=group, **kwargs)
 
     with mock.patch.object(reshard_exchange, "all_to_all", spy):
         yield calls
@@ -495,15 +497,15 @@ def _bytes_on_the_wire() -> dict:
     assert holder.ebc is not old
     for n, p in holder.ebc.named_parameters():
         assert torch.equal(full_value(p), values[n]), n
-    return {"calls": [(str(d), i, o) for d, i, o in calls]}
+    return {"calls": calls}
 
 
 def test_only_the_moved_table_travels() -> None:
     rows, dim = 29, 16  # t_big of fused_ebc: its FP32 weights and one FP32 row statistic per row
     moved = rows * dim + rows
     got = run_on_ranks(2, _bytes_on_the_wire, timeout=TIMEOUT)
-    assert got[0]["calls"] == [("torch.float32", [0, moved], [0, 0])], got[0]
-    assert got[1]["calls"] == [("torch.float32", [0, 0], [moved, 0])], got[1]
+    assert got[0]["calls"] == [("torch.float32", [0, moved], [0, 0], [0, 1])], got[0]
+    assert got[1]["calls"] == [("torch.float32", [0, 0], [moved, 0], [0, 1])], got[1]
 
 
 def _status_bytes(field: str) -> int:
@@ -514,17 +516,16 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
-def memory_holder(rows: int, dim: int, names: list[str]) -> nn.Module:
-    """The memory checks' model: `dense` and `fused` (row-wise Adagrad), each an EBC of the same
-    FP32 tables of rows x dim, one feature each."""
+def memory_holder(rows: int, dim: int, names: list[str]) -> tuple[nn.Module, modular.FusedOptimizer]:
+    """The memory checks' model: `dense` and `fused` (row-wise Adagrad, whose optimizer comes
+    with it), each an EBC of the same FP32 tables of rows x dim, one feature each."""
     configs = [
         EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{n}"])
         for n in names
     ]  # fmt: skip
     holder = nn.Module()
     holder.dense, holder.fused = EmbeddingBagCollection(tables=configs), EmbeddingBagCollection(tables=configs)
-    modular.fuse_optimizer(holder.fused, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
-    return holder
+    return holder, modular.fuse_optimizer(holder.fused, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
 
 
 def _peak_growth() -> list[dict]:
@@ -535,7 +536,7 @@ def _peak_growth() -> list[dict]:
     given back as they are copied, so every value is checked afterwards too."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rows, dim, names = 32_768, 64, [f"m{i}" for i in range(4)]
-    holder = memory_holder(rows, dim, names)
+    holder, _ = memory_holder(rows, dim, names)
     at = lambda shift, moved: {  # noqa: E731
         n: TablePlacement(ShardingType.TABLE_WISE, ranks=((i + (shift if n in moved else 0)) % world,))
         for i, n in enumerate(names)
@@ -939,7 +940,7 @@ def _two_dtypes() -> list:
     for n, p in ebc.named_parameters():
         assert torch.equal(full_value(p), values[n]), n
     assert dtype_of(ebc.table_weights()["t_big"]) is torch.float16
-    return sorted(str(dtype) for dtype, _, _ in calls)
+    return sorted(dtype for dtype, *_ in calls)
 
 
 def test_one_all_to_all_per_dtype() -> None:

@@ -59,8 +59,8 @@ EXACT = (
 def _pieces(t: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
     """(offsets, tensor) of each local piece of a table or state entry (whole if not sharded)."""
     if is_sharded(t):
-        return [(tuple(p.offsets), p.tensor) for p in local_pieces(t)]
-    return [((0,) * t.dim(), t)]
+        return [(tuple(p.offsets), p.tensor.detach()) for p in local_pieces(t)]
+    return [((0,) * t.dim(), t.detach())]
 
 
 def _compare(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -17,27 +17,23 @@ shard group. After every reshard each rank's weights and fused state equal what 
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
-from modular.resharding import exchange as reshard_exchange
-from modular.tables.forms import is_sharded, local_pieces
+from modular.tables.forms import is_sharded
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.ebc_cases import make_batch
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, fused_ebc
 from tests.modular.test_2d import _assert_replicas_identical
-from tests.modular.test_reshard import _status_bytes
+from tests.modular.test_reshard import _counting_all_to_alls, _reshard_warnings, _status_bytes, memory_holder
+from tests.modular.test_reshard_2d import _pieces
 
 DIMS = ("replicate", "shard")
 REPLICAS, GROUP = 2, 2
@@ -49,26 +45,10 @@ TIMEOUT = 120.0
 def _no_warnings(what: str):
     """Nothing outside the model holds the old shards here, so reshard gives them all back: a
     warning that it kept one whole would mean the bound was not what was measured."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    said: list[str] = []
+    with _reshard_warnings(said):
         yield
-    said = [str(w.message) for w in caught if str(w.message).startswith("modular.reshard")]
     assert not said, f"rank {dist.get_rank()}, {what}: {said}"
-
-
-@contextlib.contextmanager
-def _counting_all_to_alls(calls: list):
-    """Records (dtype, input splits, output splits, ranks of the group) of each reshard
-    all-to-all on this rank."""
-    real = reshard_exchange.all_to_all
-
-    def spy(tensor, *, input_splits, output_splits, group=None, **kwargs):
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        calls.append((str(tensor.dtype), list(input_splits), list(output_splits), ranks))
-        return real(tensor, input_splits=input_splits, output_splits=output_splits, group=group, **kwargs)
-
-    with mock.patch.object(reshard_exchange, "all_to_all", spy):
-        yield calls
 
 
 def _tensors(holder: nn.Module, fused: modular.FusedOptimizer | None, module: str) -> dict[str, torch.Tensor]:
@@ -78,12 +58,6 @@ def _tensors(holder: nn.Module, fused: modular.FusedOptimizer | None, module: st
         for name, entries in fused.state_dict()["state"].items():
             out.update({f"{module} state {name} {key}": t for key, t in entries.items()})
     return out
-
-
-def _pieces(t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    if is_sharded(t):
-        return [(p.offsets, p.tensor.detach()) for p in local_pieces(t)]
-    return [((0,) * t.dim(), t.detach())]
 
 
 def _whole(tensors: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, torch.Tensor]:
@@ -159,14 +133,8 @@ def _peak_growth(mesh: DeviceMesh) -> list[dict]:
     (and row statistic) is checked afterwards, with the replicas."""
     rank, shard = dist.get_rank(), mesh.get_local_rank("shard")
     rows, dim, names = 16_384, 64, [f"m{i}" for i in range(4)]
-    configs = [
-        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{n}"])
-        for n in names
-    ]  # fmt: skip
     torch.manual_seed(0)
-    holder = nn.Module()
-    holder.dense, holder.fused = EmbeddingBagCollection(tables=configs), EmbeddingBagCollection(tables=configs)
-    fused = modular.fuse_optimizer(holder.fused, "exact_rowwise_adagrad", lr=FUSED_LR, eps=FUSED_EPS)
+    holder, fused = memory_holder(rows, dim, names)
     placed = {n: TablePlacement(ShardingType.TABLE_WISE, ranks=(i % GROUP,)) for i, n in enumerate(names)}
     modular.shard(holder, ShardingPlan(world_size=GROUP, modules={"dense": placed, "fused": placed}), mesh=mesh)
     out = []

@@ -1,5 +1,5 @@
 """Bytes per rank per step that keep a shard's replicas exact across R replica groups (issue 36):
-the replay of Note [exact replicas] (modular/kernels/replicas.py: ids, bag lengths and pooled
+the replay of Note [exact replicas] (modular/kernels/exact_replicas.py: ids, bag lengths and pooled
 gradients all-gathered) against all-reducing row-sparse gradients (the union of touched rows
 gathered, then rows x dim floats all-reduced over it, ring-all-reduce bytes).
 

@@ -37,7 +37,7 @@ layout's shards on the rank.
 do), and the growth is then torch's: `torch.cuda.max_memory_allocated()` after
 `reset_peak_memory_stats()` just before the call, minus `memory_allocated()` before it (ranks
 sharing a GPU each count their own process's allocator). `--stage on|off` sets
-`modular.resharding.staging._STAGE_THROUGH_HOST` (True|False) in every rank before the call:
+`modular.resharding.host_staging._STAGE_THROUGH_HOST` (True|False) in every rank before the call:
 whether the old shards of rebuilt kernels pass through host memory (Note [reshard memory], "On a
 device"); `default` leaves it as the code has it. Several values run side by side. Where it stages,
 or on CUDA, the parts column gives the time of the copy to host ("to host": the old storages
@@ -166,8 +166,8 @@ def _worker(
     torch.set_num_threads(1)
     device = init_ranks(rank, world, args.device, args.cuda_backend, store=rendezvous.store())
     import modular
-    import modular.resharding.exchange as exchange
-    import modular.resharding.staging as staging
+    import modular.resharding.rounds as exchange
+    import modular.resharding.host_staging as staging
     from planners.types import ShardingPlan
 
     if stage in STAGES:

@@ -14,7 +14,7 @@ every contender), in alternating blocks:
   1D        `modular.shard(model, plan)`, the plan over all W ranks
   exact     `modular.shard(model, plan, mesh=mesh)` over a ("replicate", "shard") mesh of R x G
             ranks, the plan over G = W / R; `replica_sync="exact"` (Note [exact replicas] in
-            modular/kernels/replicas.py: every copy gathers the other groups' lookup batches
+            modular/kernels/exact_replicas.py: every copy gathers the other groups' lookup batches
             and replays them through its backward)
   periodic  the same mesh, `replica_sync="periodic"`, and `modular.sync_replicas(model)` (weights
             and fused state averaged across replica groups) after every --sync-every N steps

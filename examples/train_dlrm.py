@@ -129,7 +129,7 @@ class TrainConfig:
     compile: bool = False
     # FP16 tables (half the table memory; FP32 optimizer state and pooled outputs) and, with
     # fp16_comms, pooled embeddings and their gradients sent as FP16 (Note [low-precision
-    # tables] in modular/kernels/precision.py, Note [low-precision comms] in modular/comm.py).
+    # tables] in modular/kernels/table_dtypes.py, Note [low-precision comms] in modular/comm.py).
     fp16: bool = False
     fp16_comms: bool = False
     # Every `rebalance_every` steps (0: never): measure the pooling factors, replan within

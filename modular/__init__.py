@@ -28,7 +28,7 @@ from modular.embedding_bag import ShardedEmbeddingBagCollection
 from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
 from modular.prefetching import prefetch
-from modular.replicas import sync_replicas
+from modular.replica_sync import sync_replicas
 from modular.resharding import reshard
 from modular.sharding import shard, sharded_modules
 from modular.full_tables import unshard

@@ -25,14 +25,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from modular.comm import KeptBuffers, pooled_all_to_all
 from modular.errors import InputError, ShardingError
 from modular.fused.config import FusedConfig
-from modular.kernels.precision import check_table_dtypes
+from modular.kernels.lookups import INT32_MAX
+from modular.kernels.table_dtypes import check_table_dtypes
 from modular.kinds import CollectionKind
 from modular.local_shards import LocalShards
 from modular.routing.exchange import IdsExchange
 from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
 from modular.routing.received import Received
-from modular.routing.router import INT32_MAX, Router
+from modular.routing.router import Router
 from modular.routing.variable_batch import (
     VariableBatch, permute_segments, select_features, strides_of,
 )  # fmt: skip
@@ -59,7 +60,7 @@ EAGER_REASON = (
 class CollectionOptions:
     """`modular.shard`'s options for one collection, whatever its kind.
 
-    Note [low-precision tables] (modular/kernels/precision.py) and Note [low-precision comms]
+    Note [low-precision tables] (modular/kernels/table_dtypes.py) and Note [low-precision comms]
     (modular/comm.py): outputs are FP32 unless `output_dtype` says otherwise; `comm_dtype` is the
     output dist's wire dtype (None: the outputs' own, FP32). `tensor_type`: Note [table tensor
     types] in modular/tables/forms.py."""

@@ -109,7 +109,7 @@ class SequencePart:
         # Note [low-precision sequences]
         torchrec's unsharded EC returns an FP16 table's rows in FP32 (torchrec 1.8.0: its
         forward widens each nn.Embedding lookup with `.float()`). fbgemm's kernels widen every
-        row to FP32 too (Note [low-precision tables] in modular/kernels/precision.py), and a
+        row to FP32 too (Note [low-precision tables] in modular/kernels/table_dtypes.py), and a
         sequence row is a row, not a sum, so ours are the same bits, FP32 on the wire and out.
         Backward differs in rounding only: torchrec rounds each row's gradient to FP16 before
         its embedding backward adds them up; the kernels add a row's FP32 gradients in FP32 and

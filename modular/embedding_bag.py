@@ -28,9 +28,9 @@ from modular.kernels.base import pool
 from modular.kernels.lookups import batch_offsets
 from modular.kinds import POOLED
 from modular.local_shards import LocalShards
-from modular.routing.arrival import Arrival
+from modular.pooled.arrival import Arrival
 from modular.routing.received import Received
-from modular.routing.variable_output import VariableBags
+from modular.pooled.variable_bags import VariableBags
 from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
 

@@ -26,7 +26,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from modular.sequence.tables import AsBags, sequence_table_infos
+from modular.sequence.table_infos import AsBags, sequence_table_infos
 from modular.tables.layout import TableInfo
 from modular.tables.weights import table_infos
 

@@ -16,7 +16,7 @@ import torch
 from modular import lifecycle
 from modular.fused.config import FusedConfig
 from modular.fused.tables import FusedTables
-from modular.kernels.adam import StepCount
+from modular.fused.adam import StepCount
 from modular.kernels.base import Kernel
 from modular.kernels.dense import DenseKernel
 from modular.tables.forms import TensorType

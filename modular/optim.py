@@ -21,7 +21,7 @@ replicas stay identical), shard widths that fbgemm cannot take, weight decay on 
 kernel ignores it) and column-wise row-wise Adagrad off CPU. The Adam family ("adam",
 "partial_rowwise_adam", "lamb", "partial_rowwise_lamb") takes the emulation on CPU, where fbgemm
 has none of its kernels, and off CPU where rows need statistics of the whole row across column
-pieces (`AdamFusedKernel`, Note [fused Adam and LAMB] in modular/kernels/adam.py). A table
+pieces (`AdamFusedKernel`, Note [fused Adam and LAMB] in modular/fused/adam.py). A table
 looked up more than once before one backward: fbgemm's own kernel updates once per lookup, the
 others once, on the summed gradient (the two agree for SGD up to rounding, not for the Adagrads
 or the Adam family, whose step count also advances once per forward).
@@ -89,7 +89,7 @@ def fuse_optimizer(
 
     `optimizer`: "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", or fbgemm's Adam family
     "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb" (`betas` are theirs; Note
-    [fused Adam and LAMB] in modular/kernels/adam.py pins what they do: only the rows a step
+    [fused Adam and LAMB] in modular/fused/adam.py pins what they do: only the rows a step
     touched move, bias correction by the module's step count, state `exp_avg`, `exp_avg_sq` and
     `step`). Every plan trains them as the unsharded table, column pieces included.
     `weight_decay`: under row-wise Adagrad fbgemm's L2 mode (added to the gradient of the rows a
@@ -112,7 +112,7 @@ def fuse_optimizer(
     passed to fbgemm's kernels as it is; True is fbgemm's default, which its CUDA kernels honour
     (unbiased, so small updates are not lost to round-to-nearest) and its CPU kernels ignore
     (they round to nearest). The torch emulation always rounds to nearest, so replicas stay
-    bit-identical (Note [low-precision tables] in modular/kernels/precision.py). The optimizer
+    bit-identical (Note [low-precision tables] in modular/kernels/table_dtypes.py). The optimizer
     state is FP32 whatever the table's dtype.
     Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
     `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op).

@@ -20,8 +20,8 @@ from modular import lifecycle
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.errors import ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
-from modular.kernels.precision import check_table_dtypes
-from modular.routing.precision import DtypeOption, per_module
+from modular.kernels.table_dtypes import check_table_dtypes
+from modular.dtype_options import DtypeOption, per_module
 from modular.kinds import KINDS, POOLED, SEQUENCE
 from modular.mesh import resolve_mesh
 from modular.sharded_types import SHARDED_COLLECTIONS, kind_of, sharded_class
@@ -65,7 +65,7 @@ def shard(
     CUDA device under NCCL and to the CPU otherwise.
 
     Tables keep their config's data type (FP32, FP16; BF16 where fbgemm has kernels for it:
-    Note [low-precision tables] in modular/kernels/precision.py). `output_dtype` is the dtype of
+    Note [low-precision tables] in modular/kernels/table_dtypes.py). `output_dtype` is the dtype of
     the sharded modules' outputs, pooled or sequence rows (default torch.float32), `comm_dtype`
     the dtype those outputs and their gradients travel in (default: FP32; torch.float16 or torch.bfloat16
     halve those bytes, Note [low-precision comms] in modular/comm.py); either is one dtype
@@ -78,7 +78,7 @@ def shard(
     shards the tables within each "shard" group by `plan` (`plan.world_size ==
     mesh["shard"].size()`) and replicates that layout across the "replicate" groups; input and
     output dist stay inside the shard group. `replica_sync="exact"` makes every step's update the
-    global batch's on every replica (Note [exact replicas] in modular/kernels/replicas.py).
+    global batch's on every replica (Note [exact replicas] in modular/kernels/exact_replicas.py).
     """
     tensor_type = TensorType.parse(tensor_type)
     replica_sync = ReplicaSync.parse(replica_sync)

@@ -41,9 +41,9 @@ from modular.checkpoint._files import (
     tmp_dir,
     verify_file,
 )
-from modular.checkpoint._replicas import drop_replica_copies
+from modular.checkpoint._one_writer import drop_replica_copies
 from modular.checkpoint._staging import check_loaded, stage
-from modular.checkpoint._state import MODEL, model_state, optimizer_parts, optimizer_state
+from modular.checkpoint._entries import MODEL, model_state, optimizer_parts, optimizer_state
 from modular.errors import CheckpointError
 from modular.tables.deprecation import quietly
 

@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from modular.checkpoint._files import any_rank_error
 from modular.checkpoint._staging import PartPlan, Staged, part_name
-from modular.checkpoint._state import PARAM_GROUPS, like_sharded, state_key
+from modular.checkpoint._entries import PARAM_GROUPS, like_sharded, state_key
 from modular.errors import CheckpointError
 from modular.tables.forms import is_sharded, local_pieces
 

@@ -25,8 +25,8 @@ from modular.comm import collective_device
 from modular.checkpoint._files import MANIFEST, agree
 from modular.errors import CheckpointError
 from modular.checkpoint._apply import load_all_or_nothing
-from modular.checkpoint._replicas import state_prefix
-from modular.checkpoint._state import describe, dtype_problem, global_shape
+from modular.checkpoint._one_writer import state_prefix
+from modular.checkpoint._entries import describe, dtype_problem, global_shape
 from modular.sharding import sharded_modules
 from modular.tables.deprecation import quietly
 from modular.tables.forms import dtype_of, global_pieces, global_size, is_sharded, local_pieces

@@ -1,5 +1,5 @@
 """Loading a checkpoint: staging what is read, checked before anything changes (Note [checkpoint
-keys] in _state.py). _apply.py puts it into the model and the optimizer."""
+keys] in _entries.py). _apply.py puts it into the model and the optimizer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from modular.tables.forms import dtype_of
-from modular.checkpoint._state import (
+from modular.checkpoint._entries import (
     MODEL,
     OPTIM,
     PARAM_GROUPS,

@@ -15,8 +15,8 @@ import torch
 
 from modular.comm import all_to_all
 from modular.kernels.base import Kernel
-from modular.kernels.deferred import ReplicaFusedKernel, RowStatsFusedKernel, gather_across_replicas
-from modular.kernels.emulated import EmulatedFusedKernel, average_in_place, take_every_pending
+from modular.fused.deferred import ReplicaFusedKernel, RowStatsFusedKernel, gather_across_replicas
+from modular.fused.emulated import EmulatedFusedKernel, average_in_place, take_every_pending
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
 from modular.fused.row_means import IdRowMeans
 from modular.tables.layout import RankLayout
@@ -40,7 +40,7 @@ class EndOfBackward:
         """`per_id`: every column-wise table reports its statistics per id (a property of the
         layout, the same on every rank), so they are combined all at once (Note [row means
         without a loop over tables] in modular/fused/row_means.py). `moments`: the Adam family's
-        updates, run last (`MomentUpdates.run`, modular/fused/adam.py)."""
+        updates, run last (`MomentUpdates.run`, modular/fused/moments.py)."""
         self.moments = moments
         self.kernels = kernels  # those with deferred work, remote routes' first
         self.replicas = replicas  # ids of data-parallel replica kernels (gradients averaged)

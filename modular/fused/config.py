@@ -21,7 +21,7 @@ class FusedOptimizerKind(enum.Enum):
     EXACT_SGD = "exact_sgd"
     EXACT_ADAGRAD = "exact_adagrad"
     EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"
-    # The Adam family: Note [fused Adam and LAMB] in modular/kernels/adam.py.
+    # The Adam family: Note [fused Adam and LAMB] in modular/fused/adam.py.
     ADAM = "adam"
     PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
     LAMB = "lamb"

@@ -1,7 +1,7 @@
 """The exact column-wise row statistic for every table at once, one float per id.
 
 # Note [row means without a loop over tables]
-Note [row statistics across column shards] (modular/kernels/deferred.py) gives each column
+Note [row statistics across column shards] (modular/fused/deferred.py) gives each column
 piece's rank, for every id its step looked up, the whole row's mean of g**2: its own pieces'
 cols * s, plus what the other holders of the table send, divided by the table's dim. Where every
 column-wise table reports per id (`RowForm.IDS`: none of its shards is emulated, a property of
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from modular.comm import all_to_all
-from modular.kernels.deferred import RowStatsFusedKernel
+from modular.fused.deferred import RowStatsFusedKernel
 from modular.kernels.lookups import Lookup
 from modular.tables.layout import RankLayout
 

@@ -167,7 +167,7 @@ def fused_state(
     """Per table, its optimizer state: ShardedTensors laid out as Note [fused tables] says (like
     the table's weight in `weights`; row-wise: one value per row, or per row and column piece),
     plain tensors for data-parallel tables; the Adam family's `step` too, a plain scalar (Note
-    [fused Adam and LAMB] in modular/kernels/adam.py)."""
+    [fused Adam and LAMB] in modular/fused/adam.py)."""
     layout = fused.at.layout
     states = fused.states()
     out: dict[str, dict[str, torch.Tensor]] = {t.name: {} for t in layout.tables}

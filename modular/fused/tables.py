@@ -13,17 +13,17 @@ from typing import Optional
 
 import torch
 
-from modular.kernels.adam import AdamFusedKernel, StepCount
+from modular.fused.adam import AdamFusedKernel, StepCount
 from modular.kernels.base import Kernel
-from modular.kernels.deferred import (
+from modular.fused.deferred import (
     DeferredFusedKernel,
     ReplicaFusedKernel,
     RowForm,
     RowStatsFusedKernel,
 )
-from modular.kernels.emulated import EmulatedFusedKernel
-from modular.kernels.fused import FusedKernel
-from modular.fused.adam import MomentUpdates
+from modular.fused.emulated import EmulatedFusedKernel
+from modular.fused.fbgemm import FusedKernel
+from modular.fused.moments import MomentUpdates
 from modular.fused.backward import EndOfBackward
 from modular.fused.config import FusedConfig
 from modular.tables.layout import KernelGroup, RankLayout, odd_width
@@ -55,7 +55,7 @@ class FusedTables:
         column_rows = any(table in self.column_rowwise for table, _ in group.shards)
         replica = is_local and self.at.world > 1
         # Copies in other replica groups: the update waits for their batches (Note [exact
-        # replicas] in modular/kernels/replicas.py).
+        # replicas] in modular/kernels/exact_replicas.py).
         across = self.at.replicas if self.at.replicas is not None and self.at.replicas.exact else None
         kernel: Kernel
         if self._emulates([cols for _, cols in sizes], column_rows or replica or bool(across)):

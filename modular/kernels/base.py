@@ -21,7 +21,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from modular.kernels.lookups import Lookup
-from modular.kernels.precision import sparse_type
+from modular.kernels.table_dtypes import sparse_type
 from modular.tables.layout import KernelGroup, Pooling
 
 __all__ = [
@@ -79,7 +79,7 @@ def dense_tbe(
     group: KernelGroup, sizes: list[tuple[int, int]], device: torch.device
 ) -> DenseTableBatchedEmbeddingBagsCodegen:
     """fbgemm's dense TBE over one kernel group's shards: one flat buffer of the group's dtype
-    (Note [low-precision tables] in modular/kernels/precision.py), tables in order; its pooled
+    (Note [low-precision tables] in modular/kernels/table_dtypes.py), tables in order; its pooled
     outputs are FP32."""
     tbe = DenseTableBatchedEmbeddingBagsCodegen(
         embedding_specs=sizes,

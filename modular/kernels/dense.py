@@ -25,7 +25,7 @@ fbgemm backward on the global batch, ranks in order: the same sum, from bags x d
 instead of a table's worth, and the same bits on every rank. Otherwise (more ids than the table
 has rows) it accumulates its own batch and all-reduces the buffer. The choice rests on the
 gathered lengths, so every rank makes the same one. Measured in docs/benchmarks.md; the fused
-twin is Note [fused replicas] in modular/kernels/deferred.py.
+twin is Note [fused replicas] in modular/fused/deferred.py.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from modular.kernels.base import (
     sum_weights,
 )
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
-from modular.kernels.replicas import all_reduce_replicas, gather_replicas
+from modular.kernels.exact_replicas import all_reduce_replicas, gather_replicas
 from modular.kernels.views import GradBuffer, ShardView
 from modular.tables.layout import KernelGroup
 from modular.tables.replicas import Replicas
@@ -112,7 +112,7 @@ class DenseKernel:
 
     def replicate_across(self, replicas: Replicas) -> None:
         """Makes each backward's gradient every replica group's batch's (Note [exact replicas]
-        in modular/kernels/replicas.py): replayed on CPU, all-reduced elsewhere."""
+        in modular/kernels/exact_replicas.py): replayed on CPU, all-reduced elsewhere."""
         if self._on_cpu:
             self._across = replicas
             return

@@ -3,7 +3,7 @@
 A data-parallel replica's gradient is the mean over ranks of each rank's batch. The kernels that
 hold replicas gather those batches (ids, bag lengths, pooled outputs' gradients) and replay the
 global one through fbgemm's backward, instead of reducing a table-sized gradient: Note [fused
-replicas] in modular/kernels/deferred.py, Note [dense replicas] in modular/kernels/dense.py;
+replicas] in modular/fused/deferred.py, Note [dense replicas] in modular/kernels/dense.py;
 every part of a batch in one all-gather after its counts (Note [one gather per batch]).
 """
 
@@ -15,7 +15,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from modular.comm import KeptBuffers, all_gather
-from modular.routing.router import INT32_MAX
+
+# The most ids an fbgemm batch indexes with int32 offsets; past it, ids and offsets are int64
+# (Note [ids on the wire] in modular/routing/router.py), and so is a wire that carries them.
+INT32_MAX = 2**31 - 1
 
 
 class Lookup(NamedTuple):

@@ -1,7 +1,7 @@
 """Resharding in memory: `modular.reshard(model, plan)` moves sharded collections to a new plan
 at the same world size, a change of the step's layout between two steps (docs/design.md,
 docs/resharding.md). `blocks.py` says which blocks of which shards move (pure), `moves.py` reads
-and writes them for one module, `adopt.py` says which kernels stay as they are, `exchange.py`
+and writes them for one module, `adopt.py` says which kernels stay as they are, `rounds.py`
 holds the collectives, `call.py` the public call.
 
 # Note [resharding in memory]
@@ -31,7 +31,7 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     shards stay as they are on this rank is adopted instead, buffers, optimizer state and step
     count with it (`adopt.py`): nothing of it is built, copied or given back. The tables'
     ShardedTensors are made collectively here, before anything moves.
-  * Move. The blocks that change rank are cut by rows into rounds (`exchange.rounds`), one dtype
+  * Move. The blocks that change rank are cut by rows into rounds (`rounds.rounds`), one dtype
     each (the table dtypes, and FP32 for the state): per round every rank packs what it sends,
     joins one small agreement (a rank that failed to pack, e.g. out of memory, or to write an
     earlier round, raises on every rank before the next collective), then one
@@ -74,7 +74,7 @@ round's buffers (at most its largest moved block, unless the 1 MiB floor is more
 chunk (1 MiB; none where every kernel it keeps is adopted), on CPU under Linux, where nothing
 outside the model holds the old shards (Note [reshard memory]); off CPU, the old shards of the
 kernels a rank rebuilds can pass through host memory instead, freed on the device before the new
-ones are built (`staging.py`; off until a GPU session has run it); no full table is ever made. docs/benchmarks.md measures it against
+ones are built (`host_staging.py`; off until a GPU session has run it); no full table is ever made. docs/benchmarks.md measures it against
 checkpoint save and load. Optimizer state of torch optimizers (unfused tables) does not move:
 they are rebuilt. A prefetched batch of a rebuilt module is dropped with the old module's
 prefetcher (Note [prefetched input dist]). Gradients of unfused tables are not moved either: reshard between a

@@ -9,7 +9,7 @@ from typing import Optional
 from torch import nn
 
 from modular import lifecycle
-from modular.kernels.adam import StepCount
+from modular.fused.adam import StepCount
 from modular.kernels.base import Kernel
 from modular.kernels.dense import DenseKernel
 from modular.kernels.views import ShardView

@@ -16,12 +16,12 @@ from modular import lifecycle
 from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
 from modular.resharding.adopt import Adoption, retire_replaced
-from modular.resharding.exchange import agree, exchange, pack, plan_traffic, rounds
+from modular.resharding.rounds import agree, exchange, pack, plan_traffic, rounds
 from modular.resharding.memory import uncommitted
 from modular.resharding.moves import (
     Item, Kept, ModuleMove, Shards, keep, kept_blocks, kept_whole_warning,
 )  # fmt: skip
-from modular.resharding.staging import Staged, stages
+from modular.resharding.host_staging import Staged, stages
 from modular.sharded_types import SHARDED_COLLECTIONS, sharded_class
 from modular.sharding import agree_on_plan, resolve_placements
 from modular.tables.layout import RankLayout
@@ -139,7 +139,7 @@ def _move(
     fills = [Adoption(move) for move in moves]
     staged = None
     try:
-        if stages(moves[0].at.device):  # old shards of rebuilt kernels go to host first (staging.py)
+        if stages(moves[0].at.device):  # old shards of rebuilt kernels go to host first (host_staging.py)
             staged = Staged(moves, [fill.candidate_shards() for fill in fills])
         built, kept, writers = _build(moves, fills, group, agreement, None if staged is None else staged.readers)
     except BaseException:

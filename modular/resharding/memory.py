@@ -18,7 +18,7 @@ plus its largest moved block, on CPU under Linux:
     one (the dense TBE's weights) is overwritten anyway, since the blocks write every element
     of every new shard once (tests/modular/test_reshard.py checks both). So a new shard takes
     memory only as the blocks that arrive and the blocks that stay are written into it.
-  * `scratch()`: each round's send and receive buffers (`exchange.rounds` bounds them by the
+  * `scratch()`: each round's send and receive buffers (`rounds.rounds` bounds them by the
     largest moved block) are mappings of their own too, given back when freed: a buffer of a
     few MiB freed into malloc's heap stays resident and would count in the peak after it.
   * `Releaser`: once every rank has every block it receives (the reshard's last agreement), the
@@ -83,7 +83,7 @@ On a device (any but CPU; `staging.stages`), the three do not apply and a kernel
 loses a table is rebuilt whole: a caching allocator cannot give back part of a buffer, and a flat
 buffer per kernel cannot adopt a kept shard's storage. So the old storages of the kernels that no
 new module can adopt (`Adoption.candidate_shards` are left alone) pass through host memory
-(`Staged`, modular/resharding/staging.py): before the build, each is copied into a host storage
+(`Staged`, modular/resharding/host_staging.py): before the build, each is copied into a host storage
 and freed in place (`resize_(0)`: every tensor on it, views and fbgemm's own included, stays the
 same object and is whole again after `resize_` and a copy back), and the move and `keep` read
 their blocks from host tensors over those copies. A failure before the commit gives every freed

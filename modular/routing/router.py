@@ -12,6 +12,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.errors import InputError
+from modular.kernels.lookups import INT32_MAX
 from modular.routing.checks import BatchChecks, Problem, Rejection
 from modular.routing.permute import Permutation, permute
 from modular.routing.variable_batch import permute_segments, segment_sums, strides_of
@@ -37,7 +38,6 @@ class Routed(NamedTuple):
         return self.counts.tolist()
 
 
-INT32_MAX = 2**31 - 1
 
 
 def wire_dtype(max_shard_rows: int) -> torch.dtype:

@@ -24,7 +24,7 @@ after the output dist:
     one gather expands the arrivals (every rank's, then the local data-parallel ones) to the
     batch, each sample reading its bag's columns where they arrive; where row-wise pieces must
     be summed (or MEANs divided) the arrivals are first added into each feature's deduplicated
-    output (`VariableBags` in modular/routing/variable_output.py). Backward is the same in
+    output (`VariableBags` in modular/pooled/variable_bags.py). Backward is the same in
     reverse: the expansion's gradient sums the samples of each bag, and only bags travel.
   * per step: the indices that depend on the strides alone are made once per distinct strides;
     only the expansion's depend on the batch.

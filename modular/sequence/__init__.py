@@ -5,5 +5,5 @@ An EmbeddingCollection looks every id up without pooling, so its step is the EBC
 where it serves, each id a bag of its own elsewhere, Note [sequence lookups] in `lookup.py`) and an
 output dist that sends every id's row, not a bag's sum, back to its sample's rank (`output.py`,
 Note [sequence output dist]).
-`tables.py` reads an EmbeddingCollection's tables into the layout's terms.
+`table_infos.py` reads an EmbeddingCollection's tables into the layout's terms.
 """

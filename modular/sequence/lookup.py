@@ -5,7 +5,7 @@ A sequence lookup returns each id's row. An EmbeddingCollection's tables are `Po
 layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes them one of two ways:
 
 - fbgemm's sequence kernel, PoolingMode.NONE (`kernel.nobag`): `FusedKernel`, the plain fused
-  split TBE, on CUDA (`SEQUENCE_KERNEL_DEVICES` in modular/kernels/fused.py; on CPU it is the
+  split TBE, on CUDA (`SEQUENCE_KERNEL_DEVICES` in modular/fused/fbgemm.py; on CPU it is the
   slower form, below, and tests switch it on there to hold it to the same parity). Each route is one bag of all its ids (offsets: the routes' id counts), and the
   kernel returns (ids, width) rows, no padding; its fused backward sums the rows an id repeats,
   as the unsharded EC's gradient does. fbgemm's NONE kernels take tables of one width only
@@ -15,7 +15,7 @@ layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes t
 - each id a bag of one in a SUM kernel, everywhere else: the fused kernel on CPU; fbgemm-gpu-cpu 1.8.0's dense TBE
   (`DenseKernel`, and `EmulatedFusedKernel`'s forward) pools even with PoolingMode.NONE (it
   returns (bags per route, T * width), each bag summed), and the deferred fused kernels
-  (`RowStatsFusedKernel`, `ReplicaFusedKernel`, modular/kernels/deferred.py) replay fbgemm's
+  (`RowStatsFusedKernel`, `ReplicaFusedKernel`, modular/fused/deferred.py) replay fbgemm's
   SUM backward ops, whose gradient is per bag. A TBE batch holds the same number of bags per route, so a kernel over
   routes of n_1, ..., n_T ids takes N = max(n_t) bags per route, route t's first n_t of one id
   each and the rest empty, and returns (N, sum of the routes' widths): route t's rows are the

@@ -51,7 +51,7 @@ class TableInfo:
     features: tuple[str, ...]
     pooling: Pooling
     # The weights' dtype (torchrec's data_type): FP32, FP16 or BF16 (Note [low-precision tables]
-    # in modular/kernels/precision.py).
+    # in modular/kernels/table_dtypes.py).
     dtype: torch.dtype = torch.float32
 
 
@@ -277,7 +277,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
       group (Note [fused tables] in modular/optim.py), so it gets a group of its own instead of
       taking every table of its pooling mode with it;
     - under row-wise Adagrad a group with a column piece runs fbgemm's backward twice (Note [row
-      statistics across column shards] in modular/kernels/deferred.py), so column pieces get a group
+      statistics across column shards] in modular/fused/deferred.py), so column pieces get a group
       of their own instead of doubling the backward of the whole tables beside them (planned
       plans mix them on one rank). Otherwise the split costs one more kernel call."""
     groups = []

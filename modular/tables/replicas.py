@@ -5,7 +5,7 @@ A `RankLayout` holds the shard group (`group`, `world`, `rank`: where the plan's
 beside it, a `Replicas` record for the other axis, the way FSDP2 keeps `HSDPMeshInfo`'s replicate
 dim beside `FSDPMeshInfo`'s shard dim. Nothing in input or output dist reads it: ids and pooled
 columns move inside the shard group only. The kernels read it to make each shard's copies agree
-(Note [exact replicas] in modular/kernels/replicas.py).
+(Note [exact replicas] in modular/kernels/exact_replicas.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ __all__ = [
 
 
 # The weights' dtype of each torchrec data type that sharding takes (fbgemm's TBE weights
-# precision follows it: modular/kernels/precision.py).
+# precision follows it: modular/kernels/table_dtypes.py).
 TABLE_DTYPES = {
     DataType.FP32: torch.float32,
     DataType.FP16: torch.float16,

@@ -1,5 +1,5 @@
 """CUDA: the torch emulation of the Adam family equals fbgemm's CUDA kernels (Note [fused Adam and
-LAMB] in modular/kernels/adam.py).
+LAMB] in modular/fused/adam.py).
 
 Skipped where torch sees no CUDA device: fbgemm-gpu-cpu has none of these kernels, so this is
 the only place they run. Not yet run on a GPU: written in a session without one (issue 35); run
@@ -25,8 +25,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from modular.fused.tables import FusedTables
-from modular.kernels.adam import AdamFusedKernel
-from modular.kernels.fused import FusedKernel
+from modular.fused.adam import AdamFusedKernel
+from modular.fused.fbgemm import FusedKernel
 from tests.modular.adam_reference import (
     ADAM_BETAS, ADAM_EPS, ADAM_FAMILY, ADAM_LR, MomentsReference, touched_rows,
 )

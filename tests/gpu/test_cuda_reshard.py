@@ -43,7 +43,7 @@ from torch import nn
 
 import modular
 from modular.resharding import moves as reshard_moves
-from modular.resharding import staging as reshard_staging
+from modular.resharding import host_staging as reshard_staging
 from modular.tables.forms import Piece, is_sharded, local_pieces
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.gpu.test_cuda import DEVICE_KIND, _close, _ebc, run_spawned

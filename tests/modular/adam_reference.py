@@ -2,7 +2,7 @@
 equal, written once in plain torch on the unsharded tables.
 
 `adam_family_step` is one step of fbgemm's kernels as Note [fused Adam and LAMB]
-(modular/kernels/adam.py) reads them, applied to the rows a step's ids touched; tests/gpu holds it
+(modular/fused/adam.py) reads them, applied to the rows a step's ids touched; tests/gpu holds it
 to fbgemm's CUDA kernels. `MomentsReference` steps every table of a module with it, as
 `FusedReference` (tests/modular/fused_reference.py) does for the Adagrads.
 """

@@ -37,7 +37,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
-from modular.checkpoint._state import optimizer_state
+from modular.checkpoint._entries import optimizer_state
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4

@@ -7,7 +7,7 @@ the outputs of every step, the weights (and the fused optimizer's state) after t
 the reference, and every rank's shards against its copies in the other replica groups, byte for
 byte. Replica groups get different batch sizes (the shard group agrees on one, replicas need not).
 A DLRM's dense part beside 2D tables: FSDP2 HSDP on the same mesh, or DDP, with
-`clip_grad_norm_` counting every element once. Note [exact replicas] in modular/kernels/replicas.py.
+`clip_grad_norm_` counting every element once. Note [exact replicas] in modular/kernels/exact_replicas.py.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _batch_size(replica: int) -> int:
 
 def _digests(tensors: dict) -> dict:
     # Of copies: `.numpy()` on a tensor marks its storage not resizable for good, which would keep
-    # reshard's host staging (staging.py) from freeing it later in the same process.
+    # reshard's host staging (host_staging.py) from freeing it later in the same process.
     return {k: hashlib.sha256(t.detach().clone().numpy().tobytes()).hexdigest() for k, t in tensors.items()}
 
 

@@ -4,7 +4,7 @@ and 2x3), bit for bit, its fused optimizer's state and the dense part's Adam sta
 DTensor tables into either form;
 `export` gives the same one-process state dict from every layout (and from either replica
 group's rank); only replica group 0 writes table data (Note [one replica group writes] in
-modular/checkpoint/_replicas.py), which a "periodic" model whose replicas differ shows.
+modular/checkpoint/_one_writer.py), which a "periodic" model whose replicas differ shows.
 The 2x2 body also checks that `reshard` refuses a plan for the world size rather than the shard
 group's on every rank (tests/modular/test_reshard_2d.py reshards 2D models), and that the replica
 axis' own collectives (the init broadcast, sync_replicas' flag) raise CollectiveError.
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 import modular
 from modular.checkpoint._files import read_metadata
-from modular.checkpoint._state import optimizer_state
+from modular.checkpoint._entries import optimizer_state
 from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
@@ -120,7 +120,7 @@ def _save_2x2(path: str, periodic_path: str) -> dict[str, Any]:
     # broken inside the one call under test.
     comm = sys.modules["modular.comm"]
     for name, module_name, call in (
-        ("all_reduce", "modular.replicas", lambda: modular.sync_replicas(model)),
+        ("all_reduce", "modular.replica_sync", lambda: modular.sync_replicas(model)),
         ("broadcast", "modular.tables.replicas", lambda: _model(0, "A", (2, 2))),
     ):
         def dead(*args, _name=name, **kwargs):

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from modular.routing.arrival import Arrival
+from modular.pooled.arrival import Arrival
 
 
 def _reference(flat: torch.Tensor, widths: list[int], columns: list[int], output_dim: int, batch: int):

@@ -25,7 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from modular.checkpoint import CheckpointError
-from modular.checkpoint._state import optimizer_state
+from modular.checkpoint._entries import optimizer_state
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.checkpoint_cases import assemble, assert_same, assert_unchanged, state_pieces

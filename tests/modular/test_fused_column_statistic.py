@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import modular
-from modular.checkpoint._state import like_sharded
+from modular.checkpoint._entries import like_sharded
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.compare import local_blocks

@@ -10,8 +10,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
-from modular.kernels.emulated import EmulatedFusedKernel
-from modular.kernels.fused import FusedKernel
+from modular.fused.emulated import EmulatedFusedKernel
+from modular.fused.fbgemm import FusedKernel
 from modular.tables.layout import Layout, Pooling, TableInfo, build_layout
 from modular.errors import ShardingError
 from modular.tables.weights import check_widths_off_cpu

@@ -1,5 +1,5 @@
 """FP16 tables and low-precision output dist (Note [low-precision tables] in
-modular/kernels/precision.py, Note [low-precision comms] in modular/comm.py).
+modular/kernels/table_dtypes.py, Note [low-precision comms] in modular/comm.py).
 
 Every rank body builds the tables of tests/modular/ebc_cases.py in FP16 (the `mixed` plan keeps one
 table FP32, so one module holds both dtypes), shards a copy and checks, on the global batch:
@@ -274,7 +274,7 @@ def test_clip_grad_norm_of_fp16_tables_is_exact_past_fp16_range() -> None:
 
 
 def test_dtype_options_name_unknown_modules_and_dtypes() -> None:
-    from modular.routing.precision import per_module
+    from modular.dtype_options import per_module
     from modular.errors import ShardingError
 
     assert per_module({"a": torch.float16}, ["a", "b"], "comm_dtype", None) == {"a": torch.float16, "b": None}

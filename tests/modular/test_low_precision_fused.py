@@ -1,4 +1,4 @@
-"""Fused optimizers on FP16 tables (Note [low-precision tables] in modular/kernels/precision.py).
+"""Fused optimizers on FP16 tables (Note [low-precision tables] in modular/kernels/table_dtypes.py).
 
 fbgemm's CPU kernels (and the torch emulation) compute each update in FP32 from the widened row;
 row-wise Adagrad rounds the new row to nearest FP16 once, exact SGD and Adagrad round the step

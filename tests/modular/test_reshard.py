@@ -35,9 +35,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
 from modular.resharding import call as reshard_call
-from modular.resharding import exchange as reshard_exchange
+from modular.resharding import rounds as reshard_exchange
 from modular.resharding import moves as reshard_moves
-from modular.resharding import staging as reshard_staging
+from modular.resharding import host_staging as reshard_staging
 from modular.resharding.blocks import row_blocks, weight_blocks
 from modular.tables.forms import Piece, dtype_of, is_sharded, local_pieces
 from planners.types import ShardingPlan, ShardingType, TablePlacement

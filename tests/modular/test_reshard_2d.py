@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 import modular
 from modular.resharding import call as reshard_call
 from modular.resharding import moves as reshard_moves
-from modular.resharding import staging as reshard_staging
+from modular.resharding import host_staging as reshard_staging
 from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks

@@ -1,5 +1,5 @@
 """Pass 1 of the exact column statistic through a pooling kernel (Note [row statistics from a
-pooling kernel], modular/kernels/row_sums.py), against the gradient written out in torch: one
+pooling kernel], modular/fused/row_sums.py), against the gradient written out in torch: one
 process, no collective."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import modular.kernels.row_sums as row_sums
+import modular.fused.row_sums as row_sums
 from modular.kernels.lookups import Lookup
-from modular.kernels.row_sums import RowGradSquares
+from modular.fused.row_sums import RowGradSquares
 from modular.tables.layout import KernelGroup, Pooling
 
 

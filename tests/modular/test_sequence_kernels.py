@@ -19,9 +19,9 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
-import modular.kernels.fused as fused_kernels
-from modular.kernels.deferred import RowStatsFusedKernel
-from modular.kernels.fused import FusedKernel
+import modular.fused.fbgemm as fused_kernels
+from modular.fused.deferred import RowStatsFusedKernel
+from modular.fused.fbgemm import FusedKernel
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.compare import close, local_blocks

@@ -1,5 +1,5 @@
 """What the Adam family costs the planner: the column pieces' exchange of whole-row statistics
-(modular's MomentUpdates, modular/fused/adam.py: partial_rowwise's row sum of g**2, LAMB's
+(modular's MomentUpdates, modular/fused/moments.py: partial_rowwise's row sum of g**2, LAMB's
 ||w_row||**2 and ||update_row||**2, per touched row, to the table's other pieces) and the ways
 out that a NoPlanError names for heavy optimizer state."""
 
@@ -21,7 +21,7 @@ TOPO = Topology(16, ranks_per_host=8, device_memory_bandwidth=1e10, intra_host_b
                 cross_host_bandwidth=1e8)  # fmt: skip
 TABLE = TableArrays.of([Table("t", 1000, 64, pooling_factor=2.0)])
 IDS = 16 * 100 * 2  # a column piece looks up every rank's ids: W * B * P
-# What each piece sends per touched row (modular/fused/adam.py, MomentUpdates.run).
+# What each piece sends per touched row (modular/fused/moments.py, MomentUpdates.run).
 FLOATS = {"adam": 0, "partial_rowwise_adam": 1, "lamb": 2, "partial_rowwise_lamb": 3}
 
 

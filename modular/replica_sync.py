@@ -5,7 +5,7 @@ step moves anything across replica groups: each group trains exactly as a 1D job
 ranks' batches would (gradients averaged over its shard group, Note [grad scaling across ranks]),
 and its copies drift apart. `sync_replicas`, called on every rank every N steps, averages every
 table shard (and the fused optimizer's state) over the replica groups. Under "exact" (Note
-[exact replicas] in modular/kernels/replicas.py) the copies never differ, so the call instead
+[exact replicas] in modular/kernels/exact_replicas.py) the copies never differ, so the call instead
 checks that they do not, and raises on every rank naming the module if one diverged, rather than
 averaging the difference away.
 """

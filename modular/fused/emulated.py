@@ -19,7 +19,7 @@ import torch
 from modular.comm import KeptBuffers, all_gather
 from modular.kernels.base import KernelLookup, dense_tbe
 from modular.kernels.lookups import Lookup, all_gather_packed
-from modular.kernels.row_grads import summed_row_grads
+from modular.fused.row_grads import summed_row_grads
 from modular.tables.layout import KernelGroup
 from modular.tables.replicas import Replicas
 
@@ -63,7 +63,7 @@ class EmulatedFusedKernel:
 
     def replicate_across(self, replicas: Replicas) -> None:
         """Makes `take_pending` the mean over every replica group's gradients (Note [exact
-        replicas] in modular/kernels/replicas.py)."""
+        replicas] in modular/kernels/exact_replicas.py)."""
         self._across = replicas
 
     def __call__(
@@ -83,7 +83,7 @@ class EmulatedFusedKernel:
         weights: Optional[torch.Tensor],
     ) -> list[Optional[RowGrad]]:
         """Each kernel table's gradient from the pooled outputs' gradient, as (rows, sums)
-        (`summed_row_grads`, modular/kernels/row_grads.py)."""
+        (`summed_row_grads`, modular/fused/row_grads.py)."""
         got = summed_row_grads(
             self.group, len(self.sizes), self._route_cols, grad_out, indices, offsets, weights
         )
@@ -158,7 +158,7 @@ class EmulatedFusedKernel:
 
 def take_every_pending(kernels: list[EmulatedFusedKernel]) -> list[list[Optional[RowGrad]]]:
     """Each kernel's `take_pending`, the means over replica groups of all of them (a module's
-    kernels) in the same two all-gathers (Note [exact replicas] in modular/kernels/replicas.py)."""
+    kernels) in the same two all-gathers (Note [exact replicas] in modular/kernels/exact_replicas.py)."""
     out = {id(k): k._own_pending() for k in kernels}
     across = [k for k in kernels if k._across is not None]
     if across:
@@ -215,7 +215,7 @@ def _add_rows(
     """weight[rows] += step (rows unique). An FP16/BF16 table's rows are widened to FP32 and
     the sum rounded to nearest once; with `round_step` the FP32 step is first rounded to the
     table's dtype too, as fbgemm's CPU exact-SGD and Adagrad kernels do (its row-wise Adagrad
-    does not): Note [low-precision tables] in modular/kernels/precision.py. Deterministic, so
+    does not): Note [low-precision tables] in modular/kernels/table_dtypes.py. Deterministic, so
     replicas that apply the same step stay bit-identical."""
     if weight.dtype is torch.float32:
         weight.scatter_add_(0, spread, step)  # rows are unique: a scatter

@@ -1,5 +1,5 @@
 """Each table's sparse gradient from a lookup's pooled gradient: the rows it touched and, per
-row, its ids' gradients summed (Note [emulated fused kernels] in modular/kernels/emulated.py).
+row, its ids' gradients summed (Note [emulated fused kernels] in modular/fused/emulated.py).
 
 A touched row's gradient is the sum, over the ids that looked it up, of their bag's output
 gradient (times the id's weight, and 1/length in a MEAN bag). That is a pooling: the ids sorted

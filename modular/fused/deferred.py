@@ -14,10 +14,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
 from modular.fused.config import FusedOptimizerKind
 from modular.kernels.base import KernelLookup, sum_weights
-from modular.kernels.fused import FusedKernel
+from modular.fused.fbgemm import FusedKernel
 from modular.kernels.lookups import Lookup, merge_lookups
-from modular.kernels.replicas import gather_every_replica
-from modular.kernels.row_sums import RowGradSquares
+from modular.kernels.exact_replicas import gather_every_replica
+from modular.fused.row_sums import RowGradSquares
 from modular.tables.layout import KernelGroup
 from modular.tables.replicas import Replicas
 
@@ -25,7 +25,7 @@ from modular.tables.replicas import Replicas
 def gather_across_replicas(kernels: list) -> None:
     """Under exact replicas, makes each deferred kernel's pending lookups every replica group's
     batch, for all of a module's kernels in the same two all-gathers (Note [exact replicas] in
-    modular/kernels/replicas.py); run once a step before any `take_batch`. Other kernels are
+    modular/kernels/exact_replicas.py); run once a step before any `take_batch`. Other kernels are
     left as they are."""
     held = [
         k for k in kernels
@@ -64,7 +64,7 @@ class DeferredFusedKernel(FusedKernel):
 
     def replicate_across(self, replicas: Replicas) -> None:
         """Makes this kernel's batch every replica group's (Note [exact replicas] in
-        modular/kernels/replicas.py)."""
+        modular/kernels/exact_replicas.py)."""
         self._across = replicas
 
     def __call__(
@@ -133,7 +133,7 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     makes. Exact, with fbgemm's kernel doing the work, in two passes on CPU:
       1. at the end of backward, each touched row's s = mean over this shard's columns of g**2:
          from one pooling kernel over the pooled gradients where the group's routes have one
-         width (Note [row statistics from a pooling kernel], modular/kernels/row_sums.py: a
+         width (Note [row statistics from a pooling kernel], modular/fused/row_sums.py: a
          fraction of a backward's cost), else from fbgemm's row-wise Adagrad backward with
          learning rate 0 into a scratch state that is zero (the weights are left as they are:
          w -= 0 * ...);

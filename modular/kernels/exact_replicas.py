@@ -12,7 +12,7 @@ replica groups in order, through the kernel's own backward. So every copy applie
 the global batch, with the gradient of the mean over all G x R ranks' losses (Note [grad scaling
 across ranks]): bit-identical replicas whose training equals the unsharded model's. A fused
 module's deferred kernels gather first thing at the end of backward, all of them together
-(`gather_across_replicas` in modular/kernels/deferred.py; so the column pieces' row statistics
+(`gather_across_replicas` in modular/fused/deferred.py; so the column pieces' row statistics
 of Note [row statistics across column shards] are the global batch's too), dense kernels at the
 start of their own backward, and the torch emulation gathers its touched rows' gradients instead
 (`take_every_pending`, all of a module's emulated kernels together), as its data-parallel

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from modular.checkpoint._apply import _WRAPPERS
-from modular.checkpoint._state import MODEL
+from modular.checkpoint._entries import MODEL
 from modular.sharding import sharded_modules
 
 __all__ = ["drop_replica_copies", "state_prefix"]

@@ -1,6 +1,6 @@
 """What dtype a sharded EBC's output dist sends and returns: `modular.shard`'s `output_dtype` and
 `comm_dtype` options, for every module of the plan or per module (Note [low-precision comms] in
-modular/comm.py, Note [low-precision tables] in modular/kernels/precision.py)."""
+modular/comm.py, Note [low-precision tables] in modular/kernels/table_dtypes.py)."""
 
 from __future__ import annotations
 

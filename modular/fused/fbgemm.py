@@ -17,9 +17,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     WeightDecayMode,
 )
 
-from modular.kernels.adam import StepCount
+from modular.fused.adam import StepCount
 from modular.kernels.base import POOLING, lookup_without_weight_grads, no_weight_grads
-from modular.kernels.precision import sparse_type
+from modular.kernels.table_dtypes import sparse_type
 from modular.tables.layout import KernelGroup, Pooling
 
 __all__ = ["FusedKernel", "SEQUENCE_KERNEL_DEVICES"]
@@ -38,7 +38,7 @@ class FusedKernel:
     the deferred kernels, which replay fbgemm's SUM backward ops (Note [sequence lookups] in
     modular/sequence/lookup.py)."""
 
-    replays_sum_backward = False  # the deferred kernels (modular/kernels/deferred.py) do
+    replays_sum_backward = False  # the deferred kernels (modular/fused/deferred.py) do
 
     def __init__(
         self,
@@ -50,7 +50,7 @@ class FusedKernel:
         steps: Optional[StepCount] = None,
     ) -> None:
         """`steps`: the module's step count, which the Adam family's bias correction reads
-        (Note [fused Adam and LAMB] in modular/kernels/adam.py)."""
+        (Note [fused Adam and LAMB] in modular/fused/adam.py)."""
         on_cpu = device.type == "cpu"
         location = EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE
         compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
@@ -75,7 +75,7 @@ class FusedKernel:
             # Input dist has checked every id against its table (Router.check), so fbgemm's own
             # per-forward bounds check would only repeat it.
             bounds_check_mode=BoundsCheckMode.NONE,
-            # Note [low-precision tables] in modular/kernels/precision.py: FP32 state, one
+            # Note [low-precision tables] in modular/kernels/table_dtypes.py: FP32 state, one
             # rounding per update (stochastic where fbgemm's kernels for the device do it).
             weights_precision=sparse_type(group.dtype),
             output_dtype=sparse_type(torch.float32),

@@ -1,7 +1,7 @@
 """Pass 1 of the exact column-wise row statistic from a forward kernel instead of fbgemm's backward.
 
 # Note [row statistics from a pooling kernel]
-Pass 1 of Note [row statistics across column shards] (modular/kernels/deferred.py) needs, for
+Pass 1 of Note [row statistics across column shards] (modular/fused/deferred.py) needs, for
 every row a step touched, s = mean over this shard's columns of g**2, g the row's gradient: the
 sum, over the ids naming the row, of the pooled gradient of the id's bag (times the id's weight,
 or 1/length for MEAN). That sum is a pooling: with the pooled gradients as the rows of a table

@@ -84,7 +84,7 @@ BOTTOM_MLP = (64, DIM)
 TOP_MLP = (64, 32)
 EVAL_STEP = 1_000_000  # synthetic held-out batches come from steps training never reaches
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-# What `--optimizer` takes: every fused optimizer (Note [fused tables] in modular/optim.py).
+# What `--optimizer` takes: every fused optimizer (Note [fused tables] in modular/fused/choice.py).
 _TABLE_OPTIMIZERS = (
     "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad",
     "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb",
@@ -120,7 +120,7 @@ class TrainConfig:
     collective_timeout: float = 300.0
     # Row-wise Adagrad on tables the plan cuts into column pieces: the whole row's statistic
     # ("exact", as unsharded) or each piece's own ("per_shard", TorchRec's approximation,
-    # cheaper); the planner prices the same choice (Note [fused tables] in modular/optim.py).
+    # cheaper); the planner prices the same choice (Note [fused tables] in modular/fused/choice.py).
     column_wise_statistic: str = "exact"
     # Trains with both MLP towers compiled (modular.apply_compile: FSDP2 keeps dynamo out of a
     # fully sharded module's call) and through torch.compile(model) for the interaction; the

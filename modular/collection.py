@@ -4,8 +4,10 @@
 composed into each of them: the batch's checks and routing, the ids' exchange and its arrival
 permutation, prefetch, the output all-to-all (with `comm_dtype`), the fused optimizer's arm, the
 output dtype, the shards and the tables' weights. It owns that state; what differs by kind is a
-`KindPart` it is given (Note [collection kinds] in modular/kinds.py): how the kernels look the ids
-up, what goes on the wire, and where what arrives lands in the output.
+`KindPart` it is given (modular/parts.py, Note [collection kinds] in modular/kinds.py): how the
+kernels look the ids up, what goes on the wire, and where what arrives lands in the output; and,
+for a kind that takes them, a second part for variable-batch steps, which the input dist picks
+once per step (`Received.part`).
 
 `ShardedCollectionModule` is the `nn.Module` face both sharded modules share: it holds one
 `ShardedCollection`, registers the tables under the unsharded module's names, and is where the
@@ -15,7 +17,7 @@ compile boundary sits (Note [compiling a sharded model] in modular/compose/compi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple, Optional, Protocol
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -28,7 +30,8 @@ from modular.fused.config import FusedConfig
 from modular.kernels.lookups import INT32_MAX
 from modular.kernels.table_dtypes import check_table_dtypes
 from modular.kinds import CollectionKind
-from modular.local_shards import LocalShards
+from modular.local_shards import LocalShards, ShardFill
+from modular.parts import KindPart
 from modular.routing.exchange import IdsExchange
 from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
@@ -41,10 +44,7 @@ from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
 from modular.tables.weights import check_widths_off_cpu
 
-__all__ = [
-    "CollectionOptions", "EAGER_REASON", "KindPart", "Received", "ShardedCollection",
-    "ShardedCollectionModule", "Wire",
-]  # fmt: skip
+__all__ = ["CollectionOptions", "EAGER_REASON", "ShardedCollection", "ShardedCollectionModule"]
 
 # Why a compiled model runs a sharded collection's forward eagerly; dynamo shows it with the break.
 EAGER_REASON = (
@@ -74,39 +74,6 @@ class CollectionOptions:
             object.__setattr__(self, "comm_dtype", None)
 
 
-class Wire(NamedTuple):
-    """What a kind's part puts on the output dist's wire (`KindPart.send`)."""
-
-    send: Optional[torch.Tensor]  # for every rank, in rank order; None when no route exists
-    input_splits: list[int]
-    output_splits: list[int]
-    local: Optional[torch.Tensor]  # this rank's data-parallel result, placed after the arrivals
-
-
-class KindPart(Protocol):
-    """What differs by kind in the step (Note [collection kinds])."""
-
-    variable_batch: bool  # takes a batch whose features have their own bag counts
-
-    def attach(self, shards: LocalShards) -> None:
-        """Sees this rank's kernels once they are built (before any step)."""
-
-    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> Any:
-        """Per-kind facts of a batch, made in the input dist (a prefetch makes them early)."""
-
-    def lookup(self, shards: LocalShards, received: Received) -> Any:
-        """The kernels' results for the routed ids and the data-parallel ones."""
-
-    def send(self, looked: Any, received: Received) -> Wire:
-        """What goes to each rank."""
-
-    def place(self, arrived: torch.Tensor, received: Received) -> torch.Tensor:
-        """The output, from the flat arrivals (every source rank's, then the local part)."""
-
-    def wrap(self, out: torch.Tensor, received: Received) -> Any:
-        """The output as torchrec's unsharded module returns it."""
-
-
 class ShardedCollection:
     """The step of one sharded collection on this rank (module docstring)."""
 
@@ -115,28 +82,35 @@ class ShardedCollection:
         at: RankLayout,
         part: KindPart,
         *,
+        variable_part: Optional[KindPart] = None,
         fused: Optional[FusedConfig],
         options: CollectionOptions,
         is_weighted: bool,
+        fill: Optional[ShardFill] = None,
     ) -> None:
         module, device = at.module, at.device
         check_table_dtypes(at.layout.tables, module, device)
         if device.type != "cpu":  # every rank raises alike, before any collective
             check_widths_off_cpu(at.layout, module, device)
         self.at, self.layout, self.part, self.options = at, at.layout, part, options
+        # The part of a step whose features have their own bag counts (Note [variable batch per
+        # feature]); None: the kind takes no such batch, and the router refuses one.
+        self.variable_part = variable_part
         self.is_weighted = is_weighted
         # A world of one sends nothing: each all-to-all would copy a tensor onto itself (four a
         # step; on a GPU each costs a NCCL launch), and no peer needs the agreement.
         self.alone = at.world == 1
         self.router = Router(
             self.layout, module=module, is_weighted=is_weighted, device=device,
-            variable_batch=part.variable_batch,
+            variable_batch=variable_part is not None,
         )  # fmt: skip
         self.my_route_features = torch.tensor(
             [r.feature for r in self.layout.routes_to(at.rank)], dtype=torch.int64
         )
-        self.shards = LocalShards(at=at, fused=fused)
-        part.attach(self.shards)
+        self.shards = LocalShards(at=at, fused=fused, fill=fill)
+        for p in (part, variable_part):
+            if p is not None:
+                p.attach(self.shards)
         self.local_features = Permutation([r.feature for r in self.layout.local])
         self.recv_buffers = KeptBuffers()  # Note [kept receive buffers]
         self.exchange = None if self.alone else self.make_exchange(at.group)
@@ -175,14 +149,10 @@ class ShardedCollection:
     ) -> Received:
         """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
         rejection, kjt, routed = self.router.accept(features, alone=self.alone)
-        batch, world = features.stride(), self.at.world
         variable = kjt is not None and kjt.variable_stride_per_key()
         if self.alone:
             lengths, values, weights = routed.lengths, routed.values, routed.weights
-            if variable:  # Note [variable batch per feature]
-                strides = torch.tensor([strides_of(kjt)], dtype=torch.int64)
-                vbe = VariableBatch(strides, kjt.inverse_indices()[1])
-                return self._received_bags(kjt, lengths, values, weights, vbe)
+            strides = torch.tensor([strides_of(kjt)], dtype=torch.int64) if variable else None
         else:
             # Every rank hears how much is coming and whether anyone failed (so a bad batch
             # raises on every rank instead of hanging the others) in the header of the ids' own
@@ -191,27 +161,33 @@ class ShardedCollection:
             exchange = exchange or self.exchange
             wide = routed is not None and routed.values.numel() > INT32_MAX
             got = exchange.exchange(
-                routed, rejection, batch, wide, self._agreement(exchange),
+                routed, rejection, features.stride(), wide, self._agreement(exchange),
                 strides_of(kjt) if variable else None,
             )  # fmt: skip
             if rejection is not None:  # unreachable: the exchange raised it
                 raise InputError(rejection.message)
-            lengths, values, weights = got.lengths, got.values, got.weights
-            if got.strides is not None:  # some rank's batch has its own bags per feature
-                inverse = kjt.inverse_indices()[1] if variable else _uniform_inverse(kjt)
-                vbe = VariableBatch(got.strides, inverse)
-                return self._received_bags(kjt, lengths, values, weights, vbe)
-            mine = self.router.routes_per_rank[self.at.rank]
-            if world > 1 and mine > 0:  # arrivals are (source, route); kernels want (route, source)
-                perm = torch.arange(world * mine, device=self.at.device, dtype=torch.int32)
-                perm = perm.view(world, mine).t().reshape(-1)
-                lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-                    perm, lengths.view(world * mine, batch), values, weights, values.numel()
-                )
+            lengths, values, weights, strides = got.lengths, got.values, got.weights, got.strides
+        if strides is not None:  # some rank's batch has its own bags per feature: the step's part
+            inverse = kjt.inverse_indices()[1] if variable else _uniform_inverse(kjt)
+            vbe = VariableBatch(strides, inverse)
+            return self._received_bags(kjt, lengths, values, weights, vbe)
+        return self._received_uniform(kjt, lengths, values, weights)
+
+    def _received_uniform(self, kjt, lengths, values, weights) -> Received:
+        """`input_dist`'s result where every feature has one bag per sample: the arrivals,
+        (source rank, route) by samples, put route by route."""
+        batch, world = kjt.stride(), self.at.world
+        mine = self.router.routes_per_rank[self.at.rank]
+        if not self.alone and mine > 0:  # arrivals are (source, route); kernels want (route, source)
+            perm = torch.arange(world * mine, device=self.at.device, dtype=torch.int32)
+            perm = perm.view(world, mine).t().reshape(-1)
+            lengths, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+                perm, lengths.view(world * mine, batch), values, weights, values.numel()
+            )
         lengths = lengths.reshape(-1, world * batch)
         local = permute(kjt, self.local_features) if self.layout.local else None
         extra = self.part.prepare(kjt, lengths)
-        return Received(batch, kjt, lengths, values, weights, local, extra)
+        return Received(batch, kjt, lengths, values, weights, local, extra, self.part)
 
     def _received_bags(self, kjt, lengths, values, weights, vbe: VariableBatch) -> Received:
         """`input_dist`'s result where features have their own bags (Note [variable batch per
@@ -227,8 +203,9 @@ class ShardedCollection:
         if self.layout.local:
             features = [r.feature for r in self.layout.local]
             local = select_features(kjt, features, [self.layout.features[f] for f in features])
-        extra = self.part.prepare(kjt, lengths)
-        return Received(kjt.stride(), kjt, lengths, values, weights, local, extra, vbe)
+        part = self.variable_part
+        extra = part.prepare(kjt, lengths)
+        return Received(kjt.stride(), kjt, lengths, values, weights, local, extra, part, vbe)
 
     def _agreement(self, exchange: IdsExchange) -> str:
         """The input dist's first all-to-all on the exchange's group, as its error names it
@@ -240,13 +217,13 @@ class ShardedCollection:
         fused = self.shards.fused_tables
         if fused is not None and torch.is_grad_enabled():  # a forward whose backward updates
             fused.steps.advance()  # the Adam family's t (Note [fused Adam and LAMB])
-        return self.part.lookup(self.shards, received)
+        return received.part.lookup(self.shards, received)
 
     def output_dist(self, looked: Any, received: Received) -> Any:
         """Sends each rank its samples' results and places them in the output."""
         if self.prefetcher is not None:  # this thread waits next: the prefetched batch may go
             self.prefetcher.release()
-        wire = self.part.send(looked, received)
+        wire = received.part.send(looked, received)
         parts = []
         if wire.send is not None:
             arrived = wire.send
@@ -264,13 +241,13 @@ class ShardedCollection:
         if wire.local is not None:  # this rank's data-parallel results come last
             parts.append(wire.local.reshape(-1))
         arrived = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
-        out = self.part.place(arrived, received)
+        out = received.part.place(arrived, received)
         fused = self.shards.fused_tables
         if fused is not None and fused.end_of_backward is not None:
             fused.end_of_backward.arm(out)  # the deferred updates (Note [fused tables])
         if self.options.output_dtype is not out.dtype:
             out = out.to(self.options.output_dtype)
-        return self.part.wrap(out, received)
+        return received.part.wrap(out, received)
 
 
 class ShardedCollectionModule(nn.Module):

@@ -9,8 +9,9 @@ fused arm, the options). What differs between them is in two places only:
     its torchrec class, the attribute its tables live under (the FQNs `embedding_bags.<t>.weight`
     and `embeddings.<t>.weight`), its configs, how its tables read as `TableInfo`s, the facts
     ranks agree on (Note [agreeing on the plan]) and the weights shard init copies;
-  * in the per-kind part of the step (`PooledPart` in modular/embedding_bag.py, `SequencePart`
-    in modular/embedding.py): how a kernel looks up and how the output dist places what arrives.
+  * in the per-kind part of the step (`KindPart` in modular/parts.py: `PooledPart` and, for
+    variable-batch steps, `VariableBags` in modular/pooled/; `SequencePart` in
+    modular/sequence/): how a kernel looks up and how the output dist places what arrives.
 
 Which kind a module is, sharded or not, is decided in one function (`kind_of` in
 modular/sharded_types.py, which also knows each kind's sharded class). A third kind is one more

@@ -16,7 +16,7 @@ changes.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "Retired", "pending_fuse", "replace_module", "replaced_table", "retire", "retired_count",
-    "set_pending_fuse", "set_shard_fill", "take_shard_fill",
+    "set_pending_fuse",
 ]
 
 # torchrec EBC on meta -> the FusedConfig `fuse_optimizer` gave it.
@@ -32,9 +32,6 @@ _PENDING_FUSE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictio
 # tensor `shard` (or `reshard`) replaced -> which table it was and which call replaced it, for the
 # optimizer hook's message.
 _RETIRED = WeakIdKeyDictionary()
-# RankLayout of a module `reshard` is building -> what fills its shards in place of shard init
-# (Note [resharding in memory] in modular/resharding/__init__.py); taken by the init it replaces.
-_SHARD_FILLS = WeakIdKeyDictionary()
 # How many times `retire` ran: a cache of "no optimizer holds a replaced tensor" is valid until it
 # changes (the optimizer hook's, modular/compose/params.py).
 _RETIRE_CALLS = 0
@@ -73,17 +70,6 @@ def retired_count() -> int:
 def replaced_table(tensor: torch.Tensor) -> Optional[Retired]:
     """Which table `tensor` was and what replaced it, if `shard` or `reshard` did; else None."""
     return _RETIRED.get(tensor)
-
-
-def set_shard_fill(at: Any, fill: Callable[[dict], None]) -> None:
-    """Records that the module being built on RankLayout `at` takes its shards from `fill`
-    (called with its shards' views) instead of shard init: `reshard`'s moved blocks."""
-    _SHARD_FILLS[at] = fill
-
-
-def take_shard_fill(at: Any) -> Optional[Callable[[dict], None]]:
-    """The fill `set_shard_fill` recorded for `at`, forgotten as it is taken; or None."""
-    return _SHARD_FILLS.pop(at, None)
 
 
 def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:

@@ -2,8 +2,8 @@
 their views, and the tables' weights made from them.
 
 Both sharded collections own one `LocalShards`, built from the collection's `RankLayout` and its
-fused config: it picks each kernel in one place (`FusedTables.kernel` for a fused module, the
-dense kernel otherwise), fills the shards (Note [agreeing on the shards' init] in
+fused config: it picks each kernel in one place (`choose_kernel` in modular/fused/choice.py, for
+fused and unfused modules alike), fills the shards (Note [agreeing on the shards' init] in
 modular/tables/init.py) and makes each table's weight under its unsharded name.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from modular import lifecycle
+from modular.fused.choice import KernelChoice, KernelFacts, KernelKind, choose_kernel
 from modular.fused.config import FusedConfig
 from modular.fused.tables import FusedTables
 from modular.fused.adam import StepCount
@@ -29,8 +29,8 @@ __all__ = ["LocalShards", "ShardFill"]
 
 
 class ShardFill(Protocol):
-    """What `reshard` gives a module it builds in place of shard init (`lifecycle.set_shard_fill`,
-    Note [resharding in memory]): kernels it adopts from the old module as they are, and what
+    """What `reshard` gives a module it builds in place of shard init (the sharded class's
+    `fill=`, Note [resharding in memory]): kernels it adopts from the old module as they are, and what
     fills the other shards."""
 
     def adopt(self, group: KernelGroup, sizes: list[tuple[int, int]], *, is_local: bool) -> Optional[Kernel]:
@@ -48,12 +48,16 @@ class LocalShards:
     """The kernels of one collection on this rank: `kernels` look up the routes this rank holds
     (for every rank's batch), `local_kernels` its data-parallel replicas (for its own batch)."""
 
-    def __init__(self, *, at: RankLayout, fused: Optional[FusedConfig]) -> None:
+    def __init__(
+        self, *, at: RankLayout, fused: Optional[FusedConfig], fill: Optional[ShardFill] = None
+    ) -> None:
+        """`fill`: reshard's, in place of shard init; None builds and initialises every kernel."""
         self.at = at
         # The fused optimizer's part (Note [fused tables]): it picks every fused kernel.
         self.fused_tables = None if fused is None else FusedTables(fused, at=at)
-        self._fill: Optional[ShardFill] = lifecycle.take_shard_fill(at)  # reshard's, or None
+        self._fill = fill
         self.adopted: set[int] = set()  # ids of the kernels taken from an old module as they are
+        self.choices: list[tuple[KernelGroup, KernelChoice]] = []  # each built kernel's, and why
         steps = None if self._fill is None else self._fill.steps()
         if self.fused_tables is not None and steps is not None:
             self.fused_tables.steps = steps
@@ -74,9 +78,19 @@ class LocalShards:
             self.adopted.add(id(adopted))
             return adopted
         if self.fused_tables is not None:
-            return self.fused_tables.kernel(group, sizes, is_local=is_local)
+            facts = self.fused_tables.facts(group, sizes, is_local=is_local)
+        else:
+            replicas = self.at.replicas
+            facts = KernelFacts(
+                device_type=self.at.device.type, optimizer=None,
+                exact_replicas=replicas is not None and replicas.exact,
+            )  # fmt: skip
+        choice = choose_kernel(facts)
+        self.choices.append((group, choice))
+        if choice.kernel is not KernelKind.DENSE:
+            return self.fused_tables.kernel(group, sizes, choice)
         kernel = DenseKernel(group, sizes, self.at.device)
-        if self.at.replicas is not None and self.at.replicas.exact:  # Note [exact replicas]
+        if choice.across_replicas:  # Note [exact replicas]
             kernel.replicate_across(self.at.replicas)
         return kernel
 

@@ -1,49 +1,8 @@
 """The optimizers a training loop holds: `fuse_optimizer` (the tables' update inside backward, no
 dense gradient), its `FusedOptimizer`, and `CombinedOptimizer` over several.
 
-# Note [fused tables]
-Fusing is a compute choice, separate from where tables live: `fuse_optimizer` marks an EBC on
-meta (`modular.shard` builds its shards fused) or turns a materialised one into a single-process
-module with fused kernels, which `modular.shard` cuts into fused shards. The machinery is
-`FusedTables` (modular/fused/tables.py), which the sharded module owns. Shards whose width is a multiple of
-4 use fbgemm's fused kernel (the others form kernel groups of their own, `kernel_groups` in
-modular/tables/layout.py, so they never take a table fbgemm could run into the emulation). Column-wise
-shards under row-wise Adagrad (in kernel groups of their own too) use it in two passes, with the
-per-row statistic exchanged between the column shards' ranks in between (one float per id of
-the step), so the result equals the unsharded table's (`RowStatsFusedKernel`, Note [row
-statistics across column shards]; on CPU). Unless `fuse_optimizer(...,
-column_wise_statistic="per_shard")` asks for TorchRec's approximation: then each column piece
-keeps the statistic of its own columns, as if it were a table of its own, and takes fbgemm's
-plain fused kernel like a whole table (one pass, no exchange; the result depends on the plan).
-The other cases compute a sparse gradient and apply the identical update in torch at the end of
-backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so
-replicas stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU
-kernel ignores it) and column-wise row-wise Adagrad off CPU. The Adam family ("adam",
-"partial_rowwise_adam", "lamb", "partial_rowwise_lamb") takes the emulation on CPU, where fbgemm
-has none of its kernels, and off CPU where rows need statistics of the whole row across column
-pieces (`AdamFusedKernel`, Note [fused Adam and LAMB] in modular/fused/adam.py). A table
-looked up more than once before one backward: fbgemm's own kernel updates once per lookup, the
-others once, on the summed gradient (the two agree for SGD up to rounding, not for the Adagrads
-or the Adam family, whose step count also advances once per forward).
-
-Optimizer state is keyed by the weight's FQN and named by the optimizer ("sum" for Adagrad,
-"row_sum" for row-wise Adagrad, "exp_avg" and "exp_avg_sq" for the Adam family, which also keeps
-its module's step count as "step", a plain scalar), never by the sharding type; each state tensor
-is a ShardedTensor laid out like its weight (row-wise state, partial_rowwise's exp_avg_sq: one
-entry per row), or a plain tensor for data-parallel tables, so DCP saves and reshards it like
-the weights (`StateForm` in modular/fused/state.py).
-One layout depends on the plan: with column_wise_statistic="per_shard", a table cut into k column
-pieces keeps "row_sum" of shape (rows, k), column j the statistic of piece j (pieces left to
-right; each piece's shard is (rows, 1) at offsets (0, j)). TorchRec keeps the same numbers as one
-(rows * k,) vector, piece j at offset j * rows. Such state loads only into k pieces again (DCP
-still moves pieces between ranks). Nothing records the pieces' widths, so k pieces of other
-widths would take it as it is (as in TorchRec); a state of one statistic per row loaded where per
-piece ones are kept, or per piece ones where one per row (exact, or a table not cut) or k' != k
-pieces are kept, is refused naming the table and the fix, by `FusedOptimizer.load_state_dict`
-and by `modular.checkpoint.load` before anything is read (`column_statistic_mismatch`). The
-exact layout never changes, and tables not cut into column pieces keep one value per row and
-train identically in both modes, so their state loads across modes. `modular.shard` of a fused
-unsharded model starts each piece from the whole row's statistic, the only one it had.
+The fused optimizer itself (its kernels, which kernel each group gets, its state, its config)
+is in modular/fused/; Note [fused tables] in modular/fused/choice.py says what it does.
 """
 from __future__ import annotations
 

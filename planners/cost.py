@@ -178,7 +178,7 @@ class CostModel:
     @property
     def exact_column_statistic(self) -> bool:
         """Whether column pieces pay for the exact row statistic (Note [row statistics across
-        column shards] in modular/kernels/deferred.py): row-wise Adagrad under "exact"."""
+        column shards] in modular/fused/deferred.py): row-wise Adagrad under "exact"."""
         return (
             self.optimizer is Optimizer.ROWWISE_ADAGRAD
             and self.column_wise_statistic is ColumnWiseStatistic.EXACT

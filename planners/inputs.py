@@ -124,7 +124,7 @@ class Optimizer(enum.Enum):
 class ColumnWiseStatistic(enum.Enum):
     """Which row statistic row-wise Adagrad keeps on a table cut into column pieces, as
     `modular.fuse_optimizer(..., column_wise_statistic=...)` was told (Note [fused tables] in
-    modular/optim.py); the planner prices what that choice costs (docs/planner.md, "Column
+    modular/fused/choice.py); the planner prices what that choice costs (docs/planner.md, "Column
     pieces under row-wise Adagrad").
 
     EXACT (the default): the whole row's, as unsharded; each piece runs its backward twice,

@@ -9,7 +9,7 @@ topology of G = W / R ranks (hosts as the world's, or one group of G inside a ho
 per-rank batch as given (the global batch is W x B), and every shard priced as the 1D cost
 model prices it in a world of G, plus its cross-replica part, `replica_sync`:
 
-  * "exact" (Note [exact replicas] in modular/kernels/replicas.py): before the update, every copy
+  * "exact" (Note [exact replicas] in modular/kernels/exact_replicas.py): before the update, every copy
     of a shard gathers the other R - 1 replica groups' lookup batches, their ids (wire bytes, a
     weight with each id of a weighted table), one bag length per bag in the ids' dtype (`l`: 4
     bytes, 8 for a data-parallel table's int64 batch or a table past 2**31 rows) and the

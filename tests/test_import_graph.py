@@ -181,3 +181,25 @@ def test_modular_files_stay_small() -> None:
         if (n := len(p.read_text().splitlines())) > 400
     }
     assert not long, f"files over 400 lines (split them by idea): {long}"
+
+
+def _clashing_names(paths: list[Path]) -> dict[str, list[str]]:
+    """File names (a leading underscore ignored, `__init__.py` apart) that two modules share."""
+    seen: dict[str, list[str]] = {}
+    for p in paths:
+        if p.name != "__init__.py":
+            seen.setdefault(p.name.lstrip("_"), []).append(str(p.relative_to(ROOT)))
+    return {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def test_no_two_modular_files_share_a_name() -> None:
+    """A file name says one idea: `kernels/adam.py` beside `fused/adam.py` made a reader open both
+    to learn which was the kernel and which the update (issue 50)."""
+    clashes = _clashing_names(sorted((ROOT / "modular").rglob("*.py")))
+    assert not clashes, f"modules sharing a file name (name each for its idea): {clashes}"
+
+
+def test_the_name_check_finds_a_clash() -> None:
+    paths = [ROOT / "modular/a/x.py", ROOT / "modular/b/_x.py", ROOT / "modular/a/__init__.py",
+             ROOT / "modular/b/__init__.py", ROOT / "modular/y.py"]  # fmt: skip
+    assert _clashing_names(paths) == {"x.py": ["modular/a/x.py", "modular/b/_x.py"]}

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from modular.checkpoint._apply import load_all_or_nothing, local_tensors, part_loads
 from modular.checkpoint._export import export, load_unsharded
-from modular.checkpoint._files import (
+from modular.checkpoint._directory import (
     SafeLoadPlanner,
     SafeReader,
     agree,

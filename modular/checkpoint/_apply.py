@@ -47,7 +47,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from modular.checkpoint._files import any_rank_error
+from modular.checkpoint._directory import any_rank_error
 from modular.checkpoint._staging import PartPlan, Staged, part_name
 from modular.checkpoint._entries import PARAM_GROUPS, like_sharded, state_key
 from modular.errors import CheckpointError

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modular.comm import collective_device
-from modular.checkpoint._files import MANIFEST, agree
+from modular.checkpoint._directory import MANIFEST, agree
 from modular.errors import CheckpointError
 from modular.checkpoint._apply import load_all_or_nothing
 from modular.checkpoint._one_writer import state_prefix

@@ -179,7 +179,7 @@ def _other_column_pieces(
 ) -> Optional[str]:
     """Why row-wise Adagrad state saved with another column-wise statistic (or for another cut
     of the table into column pieces) cannot load, or None (Note [fused tables] in
-    modular/optim.py: its shape tells them apart before anything is read)."""
+    modular/fused/choice.py: its shape tells them apart before anything is read)."""
     if not isinstance(optimizer, FusedOptimizer) or not isinstance(md, TensorStorageMetadata):
         return None
     if not optimizer.kind.rowwise() or weight is None:
@@ -209,7 +209,7 @@ def _other_second_moment(md: Any, value: Any, owner: str, optimizer: Any) -> Opt
 def _other_fused_kind(saved, prefix: str, optimizer: Any, sd: dict[str, Any]) -> Optional[str]:
     """Why a checkpoint of another fused optimizer kind cannot load into this one, or None.
 
-    Each kind keeps its own state per table (Note [fused tables] in modular/optim.py: none for
+    Each kind keeps its own state per table (Note [fused tables] in modular/fused/choice.py: none for
     SGD, `sum`, `row_sum`, the Adam family's `exp_avg`, `exp_avg_sq` and `step`), so the state
     names in the metadata tell the kind it was saved with (within the Adam family, the saved
     param group does, in `FusedOptimizer.load_state_dict`)

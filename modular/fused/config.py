@@ -1,5 +1,5 @@
 """What a fused optimizer is: its kind and its live hyperparameters (Note [fused tables] in
-modular/optim.py)."""
+modular/fused/choice.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class FusedOptimizerKind(enum.Enum):
         return EmbOptimType[self.name]
 
     def state_names(self) -> tuple[str, ...]:
-        """The state tensors it keeps per table (Note [fused tables] in modular/optim.py), as
+        """The state tensors it keeps per table (Note [fused tables] in modular/fused/choice.py), as
         fbgemm's `get_optimizer_state` names them."""
         if self.adam_family():
             return ("exp_avg", "exp_avg_sq")

@@ -1,7 +1,7 @@
 """Fused kernels whose update waits for the end of backward: fbgemm's CPU backward ops run by
 the owning module once its collectives have completed the batch (column-wise row statistics,
 data-parallel replicas). See Note [row statistics across column shards] and Note [fused
-replicas] below, and Note [fused tables] in modular/optim.py.
+replicas] below, and Note [fused tables] in modular/fused/choice.py.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     All of this is the default, `fuse_optimizer(..., column_wise_statistic="exact")`. With
     "per_shard" each piece keeps the statistic of its own columns (TorchRec's approximation) and
     runs fbgemm's plain fused kernel, with none of the above (Note [fused tables] in
-    modular/optim.py). The planner prices the two passes unless it is told "per_shard" too
+    modular/fused/choice.py). The planner prices the two passes unless it is told "per_shard" too
     (`planners.plan(..., column_wise_statistic=...)`, planners/cost.py).
     """
 

@@ -1,7 +1,7 @@
 """fbgemm's exact fused optimizers, done in torch on the rows a step looked up.
 
 # Note [emulated fused kernels]
-Where fbgemm's fused kernel would be wrong or cannot run (Note [fused tables] in modular/optim.py)
+Where fbgemm's fused kernel would be wrong or cannot run (Note [fused tables] in modular/fused/choice.py)
 the lookup still runs fbgemm's TBE forward, but backward computes a *sparse* gradient: for each
 table, the unique rows its ids touched and their summed gradients (never a dense (rows, dim)
 buffer). At the end of backward the owning module applies the update to those rows alone, after

@@ -1,5 +1,5 @@
 """fbgemm's split TBE with the optimizer fused into backward (Note [fused tables] in
-modular/optim.py)."""
+modular/fused/choice.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A fused module's optimizer state: how it is laid out, read, written and checked.
 
-See Note [fused tables] in modular/optim.py. The functions take the module's `FusedTables`
+See Note [fused tables] in modular/fused/choice.py. The functions take the module's `FusedTables`
 (and, to read, its table weights, whose layout the state follows).
 """
 
@@ -35,7 +35,7 @@ __all__ = [
 
 
 class StateForm(enum.Enum):
-    """How a table's optimizer state is laid out (Note [fused tables] in modular/optim.py)."""
+    """How a table's optimizer state is laid out (Note [fused tables] in modular/fused/choice.py)."""
 
     WEIGHT = "weight"  # like the weight (Adagrad's `sum`)
     ROWS = "rows"  # one value per row (row-wise Adagrad)

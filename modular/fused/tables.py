@@ -1,8 +1,9 @@
 """The fused optimizer's part of one sharded EBC: which kernel each shard group gets.
 
-See Note [fused tables] in modular/optim.py. A `FusedTables` is owned by its module
+See Note [fused tables] in modular/fused/choice.py. A `FusedTables` is owned by its module
 (`ShardedEmbeddingBagCollection.fused_tables`) and built from the fused config and the module's
-`RankLayout`; it chooses every fused kernel (`kernel`), and once the module has its kernels
+`RankLayout`; it builds every fused kernel (`kernel`) as `choose_kernel` says, and once the
+module has its kernels
 (`attach`) it owns the end-of-backward work (`EndOfBackward`, modular/fused/backward.py) and
 reads and writes their optimizer state (modular/fused/state.py).
 """
@@ -21,12 +22,13 @@ from modular.fused.deferred import (
     RowForm,
     RowStatsFusedKernel,
 )
+from modular.fused.backward import EndOfBackward
+from modular.fused.choice import KernelChoice, KernelFacts, KernelKind, emulation_reason
+from modular.fused.config import FusedConfig
 from modular.fused.emulated import EmulatedFusedKernel
 from modular.fused.fbgemm import FusedKernel
 from modular.fused.moments import MomentUpdates
-from modular.fused.backward import EndOfBackward
-from modular.fused.config import FusedConfig
-from modular.tables.layout import KernelGroup, RankLayout, odd_width
+from modular.tables.layout import KernelGroup, RankLayout
 from planners.types import ShardingType
 
 __all__ = ["FusedTables"]
@@ -49,34 +51,41 @@ class FusedTables:
         self.local_kernels: list[Kernel] = []
         self.end_of_backward: Optional[EndOfBackward] = None
 
-    def kernel(self, group: KernelGroup, sizes: list[tuple[int, int]], *, is_local: bool) -> Kernel:
-        """The fused kernel for one kernel group: fbgemm's, deferred, or the torch emulation."""
+    def facts(self, group: KernelGroup, sizes: list[tuple[int, int]], *, is_local: bool) -> KernelFacts:
+        """What `choose_kernel` reads of one kernel group of this module."""
+        replicas = self.at.replicas
+        return KernelFacts(
+            device_type=self.at.device.type,
+            optimizer=self.config.optimizer,
+            weight_decay=self.config.weight_decay,
+            widths=tuple(cols for _, cols in sizes),
+            data_parallel=is_local and self.at.world > 1,
+            column_rows=any(table in self.column_rowwise for table, _ in group.shards),
+            exact_replicas=replicas is not None and replicas.exact,
+        )
+
+    def kernel(self, group: KernelGroup, sizes: list[tuple[int, int]], choice: KernelChoice) -> Kernel:
+        """The fused kernel `choice` names (`choose_kernel`) for one kernel group."""
         device, config = self.at.device, self.config
-        column_rows = any(table in self.column_rowwise for table, _ in group.shards)
-        replica = is_local and self.at.world > 1
-        # Copies in other replica groups: the update waits for their batches (Note [exact
-        # replicas] in modular/kernels/exact_replicas.py).
-        across = self.at.replicas if self.at.replicas is not None and self.at.replicas.exact else None
         kernel: Kernel
-        if self._emulates([cols for _, cols in sizes], column_rows or replica or bool(across)):
-            if config.optimizer.adam_family():
-                kernel = AdamFusedKernel(group, sizes, device, config, steps=self.steps)
-            else:
-                kernel = EmulatedFusedKernel(group, sizes, device, config)
-        elif replica:
+        if choice.kernel is KernelKind.FBGEMM:
+            return FusedKernel(group, sizes, device, config, steps=self.steps)
+        if choice.kernel is KernelKind.ADAM:
+            kernel = AdamFusedKernel(group, sizes, device, config, steps=self.steps)
+        elif choice.kernel is KernelKind.EMULATED:
+            kernel = EmulatedFusedKernel(group, sizes, device, config)
+        elif choice.kernel is KernelKind.REPLAYED:
             kernel = ReplicaFusedKernel(group, sizes, device, config)
-        elif column_rows:
+        elif choice.kernel is KernelKind.ROW_STATISTICS:
             forms = tuple(
                 None if table not in self.column_rowwise else self._row_form(table)
                 for table, _ in group.shards
             )
             kernel = RowStatsFusedKernel(group, sizes, device, config, forms)
-        elif across is not None:
-            kernel = ReplicaFusedKernel(group, sizes, device, config)
         else:
-            return FusedKernel(group, sizes, device, config, steps=self.steps)
-        if across is not None:
-            kernel.replicate_across(across)
+            raise ValueError(f"{choice.kernel} is not a fused kernel")  # a bug: `choose_kernel` chose
+        if choice.across_replicas:  # copies in other replica groups (Note [exact replicas])
+            kernel.replicate_across(self.at.replicas)
         return kernel
 
     def attach(self, kernels: list[Kernel], local_kernels: list[Kernel]) -> None:
@@ -135,25 +144,15 @@ class FusedTables:
             if p.sharding_type is ShardingType.COLUMN_WISE and len(shards) > 1
         )
 
-    def _emulates(self, widths: list[int], deferred: bool) -> bool:
-        """Whether a fused kernel over shards of these widths takes the torch emulation (Note
-        [fused tables]); `deferred`: it must run fbgemm's backward ops itself (column-wise row
-        statistics, replicas)."""
-        on_cpu = self.at.device.type == "cpu"
-        return (
-            # fbgemm's CPU kernels ignore weight decay and have no Adam family
-            # (fbgemm-gpu-cpu 1.8.0; Note [fused Adam and LAMB]).
-            (on_cpu and (self.config.weight_decay > 0 or self.config.optimizer.adam_family()))
-            or any(odd_width(cols) for cols in widths)
-            # Note [row statistics across column shards] and Note [fused replicas] run
-            # fbgemm's CPU backward ops directly; other devices take the torch emulation.
-            or (deferred and not on_cpu)
-        )
-
     def _row_form(self, table: str) -> RowForm:
         """How every holder of column-wise `table` exchanges its row statistics: per id, unless
         one of its shards is emulated, whose statistics come per unique row (Note [row
         statistics across column shards])."""
         layout = self.at.layout
         widths = [s.num_cols for s in layout.shards[layout.table_index(table)]]
-        return RowForm.ROWS if self._emulates(widths, True) else RowForm.IDS
+        emulated = emulation_reason(
+            device_type=self.at.device.type, optimizer=self.config.optimizer,
+            weight_decay=self.config.weight_decay, widths=tuple(widths),
+            deferred="column pieces sharing whole rows' statistic",
+        )  # fmt: skip
+        return RowForm.IDS if emulated is None else RowForm.ROWS

@@ -1,8 +1,8 @@
-"""A sharded EBC's lookup and output dist when features have their own bag counts (Note [variable
-batch per feature] in modular/routing/variable_batch.py): padded kernel batches, each rank sent
-only its own bags, and the deduplicated output expanded to the batch on arrival. The indices that
-depend on the strides alone are made once per distinct strides (`VariableBags.indices`); a step
-makes only the expansion's, from its inverse indices."""
+"""The pooled part of a step whose features have their own bag counts (`KindPart` in
+modular/parts.py; Note [variable batch per feature] in modular/routing/variable_batch.py): padded
+kernel batches, each rank sent only its own bags, and the deduplicated output expanded to the
+batch on arrival. The indices that depend on the strides alone are made once per distinct
+strides (`VariableBags.indices`); a step makes only the expansion's, from its inverse indices."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
 from modular.comm import KeptBuffers
 from modular.kernels.base import pool
 from modular.kernels.lookups import batch_offsets
+from modular.local_shards import LocalShards
+from modular.parts import Wire
+from modular.pooled.pooled_part import keyed_output
 from modular.routing.received import Received
 from modular.routing.variable_batch import bag_positions, element_positions
 from modular.tables.layout import RankLayout
@@ -93,13 +98,17 @@ class _StepIndices(NamedTuple):
 
 
 class VariableBags:
-    """One sharded EBC's static maps for variable-batch steps; every per-step index is made from
-    them and the step's strides, without a loop over routes or features."""
+    """Pooled bags, each feature with its own bag count: the per-kind part of a variable-batch
+    step. It keeps one sharded EBC's static maps; every per-step index is made from them and the
+    step's strides, without a loop over routes or features."""
 
     def __init__(self, at: RankLayout, *, is_weighted: bool) -> None:
         layout = at.layout
         self.world, self.rank, self.device = at.world, at.rank, at.device
         self.is_weighted = is_weighted
+        self.has_routes = bool(layout.routes)
+        self.keys = [o.key for o in layout.outputs]
+        self.dims = [o.dim for o in layout.outputs]
         mine = layout.routes_to(at.rank)
         self.mine_feature = _long([r.feature for r in mine])
         self.mine_width = _long([r.shard.num_cols for r in mine])
@@ -216,9 +225,17 @@ class VariableBags:
             columns=columns.to(self.device), unit_dims=unit_dims.to(self.device),
         )  # fmt: skip
 
-    # -- lookup -----------------------------------------------------------------------------
+    # -- the step -----------------------------------------------------------------------------
 
-    def lookup(self, shards, received: Received) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def attach(self, shards: LocalShards) -> None:
+        pass  # the kernels are read at each lookup
+
+    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> None:
+        return None  # the strides and inverse indices travel in `Received.vbe`
+
+    def lookup(
+        self, shards: LocalShards, received: Received
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The kernels' pooled bags: routed ones padded to the longest route's bag count, local
         ones to the largest stride any rank has for their features (replicas gather equal
         shapes, Note [dense replicas])."""
@@ -239,18 +256,19 @@ class VariableBags:
             local = pool(shards.local_kernels, values.long(), offsets.long(), weights, ix.local_padded)
         return remote, local
 
-    # -- output dist ------------------------------------------------------------------------
-
-    def send(self, remote: torch.Tensor, local: Optional[torch.Tensor], strides: torch.Tensor):
-        """(send buffer, input splits, output splits, local part): for each rank, each of this
-        rank's routes' bags of that rank's samples; the local part, this rank's own bags."""
-        ix = self.indices(strides)
+    def send(self, looked: tuple[torch.Tensor, Optional[torch.Tensor]], received: Received) -> Wire:
+        """For each rank, each of this rank's routes' bags of that rank's samples; the local
+        part, this rank's own bags."""
+        remote, local = looked
+        ix = self.indices(received.vbe.strides)
         u = self.unit
-        send = _Gather.apply(remote.reshape(-1, u), ix.send_at, self.buffers, "send").reshape(-1)
+        send = None
+        if self.has_routes:
+            send = _Gather.apply(remote.reshape(-1, u), ix.send_at, self.buffers, "send").reshape(-1)
         flat_local = None
         if local is not None:
             flat_local = local.reshape(-1, u).index_select(0, ix.local_at).reshape(-1)
-        return send, ix.input_splits, ix.output_splits, flat_local
+        return Wire(send, ix.input_splits, ix.output_splits, flat_local)
 
     def place(self, arrived: torch.Tensor, received: Received) -> torch.Tensor:
         """The output (batch, output dim): the arrivals added into each feature's own bags,
@@ -272,6 +290,9 @@ class VariableBags:
             bagged = bagged / divisor.to(bagged.dtype)
         out = _Gather.apply(bagged.view(-1, u), where, self.buffers, "output")
         return out.view(inverse.shape[1], -1)
+
+    def wrap(self, out: torch.Tensor, received: Received) -> KeyedTensor:
+        return keyed_output(out, self.keys, self.dims)
 
     def _bag_counts(self, received: Received, bags, size: int, start) -> torch.Tensor:
         """Divisors of the bagged output: each row-wise MEAN output's bags' id counts (at least

@@ -26,7 +26,7 @@ through storage; `reshard` moves only what changes rank, in one step per module:
   * Build. Each new module is built by the class `shard` uses, on the new `RankLayout`, with
     the old module's options; in place of shard init (which would copy or re-initialise every
     shard and broadcast the replicas) its shards are left to the blocks
-    (`lifecycle.set_shard_fill`, taken by `LocalShards`), and their buffers take memory only as
+    (the `fill` the sharded class passes to `LocalShards`), and their buffers take memory only as
     blocks are written into them (Note [reshard memory] in memory.py). A local kernel whose
     shards stay as they are on this rank is adopted instead, buffers, optimizer state and step
     count with it (`adopt.py`): nothing of it is built, copied or given back. The tables'

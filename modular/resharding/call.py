@@ -187,18 +187,15 @@ def _build(
     built = []
     for move, fill in zip(moves, fills):  # shards that take pages only as blocks are written into them
         old = move.old
-        lifecycle.set_shard_fill(move.at, fill)  # taken by the shard init it replaces
-        try:
-            # Staged through host, buffers are made as off CPU: its storages can be freed in place.
-            with uncommitted(move.at.device) if readers is None else contextlib.nullcontext():
-                built.append(
-                    sharded_class(old.kind)(
-                        old, move.at, fused=old.fused, output_dtype=old.output_dtype,
-                        comm_dtype=old.comm_dtype, tensor_type=old.tensor_type,
-                    )  # fmt: skip
-                )
-        finally:
-            lifecycle.take_shard_fill(move.at)  # forgotten, also where the build failed first
+        # Staged through host, buffers are made as off CPU: its storages can be freed in place.
+        with uncommitted(move.at.device) if readers is None else contextlib.nullcontext():
+            built.append(
+                sharded_class(old.kind)(
+                    old, move.at, fused=old.fused, output_dtype=old.output_dtype,
+                    comm_dtype=old.comm_dtype, tensor_type=old.tensor_type,
+                    fill=fill,  # in place of shard init
+                )  # fmt: skip
+            )
     readers = readers or [move.reader() for move in moves]
     writers = [
         move.writer(

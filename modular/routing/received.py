@@ -22,6 +22,9 @@ class Received(NamedTuple):
     weights: Optional[torch.Tensor]
     local: Optional[KeyedJaggedTensor]  # this rank's own batch for its data-parallel tables
     extra: Any  # what the kind's part prepared (`KindPart.prepare`), or None
+    # The kind's part that runs this batch's lookup and output dist (modular/parts.py): chosen
+    # once, by the input dist, for a uniform batch or a variable-batch one
+    part: Any
     # A variable-batch step's strides and inverse indices (Note [variable batch per feature]):
     # then `lengths` is 1-D, each route's bags from every rank, route by route
     vbe: Optional[VariableBatch] = None

@@ -20,7 +20,7 @@ def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInf
     modular/sequence/lookup.py says how each kernel looks it up. FP16 tables keep their dtype
     as the EBC's do (Note [low-precision tables] in modular/kernels/table_dtypes.py), and their
     rows come out in FP32 as torchrec's do (Note [low-precision sequences] in
-    modular/embedding.py). torchrec's EC holds every non-FP32 table as FP16, so a BF16 config
+    modular/sequence/sequence_part.py). torchrec's EC holds every non-FP32 table as FP16, so a BF16 config
     (an FP16 table there) is refused rather than sharded as a BF16 one."""
     infos = []
     for cfg in ec.embedding_configs():

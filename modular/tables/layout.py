@@ -274,7 +274,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
       asserts it), so sequence routes of different widths (column pieces of unequal widths:
       torchrec's EmbeddingCollection gives every table one dim) get a group per width;
     - a shard whose width fbgemm's fused kernels cannot take is emulated with the rest of its
-      group (Note [fused tables] in modular/optim.py), so it gets a group of its own instead of
+      group (Note [fused tables] in modular/fused/choice.py), so it gets a group of its own instead of
       taking every table of its pooling mode with it;
     - under row-wise Adagrad a group with a column piece runs fbgemm's backward twice (Note [row
       statistics across column shards] in modular/fused/deferred.py), so column pieces get a group

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import modular
-from modular.checkpoint._files import MANIFEST
+from modular.checkpoint._directory import MANIFEST
 from tests.dist import run_on_ranks
 from tests.faults.helpers import VICTIM, break_victim, check_survivors, check_victim, spawn, survive
 from tests.modular import checkpoint_cases as H
@@ -59,7 +59,7 @@ def _save_with_fault(path: str, where: str, how: str):
     """Loads the checkpoint, trains a step and saves again; the victim breaks at `where`."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    import modular.checkpoint._files as files
+    import modular.checkpoint._directory as files
 
     model, opt = _model_and_optimizer(1)
     modular.checkpoint.load(path, model, opt)

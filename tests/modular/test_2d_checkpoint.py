@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import modular
-from modular.checkpoint._files import read_metadata
+from modular.checkpoint._directory import read_metadata
 from modular.checkpoint._entries import optimizer_state
 from modular.tables.forms import is_sharded, local_pieces
 from planners.types import ShardingPlan

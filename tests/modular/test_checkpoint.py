@@ -20,7 +20,7 @@ import torch
 
 import modular
 from modular.checkpoint import CheckpointError
-from modular.checkpoint._files import MANIFEST, sha256_of
+from modular.checkpoint._directory import MANIFEST, sha256_of
 from tests.dist import run_on_ranks, spawn_ranks
 from tests.modular import checkpoint_cases as H
 

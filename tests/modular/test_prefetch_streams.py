@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular.embedding import Sequences
+from modular.sequence.sequence_part import Sequences
 from modular.routing.prefetcher import Overlap, hand_over, overlap_for
 from modular.routing.received import Received
 from modular.sequence.output import Placement
@@ -65,7 +65,7 @@ def test_hand_over_waits_then_records_every_tensor_of_an_ebc_input_dist(recorded
     kjt, local = _kjt(), _kjt()
     received = Received(
         batch_size=2, kjt=kjt, lengths=torch.tensor([[1, 2]]), values=torch.tensor([4, 5, 6]),
-        weights=torch.tensor([1.0, 1.0, 1.0]), local=local, extra=None,
+        weights=torch.tensor([1.0, 1.0, 1.0]), local=local, extra=None, part=None,
     )  # fmt: skip
     stream, done = _Stream(), object()
     assert hand_over(received, done, stream) is received
@@ -81,7 +81,7 @@ def test_hand_over_records_the_tensors_nested_in_an_ec_input_dist(recorded) -> N
     per_source = torch.tensor([[1, 1]])
     received = Received(
         batch_size=2, kjt=kjt, lengths=torch.tensor([[1, 1]]), values=torch.tensor([7, 8]),
-        weights=None, local=None, extra=Sequences(per_source, placement),
+        weights=None, local=None, extra=Sequences(per_source, placement), part=None,
     )  # fmt: skip
     stream = _Stream()
     hand_over(received, "done", stream)

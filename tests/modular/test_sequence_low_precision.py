@@ -1,5 +1,5 @@
 """FP16 tables in sharded EmbeddingCollections (Note [low-precision sequences] in
-modular/embedding.py, Note [low-precision tables] in modular/kernels/table_dtypes.py).
+modular/sequence/sequence_part.py, Note [low-precision tables] in modular/kernels/table_dtypes.py).
 
 Two ECs of the sequence cases (tests/modular/sequence_cases.py), every table FP16 but 'v' (so one module
 holds both dtypes), sharded by each placement on 2 ranks, against the unsharded model:

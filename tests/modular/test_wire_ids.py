@@ -12,7 +12,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular.collection as collection
-import modular.embedding_bag as eb
+import modular.pooled.pooled_part as eb
 from modular.routing.router import INT32_MAX, Router, wire_dtype
 from modular.tables.layout import build_layout
 from modular.tables.weights import table_infos

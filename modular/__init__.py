@@ -10,10 +10,12 @@
 
 Every call that changes the model does so in place and returns the model it was given (Note
 [order of sharding calls] in modular/compose/fsdp.py). The packages follow a training step
-(docs/design.md): `tables` (plan -> layout, the tables' weights), `routing` (input dist and output
-dist: ids to their shards, pooled columns back; collectives), `kernels` (lookups), `fused` (the
-update inside backward), `compose` (FSDP2 / DDP, compile, clipping, which parameters a torch optimizer
-takes) and `checkpoint`; `sharding.py` and `optim.py` hold the model-level calls.
+(docs/design.md): `tables` (plan -> layout, the tables' weights), `routing` (input dist: ids to
+their shards), `kernels` (lookups), `pooled` and `sequence` (each kind's lookup and output dist:
+pooled columns or rows back to their samples), `fused` (the fused optimizer: its kernels, their
+choice, its state and config), `compose` (FSDP2 / DDP, compile, clipping, which parameters a torch
+optimizer takes), `checkpoint` and `resharding`; `collection.py` is the step both kinds share, and
+`sharding.py` and `optim.py` hold the model-level calls.
 """
 
 from modular import checkpoint

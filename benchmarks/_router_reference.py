@@ -1,7 +1,7 @@
 """The router's specification: `ReferenceRouter`, what the fast `Router` must equal bit for bit.
 
 The previous per-id router (a searchsorted over (slot, row) keys and a stable sort by route),
-kept as the specification of modular.routing.router.Router: tests/modular/test_router.py holds
+kept as the specification of modular.routing.router.Router: tests/modular/routing/test_router.py holds
 the two equal on every plan (`routers`, `assert_same_routes`), and benchmarks/router.py times one
 against the other. It lives here, beside the benchmark, so that no benchmark imports a test
 module; the tests import it from here.

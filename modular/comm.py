@@ -243,7 +243,7 @@ def pooled_all_to_all(
     widened back to the tensor's dtype on arrival, so row-wise partial sums are added in FP32
     (`Arrival`), and the gradients likewise, scaled by `grad_scale` after widening. Each value
     is rounded once per direction: a relative error of at most 2**-11 (FP16, in its normal range)
-    or 2**-8 (BF16) per pooled value, which tests/modular/test_low_precision.py checks against
+    or 2**-8 (BF16) per pooled value, which tests/modular/kernels/test_low_precision.py checks against
     FP32 comms. FP16's range ends at 65504: a pooled sum beyond it becomes inf (BF16 has FP32's
     range)."""
     if torch.is_grad_enabled() and not tensor.requires_grad:

@@ -154,7 +154,7 @@ class RowStatsFusedKernel(DeferredFusedKernel):
     its touched rows sorted and unique (`RowForm.ROWS`). The backward form of pass 1 clears its
     scratch on the rows it touched. A step costs O(ids), never O(rows): no table-sized buffer
     is reduced, cleared or scanned.
-    The result equals the unsharded table's update up to float rounding (tests/modular/
+    The result equals the unsharded table's update up to float rounding (tests/modular/fused/
     test_fused.py, atol 1e-5). Several lookups before one backward are merged into one batch,
     so their gradients add up before one update, as in the emulation.
     All of this is the default, `fuse_optimizer(..., column_wise_statistic="exact")`. With

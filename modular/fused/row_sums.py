@@ -18,7 +18,7 @@ columns over 8 tables of 100,000 rows, one core, fbgemm-gpu-cpu 1.8.0; docs/benc
 "Column-wise fused tables").
 The sums add in a different order than fbgemm's backward does, so s differs from the backward's
 own s' in the last bits; pass 2 sets the state to state + m - s and fbgemm adds s', so the state
-grows by m + (s' - s): a relative error of the order of float rounding (tests/modular/test_fused.py
+grows by m + (s' - s): a relative error of the order of float rounding (tests/modular/fused/test_fused.py
 and test_fused_column_statistic.py hold the result to the unsharded table at 1e-5).
 Kernels whose routes have different widths (column pieces of tables of different dims in one
 group) keep the backward pass 1.

@@ -14,7 +14,7 @@ one dtype only (`kernel_groups`). What is done in FP32 regardless:
   layout). The new row is rounded into the table's dtype: for row-wise Adagrad w + step is
   rounded once; fbgemm's CPU exact-SGD and Adagrad kernels round the step itself to FP16 first
   and then w + step (measured on fbgemm-gpu-cpu 1.8.0: bit for bit on 1,024 values each,
-  tests/modular/test_low_precision_fused.py), and the emulation does the same per optimizer;
+  tests/modular/fused/test_low_precision_fused.py), and the emulation does the same per optimizer;
 - an unfused table's `.grad` has the table's dtype (a torch optimizer needs it to), holding each
   step's row gradients summed in FP32 and rounded once as they are added (Note [dense gradient
   buffer]).

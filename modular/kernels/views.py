@@ -80,7 +80,7 @@ def _rebuild_plain(t: torch.Tensor) -> torch.Tensor:
 # update on a GPU the slow loop too. A ShardView's data is a plain strided slice of its kernel's
 # buffer (no __torch_function__ of its own) and its `.grad` a plain slice of the gradient, so the
 # foreach and fused kernels treat it as the tensor it is. It is registered the way torch registers
-# DTensor (torch/distributed/tensor/__init__.py). tests/modular/test_dense_grads.py checks that a
+# DTensor (torch/distributed/tensor/__init__.py). tests/modular/kernels/test_dense_grads.py checks that a
 # foreach Adam over shard views updates them exactly like the per-tensor loop.
 for _registry in (optimizer_foreach_types, utils_foreach_types):
     if ShardView not in _registry:

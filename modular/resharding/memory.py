@@ -16,7 +16,7 @@ plus its largest moved block, on CPU under Linux:
     or more is a private anonymous mapping instead, whose pages the OS gives on first write and
     which reads as zeros until then (POSIX). A zeros buffer is what fbgemm asked for; a randn
     one (the dense TBE's weights) is overwritten anyway, since the blocks write every element
-    of every new shard once (tests/modular/test_reshard.py checks both). So a new shard takes
+    of every new shard once (tests/modular/resharding/test_reshard.py checks both). So a new shard takes
     memory only as the blocks that arrive and the blocks that stay are written into it.
   * `scratch()`: each round's send and receive buffers (`rounds.rounds` bounds them by the
     largest moved block) are mappings of their own too, given back when freed: a buffer of a
@@ -65,7 +65,7 @@ every rank alike.
 
 Where nothing else holds the old shards, the growth of a rank's peak resident set is then at
 most what it receives plus the larger of one round's buffers and one kept chunk; measured in
-docs/benchmarks.md ("reshard.py") and tests/modular/test_reshard.py: a rank that neither sends
+docs/benchmarks.md ("reshard.py") and tests/modular/resharding/test_reshard.py: a rank that neither sends
 nor receives (world 3, one table moved) copies nothing, where copying its kept shards took a 1
 MiB chunk (2.0-2.1 MiB measured). What it still grows by is no shard's: 192 KiB of libtorch's
 code (libtorch_cpu.so 128, libtorch_python.so 64), file pages that the first all_to_all_single

@@ -24,7 +24,7 @@ layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes t
   N is the maximum over ranks (one small all-reduce a step, only where a module has replicas).
 
 Both give the same rows and the same update up to the order fbgemm adds a repeated id's
-gradients in (tests/modular/test_sequence_fused.py, test_sequence_kernels.py). On CPU the NONE
+gradients in (tests/modular/sequence/test_sequence_fused.py, test_sequence_kernels.py). On CPU the NONE
 kernel is the slower one: fbgemm-gpu-cpu 1.8.0's nobag backward took 2.3-6.5x the SUM backward on
 bags of one (20,480 ids, 4 tables of 64 columns, one thread, benchmarks/sequence_kernels.py:
 exact SGD 20.2 against 3.1 ms, row-wise Adagrad 22.1 against 8.5 ms), even when uneven routes pad

@@ -1,4 +1,4 @@
-"""Checkpoint saves that die or fail at other points than tests/modular/test_checkpoint.py covers
+"""Checkpoint saves that die or fail at other points than tests/modular/checkpoint/test_checkpoint.py covers
 (rank 1 killed after writing its data, before the metadata), and damaged checkpoint directories.
 
 Saves: the victim dies before writing any data, raises an OSError while writing (a full disk),

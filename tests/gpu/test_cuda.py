@@ -9,7 +9,7 @@ rank where there are enough GPUs, else gloo with every rank on GPU 0 (gloo moves
 through host memory, NCCL refuses two ranks on one GPU). `MODULAR_GPU_TEST_DEVICE=cpu` runs the
 same bodies on CPU gloo ranks, to check this file itself on a machine with no GPU.
 
-The bodies are those of tests/modular/test_fused.py with the device made explicit and widths of
+The bodies are those of tests/modular/fused/test_fused.py with the device made explicit and widths of
 16 and 32 (off CPU every shard must be a multiple of 4 columns: `check_widths_off_cpu` in
 modular/tables/weights.py): fbgemm's CUDA kernels (fused SGD, Adagrad, row-wise Adagrad; dense
 gradients), the torch emulation of column pieces under row-wise Adagrad and of data-parallel

@@ -51,7 +51,7 @@ from tests.modular.adam_reference import ADAM_FAMILY, MomentsReference, touched_
 from tests.modular.compare import full_value, state_error
 from tests.modular.ebc_cases import global_batch, make_batch, placements_for
 from tests.modular.fused_reference import FusedReference
-from tests.modular.test_reshard import (
+from tests.modular.resharding.test_reshard import (
     LR, _circuit, _fuse, _Holder, _local_values, _reshard_warnings, memory_holder,
 )
 

@@ -1,4 +1,4 @@
-"""The checkpoint model (`CheckpointModel`; tests/modular/test_checkpoint.py and its kin).
+"""The checkpoint model (`CheckpointModel`; tests/modular/checkpoint/test_checkpoint.py and its kin).
 
 One EBC (`ebc`) of four tables, one feature each, under a dense `Linear`. Three plan kinds place
 every table differently, so switching kinds moves each table between sharding types, e.g. 't0'

@@ -1,7 +1,7 @@
 """How many all-to-alls the first training step of a sharded EBC costs: a regression test for the
 collectives a step waits on (docs/benchmarks.md). Data-parallel-only modules keep only the small
 agreement all-to-all (a bad batch must still raise on every rank). Later steps send the ids with
-the agreement's header, one all-to-all fewer: tests/modular/test_ids_exchange.py."""
+the agreement's header, one all-to-all fewer: tests/modular/routing/test_ids_exchange.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ DTensor tables into either form;
 group's rank); only replica group 0 writes table data (Note [one replica group writes] in
 modular/checkpoint/_one_writer.py), which a "periodic" model whose replicas differ shows.
 The 2x2 body also checks that `reshard` refuses a plan for the world size rather than the shard
-group's on every rank (tests/modular/test_reshard_2d.py reshards 2D models), and that the replica
+group's on every rank (tests/modular/resharding/test_reshard_2d.py reshards 2D models), and that the replica
 axis' own collectives (the init broadcast, sync_replicas' flag) raise CollectiveError.
 
 Few, tiny cases: 4 and 6 gloo ranks on 2 cores are slow, so each world size runs one body that

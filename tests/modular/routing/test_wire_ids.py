@@ -1,7 +1,7 @@
 """Routed ids travel and are looked up as int32 while every shard has fewer than 2**31 rows
 (Note [ids on the wire]); a rank with more ids than int32 can count makes every rank send int64
 for that step, and a rank that receives that many looks them up with int64 offsets. Each case
-trains against the unsharded reference (tests/modular/test_fused.py's `_train`)."""
+trains against the unsharded reference (tests/modular/fused/test_fused.py's `_train`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from modular.tables.layout import build_layout
 from modular.tables.weights import table_infos
 from planners.types import ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.test_fused import _train
+from tests.modular.fused.test_fused import _train
 
 
 def test_ids_are_int32_up_to_shards_of_2_31_rows() -> None:

@@ -1,5 +1,5 @@
 """`modular.reshard` in 2D (mesh ("replicate", "shard"), 2x2 gloo ranks): what travels and what a
-rank holds, issue 39's two 1D checks (tests/modular/test_reshard.py's `_bytes_on_the_wire` and
+rank holds, issue 39's two 1D checks (tests/modular/resharding/test_reshard.py's `_bytes_on_the_wire` and
 `_peak_growth`) at a 2x2 mesh, where every replica group moves its own copies inside its shard
 group (Note [resharding in memory], "2D").
 
@@ -31,9 +31,9 @@ from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.ebc_cases import make_batch
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, fused_ebc
-from tests.modular.test_2d import _assert_replicas_identical
-from tests.modular.test_reshard import _counting_all_to_alls, _reshard_warnings, _status_bytes, memory_holder
-from tests.modular.test_reshard_2d import _pieces
+from tests.modular.replicas.test_2d import _assert_replicas_identical
+from tests.modular.resharding.test_reshard import _counting_all_to_alls, _reshard_warnings, _status_bytes, memory_holder
+from tests.modular.resharding.test_reshard_2d import _pieces
 
 DIMS = ("replicate", "shard")
 REPLICAS, GROUP = 2, 2

@@ -18,7 +18,7 @@ from tests.dist import run_on_ranks
 from tests.modular.compare import local_blocks
 from tests.modular.ebc_cases import make_batch, placements_for
 from tests.modular.fused_reference import fused_ebc
-from tests.modular.test_fused import EPS, LR, STEPS, _meta_order, _same, _train
+from tests.modular.fused.test_fused import EPS, LR, STEPS, _meta_order, _same, _train
 
 CW, TW = ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE
 

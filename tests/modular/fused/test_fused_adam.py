@@ -27,7 +27,7 @@ from tests.modular.fused_reference import fused_ebc, fused_tables
 from tests.modular.sequence_cases import (
     make_seq_model, seq_global_batch, seq_plan_for, seq_rank_batches,
 )
-from tests.modular.test_low_precision import fp32_mirror
+from tests.modular.kernels.test_low_precision import fp32_mirror
 
 STEPS = 5
 HYPER = {"lr": ADAM_LR, "betas": ADAM_BETAS, "eps": ADAM_EPS}

@@ -36,8 +36,8 @@ from tests.modular.compare import close
 from tests.modular.dlrm_cases import DLRM, DLRM_LR, MLP, dlrm_batch, global_dlrm_batch, loss_of, mixed_plan
 from tests.modular.ebc_cases import CASES, global_batch, make_batch, make_ebc, placements_for
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference, fused_ebc
-from tests.modular.test_2d import _assert_replicas_identical, _weights_match
-from tests.modular.test_variable_batch import vbe_batch
+from tests.modular.replicas.test_2d import _assert_replicas_identical, _weights_match
+from tests.modular.pooled.test_variable_batch import vbe_batch
 
 DIMS = ("replicate", "shard")
 STEPS = 3

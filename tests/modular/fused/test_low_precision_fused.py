@@ -4,7 +4,7 @@ fbgemm's CPU kernels (and the torch emulation) compute each update in FP32 from 
 row-wise Adagrad rounds the new row to nearest FP16 once, exact SGD and Adagrad round the step
 to FP16 first (deterministic rounding: fbgemm's CPU kernels ignore stochastic_rounding); the
 state stays FP32. The reference does the same with torch: an FP32 copy of the table holding the
-FP16 values, stepped by the torch equivalent of each optimizer (tests/modular/test_fused.py's
+FP16 values, stepped by the torch equivalent of each optimizer (tests/modular/fused/test_fused.py's
 `_Reference`) and rounded that way after each step.
 The two differ only in the order of FP32 additions (the gradient sums), which can move a value
 across a rounding boundary: so every weight must be within 2 FP16 ulps of the reference
@@ -30,7 +30,7 @@ from tests.modular.ebc_cases import CASES, global_batch, make_batch, placements_
 from tests.modular.fused_reference import (
     FUSED_EPS as EPS, FUSED_LR as LR, FusedReference as _Reference, fused_tables as _tables,
 )
-from tests.modular.test_low_precision import fp32_mirror
+from tests.modular.kernels.test_low_precision import fp32_mirror
 
 STEPS = 3
 U16 = 2.0**-11

@@ -11,7 +11,7 @@ a plan for the world size rather than the shard group's (refused on every rank);
 row-wise Adagrad row-wise -> column-wise (pieces change); Adam data-parallel -> mixed; Adagrad
 over DTensor tables column-wise -> table-row-wise (they keep Replicate() on "replicate"); and
 replica_sync="periodic", resharded while the replicas differ, against one reference per replica
-group that averages alike (tests/modular/test_2d.py's `_periodic`). The unfused and the Adam cases
+group that averages alike (tests/modular/replicas/test_2d.py's `_periodic`). The unfused and the Adam cases
 run again with the old shards of rebuilt kernels staged through host memory (the path off CPU,
 Note [reshard memory]; forced on these CPU ranks): every reshard stages storages, the failure
 restores them, and the rest holds as above.
@@ -40,8 +40,8 @@ from tests.modular.adam_reference import ADAM_BETAS, ADAM_EPS, ADAM_LR
 from tests.modular.compare import close
 from tests.modular.ebc_cases import global_batch, make_batch, make_ebc, placements_for
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, fused_ebc
-from tests.modular.test_2d import _assert_replicas_identical, _refused
-from tests.modular.test_reshard import _Reference  # the unsharded EBC under the torch twin of the optimizer
+from tests.modular.replicas.test_2d import _assert_replicas_identical, _refused
+from tests.modular.resharding.test_reshard import _Reference  # the unsharded EBC under the torch twin of the optimizer
 
 DIMS = ("replicate", "shard")
 REPLICAS, GROUP = 2, 2

@@ -17,7 +17,7 @@ import modular
 from tests.dist import run_on_ranks
 from tests.modular import checkpoint_cases as H
 from tests.modular.adam_reference import ADAM_BETAS, ADAM_EPS, ADAM_FAMILY, ADAM_LR
-from tests.modular.test_fused_adam import whole
+from tests.modular.fused.test_fused_adam import whole
 
 TIMEOUT = 90.0
 

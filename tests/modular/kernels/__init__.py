@@ -1,0 +1,1 @@
+"""Tests of modular/kernels/: dense kernels, packed gathers and low-precision (FP16) tables."""

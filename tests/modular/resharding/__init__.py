@@ -1,0 +1,1 @@
+"""Tests of modular/resharding/ (`modular.reshard`), in 1D and 2D."""

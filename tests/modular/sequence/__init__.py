@@ -1,0 +1,1 @@
+"""Tests of modular/sequence/, the sharded EmbeddingCollection's parts."""

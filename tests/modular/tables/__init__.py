@@ -1,0 +1,1 @@
+"""Tests of modular/tables/: kernel groups, DTensor and ShardedTensor table forms."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import modular
 from tests.dist import run_on_ranks
 from tests.modular.ebc_cases import make_ebc, plan_for
-from tests.modular.test_variable_batch import vbe_batch
+from tests.modular.pooled.test_variable_batch import vbe_batch
 
 
 def _parts_per_step() -> list[tuple[str, str]]:

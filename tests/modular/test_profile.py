@@ -1,0 +1,162 @@
+"""A sharded model is visible in a profile and says what it built (issue 50).
+
+Each rank body runs its calls under `torch.profiler.profile` and returns the `modular::` ranges it
+recorded (name, start, end in us), so the test checks the labels of Note [profiler labels]
+(modular/profiling.py) by their names in `modular.profiling`: one training step at world 2 for
+each way a kernel updates (fbgemm's fused backward, the end of backward, the torch emulation,
+a torch optimizer), a 2D step at world 4 (replica_sync), and `reshard` and `checkpoint.save` /
+`load` in one profiled run. The "modular" logger's records are collected on each rank while
+`shard` builds and while a step runs (which logs nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import modular
+from modular import profiling as P
+from planners.types import ShardingPlan, ShardingType, TablePlacement
+from tests.dist import run_on_ranks
+
+TW, RW, CW, DP = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
+                  ShardingType.DATA_PARALLEL)  # fmt: skip
+# name -> (rows, dim); widths fbgemm's fused kernels take (multiples of 4), FP32.
+TABLES = {"t_tw": (40, 8), "t_rw": (30, 8), "t_cw": (20, 16), "t_dp": (10, 4)}
+
+Range = tuple[str, float, float]  # a `modular::` range: name, start and end (us)
+
+
+class _Holder(nn.Module):
+    def __init__(self, tables: list[str], device: str = "cpu") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        configs = [
+            EmbeddingBagConfig(name=n, num_embeddings=TABLES[n][0], embedding_dim=TABLES[n][1],
+                               feature_names=[f"f_{n}"])
+            for n in tables
+        ]  # fmt: skip
+        self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device(device))
+
+
+def _placements(tables: list[str], world: int) -> dict[str, TablePlacement]:
+    kinds = {"t_tw": TW, "t_rw": RW, "t_cw": CW, "t_dp": DP}
+    return {
+        n: TablePlacement(kinds[n], ranks=(0,)) if kinds[n] is TW
+        else TablePlacement(kinds[n]) if kinds[n] is DP
+        else TablePlacement(kinds[n], ranks=tuple(range(world)))
+        for n in tables
+    }  # fmt: skip
+
+
+def _batch(tables: list[str], seed: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 4, (len(tables) * 3,), generator=g)  # 3 samples, no empty bag
+    values = torch.cat([
+        torch.randint(0, TABLES[n][0], (int(lengths[3 * i : 3 * i + 3].sum()),), generator=g)
+        for i, n in enumerate(tables)
+    ])  # fmt: skip
+    return KeyedJaggedTensor(keys=[f"f_{n}" for n in tables], values=values, lengths=lengths)
+
+
+def _build(
+    tables: list[str], optimizer: Optional[str], *, mesh=None, sync: str = "exact", **fused: Any
+) -> tuple[_Holder, Any]:
+    """The holder's EBC sharded over the default group (or 2D over `mesh`, with `sync`), with its
+    optimizer: `optimizer` fused with `fused`'s options, or SGD over the tables."""
+    model = _Holder(tables)
+    if optimizer is not None:
+        opt = modular.fuse_optimizer(model, optimizer, lr=0.1, **fused)
+    world = dist.get_world_size() if mesh is None else mesh["shard"].size()
+    plan = ShardingPlan(world_size=world, modules={"ebc": _placements(tables, world)})
+    modular.shard(model, plan, mesh=mesh, replica_sync=sync)
+    if optimizer is None:
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=0.1)
+    return model, opt
+
+
+def _step(model: _Holder, opt: Any, tables: list[str]) -> None:
+    opt.zero_grad()
+    model.ebc(_batch(tables, seed=dist.get_rank())).values().sum().backward()
+    opt.step()
+
+
+def _ranges(prof) -> list[Range]:
+    return sorted(
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.name.startswith("modular::")
+    )
+
+
+def _profiled(call) -> list[Range]:
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return _ranges(prof)
+
+
+# -- one training step at world 2 ---------------------------------------------------------------
+
+# case -> (tables, fused optimizer or None for SGD, fuse_optimizer's options)
+STEPS = {
+    "fbgemm_fused": (["t_tw", "t_rw"], "exact_rowwise_adagrad", {}),  # updates inside backward
+    "end_of_backward": (["t_cw", "t_dp"], "exact_rowwise_adagrad", {}),  # row statistics, replicas
+    "emulated": (["t_tw", "t_rw"], "exact_rowwise_adagrad", {"weight_decay": 0.01}),
+    "adam": (["t_tw", "t_cw"], "adam", {}),
+    "torch_optimizer": (["t_tw", "t_rw", "t_dp"], None, {}),
+}
+
+
+def _profile_steps() -> dict[str, list[Range]]:
+    out = {}
+    for case, (tables, optimizer, fused) in STEPS.items():
+        model, opt = _build(tables, optimizer, **fused)
+        _step(model, opt, tables)  # first with no profiler on: no range opens
+        out[case] = _profiled(lambda: _step(model, opt, tables))
+    return out
+
+
+def _names(ranges: list[Range]) -> list[str]:
+    return [name for name, _, _ in ranges]
+
+
+def _inside(inner: Range, outer: Range) -> bool:
+    return outer[1] <= inner[1] and inner[2] <= outer[2]
+
+
+@pytest.mark.timeout(200)
+def test_a_training_step_shows_every_phase_by_name() -> None:
+    for rank, by_case in enumerate(run_on_ranks(2, _profile_steps, timeout=180)):
+        for case, ranges in by_case.items():
+            names = _names(ranges)
+            where = f"rank {rank}, {case}: {names}"
+            # Once per forward of the one module, once per backward for the pooled gradients.
+            for once in (P.INPUT_DIST, P.LOOKUP, P.OUTPUT_DIST, P.OUTPUT_DIST_BACKWARD):
+                assert names.count(once) == 1, where
+            assert names.count(P.LOOKUP_BACKWARD) >= 1, where
+            assert P.REPLICA_SYNC not in names, where  # 1D
+            if STEPS[case][1] is None:
+                assert set(names) == set(P.STEP_LABELS) - {P.FUSED_UPDATE}, where
+            else:
+                assert set(names) == set(P.STEP_LABELS), where
+            first = {n: min(r for r in ranges if r[0] == n) for n in set(names)}
+            assert first[P.INPUT_DIST][2] <= first[P.LOOKUP][1], where
+            assert first[P.LOOKUP][2] <= first[P.OUTPUT_DIST][1], where
+            assert first[P.OUTPUT_DIST][2] <= first[P.OUTPUT_DIST_BACKWARD][1], where
+            backwards = [r for r in ranges if r[0] == P.LOOKUP_BACKWARD]
+            updates = [r for r in ranges if r[0] == P.FUSED_UPDATE]
+            if case == "fbgemm_fused":  # the update is fbgemm's backward: one inside each
+                assert len(updates) == len(backwards), where
+                assert all(any(_inside(u, b) for b in backwards) for u in updates), where
+                assert first[P.OUTPUT_DIST_BACKWARD][2] <= min(b[1] for b in backwards), where
+            elif STEPS[case][1] is not None:  # one update, once every kernel's backward is done
+                assert len(updates) == 1, where
+                assert max(b[2] for b in backwards) <= updates[0][1], where

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -160,3 +161,42 @@ def test_a_training_step_shows_every_phase_by_name() -> None:
             elif STEPS[case][1] is not None:  # one update, once every kernel's backward is done
                 assert len(updates) == 1, where
                 assert max(b[2] for b in backwards) <= updates[0][1], where
+
+
+# -- 2D: the replica axis ---------------------------------------------------------------------
+
+# case -> (tables, fused optimizer or None, options); every table has a copy in each replica group
+STEPS_2D = {
+    "deferred": (["t_tw", "t_rw"], "exact_rowwise_adagrad", {}),  # gathers batches, then replays
+    "emulated": (["t_tw", "t_rw"], "exact_rowwise_adagrad", {"weight_decay": 0.01}),  # gradients
+    "dense": (["t_tw", "t_rw"], None, {}),  # gathers inside each kernel's backward
+    "periodic": (["t_tw", "t_rw"], "exact_rowwise_adagrad", {"sync": "periodic"}),
+}
+
+
+def _profile_2d() -> dict[str, tuple[list[Range], list[Range]]]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for case, (tables, optimizer, options) in STEPS_2D.items():
+        model, opt = _build(tables, optimizer, mesh=mesh, **options)
+        step = _profiled(lambda: _step(model, opt, tables))
+        out[case] = (step, _profiled(lambda: modular.sync_replicas(model)))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_2d_step_shows_its_replica_sync() -> None:
+    for rank, by_case in enumerate(run_on_ranks(4, _profile_2d, timeout=280)):
+        for case, (step, sync) in by_case.items():
+            where = f"rank {rank}, {case}: step {_names(step)}, sync_replicas {_names(sync)}"
+            assert _names(sync) == [P.REPLICA_SYNC], where
+            syncs = [r for r in step if r[0] == P.REPLICA_SYNC]
+            if case == "periodic":  # nothing crosses replica groups within a step
+                assert not syncs, where
+                continue
+            assert syncs, where
+            # Where the gathers run: in the update at the end of backward, or in the kernel's own
+            # backward (a dense kernel replays the gathered batch there).
+            within = P.LOOKUP_BACKWARD if case == "dense" else P.FUSED_UPDATE
+            outer = [r for r in step if r[0] == within]
+            assert all(any(_inside(s, o) for o in outer) for s in syncs), where

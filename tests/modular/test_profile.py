@@ -11,6 +11,7 @@ a torch optimizer), a 2D step at world 4 (replica_sync), and `reshard` and `chec
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -200,3 +201,34 @@ def test_a_2d_step_shows_its_replica_sync() -> None:
             within = P.LOOKUP_BACKWARD if case == "dense" else P.FUSED_UPDATE
             outer = [r for r in step if r[0] == within]
             assert all(any(_inside(s, o) for o in outer) for s in syncs), where
+
+
+# -- reshard and checkpoints ------------------------------------------------------------------
+
+
+def _profile_calls(path: str) -> list[Range]:
+    tables = ["t_tw", "t_rw"]
+    model, opt = _build(tables, "exact_rowwise_adagrad")
+    _step(model, opt, tables)
+    moved = ShardingPlan(world_size=2, modules={"ebc": {
+        "t_tw": TablePlacement(TW, ranks=(1,)), "t_rw": TablePlacement(RW, ranks=(1, 0)),
+    }})  # fmt: skip
+
+    def calls() -> None:
+        modular.reshard(model, moved)
+        modular.checkpoint.save(path, model)
+        modular.checkpoint.load(path, model)
+
+    return _profiled(calls)
+
+
+@pytest.mark.timeout(120)
+def test_reshard_and_checkpoints_show_by_name(tmp_path: Path) -> None:
+    every = run_on_ranks(2, _profile_calls, str(tmp_path / "ckpt"), timeout=100)
+    for rank, ranges in enumerate(every):
+        names = _names(ranges)
+        calls = [P.RESHARD, P.CHECKPOINT_SAVE, P.CHECKPOINT_LOAD]
+        assert sorted(names) == sorted(calls), f"rank {rank}: {names}"
+        in_order = sorted(ranges, key=lambda r: r[1])
+        assert _names(in_order) == calls, f"rank {rank}: {in_order}"
+        assert all(a[2] <= b[1] for a, b in zip(in_order, in_order[1:])), f"rank {rank}: {in_order}"

@@ -11,6 +11,7 @@ a torch optimizer), a 2D step at world 4 (replica_sync), and `reshard` and `chec
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -232,3 +233,81 @@ def test_reshard_and_checkpoints_show_by_name(tmp_path: Path) -> None:
         in_order = sorted(ranges, key=lambda r: r[1])
         assert _names(in_order) == calls, f"rank {rank}: {in_order}"
         assert all(a[2] <= b[1] for a, b in zip(in_order, in_order[1:])), f"rank {rank}: {in_order}"
+
+
+# -- the "modular" logger ---------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.got: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.got.append((record.name, record.levelno, record.getMessage()))
+
+
+def _logged_build_and_step() -> tuple[list, list]:
+    """The "modular" logger's records while `shard` builds (the tables on meta: `fuse_optimizer`
+    only marks them) and while a step runs."""
+    tables = list(TABLES)
+    logger = logging.getLogger("modular")
+    records, level = _Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.DEBUG)
+    try:
+        model = _Holder(tables, device="meta")
+        opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
+        plan = ShardingPlan(world_size=2, modules={"ebc": _placements(tables, 2)})
+        modular.shard(model, plan)
+        built = list(records.got)
+        _step(model, opt, tables)
+        return built, records.got[len(built):]
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+
+
+def _bytes(rows: int, cols: int) -> int:
+    return rows * cols * 4  # FP32
+
+
+# Per rank: each table's shard (rows, cols) there. t_tw whole on rank 0, t_rw 15 rows each,
+# t_cw 8 of its 16 columns each, t_dp a replica on each.
+HELD = [
+    {"t_tw": (40, 8), "t_rw": (15, 8), "t_cw": (20, 8), "t_dp": (10, 4)},
+    {"t_rw": (15, 8), "t_cw": (20, 8), "t_dp": (10, 4)},
+]
+KINDS = {"t_tw": "table_wise", "t_rw": "row_wise", "t_cw": "column_wise", "t_dp": "data_parallel"}
+
+
+@pytest.mark.timeout(120)
+def test_shard_logs_what_it_built_at_info_and_each_kernel_choice_at_debug() -> None:
+    for rank, (built, during_step) in enumerate(run_on_ranks(2, _logged_build_and_step, timeout=100)):
+        mine = f"module 'ebc' on rank {rank} of 2"
+        assert not during_step, f"rank {rank}: a step logged {during_step}"
+        assert all(name.startswith("modular.") for name, _, _ in built), built
+        infos = [m for _, level, m in built if level == logging.INFO]
+        assert len(infos) == 1, f"rank {rank}: {built}"
+        info, held = infos[0], HELD[rank]
+        assert mine in info, info
+        for table, (rows, cols) in held.items():
+            assert f"{table} ({KINDS[table]}, {_bytes(rows, cols):,} bytes)" in info, info
+        assert ("t_tw" in info) == (rank == 0), info
+        weights = sum(_bytes(rows, cols) for rows, cols in held.values())
+        state = sum(4 * rows for rows, _ in held.values())  # row-wise Adagrad: a float per row
+        held_bytes = f"{weights:,} bytes of shards and {state:,} bytes of fused exact_rowwise_adagrad state"
+        assert held_bytes in info, info
+        # Kernels: t_tw and t_rw in fbgemm's fused kernel, t_cw's piece with the whole row's
+        # statistic (Note [row statistics across column shards]), t_dp a fused replica.
+        remote = "t_tw, t_rw#0" if rank == 0 else "t_rw#1"
+        kernels = [
+            f"FusedKernel [{remote}]", f"RowStatsFusedKernel [t_cw#{rank}]", "ReplicaFusedKernel [t_dp]"
+        ]  # fmt: skip
+        assert f"kernels: {', '.join(kernels)}" in info, info
+        debugs = [m for _, level, m in built if level == logging.DEBUG]
+        assert debugs == [
+            f"{mine}: kernel group [{remote}] (SUM, torch.float32) -> FusedKernel",
+            f"{mine}: kernel group [t_cw#{rank}] (SUM, torch.float32) -> RowStatsFusedKernel",
+            f"{mine}: kernel group [t_dp] (SUM, torch.float32, data-parallel) -> ReplicaFusedKernel",
+        ], debugs

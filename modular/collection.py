@@ -32,6 +32,7 @@ from modular.kernels.table_dtypes import check_table_dtypes
 from modular.kinds import CollectionKind
 from modular.local_shards import LocalShards, ShardFill
 from modular.parts import KindPart
+from modular.profiling import INPUT_DIST, LOOKUP, OUTPUT_DIST, labelled
 from modular.routing.exchange import IdsExchange
 from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
@@ -144,6 +145,7 @@ class ShardedCollection:
         (each keeps its own slots, Note [ids with their header])."""
         return IdsExchange(group, self.at.rank, self.router, self.at.device, self.is_weighted)
 
+    @labelled(INPUT_DIST)  # Note [profiler labels] in modular/profiling.py
     def input_dist(
         self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange] = None
     ) -> Received:
@@ -213,12 +215,14 @@ class ShardedCollection:
         what = f"the input-dist agreement of module {self.at.module!r}"
         return what if self.prefetcher is None else self.prefetcher.describe(what, exchange.group)
 
+    @labelled(LOOKUP)
     def lookup(self, received: Received) -> Any:
         fused = self.shards.fused_tables
         if fused is not None and torch.is_grad_enabled():  # a forward whose backward updates
             fused.steps.advance()  # the Adam family's t (Note [fused Adam and LAMB])
         return received.part.lookup(self.shards, received)
 
+    @labelled(OUTPUT_DIST)
     def output_dist(self, looked: Any, received: Received) -> Any:
         """Sends each rank its samples' results and places them in the output."""
         if self.prefetcher is not None:  # this thread waits next: the prefetched batch may go

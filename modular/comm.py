@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from modular.errors import CollectiveError
+from modular.profiling import OUTPUT_DIST_BACKWARD, labelled
 
 
 def raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) -> NoReturn:
@@ -206,6 +207,7 @@ class _PooledAllToAll(torch.autograd.Function):
         return out if wire is None else out.to(dtype)
 
     @staticmethod
+    @labelled(OUTPUT_DIST_BACKWARD)  # Note [profiler labels] in modular/profiling.py
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         input_splits, output_splits = ctx.splits
         buffers = ctx.buffers

@@ -14,6 +14,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from modular.fused.choice import KernelChoice, KernelFacts, KernelKind, choose_kernel
+from modular.describe import logs_kernel_choice
 from modular.fused.config import FusedConfig
 from modular.fused.tables import FusedTables
 from modular.fused.adam import StepCount
@@ -67,6 +68,7 @@ class LocalShards:
         if self.fused_tables is not None:
             self.fused_tables.attach(self.kernels, self.local_kernels)
 
+    @logs_kernel_choice  # at DEBUG: the class each group got (modular/describe.py)
     def _kernel(self, group: KernelGroup, is_local: bool) -> Kernel:
         layout = self.at.layout
         sizes = []

@@ -20,12 +20,14 @@ from torch import nn
 
 from modular.comm import all_gather_bytes, all_reduce
 from modular.errors import ShardingError
+from modular.profiling import REPLICA_SYNC, labelled
 from modular.sharding import sharded_modules
 from modular.tables.replicas import Replicas
 
 __all__ = ["sync_replicas"]
 
 
+@labelled(REPLICA_SYNC)  # Note [profiler labels] in modular/profiling.py
 @torch.no_grad()
 def sync_replicas(model: nn.Module, *, optimizer_state: bool = True) -> nn.Module:
     """Averages every 2D-sharded collection's shards over its replica groups, in place, and

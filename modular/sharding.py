@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from modular import lifecycle
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
+from modular.describe import log_built
 from modular.errors import ShardingError
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.table_dtypes import check_table_dtypes
@@ -139,6 +140,7 @@ def shard(
     for fqn, ebc, sharded in built:
         retire_tables(ebc, fqn)
         lifecycle.replace_module(model, fqn, sharded)
+        log_built(fqn, sharded)  # at INFO on logger "modular" (modular/describe.py)
     return model
 
 

@@ -45,6 +45,7 @@ from modular.checkpoint._one_writer import drop_replica_copies
 from modular.checkpoint._staging import check_loaded, stage
 from modular.checkpoint._entries import MODEL, model_state, optimizer_parts, optimizer_state
 from modular.errors import CheckpointError
+from modular.profiling import CHECKPOINT_LOAD, CHECKPOINT_SAVE, labelled
 from modular.tables.deprecation import quietly
 
 __all__ = ["CheckpointError", "export", "load", "load_unsharded", "save"]
@@ -56,6 +57,7 @@ def __dir__() -> list[str]:
 PathLike = Union[str, os.PathLike]
 
 
+@labelled(CHECKPOINT_SAVE)  # Note [profiler labels] in modular/profiling.py
 @quietly  # Note [ShardedTensor warnings]
 def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> None:
     """Saves the model (and optimizer) state to the directory `path`, atomically. Collective.
@@ -113,6 +115,7 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     agree(error)
 
 
+@labelled(CHECKPOINT_LOAD)
 @quietly
 def load(
     path: PathLike, model: nn.Module, optimizer: Optional[Any] = None, *,

@@ -19,6 +19,7 @@ from modular.fused.deferred import ReplicaFusedKernel, RowStatsFusedKernel, gath
 from modular.fused.emulated import EmulatedFusedKernel, average_in_place, take_every_pending
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
 from modular.fused.row_means import IdRowMeans
+from modular.profiling import FUSED_UPDATE, labelled
 from modular.tables.layout import RankLayout
 
 __all__ = ["EndOfBackward"]
@@ -57,6 +58,7 @@ class EndOfBackward:
     def _queue(self, grad: torch.Tensor) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self.run)
 
+    @labelled(FUSED_UPDATE)  # Note [profiler labels] in modular/profiling.py
     def run(self) -> None:
         """End of backward (Note [emulated fused kernels], Note [row statistics across column
         shards]): one all-to-all of the column-wise tables' row statistics, then the data-parallel

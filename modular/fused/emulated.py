@@ -20,6 +20,7 @@ from modular.comm import KeptBuffers, all_gather
 from modular.kernels.base import KernelLookup, dense_tbe
 from modular.kernels.lookups import Lookup, all_gather_packed
 from modular.fused.row_grads import summed_row_grads
+from modular.profiling import REPLICA_SYNC, label
 from modular.tables.layout import KernelGroup
 from modular.tables.replicas import Replicas
 
@@ -162,7 +163,8 @@ def take_every_pending(kernels: list[EmulatedFusedKernel]) -> list[list[Optional
     out = {id(k): k._own_pending() for k in kernels}
     across = [k for k in kernels if k._across is not None]
     if across:
-        average_in_place(across, out, world=across[0]._across.size, group=across[0]._across.group)
+        with label(REPLICA_SYNC):  # Note [profiler labels] in modular/profiling.py
+            average_in_place(across, out, world=across[0]._across.size, group=across[0]._across.group)
     return [out[id(k)] for k in kernels]
 
 

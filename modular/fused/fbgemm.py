@@ -20,6 +20,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from modular.fused.adam import StepCount
 from modular.kernels.base import POOLING, lookup_without_weight_grads, no_weight_grads
 from modular.kernels.table_dtypes import sparse_type
+from modular.profiling import FUSED_UPDATE, LOOKUP_BACKWARD, label_backward
 from modular.tables.layout import KernelGroup, Pooling
 
 __all__ = ["FusedKernel", "SEQUENCE_KERNEL_DEVICES"]
@@ -110,7 +111,8 @@ class FusedKernel:
         if self._steps is not None:
             self._sync_step(self._steps.value)
         no_grads = self._no_weight_grads
-        return lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
+        out = lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
+        return label_backward(out, LOOKUP_BACKWARD, FUSED_UPDATE)  # the update is fbgemm's backward
 
     def _sync_lr(self) -> None:
         lr = self.config.lr

@@ -22,6 +22,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from modular.kernels.lookups import Lookup
 from modular.kernels.table_dtypes import sparse_type
+from modular.profiling import LOOKUP_BACKWARD, labelled
 from modular.tables.layout import KernelGroup, Pooling
 
 __all__ = [
@@ -149,6 +150,7 @@ class KernelLookup(torch.autograd.Function):
         return kernel.tbe(indices, offsets, per_sample_weights=weights)  # grad mode is off here
 
     @staticmethod
+    @labelled(LOOKUP_BACKWARD)  # Note [profiler labels] in modular/profiling.py
     def backward(ctx, grad_out):  # type: ignore[override]
         ctx.kernel.backward(Lookup.of(grad_out, *ctx.inputs))
         return None, None, None, None, None

@@ -47,6 +47,7 @@ from modular.kernels.base import (
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
 from modular.kernels.exact_replicas import all_reduce_replicas, gather_replicas
 from modular.kernels.views import GradBuffer, ShardView
+from modular.profiling import LOOKUP_BACKWARD, label_backward
 from modular.tables.layout import KernelGroup
 from modular.tables.replicas import Replicas
 
@@ -125,7 +126,8 @@ class DenseKernel:
     ) -> torch.Tensor:
         if not self._on_cpu:
             no_grads = self._no_weight_grads
-            return lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
+            out = lookup_without_weight_grads(self.tbe, indices, offsets, weights, no_grads)
+            return label_backward(out, LOOKUP_BACKWARD)  # fbgemm's own backward off CPU
         return KernelLookup.apply(self.tbe.weights, self, indices, offsets, weights)
 
     def backward(self, batch: Lookup) -> None:

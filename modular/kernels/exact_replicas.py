@@ -56,6 +56,7 @@ import torch
 
 from modular.comm import all_gather, all_reduce
 from modular.kernels.lookups import Lookup, all_gather_packed, merge_lookups
+from modular.profiling import REPLICA_SYNC, labelled
 from modular.tables.replicas import Replicas
 
 __all__ = ["gather_replicas", "gather_every_replica", "all_reduce_replicas"]
@@ -67,6 +68,7 @@ def gather_replicas(mine: Lookup, routes: int, replicas: Replicas) -> Lookup:
     return gather_every_replica([mine], [routes], replicas)[0]
 
 
+@labelled(REPLICA_SYNC)  # Note [profiler labels] in modular/profiling.py
 def gather_every_replica(
     batches: list[Lookup], routes: list[int], replicas: Replicas
 ) -> list[Lookup]:
@@ -113,6 +115,7 @@ def gather_every_replica(
     return out
 
 
+@labelled(REPLICA_SYNC)
 def all_reduce_replicas(grad: torch.Tensor, replicas: Replicas) -> None:
     """A dense kernel's gradient off CPU: the mean over the replica groups, in place."""
     all_reduce(grad, group=replicas.group, what="the gradient all-reduce across replica groups")

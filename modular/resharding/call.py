@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 from modular import lifecycle
 from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
+from modular.profiling import RESHARD, labelled
 from modular.resharding.adopt import Adoption, retire_replaced
 from modular.resharding.rounds import agree, exchange, pack, plan_traffic, rounds
 from modular.resharding.memory import uncommitted
@@ -32,6 +33,7 @@ from planners.types import ShardingPlan
 __all__ = ["reshard"]
 
 
+@labelled(RESHARD)  # Note [profiler labels] in modular/profiling.py
 def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     """Moves the sharded EBCs and EmbeddingCollections that `plan` names to its placements, in
     memory and in place, and returns `model`. Call it on every rank with the same plan, between

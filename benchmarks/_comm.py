@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 # modular.comm's all_gather calls `all_gather_single` (one output tensor): without it a step's
-# gathers (data-parallel tables', the replicas') would be left out of the replay.
+# gathers (the data-parallel tables', dense and fused) would be left out of the replay.
 _WRAPPED = (
     "all_to_all_single", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce",
     "broadcast",

@@ -4,7 +4,7 @@
     python benchmarks/raw_backward.py --tables 4 --dim 64   # one rank's table-wise share
 
 One process, one thread. The deferred fused kernels (modular/fused/deferred.py: column-wise row
-statistics, data-parallel replicas) and the dense kernels' gradient (modular/kernels/dense.py) call
+statistics, data-parallel copies) and the dense kernels' gradient (modular/kernels/dense.py) call
 fbgemm's `split_embedding_backward_codegen_<optimizer>_cpu` themselves. They used to pass a
 tensor of ones as the per-id weights of an unweighted lookup; passing None takes fbgemm's
 unweighted path. For each optimizer this times both, alternately, on the same ids and output

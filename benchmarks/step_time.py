@@ -176,7 +176,7 @@ def _dmp(cfg: Config, module: nn.Module, plan: str, opt_kind: str):
         module, env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=_device(cfg), plan=tr_plan, sharders=[sharder],
     )  # fmt: skip
-    # Fused tables update in backward; everything else (dense tables, data-parallel replicas,
+    # Fused tables update in backward; everything else (dense tables, data-parallel copies,
     # whose gradients DDP all-reduces) takes the torch SGD, like ours.
     dense = list(dict(in_backward_optimizer_filter(model.named_parameters())).values())
     return model, (torch.optim.SGD(dense, lr=LR) if dense else None)

@@ -309,7 +309,8 @@ class ShardedCollectionModule(nn.Module):
     # -- the tables and the fused optimizer's state (modular/fused/state.py) ----------------
 
     def table_weights(self) -> dict[str, torch.Tensor]:
-        """Each table's registered weight (ShardedTensor, DTensor or replica), by table name."""
+        """Each table's registered weight (ShardedTensor, DTensor or data-parallel copy), by table
+        name."""
         tables = getattr(self, self.kind.tables_attr)
         return {n: holder._parameters["weight"] for n, holder in tables.items()}
 

@@ -43,8 +43,8 @@ def raise_failed(what: str, group: Optional[ProcessGroup], error: RuntimeError) 
 # CPython ends a thread that asks for the GIL with `pthread_exit`, and its forced unwinding
 # through the work's `noexcept` destructor calls `std::terminate`: SIGABRT after a finished run
 # (issue 40; the backtrace and a script with no project code in docs/troubleshooting.md). A
-# collective in a step's last backward (the fused replicas' gathers, the pooled gradients'
-# all-to-all) is the last thing a job does before it exits.
+# collective in a step's last backward (the fused data-parallel copies' gathers, the pooled
+# gradients' all-to-all) is the last thing a job does before it exits.
 # So on CPU modular's collectives hand gloo aliases that nothing else references (`_Handed`:
 # one view per tensor, watched by a weakref) and return only once each alias has been freed: by
 # then no work holds a tensor of theirs, and what a gloo thread does afterwards needs no GIL.
@@ -176,7 +176,8 @@ class _PooledAllToAll(torch.autograd.Function):
     Each rank's loss is computed on its own batch, and the global objective is their mean (the
     convention of DDP and FSDP). A sharded table receives, through this function's backward, the
     sum over ranks of d loss_r / d w, so the backward divides by the world size; data-parallel
-    tables take the same 1/W themselves (Note [dense replicas], Note [fused replicas]).
+    tables take the same 1/W themselves (Note [dense data-parallel copies], Note [fused
+    data-parallel copies]).
     """
 
     @staticmethod

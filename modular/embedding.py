@@ -2,7 +2,7 @@
 
 A `ShardedEmbeddingCollection` replaces a torchrec `EmbeddingCollection` in place under the same
 contract as the sharded EBC (modular/embedding_bag.py): the unsharded parameter names
-(`embeddings.<table>.weight`, ShardedTensors or DTensors, or data-parallel replicas), the same
+(`embeddings.<table>.weight`, ShardedTensors or DTensors, or data-parallel copies), the same
 step and options (`ShardedCollection`: checks, router, the ids' exchange, prefetch, `output_dtype`,
 `comm_dtype`, the fused arm). `SequencePart` (modular/sequence/sequence_part.py) is what sequences
 add to it (Note [collection kinds]): fbgemm's sequence kernels where they take it, each id a bag

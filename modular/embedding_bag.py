@@ -3,7 +3,7 @@
 A `ShardedEmbeddingBagCollection` replaces a torchrec `EmbeddingBagCollection` in place. It keeps
 the unsharded module's parameter names (`embedding_bags.<table>.weight`): sharded tables are
 `ShardedTensor`s (or DTensors) whose local shards alias the lookup kernels' buffers, data-parallel
-tables are plain replicated parameters that average their own gradients over ranks. The step is
+tables are plain per-rank copies that average their own gradients over ranks. The step is
 `ShardedCollection`'s; what pooling adds to it is in modular/pooled/ (Note [collection kinds]):
 `PooledPart` for a batch with one bag per sample and `VariableBags` for one whose features have
 their own bag counts, which the input dist picks per step.

@@ -57,7 +57,7 @@ __all__ = ["release_process_groups"]
 # them) and collect garbage (FSDP modules sit in reference cycles). The destroyed groups are then
 # freed on the main thread, which joins their threads, before Python starts to finalize. After a
 # finished run no gloo thread is left then, in every job shape the tests use (fused and unfused,
-# data-parallel replicas, column-wise exact, FSDP2 and DDP, prefetch, DTensor tables, compile,
+# data-parallel copies, column-wise exact, FSDP2 and DDP, prefetch, DTensor tables, compile,
 # EC): tests/modular/exit_job.py prints the threads left at exit, scripts/exit_stress.py runs
 # hundreds of such jobs under load. What outlives the hook: every group of a job that raised (it
 # never reached `destroy_process_group`; the worker that ran its last collective is then often

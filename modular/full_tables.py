@@ -297,15 +297,16 @@ class _Held:
             if self.holds:
                 full = self.holders[name]._parameters["weight"].detach()
             if layout.placements[t].sharding_type is ShardingType.DATA_PARALLEL:
-                replica = self.sharded[name]
+                own_copy = self.sharded[name]
                 if self.rank0_only and not self.local:
-                    buf = full.to(self.comm_device) if self.rank == 0 else replica.detach()
+                    buf = full.to(self.comm_device) if self.rank == 0 else own_copy.detach()
                     if buf.device != self.comm_device:
                         buf = buf.to(self.comm_device)
-                    broadcast(buf, src=0, group=self.group, what="unshard's broadcast of a replica")
-                    replica.detach().copy_(buf)
+                    broadcast(buf, src=0, group=self.group,
+                              what="unshard's broadcast of a data-parallel table")  # fmt: skip
+                    own_copy.detach().copy_(buf)
                 else:
-                    replica.detach().copy_(full)
+                    own_copy.detach().copy_(full)
                 continue
             for j, spec in enumerate(layout.shards[t]):
                 self._write_shard(full, spec, self.views.get((name, j)))

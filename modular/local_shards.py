@@ -47,7 +47,7 @@ class ShardFill(Protocol):
 
 class LocalShards:
     """The kernels of one collection on this rank: `kernels` look up the routes this rank holds
-    (for every rank's batch), `local_kernels` its data-parallel replicas (for its own batch)."""
+    (for every rank's batch), `local_kernels` its data-parallel copies (for its own batch)."""
 
     def __init__(
         self, *, at: RankLayout, fused: Optional[FusedConfig], fill: Optional[ShardFill] = None
@@ -76,7 +76,7 @@ class LocalShards:
             spec = layout.shards[layout.table_index(table)][j]
             sizes.append((spec.num_rows, spec.num_cols))
         adopted = None if self._fill is None else self._fill.adopt(group, sizes, is_local=is_local)
-        if adopted is not None:  # its replicas' sync is set up already
+        if adopted is not None:  # its sync (data-parallel, replica groups) is set up already
             self.adopted.add(id(adopted))
             return adopted
         if self.fused_tables is not None:
@@ -112,15 +112,15 @@ class LocalShards:
         tensor_type: TensorType = TensorType.SHARDED_TENSOR,
     ) -> dict[str, ShardedTable]:
         """Fills the shards from `source`'s weights (or their init_fn on meta), then makes each
-        table's weight in table order (both collective), then has dense replicas average their
-        gradients over ranks (Note [dense replicas])."""
+        table's weight in table order (both collective), then has dense data-parallel copies
+        average their gradients over ranks (Note [dense data-parallel copies])."""
         views = self.views()
-        replicas = [view for k in self.local_kernels for view in k.views]
+        copies = [view for k in self.local_kernels for view in k.views]
         moved, self._fill = self._fill, None  # reshard's blocks fill every replica group's copies
         if moved is not None:  # alike (Note [resharding in memory]): nothing to broadcast
             moved(views)
         else:
-            init_shards(source, views, replicas, at=self.at)  # Note [agreeing on the shards' init]
+            init_shards(source, views, copies, at=self.at)  # Note [agreeing on the shards' init]
             if self.at.replicas is not None:  # every replica group starts from the first one's
                 copy_from_first_replica(list(views.values()), self.at.replicas)
         tables = {}
@@ -132,5 +132,5 @@ class LocalShards:
         if self.at.world > 1:
             for k in self.local_kernels:
                 if isinstance(k, DenseKernel) and id(k) not in self.adopted:
-                    k.replicate(self.at.group, self.at.world)
+                    k.data_parallel_over(self.at.group, self.at.world)
         return tables

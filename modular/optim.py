@@ -70,9 +70,9 @@ def fuse_optimizer(
     `stochastic_rounding` (FP16/BF16 tables): how fbgemm rounds an update into the table,
     passed to fbgemm's kernels as it is; True is fbgemm's default, which its CUDA kernels honour
     (unbiased, so small updates are not lost to round-to-nearest) and its CPU kernels ignore
-    (they round to nearest). The torch emulation always rounds to nearest, so replicas stay
-    bit-identical (Note [low-precision tables] in modular/kernels/table_dtypes.py). The optimizer
-    state is FP32 whatever the table's dtype.
+    (they round to nearest). The torch emulation always rounds to nearest, so data-parallel
+    copies stay bit-identical (Note [low-precision tables] in modular/kernels/table_dtypes.py).
+    The optimizer state is FP32 whatever the table's dtype.
     Returns the optimizer that owns the tables' state: `state_dict()`, `load_state_dict`,
     `param_groups` (a torch LR scheduler can drive it), `zero_grad()` (a no-op).
     """

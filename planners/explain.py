@@ -118,7 +118,7 @@ def before_search(
     base_memory: float,
 ) -> NoPlanError | None:
     """Checks 3 to 5, from the candidates: a table that fits on no rank in any allowed type,
-    tables that may only be replicated, tables pinned to ranks too small for them together."""
+    tables that may only be data-parallel, tables pinned to ranks too small for them together."""
     topo = model.topology
     world, cap = topo.world_size, float(topo.capacity)
     room = cap - base_memory
@@ -139,23 +139,23 @@ def before_search(
             [names[i] for i in order],
         )
 
-    # 4. Tables that may only be replicated, whose replicas together do not fit one rank: a
-    # replica is on every rank, so more ranks do not help.
+    # 4. Tables that may only be data-parallel, whose copies together do not fit one rank: a
+    # copy is on every rank, so more ranks do not help.
     dp = candidates.columns.index((ShardingType.DATA_PARALLEL, world))
     only_dp = [i for i in range(len(table_set))
                if candidates.valid[i, dp] and candidates.valid[i].sum() == 1
                and candidates.row_wise.lo[i] > candidates.row_wise.hi[i]]  # fmt: skip
-    replicas = float(sum(candidates.max_memory[i, dp] for i in only_dp))
-    if only_dp and replicas > room:
+    copies = float(sum(candidates.max_memory[i, dp] for i in only_dp))
+    if only_dp and copies > room:
         order = sorted(only_dp, key=lambda i: (-candidates.max_memory[i, dp], i))
-        lines = [f"  {names[i]!r}: {format_bytes(candidates.max_memory[i, dp])} a replica"
+        lines = [f"  {names[i]!r}: {format_bytes(candidates.max_memory[i, dp])} a copy"
                  for i in order[:_LISTED]]  # fmt: skip
         if len(order) > _LISTED:
             lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
         return NoPlanError(
             f"no plan fits: {plural(len(only_dp), 'table')} may only be data_parallel, which "
-            f"keeps a whole replica (weights, optimizer state, dense gradient) on every rank: "
-            f"{format_bytes(replicas)} per rank, but {where} and {format_bytes(base_memory)} of "
+            f"keeps a whole copy (weights, optimizer state, dense gradient) on every rank: "
+            f"{format_bytes(copies)} per rank, but {where} and {format_bytes(base_memory)} of "
             "it holds the batch buffers; more ranks do not help: allow table_wise or row_wise "
             "for some of them, or devices with more memory:\n" + "\n".join(lines),
             [names[i] for i in order],

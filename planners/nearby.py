@@ -1,14 +1,15 @@
 """`replan`'s search: from the old plan, one table's placement changed at a time, best gain per
 moved byte first, within a budget (Note [a move within a budget] in planners/replan.py).
 
-A step changes one table that has a shard on the slowest rank (a replica counts), or on a rank
-near it where nothing lowers the slowest rank: the table goes to its place in plan()'s fresh
-plan, its shard on that rank goes to a less loaded rank (`relocations`), or the table is cut anew
-(`recuts`): part of the shard peeled onto a less loaded rank, rows or columns shifted to a
-neighbouring shard of the table (all of them: one shard fewer), a replica made a sharded table on
-the least loaded ranks, a sharded one made a replica. Every candidate is priced exactly: its
-ranks' seconds and bytes by the cost model, its move by `move_bytes` from the old placement, as
-`modular.reshard` cuts the blocks. Two walks run, by gain per moved byte and by gain (`greedy`).
+A step changes one table that has a shard on the slowest rank (a data-parallel copy counts), or
+on a rank near it where nothing lowers the slowest rank: the table goes to its place in plan()'s
+fresh plan, its shard on that rank goes to a less loaded rank (`relocations`), or the table is
+cut anew (`recuts`): part of the shard peeled onto a less loaded rank, rows or columns shifted to
+a neighbouring shard of the table (all of them: one shard fewer), a data-parallel table made a
+sharded table on the least loaded ranks, a sharded one made data-parallel. Every candidate is
+priced exactly: its ranks' seconds and bytes by the cost model, its move by `move_bytes` from
+the old placement, as `modular.reshard` cuts the blocks. Two walks run, by gain per moved byte
+and by gain (`greedy`).
 """
 
 from __future__ import annotations
@@ -150,21 +151,21 @@ def recuts(
     kind = p.sharding_type
     targets = _targets(p, rank, load, host, con, width)
     found: list[tuple[TablePlacement | None, str]] = []
-    if kind is _T.DATA_PARALLEL:  # every rank holds the replica: sharding it moves nothing
+    if kind is _T.DATA_PARALLEL:  # every rank holds a copy: sharding it moves nothing
         found += [(_placement(table, _T.TABLE_WISE, [r], [dim], con, world),
-                   f"replica made table-wise on rank {r}") for r in targets]  # fmt: skip
+                   f"data-parallel made table-wise on rank {r}") for r in targets]  # fmt: skip
         if table.num_embeddings >= world:
             found.append((_placement(table, _T.ROW_WISE, list(range(world)),
                                      list(even_split(table.num_embeddings, world)), con, world),
-                          "replica made row-wise on every rank"))  # fmt: skip
+                          "data-parallel made row-wise on every rank"))  # fmt: skip
         unit = column_unit(dim)
         if len(targets) >= 2 and dim >= 2 * unit:
             half = unit * (dim // unit // 2)
             found.append((_placement(table, _T.COLUMN_WISE, targets[:2], [dim - half, half], con, world),
-                          f"replica made column-wise on ranks {targets[0]} and {targets[1]}"))  # fmt: skip
+                          f"data-parallel made column-wise on ranks {targets[0]} and {targets[1]}"))  # fmt: skip
         return [(q, why) for q, why in found if q is not None]
     if _allows(con, _T.DATA_PARALLEL, (), world):
-        found.append((TablePlacement(_T.DATA_PARALLEL), "made a replica on every rank"))
+        found.append((TablePlacement(_T.DATA_PARALLEL), "made data-parallel, a copy on every rank"))
     shards = shards_of(p, table, world)
     ranks = [s.rank for s in shards]
     j = ranks.index(rank)
@@ -240,10 +241,10 @@ def _walk(
         """Changes of the tables with a shard on `ranks` (the first: the slowest)."""
         out = []
         for i, p in enumerate(cur):
-            replica = p.sharding_type is _T.DATA_PARALLEL
-            for r in ranks[:1] if replica else [r for r in ranks if r in p.ranks]:
+            data_parallel = p.sharding_type is _T.DATA_PARALLEL
+            for r in ranks[:1] if data_parallel else [r for r in ranks if r in p.ranks]:
                 where = f"rank {r}, the slowest" if load[r] == top else f"rank {r}, near the slowest"
-                if not replica:
+                if not data_parallel:
                     out.extend((i, q, f"off {where}") for q in relocations(p, r, load, host, pins[i]))
                 if recut:
                     cuts = recuts(p, tables[i], r, load, host, pins[i], own=contrib[i][0][r])

@@ -67,9 +67,10 @@ class Candidates(NamedTuple):
     valid: np.ndarray  # allowed, shape ok, largest shard fits in memory
     allowed: np.ndarray  # allowed by constraints and the table's shape, memory ignored
     max_cost: np.ndarray  # seconds of the largest shard (the even split the search emits)
-    total: np.ndarray  # seconds summed over all shards (W replicas for data-parallel)
+    total: np.ndarray  # seconds summed over all shards (W copies for data-parallel)
     # bytes the largest shard needs on its rank, with what the placement adds to every rank
-    # (`CostModel.everywhere_bytes`: row-wise pieces' low-precision copies; less for a replica)
+    # (`CostModel.everywhere_bytes`: row-wise pieces' low-precision copies; less for a
+    # data-parallel copy)
     max_memory: np.ndarray
     row_wise: RowWise
     torchrec: bool = False  # only what TorchRec runs as planned (Note [plans TorchRec runs unchanged])

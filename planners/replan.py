@@ -19,8 +19,8 @@ the same bytes (`move_bytes`) and returns the best plan it finds whose move fits
      to its place in that plan; its shard on the slowest rank to a less loaded rank; or cut
      anew: part of that shard peeled onto a less loaded rank (a table-wise table becomes
      column- or row-wise, a sharded one gets a shard more), rows or columns shifted to the
-     shard's neighbour (all of them: a shard fewer), a replica made a sharded table (which
-     moves nothing: every rank holds it) or a shard made a replica. Each step takes the
+     shard's neighbour (all of them: a shard fewer), a data-parallel table sharded (which
+     moves nothing: every rank holds it) or a sharded one made data-parallel. Each step takes the
      change with the largest drop of the slowest rank per moved byte (where none lowers it,
      e.g. two ranks tie at the top, the ranks near the top may change too, for the largest drop
      of the sum of squared rank costs, never raising the slowest rank), within the budget and
@@ -148,7 +148,7 @@ def _relabel(fresh: list[TablePlacement], old: list[TablePlacement], tables: lis
     keep = np.zeros((world, world))  # [fresh rank, old rank]: bytes the fresh rank would keep
     for t, a, b in zip(tables, old, fresh):
         if a.sharding_type is _T.DATA_PARALLEL or b.sharding_type is _T.DATA_PARALLEL:
-            continue  # a replica is on every rank: no renaming changes what it keeps
+            continue  # a data-parallel copy is on every rank: no renaming changes what it keeps
         for n in shards_of(b, t, world):
             for s in shards_of(a, t, world):
                 rows = min(s.row_offset + s.num_rows, n.row_offset + n.num_rows) - max(s.row_offset, n.row_offset)

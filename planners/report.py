@@ -39,11 +39,11 @@ SORT_KEYS = {
 
 
 def shard_sizes(t: TableStats) -> str:
-    """'whole', 'replica', '48+80 cols', '3x62_501+13x62_500 rows'."""
+    """'whole', 'copy', '48+80 cols', '3x62_501+13x62_500 rows'."""
     if t.sharding_type is ShardingType.TABLE_WISE:
         return "whole"
     if t.sharding_type is ShardingType.DATA_PARALLEL:
-        return "replica"
+        return "copy"
     axis = "cols" if t.sharding_type is ShardingType.COLUMN_WISE else "rows"
     runs: list[list[int]] = []
     for size in t.sizes:
@@ -238,7 +238,7 @@ def why_lines(stats: PlanStats, tables: Sequence[Table], name: str,
         label = kind.value
         if kind not in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
             label += f" over {k}"
-        per = "per replica" if kind is ShardingType.DATA_PARALLEL else "largest shard"
+        per = "per copy" if kind is ShardingType.DATA_PARALLEL else "largest shard"
         verdict = "" if under else "  (slower than the slowest rank)"
         lines.append(f"    {label:<22} {per} {format_seconds(largest)}, total "
                      f"{format_seconds(total)}, {format_bytes(memory)}{verdict}")  # fmt: skip

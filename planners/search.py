@@ -85,7 +85,8 @@ def shard_sizes(table: Table, kind: ShardingType, k: int) -> tuple[int, ...]:
 
 
 def _room_everywhere(p: Problem, s: State, extra: float) -> bool:
-    """Whether every rank has room for `extra` more bytes (a replica, or low-precision copies)."""
+    """Whether every rank has room for `extra` more bytes (a data-parallel copy, or low-precision
+    copies)."""
     return float(s.mem.max()) + extra <= p.capacity
 
 
@@ -259,7 +260,7 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
             f = p.prices.affine(i, kind, 1)
             add = f.am + p.prices.everywhere(i, kind, 1)
             if not _room_everywhere(p, s, add):
-                continue  # no room for another replica: a sharded candidate below, if any
+                continue  # no room for another data-parallel copy: a sharded candidate below, if any
             s.load += f.a
             s.mem += add
             s.kinds[i] = kind
@@ -288,7 +289,7 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
         ranks = None
         for kind, k in _tries(c, i, picked[i]):
             if kind is _T.DATA_PARALLEL:
-                continue  # a replica that did not fit above
+                continue  # a data-parallel copy that did not fit above
             f = p.prices.affine(i, kind, k)
             sizes = list(shard_sizes(p.tables[i], kind, k))
             mems = [f.am + f.bm * x for x in sizes]

@@ -104,7 +104,7 @@ class ShardStats:
 class TableStats:
     """One table: how it is placed and what each of its shards holds and costs.
 
-    A data-parallel table has one shard (replica) per rank."""
+    A data-parallel table has one shard (a copy) per rank."""
 
     name: str  # 'fqn.table', or the bare name for the model's own EBC
     num_embeddings: int

@@ -45,7 +45,7 @@ class PlanError(ValueError):
 class ShardingType(enum.Enum):
     """How one table is laid out over ranks."""
 
-    DATA_PARALLEL = "data_parallel"  # a full replica on every rank; gradients all-reduced
+    DATA_PARALLEL = "data_parallel"  # a full copy on every rank; gradients all-reduced
     TABLE_WISE = "table_wise"  # the whole table on one rank
     ROW_WISE = "row_wise"  # rows split over ranks; partial sums reduced
     COLUMN_WISE = "column_wise"  # columns split over ranks; outputs concatenated
@@ -150,7 +150,7 @@ class TablePlacement:
             raise PlanError(f"{kind.value} placement has a negative rank in {self.ranks}")
         if kind is ShardingType.DATA_PARALLEL and self.ranks:
             raise PlanError(
-                f"data_parallel tables are replicated on every rank; drop ranks={self.ranks}"
+                f"data_parallel tables have a copy on every rank; drop ranks={self.ranks}"
             )
         if kind is ShardingType.TABLE_WISE and len(self.ranks) != 1:
             raise PlanError(
@@ -202,7 +202,7 @@ class TablePlacement:
     ) -> tuple[ShardSpec, ...]:
         """The concrete shards of a `num_embeddings` x `embedding_dim` table under this placement.
 
-        Data-parallel placements return one full replica per rank.
+        Data-parallel placements return one full copy per rank.
         """
         kind = self.sharding_type
         ranks = self.shard_ranks(world_size)

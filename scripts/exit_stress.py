@@ -4,7 +4,7 @@
     python scripts/exit_stress.py --jobs 40 --time-limit 600 --out /tmp/exit_stress
 
 Each job is tests/modular/exit_job.py started as two plain processes with torchrun's environment
-variables, in one of its shapes (fused and unfused, data-parallel replicas, column-wise exact,
+variables, in one of its shapes (fused and unfused, data-parallel copies, column-wise exact,
 FSDP2 and DDP, prefetch, DTensor tables, compile, EC: see that file), taken in turn. Beside them
 run `--load` CPU-bound processes (a busy loop each), so that gloo's worker threads get
 descheduled at awkward moments, which is when the race of Note [exit after destroy_process_group]

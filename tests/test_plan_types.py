@@ -106,7 +106,7 @@ def test_shards_cover_each_table_exactly(table: tuple[int, int, int, TablePlacem
     kind = placement.sharding_type
     assert [s.rank for s in specs] == list(placement.shard_ranks(world))
     assert all(0 <= s.rank < world for s in specs)
-    if kind is ShardingType.DATA_PARALLEL:  # one full replica per rank
+    if kind is ShardingType.DATA_PARALLEL:  # one full copy per rank
         assert specs == tuple(ShardSpec(r, 0, rows, 0, dim) for r in range(world))
         return
     grid = _cells(specs, rows, dim)
@@ -296,7 +296,7 @@ def test_table_row_wise_over_two_hosts_is_refused(per_host: int, n: int, data) -
 BAD_PLACEMENTS = [
     (lambda: TablePlacement(ShardingType.TABLE_WISE), r"table_wise placement needs exactly one rank, got ranks=\(\)"),
     (lambda: TablePlacement(ShardingType.TABLE_WISE, ranks=(0, 1)), r"table_wise placement needs exactly one rank, got ranks=\(0, 1\)"),
-    (lambda: TablePlacement(ShardingType.DATA_PARALLEL, ranks=(0,)), r"data_parallel tables are replicated on every rank; drop ranks=\(0,\)"),
+    (lambda: TablePlacement(ShardingType.DATA_PARALLEL, ranks=(0,)), r"data_parallel tables have a copy on every rank; drop ranks=\(0,\)"),
     (lambda: TablePlacement(ShardingType.ROW_WISE, ranks=(0, -1)), r"row_wise placement has a negative rank in \(0, -1\)"),
     (lambda: TablePlacement(ShardingType.ROW_WISE, ranks=(1, 0, 1)), r"row_wise placement lists a rank twice: ranks=\(1, 0, 1\)"),
     (lambda: TablePlacement(ShardingType.TABLE_ROW_WISE, ranks=(2, 2)), r"table_row_wise placement lists a rank twice: ranks=\(2, 2\)"),

@@ -62,7 +62,7 @@ PathLike = Union[str, os.PathLike]
 def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> None:
     """Saves the model (and optimizer) state to the directory `path`, atomically. Collective.
 
-    Sharded tables, data-parallel replicas, FSDP2 params and optimizer state are written by DCP
+    Sharded tables, data-parallel tables, FSDP2 params and optimizer state are written by DCP
     under plan-independent keys (Note [checkpoint keys]), so `load` accepts any later plan and
     world size. `path` is replaced only once every rank has written everything; an interrupted
     save leaves the previous checkpoint at `path` intact (Note [checkpoint layout]). `path` must be

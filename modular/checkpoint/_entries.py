@@ -17,7 +17,7 @@ the FQN (and shard) of the model parameter it updates. The fused optimizer keys 
 
 DCP stores every tensor by its global shape and its saved chunks, and reads any other chunking
 of the same global shape, so a checkpoint loads under any plan and world size: a row-wise table
-may come back column-wise, table-wise or as a data-parallel replica, and the other way round.
+may come back column-wise, table-wise or as a data-parallel copy, and the other way round.
 Optimizer state moves with its weight because its key and global shape do not depend on the plan.
 """
 

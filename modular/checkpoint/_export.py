@@ -105,7 +105,7 @@ def gather(value: Any, dst: int) -> Any:
     if isinstance(value, DTensor):
         full = value.full_tensor()
         return full.cpu() if me == dst else None
-    if isinstance(value, torch.Tensor):  # a replica: every rank holds the whole of it
+    if isinstance(value, torch.Tensor):  # a data-parallel copy or dense param: whole on every rank
         return value.detach().cpu().clone() if me == dst else None
     return value if me == dst else None
 

@@ -8,7 +8,7 @@ hold different pieces of it and no others:
   local sums are all-reduced over the module's process group;
 - FSDP2 DTensor gradients: the local sums are all-reduced over each mesh dimension on which the
   parameter is sharded (the shard dimension only under HSDP: the replicate dimension holds copies);
-- data-parallel table replicas and plain parameters (e.g. under DDP): every rank holds the same
+- data-parallel tables' copies and plain parameters (e.g. under DDP): every rank holds the same
   full gradient after its all-reduce, so each rank counts its own copy once, with no collective.
 For a p-norm the parts are sums of |g|^p; for inf they are maxima. Adding the parts gives the same
 total on every rank, with one small all-reduce per process group or mesh dimension.
@@ -49,7 +49,7 @@ def clip_grad_norm_(
         opt.step()
 
     It covers the local shards of sharded tables (each element counted once across ranks), the
-    data-parallel table replicas (counted once, not once per rank), FSDP2's DTensor gradients and
+    data-parallel tables' copies (counted once, not once per rank), FSDP2's DTensor gradients and
     plain parameters, which must hold the same gradient on every rank, as DDP leaves them; see
     Note [one global grad norm]. `norm_type` is a positive p or `inf`. Tables fused with their
     optimizer (`modular.fuse_optimizer`) are updated inside backward and have no gradients: they
@@ -64,7 +64,7 @@ def clip_grad_norm_(
 
     table_ids: set[int] = set()
     by_group: dict[Optional[ProcessGroup], tuple[torch.device, list[torch.Tensor]]] = {}
-    replicated: list[torch.Tensor] = []
+    same_everywhere: list[torch.Tensor] = []
     for _, m in model.named_modules():
         if not isinstance(m, SHARDED_COLLECTIONS):
             continue
@@ -77,7 +77,7 @@ def clip_grad_norm_(
                 _, shard_grads = by_group.setdefault(m.process_group, (m.device, []))
                 shard_grads.extend(_grads(piece.tensor for piece in local_pieces(w)))
             else:
-                replicated.extend(_grads([w]))
+                same_everywhere.extend(_grads([w]))
 
     by_mesh: dict[tuple, tuple[torch.device, list[torch.Tensor]]] = {}
     for name, w in model.named_parameters():
@@ -96,7 +96,7 @@ def clip_grad_norm_(
                     )
                 local.append(g.to_local())
         else:
-            replicated.extend(_grads([w]))
+            same_everywhere.extend(_grads([w]))
 
     parts = []
     for group, (device, grads) in by_group.items():
@@ -109,8 +109,8 @@ def clip_grad_norm_(
             all_reduce(part, op=reduce_op, group=mesh.get_group(d),
                        what="clip_grad_norm_'s all-reduce of dense norms")  # fmt: skip
         parts.append(part)
-    device = parts[0].device if parts else _device_of(replicated)
-    parts.append(_part(replicated, p, device))
+    device = parts[0].device if parts else _device_of(same_everywhere)
+    parts.append(_part(same_everywhere, p, device))
 
     stacked = torch.stack([part.to(device) for part in parts])
     total = stacked.max() if is_inf else stacked.sum() ** (1.0 / p)
@@ -119,7 +119,7 @@ def clip_grad_norm_(
     for grads in (
         *(g for _, g in by_group.values()),
         *(g for _, g in by_mesh.values()),
-        replicated,
+        same_everywhere,
     ):
         for g in grads:
             g.mul_(coef.to(g.device))

@@ -28,9 +28,9 @@ in modular/collection.py):
 - Autograd crosses the boundary as in eager mode: the EBC's backward (output dist, then the
   lookup's backward) is the eager autograd graph, so fused tables update once per step inside
   it, and data-parallel tables all-reduce their own gradients, exactly as without compile.
-- The tables are `ShardedTensor`s (or replicas) that only the eager forward reads, so dynamo
-  never sees them as graph inputs, and the fused kernels' weights and optimizer state change in
-  place where no guard looks.
+- The tables are `ShardedTensor`s (or data-parallel copies) that only the eager forward reads, so
+  dynamo never sees them as graph inputs, and the fused kernels' weights and optimizer state
+  change in place where no guard looks.
 - The dense part is dynamo's and FSDP2's business as in any model, with one consequence: FSDP2
   keeps dynamo out of a fully sharded module's call (its hooks are skipped, the call runs
   eagerly), so `torch.compile(model)` over an FSDP2 model compiles only what lies between the

@@ -10,7 +10,7 @@ Each call changes the model in place and returns it. `fuse_optimizer` comes firs
 an EBC on meta, so `shard` builds each rank's shards fused directly (fusing an already sharded
 module would hold its shards twice while its kernels are swapped, so it is refused). `shard` runs
 before the dense wrappers: FSDP and DDP must be told which parameters to leave alone, and only
-once the tables are `ShardedTensor`s and self-reducing replicas can those be found
+once the tables are `ShardedTensor`s and self-reducing data-parallel copies can those be found
 (`ignored_params`). FSDP then replaces the dense parameters by DTensors, so the optimizer is
 built last. Only the tables may be on `meta` when `shard` runs: FSDP2 needs materialised dense
 parameters (`apply_fully_shard` says which are not). Every table

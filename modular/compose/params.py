@@ -62,7 +62,7 @@ def local_parameters(model: nn.Module) -> list[torch.Tensor]:
         opt = torch.optim.Adam(modular.local_parameters(model), lr=1e-3)
 
     It holds the local shards of sharded tables (not the ShardedTensor wrappers, see
-    Note [sharded tables and torch optimizers]), the data-parallel table replicas, FSDP's DTensor
+    Note [sharded tables and torch optimizers]), the data-parallel tables' copies, FSDP's DTensor
     parameters and every other parameter that requires grad. Tables of a module fused with its
     optimizer (`module.fused`) are left out: they update inside backward and have no gradients.
     """

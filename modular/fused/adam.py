@@ -37,7 +37,7 @@ every plan trains as the unsharded table does. fbgemm-gpu-cpu 1.8.0 has none of 
 ("Optimizer adam is not supported in CPU mode"), so on CPU every shard takes this emulation (its
 sparse gradient: Note [emulated fused kernels]); off CPU fbgemm's kernels run whole tables and
 column pieces under plain adam (whose statistics are per element), the emulation the rest
-(column pieces whose rows need whole-row statistics, data-parallel replicas, odd widths).
+(column pieces whose rows need whole-row statistics, data-parallel copies, odd widths).
 tests/gpu/test_cuda_adam.py holds this emulation to fbgemm's CUDA kernels.
 """
 

@@ -2,9 +2,9 @@
 
 Kernels that cannot update inside their own backward (the torch emulation, Note [emulated fused
 kernels]; the deferred fbgemm kernels, Note [row statistics across column shards] and Note
-[fused replicas]) record their lookups; once autograd has run every backward of the step, this
-driver runs the collectives that complete them and then each kernel's update, the same
-collectives in the same order on every rank.
+[fused data-parallel copies]) record their lookups; once autograd has run every backward of the
+step, this driver runs the collectives that complete them and then each kernel's update, the
+same collectives in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from modular.comm import all_to_all
 from modular.kernels.base import Kernel
-from modular.fused.deferred import ReplicaFusedKernel, RowStatsFusedKernel, gather_across_replicas
+from modular.fused.deferred import GatheredFusedKernel, RowStatsFusedKernel, gather_across_replicas
 from modular.fused.emulated import EmulatedFusedKernel, average_in_place, take_every_pending
 from modular.kernels.lookups import Lookup, gather_batch, gather_lengths
 from modular.fused.row_means import IdRowMeans
@@ -32,7 +32,7 @@ class EndOfBackward:
         self,
         kernels: list[Kernel],
         *,
-        replicas: set[int],
+        copies: set[int],
         column_rowwise: tuple[str, ...],
         at: RankLayout,
         per_id: bool = False,
@@ -44,7 +44,7 @@ class EndOfBackward:
         updates, run last (`MomentUpdates.run`, modular/fused/moments.py)."""
         self.moments = moments
         self.kernels = kernels  # those with deferred work, remote routes' first
-        self.replicas = replicas  # ids of data-parallel replica kernels (gradients averaged)
+        self.copies = copies  # ids of data-parallel copies' kernels (gradients averaged)
         self.column_rowwise = column_rowwise
         self.at = at
         two_pass = [k for k in kernels if isinstance(k, RowStatsFusedKernel)]
@@ -78,8 +78,8 @@ class EndOfBackward:
         stats = {id(k): k.row_stats() for k in two_pass}
         if self.column_rowwise and self._id_means is None:
             row_means = self._column_row_means(emulated, grads, two_pass, stats)
-        replicas = [k for k in emulated if id(k) in self.replicas]  # data-parallel: every rank's
-        average_in_place(replicas, grads, world=self.at.world, group=self.at.group)
+        copies = [k for k in emulated if id(k) in self.copies]  # data-parallel: every rank's
+        average_in_place(copies, grads, world=self.at.world, group=self.at.group)
         for k in emulated:
             means = [row_means.get(name) for name, _ in k.group.shards]
             k.apply(grads[id(k)], [None if m is None else m[1] for m in means])
@@ -94,18 +94,19 @@ class EndOfBackward:
                 ]
             )  # fmt: skip
         for k in self.kernels:
-            if isinstance(k, ReplicaFusedKernel):
+            if isinstance(k, GatheredFusedKernel):
                 batch = k.take_batch()  # every replica group's (Note [exact replicas])
-                if id(k) in self.replicas:  # a data-parallel table: every rank's of the group
+                if id(k) in self.copies:  # a data-parallel table: every rank's of the group
                     batch = self._global_batch(k, batch)
                 if batch is not None:
                     k.run_backward(batch)
         if self.moments is not None:
             self.moments()
 
-    def _global_batch(self, k: ReplicaFusedKernel, mine: Optional[Lookup]) -> Optional[Lookup]:
-        """Every rank's lookup batch for replica kernel `k`, merged in rank order, gradients
-        divided by the world size (Note [fused replicas]); the same collectives on every rank."""
+    def _global_batch(self, k: GatheredFusedKernel, mine: Optional[Lookup]) -> Optional[Lookup]:
+        """Every rank's lookup batch for data-parallel copy kernel `k`, merged in rank order,
+        gradients divided by the world size (Note [fused data-parallel copies]); the same
+        collectives on every rank."""
         if mine is None:  # no lookup on any rank: forward ran on all or none
             return None
         lengths = gather_lengths(mine, self.at.group, self.at.world)

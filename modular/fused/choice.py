@@ -17,8 +17,8 @@ column_wise_statistic="per_shard")` asks for TorchRec's approximation: then each
 keeps the statistic of its own columns, as if it were a table of its own, and takes fbgemm's
 plain fused kernel like a whole table (one pass, no exchange; the result depends on the plan).
 The other cases compute a sparse gradient and apply the identical update in torch at the end of
-backward (`EmulatedFusedKernel`): data-parallel replicas (touched rows are gathered first, so
-replicas stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU
+backward (`EmulatedFusedKernel`): data-parallel copies (touched rows are gathered first, so
+they stay identical), shard widths that fbgemm cannot take, weight decay on CPU (fbgemm's CPU
 kernel ignores it) and column-wise row-wise Adagrad off CPU. The Adam family ("adam",
 "partial_rowwise_adam", "lamb", "partial_rowwise_lamb") takes the emulation on CPU, where fbgemm
 has none of its kernels, and off CPU where rows need statistics of the whole row across column
@@ -66,7 +66,7 @@ class KernelKind(enum.Enum):
     DENSE = "dense"  # DenseKernel: gradients for a torch optimizer
     FBGEMM = "fbgemm"  # FusedKernel: fbgemm's fused update inside its backward
     ROW_STATISTICS = "row_statistics"  # RowStatsFusedKernel: two passes, whole rows' statistic
-    REPLAYED = "replayed"  # ReplicaFusedKernel: fbgemm's backward over every copy's gathered batch
+    REPLAYED = "replayed"  # GatheredFusedKernel: fbgemm's backward over the holders' gathered batch
     EMULATED = "emulated"  # EmulatedFusedKernel: the update in torch, at the end of backward
     ADAM = "adam"  # AdamFusedKernel: the Adam family in torch, at the end of backward
 
@@ -117,8 +117,8 @@ def emulation_reason(
     odd = [w for w in widths if odd_width(w)]
     if odd:
         return f"shard width {odd[0]} is not a multiple of 4, which fbgemm's fused kernels need"
-    # Note [row statistics across column shards] and Note [fused replicas] run fbgemm's CPU
-    # backward ops directly; other devices take the torch emulation.
+    # Note [row statistics across column shards] and Note [fused data-parallel copies] run
+    # fbgemm's CPU backward ops directly; other devices take the torch emulation.
     if deferred is not None and not on_cpu:
         return f"{deferred} on {device_type}: fbgemm's backward ops are run directly only on CPU"
     return None

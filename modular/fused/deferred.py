@@ -1,7 +1,7 @@
 """Fused kernels whose update waits for the end of backward: fbgemm's CPU backward ops run by
 the owning module once its collectives have completed the batch (column-wise row statistics,
-data-parallel replicas). See Note [row statistics across column shards] and Note [fused
-replicas] below, and Note [fused tables] in modular/fused/choice.py.
+data-parallel copies, exact 2D replica groups). See Note [row statistics across column shards]
+and Note [fused data-parallel copies] below, and Note [fused tables] in modular/fused/choice.py.
 """
 
 from __future__ import annotations
@@ -313,14 +313,22 @@ class RowStatsFusedKernel(DeferredFusedKernel):
             self.run_backward(batch)
 
 
-class ReplicaFusedKernel(DeferredFusedKernel):
-    """A data-parallel replica under fbgemm's fused optimizer.
+class GatheredFusedKernel(DeferredFusedKernel):
+    """fbgemm's fused optimizer replayed over a batch gathered from the table's other holders:
+    a data-parallel copy (every rank's batch of the shard group), a shard's copy in exact 2D
+    replica groups (every group's batch: Note [exact replicas] in
+    modular/kernels/exact_replicas.py), or both.
 
-    # Note [fused replicas]
-    Every replica must apply the same update: the mean gradient over ranks. Rather than gather
-    touched rows and their gradients (rows x dim floats from every rank), the owning module
-    gathers each rank's lookup batch, its ids and the pooled outputs' gradient (divided by the
-    world size), and every rank runs fbgemm's fused backward on the global batch, ranks in
+    # Note [fused data-parallel copies]
+    Every data-parallel copy must apply the same update: the mean gradient over ranks. Rather
+    than gather touched rows and their gradients (rows x dim floats from every rank), the owning
+    module gathers each rank's lookup batch, its ids and the pooled outputs' gradient (divided by
+    the world size), and every rank runs fbgemm's fused backward on the global batch, ranks in
     order: the identical update everywhere, from a fraction of the bytes (ids and bags x dim
     floats), with fbgemm summing duplicate rows. CPU; other devices take the torch emulation.
+
+    # Note [fused replicas]
+    The former name of Note [fused data-parallel copies] above, kept only while
+    docs/benchmarks.md (being rewritten elsewhere) still refers to it; delete once it says the
+    new name.
     """

@@ -190,13 +190,13 @@ def all_gather_means(
     mine = [g for per_kernel in grads for g in per_kernel]
     counts = torch.tensor([0 if g is None else g.rows.numel() for g in mine], device=device)
     # The only read back from the device: every rank's row counts, once.
-    every = all_gather(counts, group=group, world=world, what="a replica's row counts").tolist()
+    every = all_gather(counts, group=group, world=world, what="a holder's row counts").tolist()
     empty = torch.zeros(0, device=device)
     rows = [empty.long() if g is None else g.rows.long() for g in mine]
     vals = [empty if g is None else g.grad.reshape(-1).float() for g in mine]
     sizes = [n + [c * w for c, (_, _, w) in zip(n, per_table)] for n in every]
     got = all_gather_packed(rows + vals, sizes, group, world, kept=kernels[0]._kept,
-                            what="the replicas' touched rows and their gradients")  # fmt: skip
+                            what="the holders' touched rows and their gradients")  # fmt: skip
     out: list[list[Optional[RowGrad]]] = [[] for _ in kernels]
     tables = len(per_table)
     for j, (i, t, width) in enumerate(per_table):
@@ -218,7 +218,7 @@ def _add_rows(
     the sum rounded to nearest once; with `round_step` the FP32 step is first rounded to the
     table's dtype too, as fbgemm's CPU exact-SGD and Adagrad kernels do (its row-wise Adagrad
     does not): Note [low-precision tables] in modular/kernels/table_dtypes.py. Deterministic, so
-    replicas that apply the same step stay bit-identical."""
+    data-parallel copies and replica groups that apply the same step stay bit-identical."""
     if weight.dtype is torch.float32:
         weight.scatter_add_(0, spread, step)  # rows are unique: a scatter
         return

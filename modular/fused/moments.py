@@ -3,7 +3,7 @@
 Note [fused Adam and LAMB] (modular/fused/adam.py) says what the update is; this runs it on
 the module's `AdamFusedKernel`s in phases, with the collectives that make it exact between them,
 the same collectives in the same order on every rank:
-  1. each kernel's sparse gradient (rows it touched, summed gradients); data-parallel replicas
+  1. each kernel's sparse gradient (rows it touched, summed gradients); data-parallel copies
      average theirs over ranks, all kernels' at once (`average_in_place`, Note [emulated fused
      kernels]);
   then the tables held whole take their whole update (`AdamFusedKernel.apply`), and the tables
@@ -45,23 +45,23 @@ class MomentUpdates:
         kernels: list[AdamFusedKernel],
         *,
         kind: FusedOptimizerKind,
-        replicas: set[int],
+        copies: set[int],
         column_tables: tuple[str, ...],
         at: RankLayout,
     ) -> None:
-        """`replicas`: ids of the data-parallel replica kernels; `column_tables`: the tables cut
+        """`copies`: ids of the data-parallel copies' kernels; `column_tables`: the tables cut
         into column pieces whose rows need whole-row statistics (the same on every rank)."""
         self.kernels = kernels
         self.kind = kind
-        self.replicas = replicas
+        self.copies = copies
         self.column_tables = column_tables
         self.at = at
 
     def run(self) -> None:
         at = self.at
         grads = dict(zip(map(id, self.kernels), take_every_pending(self.kernels)))
-        replicas = [k for k in self.kernels if id(k) in self.replicas]  # every rank's, at once
-        average_in_place(replicas, grads, world=at.world, group=at.group)
+        copies = [k for k in self.kernels if id(k) in self.copies]  # every rank's, at once
+        average_in_place(copies, grads, world=at.world, group=at.group)
         # Tables held whole take the update at once, a block of rows at a time (Note [updating
         # rows in blocks]); column pieces in phases, with their exchanges between.
         cut: dict[int, list[Optional[RowGrad]]] = {}

@@ -18,7 +18,7 @@ from modular.fused.adam import AdamFusedKernel, StepCount
 from modular.kernels.base import Kernel
 from modular.fused.deferred import (
     DeferredFusedKernel,
-    ReplicaFusedKernel,
+    GatheredFusedKernel,
     RowForm,
     RowStatsFusedKernel,
 )
@@ -75,7 +75,7 @@ class FusedTables:
         elif choice.kernel is KernelKind.EMULATED:
             kernel = EmulatedFusedKernel(group, sizes, device, config)
         elif choice.kernel is KernelKind.REPLAYED:
-            kernel = ReplicaFusedKernel(group, sizes, device, config)
+            kernel = GatheredFusedKernel(group, sizes, device, config)
         elif choice.kernel is KernelKind.ROW_STATISTICS:
             forms = tuple(
                 None if table not in self.column_rowwise else self._row_form(table)
@@ -102,10 +102,10 @@ class FusedTables:
         # A rank holding no shard of the column-wise tables still joins their statistics'
         # all-to-all (with nothing to send), or the ranks that hold them wait on it forever.
         if pending or (self.column_rowwise and not self.at.local):
-            replicas = {id(k) for k in local_kernels} if self.at.world > 1 else set()
+            copies = {id(k) for k in local_kernels} if self.at.world > 1 else set()
             per_id = all(self._row_form(t) is RowForm.IDS for t in self.column_rowwise)
             self.end_of_backward = EndOfBackward(
-                pending, replicas=replicas, column_rowwise=self.column_rowwise, at=self.at,
+                pending, copies=copies, column_rowwise=self.column_rowwise, at=self.at,
                 per_id=per_id,
             )  # fmt: skip
 
@@ -115,13 +115,13 @@ class FusedTables:
         every = (*self.kernels, *self.local_kernels)
         kernels = [k for k in every if isinstance(k, AdamFusedKernel)]
         if kernels or (self.column_rowwise and not self.at.local):
-            replicas = {id(k) for k in self.local_kernels} if self.at.world > 1 else set()
+            copies = {id(k) for k in self.local_kernels} if self.at.world > 1 else set()
             moments = MomentUpdates(
-                kernels, kind=self.config.optimizer, replicas=replicas,
+                kernels, kind=self.config.optimizer, copies=copies,
                 column_tables=self.column_rowwise, at=self.at,
             )  # fmt: skip
             self.end_of_backward = EndOfBackward(
-                [], replicas=set(), column_rowwise=(), at=self.at, moments=moments.run
+                [], copies=set(), column_rowwise=(), at=self.at, moments=moments.run
             )
 
     def states(self) -> dict[tuple[str, int], dict[str, torch.Tensor]]:

@@ -15,17 +15,21 @@ SUM with 1/length folded into per-id weights, because fbgemm's weighted CPU back
 buffer cheap). A reference to last step's `.grad` taken before `zero_grad()` therefore sees this
 step's gradient, as with set_to_none=False.
 
-# Note [dense replicas]
+# Note [dense data-parallel copies]
 A data-parallel table's gradient must be the mean over ranks of their batches' gradients, the same
 on every rank. DDP all-reduces the whole (rows, dim) gradient; but a step touches only the rows
-its ids name, so on CPU a replica first all-gathers every rank's bag lengths (one small
+its ids name, so on CPU a data-parallel copy first all-gathers every rank's bag lengths (one small
 collective), and when the global batch's ids x dim is at most the buffer's size (`replay_pays`)
 it gathers the ids and the pooled outputs' gradients divided by the world size and runs the same
 fbgemm backward on the global batch, ranks in order: the same sum, from bags x dim floats and ids
 instead of a table's worth, and the same bits on every rank. Otherwise (more ids than the table
 has rows) it accumulates its own batch and all-reduces the buffer. The choice rests on the
 gathered lengths, so every rank makes the same one. Measured in docs/benchmarks.md; the fused
-twin is Note [fused replicas] in modular/fused/deferred.py.
+twin is Note [fused data-parallel copies] in modular/fused/deferred.py.
+
+# Note [dense replicas]
+The former name of Note [dense data-parallel copies] above, kept only while docs/benchmarks.md
+(being rewritten elsewhere) still refers to it; delete once it says the new name.
 """
 
 from __future__ import annotations
@@ -82,8 +86,8 @@ class DenseKernel:
         ]
         self._on_cpu = device.type == "cpu"
         self._no_weight_grads = no_weight_grads(group, device)
-        self._replicas: Optional[tuple[Optional[ProcessGroup], int]] = None
-        self.replay_ratio = 1.0  # Note [dense replicas]; tests force either way with 0 or inf
+        self._copies: Optional[tuple[Optional[ProcessGroup], int]] = None  # data-parallel
+        self.replay_ratio = 1.0  # Note [dense data-parallel copies]; tests force either way: 0, inf
         self._across: Optional[Replicas] = None  # Note [exact replicas]
         if self._on_cpu:
             self._placements = torch.full(
@@ -95,11 +99,12 @@ class DenseKernel:
     def flat_weight(self) -> torch.nn.Parameter:
         return self.tbe.weights
 
-    def replicate(self, group: Optional[ProcessGroup], world: int) -> None:
-        """Makes this kernel a data-parallel replica on `world` ranks: each backward leaves the
-        mean over ranks of their batches' gradients in the buffer (Note [dense replicas])."""
+    def data_parallel_over(self, group: Optional[ProcessGroup], world: int) -> None:
+        """Makes this kernel a data-parallel copy on `world` ranks: each backward leaves the
+        mean over ranks of their batches' gradients in the buffer (Note [dense data-parallel
+        copies])."""
         if self._on_cpu:
-            self._replicas = (group, world)
+            self._copies = (group, world)
             if self.tbe.weights.dtype is not torch.float32:
                 # An FP16 buffer all-reduced would round once per rank's partial sum; the replay
                 # sums every rank's rows in FP32 and rounds once (Note [low-precision tables]).
@@ -132,12 +137,12 @@ class DenseKernel:
 
     def backward(self, batch: Lookup) -> None:
         """Adds this lookup's gradient into the kept buffer (Note [dense gradient buffer]); for a
-        replica, the mean over ranks (Note [dense replicas])."""
+        data-parallel copy, the mean over ranks (Note [dense data-parallel copies])."""
         reduce = False
         if self._across is not None:  # first every replica group's batch (Note [exact replicas])
             batch = gather_replicas(batch, len(self.group.routes), self._across)
-        if self._replicas is not None:
-            group, world = self._replicas
+        if self._copies is not None:
+            group, world = self._copies
             lengths = gather_lengths(batch, group, world)
             ids = int(lengths.sum())
             if replay_pays(ids, self.tbe.max_D, self.tbe.weights.numel(), self.replay_ratio):
@@ -165,13 +170,13 @@ class DenseKernel:
             0,  # output dtype: fp32
         )
         if reduce:
-            _all_reduce_mean(grad, *self._replicas)
+            _all_reduce_mean(grad, *self._copies)
 
 
 def replay_pays(global_ids: int, dim: int, numel: int, ratio: float = 1.0) -> bool:
-    """Whether a dense replica replays the global batch rather than all-reducing its gradient
-    (Note [dense replicas]): when the replay's scatter, ids x dim adds, is at most `ratio` times
-    the buffer's size."""
+    """Whether a dense data-parallel copy replays the global batch rather than all-reducing its
+    gradient (Note [dense data-parallel copies]): when the replay's scatter, ids x dim adds, is
+    at most `ratio` times the buffer's size."""
     return global_ids * dim <= ratio * numel
 
 

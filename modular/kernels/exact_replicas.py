@@ -4,8 +4,9 @@
 Under `shard(..., mesh=mesh, replica_sync="exact")` every shard has one copy per replica group,
 and each copy's kernel sees only its own group's batch (the ids input dist routed within the shard
 group, the pooled gradients output dist sent back there, divided by the shard group's size G).
-A copy across replica groups is then what a data-parallel replica is inside one group, and is made
-exact the same way (Note [dense replicas], Note [fused replicas]): before the update, each copy
+A copy across replica groups is then what a data-parallel copy is inside one group, and is made
+exact the same way (Note [dense data-parallel copies], Note [fused data-parallel copies]): before
+the update, each copy
 gathers the other copies' lookup batches over the replica group (their ids, bag lengths and
 pooled gradients, the gradients divided by the replica count R) and replays the merged batch,
 replica groups in order, through the kernel's own backward. So every copy applies one update, from
@@ -16,7 +17,7 @@ module's deferred kernels gather first thing at the end of backward, all of them
 of Note [row statistics across column shards] are the global batch's too), dense kernels at the
 start of their own backward, and the torch emulation gathers its touched rows' gradients instead
 (`take_every_pending`, all of a module's emulated kernels together), as its data-parallel
-replicas do. A data-parallel table is a copy in every
+copies do. A data-parallel table is a copy in every
 rank: gathered over the replica group first, then over the shard group, it replays all G x R
 ranks' batches.
 Each gather is two all-gathers over the replica group, whatever it holds: every batch's counts
@@ -27,7 +28,7 @@ collectives (4 where it holds both deferred and emulated kernels), an unfused on
 lengths, ids, weights, gradients; 3 for the emulation), which on a latency-bound link dominate
 (benchmarks/step_2d.py counts them; docs/benchmarks.md, "step_2d.py").
 A fused kernel that would update inside fbgemm's backward becomes a deferred one (CPU; other
-devices take the torch emulation, as for data-parallel replicas); a dense kernel off CPU
+devices take the torch emulation, as for data-parallel copies); a dense kernel off CPU
 all-reduces its gradient over the replica group instead.
 
 The alternative, all-reducing each copy's row-sparse gradient, needs the union of the touched

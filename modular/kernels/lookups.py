@@ -1,10 +1,11 @@
 """One kernel's lookup batch as data: merged over several lookups, or gathered from every rank.
 
-A data-parallel replica's gradient is the mean over ranks of each rank's batch. The kernels that
-hold replicas gather those batches (ids, bag lengths, pooled outputs' gradients) and replay the
-global one through fbgemm's backward, instead of reducing a table-sized gradient: Note [fused
-replicas] in modular/fused/deferred.py, Note [dense replicas] in modular/kernels/dense.py;
-every part of a batch in one all-gather after its counts (Note [one gather per batch]).
+A data-parallel copy's gradient is the mean over ranks of each rank's batch. The kernels that
+hold data-parallel copies gather those batches (ids, bag lengths, pooled outputs' gradients) and
+replay the global one through fbgemm's backward, instead of reducing a table-sized gradient: Note
+[fused data-parallel copies] in modular/fused/deferred.py, Note [dense data-parallel copies] in
+modular/kernels/dense.py; every part of a batch in one all-gather after its counts (Note [one
+gather per batch]).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def gather_lengths(mine: Lookup, group: Optional[ProcessGroup], world: int) -> t
     """Every rank's bag lengths, (world, bags): one all-gather of equal shapes (input dist agreed
     on the batch size). Their sum is the global batch's id count, the same on every rank."""
     lengths = (mine.offsets[1:] - mine.offsets[:-1]).contiguous()
-    return all_gather(lengths, group=group, world=world, what="the bag lengths of a replica")
+    return all_gather(lengths, group=group, world=world,
+                      what="the bag lengths of a data-parallel table")  # fmt: skip
 
 
 def gather_batch(
@@ -96,7 +98,8 @@ def gather_batch(
     if mine.weights is not None:
         pieces.append(mine.weights.float())
     every = [[pieces[0].numel(), n] + ([n] if mine.weights is not None else []) for n in counts]
-    got = all_gather_packed(pieces, every, group, world, what="the lookup batches of a replica")
+    got = all_gather_packed(pieces, every, group, world,
+                            what="the lookup batches of a data-parallel table")  # fmt: skip
     entries = []
     for r, (grads, ids, *weights) in enumerate(got):
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths[r])

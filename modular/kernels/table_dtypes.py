@@ -4,8 +4,8 @@ name for each (Note [low-precision tables]).
 # Note [low-precision tables]
 A table keeps the dtype of its torchrec config (`EmbeddingBagConfig(data_type=DataType.FP16)`):
 the kernel's fbgemm TBE is built with that weights precision, the table's `ShardedTensor` (or
-replica) holds shards of that dtype under the unsharded name, and a kernel group holds tables of
-one dtype only (`kernel_groups`). What is done in FP32 regardless:
+data-parallel copy) holds shards of that dtype under the unsharded name, and a kernel group
+holds tables of one dtype only (`kernel_groups`). What is done in FP32 regardless:
 - pooling: fbgemm reads each row, widens it to FP32 and sums in FP32, so the pooled outputs are
   FP32 (and so are the output dist's all-to-alls, unless `comm_dtype` says otherwise, Note
   [low-precision comms] in modular/comm.py); `output_dtype` casts the module's output;
@@ -22,11 +22,11 @@ Rounding: fbgemm's CPU kernels round to nearest (they ignore `stochastic_roundin
 1.8.0); its CUDA kernels round stochastically by default (`stochastic_rounding=True`), which
 `fuse_optimizer(..., stochastic_rounding=...)` passes on. The torch emulation of the fused
 kernels (Note [emulated fused kernels]) rounds to nearest on every device, from the same values
-on every rank, so data-parallel replicas stay bit-identical; replicas on fbgemm's CPU kernels run
-the same batch through the same deterministic kernel on every rank (Note [fused replicas]).
-Unfused FP16 replicas on CPU always replay the global batch (one rounding of an FP32 sum,
-Note [dense replicas]); off CPU they all-reduce their FP16 gradient, which rounds once per
-partial sum (not yet measured on a GPU).
+on every rank, so data-parallel copies stay bit-identical; copies on fbgemm's CPU kernels run
+the same batch through the same deterministic kernel on every rank (Note [fused data-parallel
+copies]). Unfused FP16 copies on CPU always replay the global batch (one rounding of an FP32
+sum, Note [dense data-parallel copies]); off CPU they all-reduce their FP16 gradient, which
+rounds once per partial sum (not yet measured on a GPU).
 BF16 tables need kernels fbgemm's CPU build lacks ("not implemented for 'BFloat16'"): `shard`
 refuses them on CPU before allocating anything (`check_table_dtypes`).
 """

@@ -237,8 +237,8 @@ class VariableBags:
         self, shards: LocalShards, received: Received
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The kernels' pooled bags: routed ones padded to the longest route's bag count, local
-        ones to the largest stride any rank has for their features (replicas gather equal
-        shapes, Note [dense replicas])."""
+        ones to the largest stride any rank has for their features (data-parallel copies gather
+        equal shapes, Note [dense data-parallel copies])."""
         ix = self.indices(received.vbe.strides)
         remote = torch.zeros(0, self.my_dim, device=self.device)
         if shards.kernels:

@@ -14,9 +14,9 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     not change are left alone (their tensors, and optimizers over them, stay valid).
   * Cut. For each changed module, every table's new shards are cut into blocks (rows x
     columns), each the intersection of a new shard with an old one (`blocks.py`): an old
-    plan's shards cover the table once, and data-parallel replicas are one rectangle that
+    plan's shards cover the table once, and data-parallel copies are one rectangle that
     every rank holds. A block is read from the new shard's own rank where that rank holds it
-    (a replica, a shard that stays, a row range it keeps), so it is copied there and never
+    (a data-parallel copy, a shard that stays, a row range it keeps), so it is copied there, never
     sent. A fused optimizer's state follows its rows: per-element state (Adagrad's `sum`, Adam's
     moments) in the weights' blocks; per-row state (row-wise Adagrad's `row_sum`,
     partial_rowwise's `exp_avg_sq`) in row blocks, one per row range for all of a rank's column
@@ -25,7 +25,7 @@ through storage; `reshard` moves only what changes rank, in one step per module:
     (another cut is refused naming the table). The Adam family's step count is the module's.
   * Build. Each new module is built by the class `shard` uses, on the new `RankLayout`, with
     the old module's options; in place of shard init (which would copy or re-initialise every
-    shard and broadcast the replicas) its shards are left to the blocks
+    shard and broadcast the data-parallel copies) its shards are left to the blocks
     (the `fill` the sharded class passes to `LocalShards`), and their buffers take memory only as
     blocks are written into them (Note [reshard memory] in memory.py). A local kernel whose
     shards stay as they are on this rank is adopted instead, buffers, optimizer state and step

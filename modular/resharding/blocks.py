@@ -51,7 +51,8 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> Optional[tuple[int, int]]:
 
 def _pick(holders: list[tuple[int, int]], dst: int) -> tuple[int, int]:
     """The (rank, shard) a block is read from: `dst`'s own copy when it holds one (nothing moves),
-    else the first holder's (a table's replicas, or column pieces that share a row statistic)."""
+    else the first holder's (a table's data-parallel copies, or column pieces that share a row
+    statistic)."""
     for rank, j in holders:
         if rank == dst:
             return rank, j
@@ -72,7 +73,7 @@ def weight_blocks(
 ) -> list[Block]:
     """The blocks that fill every new shard of a table's weights (or of state laid out like
     them) from the old shards: each new shard's intersection with each old rectangle. An old
-    plan's distinct rectangles cover the table once (data-parallel replicas are one rectangle
+    plan's distinct rectangles cover the table once (data-parallel copies are one rectangle
     held by every rank), so each new element is written exactly once."""
     rects = _holders(old, lambda s: (s.row_offset, s.num_rows, s.col_offset, s.num_cols))
     blocks = []

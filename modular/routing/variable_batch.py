@@ -30,9 +30,9 @@ after the output dist:
     only the expansion's depend on the batch.
 So the bytes of both all-to-alls scale with the deduplicated batch. Ranks may differ in their
 strides; they must agree on the batch size, as without VBE. A batch whose strides are all the
-batch size costs what it did: nothing above runs for it. Data-parallel replicas gather every
-rank's bags in equal shapes (Note [dense replicas]), so their bags are padded to the largest
-stride any rank has for their features, which every rank reads from the same headers.
+batch size costs what it did: nothing above runs for it. Data-parallel copies gather every
+rank's bags in equal shapes (Note [dense data-parallel copies]), so their bags are padded to the
+largest stride any rank has for their features, which every rank reads from the same headers.
 
 torchrec's EmbeddingCollection has no VBE path, and neither has a sharded one: it refuses such a
 batch naming the module. A VBE batch's keys must be the module's features in its order (a

@@ -15,13 +15,13 @@ layout, and each kernel group (modular/tables/layout.py `kernel_groups`) takes t
 - each id a bag of one in a SUM kernel, everywhere else: the fused kernel on CPU; fbgemm-gpu-cpu 1.8.0's dense TBE
   (`DenseKernel`, and `EmulatedFusedKernel`'s forward) pools even with PoolingMode.NONE (it
   returns (bags per route, T * width), each bag summed), and the deferred fused kernels
-  (`RowStatsFusedKernel`, `ReplicaFusedKernel`, modular/fused/deferred.py) replay fbgemm's
+  (`RowStatsFusedKernel`, `GatheredFusedKernel`, modular/fused/deferred.py) replay fbgemm's
   SUM backward ops, whose gradient is per bag. A TBE batch holds the same number of bags per route, so a kernel over
   routes of n_1, ..., n_T ids takes N = max(n_t) bags per route, route t's first n_t of one id
   each and the rest empty, and returns (N, sum of the routes' widths): route t's rows are the
   first n_t rows of its columns. The empty bags cost rows of output and gradient, not lookups.
-  Data-parallel replicas gather every rank's bags, which needs equal shapes on every rank: their
-  N is the maximum over ranks (one small all-reduce a step, only where a module has replicas).
+  Data-parallel copies gather every rank's bags, which needs equal shapes on every rank: their
+  N is the maximum over ranks (one small all-reduce a step, only where a module has such copies).
 
 Both give the same rows and the same update up to the order fbgemm adds a repeated id's
 gradients in (tests/modular/sequence/test_sequence_fused.py, test_sequence_kernels.py). On CPU the NONE
@@ -51,7 +51,8 @@ def lookup_kernels(
     t's rows first in its columns (`RowGather` in modular/sequence/output.py puts them in
     place). `values` holds the ids route by route, `counts` how many each route has; the
     kernels take consecutive routes. `bags`: the bags per route every bag-of-one kernel takes
-    (replicas: agreed over ranks), else each kernel's longest route (Note [sequence lookups])."""
+    (data-parallel copies: agreed over ranks), else each kernel's longest route (Note [sequence
+    lookups])."""
     out: list[torch.Tensor] = []
     route, start = 0, 0
     for kernel in kernels:

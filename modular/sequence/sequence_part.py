@@ -56,19 +56,19 @@ class SequencePart:
             local_counts = kjt.length_per_key()
             local_rows = lookup_kernels(
                 shards.local_kernels, kjt.values().long(), local_counts,
-                bags=self._replica_bags(local_counts),
+                bags=self._copy_bags(local_counts),
             )  # fmt: skip
         return rows, local_rows
 
-    def _replica_bags(self, counts: list[int]) -> Optional[int]:
-        """Bags per route of the replicas: the longest route on any rank (replicas gather every
-        rank's bags in equal shapes, Note [sequence lookups])."""
+    def _copy_bags(self, counts: list[int]) -> Optional[int]:
+        """Bags per route of the data-parallel copies: the longest route on any rank (they
+        gather every rank's bags in equal shapes, Note [sequence lookups])."""
         if self.at.world == 1:
             return None
         longest = torch.tensor([max(counts, default=0)], dtype=torch.int64)
         all_reduce(
             longest, group=self.at.group, op=dist.ReduceOp.MAX,
-            what=f"the replicas' batch agreement of module {self.at.module!r}",
+            what=f"the data-parallel copies' batch agreement of module {self.at.module!r}",
         )  # fmt: skip
         return max(int(longest), 1)
 

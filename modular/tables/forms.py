@@ -17,9 +17,9 @@ use `modular.unshard` or `modular.checkpoint.export`.
 In 2D (`shard(..., mesh=mesh)`, docs/design.md) the DTensor spans the whole ("replicate",
 "shard") mesh with `Replicate()` on "replicate" before that placement (as TorchRec's 2D row-
 and column-wise tables do): each replica group's ranks hold the same pieces, and the pieces (and
-so DCP's chunks) are the 1D ones. The shard dim is the mesh's last in both (`_group`). Data-parallel tables are plain
-replicas in both forms. Code that reads either goes through `is_sharded`, `local_pieces`,
-`global_pieces` and `laid_out_like` here.
+so DCP's chunks) are the 1D ones. The shard dim is the mesh's last in both (`_group`).
+Data-parallel tables are plain tensors, a copy on every rank, in both forms. Code that reads
+either goes through `is_sharded`, `local_pieces`, `global_pieces` and `laid_out_like` here.
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ __all__ = ["agree_on_init", "fill_local_shards", "init_shards", "shard_seed", "w
 def init_shards(
     ebc: EmbeddingBagCollection,
     views: dict[tuple[str, int], torch.Tensor],
-    replicas: list[torch.Tensor],
+    copies: list[torch.Tensor],
     *,
     at: RankLayout,
 ) -> None:
     """Fills this rank's shards (`views`) from `ebc`'s weights or init_fn; a failure on any rank
-    is raised on every rank (Note [agreeing on the shards' init]); data-parallel `replicas` then
+    is raised on every rank (Note [agreeing on the shards' init]); data-parallel `copies` then
     take rank 0's values, so they start equal everywhere. A module `modular.reshard` builds is
     filled by the blocks it moved instead, and never comes here (`LocalShards.build_tables`,
     Note [resharding in memory] in modular/resharding/__init__.py)."""
@@ -42,15 +42,16 @@ def init_shards(
         if failure is not None:
             raise failure
         return
-    # Shards are copied from each rank's own copy of a table, replicas broadcast below.
+    # Shards are copied from each rank's own copy of a table, data-parallel copies broadcast below.
     copied = [
         t.name
         for t, p in zip(at.layout.tables, at.layout.placements)
         if p.sharding_type is not ShardingType.DATA_PARALLEL
     ]
     agree_on_init(failure, at.module, at.group, ebc, copied)
-    for view in replicas:
-        broadcast(view.data, src=0, group=at.group, what=f"module {at.module!r}'s replicas from rank 0")
+    for view in copies:
+        broadcast(view.data, src=0, group=at.group,
+                  what=f"module {at.module!r}'s data-parallel copies from rank 0")  # fmt: skip
 
 
 def fill_local_shards(
@@ -147,7 +148,7 @@ def weights_fingerprints(weights: list[torch.Tensor]) -> bytes:
     equal copies give equal sums bit for bit (the same ops on the same values), copies seeded
     apart differ in every row. `_warn_if_weights_differ` names the tables and ranks. A warning,
     not an error: a model about to load a checkpoint may start from any weights. Data-parallel
-    tables need none of it (rank 0's replicas are broadcast), nor do meta tables (`init_fn`
+    tables need none of it (rank 0's copies are broadcast), nor do meta tables (`init_fn`
     runs per shard, seeded per shard: Note [shard init])."""
     out = bytearray()
     for w in weights:

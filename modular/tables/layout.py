@@ -384,7 +384,7 @@ class RankLayout:
         return dist.get_global_rank(self.group, self.rank)
 
     def shard_of_rank(self, t: int) -> int:
-        """The index of this rank's shard of table `t` (a data-parallel table's replica)."""
+        """The index of this rank's shard of table `t` (a data-parallel table's copy)."""
         for j, s in enumerate(self.layout.shards[t]):
             if s.rank == self.rank:
                 return j

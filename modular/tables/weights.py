@@ -2,7 +2,7 @@
 
 Reads a torchrec EBC's tables (`table_infos`), refuses shard widths the device cannot take
 (`check_widths_off_cpu`), makes each table's weight from this rank's shards (`table_weight`: a
-`ShardedTensor`, or the replica of a data-parallel table) and holds it (`ShardedTable`).
+`ShardedTensor`, or the copy of a data-parallel table) and holds it (`ShardedTable`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def check_widths_off_cpu(layout: Layout, module: str, device: torch.device) -> N
 
 
 class ShardedTable(nn.Module):
-    """Holds one table's `weight` under the unsharded name (a ShardedTensor, or a replica)."""
+    """Holds one table's `weight` under the unsharded name (a ShardedTensor, or a data-parallel
+    copy)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -153,7 +154,7 @@ class ShardedTable(nn.Module):
             if not is_sharded(weight):
                 if is_sharded(value):
                     error_msgs.append(
-                        f"table weight {key!r} is replicated here but sharded in the state; "
+                        f"table weight {key!r} is data-parallel here but sharded in the state; "
                         "load it with modular.checkpoint.load, which reshards"
                     )
                     return
@@ -176,7 +177,7 @@ class ShardedTable(nn.Module):
 
     def extra_repr(self) -> str:
         w = self._parameters["weight"]
-        kind = "sharded" if is_sharded(w) else "replicated"
+        kind = "sharded" if is_sharded(w) else "data-parallel"
         return f"{kind}, size={tuple(w.size())}"
 
 
@@ -190,7 +191,7 @@ def table_weight(
 ) -> torch.Tensor:
     """Table `t`'s weight from this rank's shards: a ShardedTensor made with
     `init_from_local_shards` (a collective, in table order on every rank) or a DTensor (none;
-    Note [table tensor types] in modular/tables/forms.py), or the replica of a data-parallel
+    Note [table tensor types] in modular/tables/forms.py), or the copy of a data-parallel
     table."""
     layout = at.layout
     table = layout.tables[t]

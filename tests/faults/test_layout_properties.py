@@ -65,7 +65,7 @@ def test_routes_look_up_every_output_cell_exactly_once(ebc) -> None:
                 assert not dp and r.feature == lay.features.index(o.feature), r
                 looked_up.update((row, c) for row in range(r.shard.row_offset, r.shard.row_offset + r.shard.num_rows)
                                  for c in range(r.shard.col_offset, r.shard.col_offset + r.shard.num_cols))  # fmt: skip
-        if dp:  # each rank looks the whole table up from its own replica
+        if dp:  # each rank looks the whole table up from its own copy
             for rank, rl in enumerate(layouts):
                 mine = [r for r in rl.local if r.output == i]
                 assert len(mine) == 1 and mine[0].shard.rank == rank and mine[0].shard.sizes == (rows, dim), mine

@@ -3,7 +3,7 @@
 tests/faults/test_layout_properties.py checks the routes of random plans without running them;
 here random tables (shared features, SUM and MEAN, widths fbgemm takes and widths it does not,
 rows fewer than ranks), random placements (a rank holding several column pieces, uneven row
-shards, ranks out of order, data-parallel replicas) and a random optimizer (a torch optimizer
+shards, ranks out of order, data-parallel copies) and a random optimizer (a torch optimizer
 over `local_parameters`, or a fused one, fused before sharding) train for a few steps
 on gloo ranks, and every output, weight and optimizer state is compared with the unsharded EBC
 trained on the global batch in the same rank. Each case is rebuilt from its seed, so a failure

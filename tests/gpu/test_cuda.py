@@ -13,7 +13,7 @@ The bodies are those of tests/modular/fused/test_fused.py with the device made e
 16 and 32 (off CPU every shard must be a multiple of 4 columns: `check_widths_off_cpu` in
 modular/tables/weights.py): fbgemm's CUDA kernels (fused SGD, Adagrad, row-wise Adagrad; dense
 gradients), the torch emulation of column pieces under row-wise Adagrad and of data-parallel
-replicas (which must stay identical on every rank: CUDA's atomic adds make sums
+copies (which must stay identical on every rank: CUDA's atomic adds make sums
 order-dependent), prefetch and a checkpoint round trip, against a torch reference in the same
 rank; column pieces also with column_wise_statistic="per_shard".
 Run on an H100 on 2026-11-22 (docs/gpu.md: torch 2.11, fbgemm-gpu 1.6.0, torchrec 1.6.1; world 1
@@ -163,11 +163,11 @@ def _train(device: torch.device, case: str, optimizer: str, placements: dict | N
         if checkpoint is not None and step == 1:  # save, train on, then load: back to step 1's state
             modular.checkpoint.save(checkpoint, model, opt)
             saved = {n: [t.clone() for t, _, _ in local_blocks(p)] for n, p in model.named_parameters()}
-    for name, p in model.named_parameters():  # replicas: the same bits on every rank
+    for name, p in model.named_parameters():  # data-parallel copies: the same bits on every rank
         if not isinstance(p, ShardedTensor) and world > 1:
             copies = [torch.empty_like(p) for _ in range(world)]
             dist.all_gather(copies, p.detach().contiguous())
-            assert all(torch.equal(c, copies[0]) for c in copies), f"{name}: replicas differ across ranks"
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{name}: copies differ across ranks"
     full = dict(ref.ebc.named_parameters())
     state = opt.state_dict()["state"] if not optimizer.startswith("dense_") else {}
     for name, p in model.named_parameters():

@@ -12,7 +12,7 @@ FP32 starting from the same (rounded) weights, and checks:
 - the global loss tracks FP32 within 16 units of roundoff of its scale, |L - L32| <= 16 u *
   sum |out32 * target| (u = 2**-11 for FP16, 2**-8 for BF16): stochastic rounding keeps each
   update unbiased, so 5 steps drift by a few u, not by the step's size;
-- data-parallel replicas are bit-identical on every rank (off CPU they take the torch emulation,
+- data-parallel copies are bit-identical on every rank (off CPU they take the torch emulation,
   which rounds to nearest from the same values on every rank).
 """
 
@@ -84,7 +84,7 @@ def _tracks_fp32(device: torch.device, dtype_name: str) -> dict:
                 copies = [torch.empty_like(p) for _ in range(world)]
                 dist.all_gather(copies, p.detach().contiguous())
                 if not all(torch.equal(c.view(torch.int16), copies[0].view(torch.int16)) for c in copies):
-                    raise AssertionError(f"{label}: replicas of {name} differ between ranks")
+                    raise AssertionError(f"{label}: data-parallel copies of {name} differ between ranks")
     return {"worst relative loss gap": worst}
 
 

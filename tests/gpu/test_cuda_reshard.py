@@ -128,7 +128,7 @@ class _Reference:
         """`model`'s local shards (on the device) and its fused optimizer's state (whose names
         are `prefix` + the EBC's) against the reference's."""
         refs = dict(self.module.named_parameters())
-        for name, p in model.named_parameters():  # ShardedTensor tables, or replicas
+        for name, p in model.named_parameters():  # ShardedTensor tables, or data-parallel copies
             for piece in local_pieces(p) if is_sharded(p) else [Piece((0, 0), tuple(p.shape), p)]:
                 (r0, c0), (nr, nc) = piece.offsets, piece.sizes
                 _close(piece.tensor.detach(), refs[name].detach()[r0 : r0 + nr, c0 : c0 + nc], f"{what}: {name}")

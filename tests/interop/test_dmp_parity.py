@@ -152,7 +152,7 @@ def _dmp(model: nn.Module, tr_plan, kernel: str):
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    # Sharded tables take the fused SGD step in backward, data-parallel replicas (DDP) the torch
+    # Sharded tables take the fused SGD step in backward, data-parallel copies (DDP) the torch
     # SGD; both see the gradient of the mean of the ranks' losses, as ours and the reference do
     # (Note [grad scaling across ranks]).
     sharder = EmbeddingBagCollectionSharder(

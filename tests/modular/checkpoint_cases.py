@@ -185,7 +185,8 @@ def local_snapshot(model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
 
 
 def assemble(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Full tensors from every rank's pieces; overlapping pieces (replicas) must agree exactly."""
+    """Full tensors from every rank's pieces; overlapping pieces (data-parallel copies, 2D
+    replicas) must agree exactly."""
     full: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = {}
     for snap in per_rank:

@@ -2,7 +2,7 @@
 
 Every comparison names what it compares (`what`) in its message. Tolerances are `ATOL` (fp32);
 a sharded model's tables are compared piece by piece (`local_blocks`: this rank's shards, or its
-whole replica), gathered to one rank (`gather_table`), or assembled on every rank (`full_value`,
+whole data-parallel copy), gathered to one rank (`gather_table`), or assembled on every rank (`full_value`,
 a collective). Gradients follow Note [grad scaling across ranks]: the reference's loss is the
 mean over ranks of the per-rank losses, so its gradients equal the sharded model's.
 """
@@ -41,7 +41,8 @@ def state_error(got: torch.Tensor, want: torch.Tensor, what: str, compare: Calla
 
 
 def local_blocks(param: torch.Tensor) -> list[tuple[torch.Tensor, slice, slice]]:
-    """(tensor, rows, cols) of each piece of a table this rank holds: shards, or a full replica."""
+    """(tensor, rows, cols) of each piece of a table this rank holds: shards, or a full
+    data-parallel copy."""
     if isinstance(param, ShardedTensor):
         out = []
         for s in param.local_shards():
@@ -53,7 +54,7 @@ def local_blocks(param: torch.Tensor) -> list[tuple[torch.Tensor, slice, slice]]
 
 
 def gather_table(param: torch.Tensor, dst: int) -> torch.Tensor | None:
-    """The full table on rank `dst` (None elsewhere); a replica is returned as it is."""
+    """The full table on rank `dst` (None elsewhere); a data-parallel copy is returned as it is."""
     if not isinstance(param, ShardedTensor):
         return param.detach().clone() if dist.get_rank() == dst else None
     full = torch.empty(tuple(param.size())) if dist.get_rank() == dst else None

@@ -6,8 +6,8 @@ Run by tests/modular/test_exit.py and scripts/exit_stress.py as a plain process 
 torchrun's environment variables, as a user would start their own script. It trains `STEPS`
 steps of one job shape (`SHAPES`, default "fsdp"), printing each step's loss, and returns; every
 shape has its tables sharded by `modular.shard` on a plan with row-, table- and column-wise
-tables and data-parallel replicas:
-  fsdp     fused row-wise Adagrad (exact column-wise statistic, fused replicas), towers under
+tables and data-parallel copies:
+  fsdp     fused row-wise Adagrad (exact column-wise statistic, fused data-parallel copies), towers under
            FSDP2, every next batch prefetched (`modular.prefetch`: a second gloo group);
   ddp      unfused tables (Adagrad from `local_parameters`), DTensor tables, dense part under
            DDP (`apply_ddp`), prefetched;

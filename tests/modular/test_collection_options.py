@@ -46,7 +46,7 @@ CASES = ("row_wise", "column_wise", "mixed")
 
 
 def _pieces(p: torch.Tensor) -> list[tuple[torch.Tensor, slice, slice]]:
-    """(tensor, rows, cols) of this rank's pieces of a table: shards, or the whole replica."""
+    """(tensor, rows, cols) of this rank's pieces of a table: shards, or the whole data-parallel copy."""
     if is_sharded(p):
         return [(t, slice(o[0], o[0] + s[0]), slice(o[1], o[1] + s[1])) for o, s, t in local_pieces(p)]
     return [(p, slice(0, p.shape[0]), slice(0, p.shape[1]))]

@@ -45,7 +45,7 @@ def _count_all_to_alls_of(ebc, batch) -> tuple[int, int]:
 @pytest.mark.parametrize(
     "case, weighted, expected",
     [
-        ("data_parallel", False, (1, 0)),  # agreement only; replicas sync by all-gathers
+        ("data_parallel", False, (1, 0)),  # agreement only; data-parallel copies sync by all-gathers
         ("table_wise", False, (3, 1)),  # headers, ids, pooled; pooled gradients
         ("mixed", False, (3, 1)),
         ("mixed", True, (3, 1)),  # per-sample weights travel with the ids

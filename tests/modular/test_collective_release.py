@@ -131,7 +131,7 @@ def test_each_collective_returns_only_after_gloo_let_go_of_its_tensors() -> None
     assert early == [[], []], f"collectives that returned while gloo still held their tensors, by rank: {early}"
 
 
-# The shapes of the job in one EBC: fused replicas on fbgemm's kernel (t_sum, width 8) and
+# The shapes of the job in one EBC: fused data-parallel copies on fbgemm's kernel (t_sum, width 8) and
 # on the emulation (t_small, width 5), a column-wise table with the exact statistic (t_big, 8 + 8
 # columns), and a row-wise one.
 PLAN = ShardingPlan(world_size=2, modules={"": {
@@ -153,7 +153,7 @@ def _fused_step(late_gloo: bool) -> tuple[int, int, torch.Tensor]:
     late = _LateGloo()
     with late.around_torch() if late_gloo else contextlib.nullcontext():
         loss = ebc(first).values().square().sum()
-        loss.backward()  # the update at its end: the replicas' gathers, the statistics' all-to-all
+        loss.backward()  # the update at its end: the data-parallel copies' gathers, the statistics' all-to-all
         held = late.holding
     return held, late.calls, ebc(second).values().detach()
 

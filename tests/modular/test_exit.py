@@ -3,7 +3,7 @@ destroy_process_group] in modular/exit.py, issue 40).
 
 Each job is tests/modular/exit_job.py started as two plain processes with torchrun's environment
 variables, as a user would start their own script, in one of its shapes (fused and unfused,
-data-parallel replicas, column-wise exact, FSDP2 and DDP, prefetch, DTensor tables, compile,
+data-parallel copies, column-wise exact, FSDP2 and DDP, prefetch, DTensor tables, compile,
 EC); it trains three steps, calls `destroy_process_group` and returns. The abort this guards
 against is a race at interpreter exit (~3% of jobs when issue 40 was filed), so a handful of
 clean runs proves little: the test runs 20 jobs and also checks its precondition directly, that

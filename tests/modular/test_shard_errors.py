@@ -179,7 +179,7 @@ def _good_plan_under_no_collectives() -> None:
 @pytest.mark.timeout(120)
 def test_no_collectives_guard_catches_building_tables() -> None:
     # The guard the plan-error tests rely on: a good plan passes the agreement, starts building
-    # its tables, and is stopped at the first other collective (the replicas' broadcast).
+    # its tables, and is stopped at the first other collective (the data-parallel copies' broadcast).
     messages = expect_errors_on_all_ranks(2, _good_plan_under_no_collectives, timeout=TIMEOUT_S)
     assert all(m.startswith("collective broadcast was called") for m in messages), messages
 
@@ -372,7 +372,7 @@ def _shard_with_weights(how: str) -> list[str]:
         if how == "one_row_differs" and rank == 1:  # the last row: always among those compared
             ebc.embedding_bags["t_big"].weight.data[-1, 0] += 1.0
     placements = placements_for("mixed", ebc, world)
-    placements["t_small"] = TablePlacement(ShardingType.DATA_PARALLEL)  # replicas: broadcast
+    placements["t_small"] = TablePlacement(ShardingType.DATA_PARALLEL)  # data-parallel: broadcast
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements}))

@@ -170,13 +170,13 @@ def _meta_tables() -> list:
 
 def _meta_ebc() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1234 + rank)  # replicas must agree even when the ranks' RNGs do not
+    torch.manual_seed(1234 + rank)  # data-parallel copies must agree even when the ranks' RNGs do not
     tables = _meta_tables()
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     placements = placements_for("mixed", ebc, world)
     placements["t_small"] = TablePlacement(ShardingType.DATA_PARALLEL)
     modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements}))
-    replicas, full = {}, {}
+    copies, full = {}, {}
     for i, ((name, param), cfg) in enumerate(zip(ebc.named_parameters(), tables)):
         low, high = cfg.get_weight_init_min(), cfg.get_weight_init_max()
         for tensor, rows, cols in local_blocks(param):
@@ -188,7 +188,7 @@ def _meta_ebc() -> dict:
             if float(block.std()) < (high - low) / 10:
                 raise AssertionError(f"rank {rank}: {name}[{rows}, {cols}] is not spread over its init range: {block}")
         if not isinstance(param, ShardedTensor):
-            replicas[name] = param.detach().clone()
+            copies[name] = param.detach().clone()
         table = gather_table(param, dst=0)
         if rank == 0:
             full[name] = table
@@ -201,7 +201,7 @@ def _meta_ebc() -> dict:
     with torch.no_grad():  # inference: no rank runs a backward
         out = ebc(batches[rank]).values()
     close(out, ref(global_batch(batches)).values()[rank * BATCH : (rank + 1) * BATCH], f"rank {rank}: forward of the meta-initialised EBC")
-    return replicas
+    return copies
 
 
 def _meta_shard_values() -> dict[str, list[float]]:
@@ -227,12 +227,12 @@ def test_meta_shards_on_different_ranks_are_drawn_independently() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_meta_device_ebc_is_initialised_on_each_rank(world_size: int) -> None:
-    replicas = run_on_ranks(world_size, _meta_ebc, timeout=TIMEOUT_S)
+    copies = run_on_ranks(world_size, _meta_ebc, timeout=TIMEOUT_S)
     data_parallel = ["embedding_bags.t_small.weight"]
     for rank in range(world_size):
-        assert list(replicas[rank]) == data_parallel
+        assert list(copies[rank]) == data_parallel
         for name in data_parallel:
-            torch.testing.assert_close(replicas[rank][name], replicas[0][name], atol=0, rtol=0)
+            torch.testing.assert_close(copies[rank][name], copies[0][name], atol=0, rtol=0)
 
 
 # -- KJT feature order -----------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def _parity(case: str) -> dict[bool, dict]:
 
 def _expected_shards(case: str, weighted: bool, world: int) -> list[dict[str, list[tuple[int, int, int, int]]]]:
     """Per rank, the (row_start, row_stop, col_start, col_stop) blocks the plan puts there
-    (data-parallel tables: one full replica on every rank)."""
+    (data-parallel tables: one full copy on every rank)."""
     ebc = make_ebc(weighted, device=torch.device("meta"))
     plan = plan_for(case, ebc, world)
     per_rank: list[dict] = [{} for _ in range(world)]

@@ -151,7 +151,7 @@ def _assert_flat(counts) -> None:
         ("column_wise", "fused", False, False, "per_shard"),
         ("mixed", "fused", False, False, "exact"),
         ("column_wise", "fused", False, False, "exact"),  # the exact row statistic's two passes
-        ("data_parallel", "fused", False, False, "exact"),  # replicas replay the global batch
+        ("data_parallel", "fused", False, False, "exact"),  # data-parallel copies replay the global batch
         ("mixed", "fused", True, True, "per_shard"),
         ("mixed", "dense", False, True, "exact"),
         ("data_parallel", "dense", True, False, "exact"),
@@ -176,7 +176,7 @@ def test_step_python_does_not_grow_with_tables(
         ("table_wise", "fused", False),
         ("row_wise", "fused", False),
         ("column_wise", "fused", False),
-        ("data_parallel", "fused", False),  # replicas pad every route to the agreed bags
+        ("data_parallel", "fused", False),  # data-parallel copies pad every route to the agreed bags
         ("table_row_wise", "fused", True),
         ("mixed", "fused", False),
         ("mixed", "dense", True),

@@ -163,7 +163,8 @@ def _prepare(model: nn.Module, config: Config, plan: ShardingPlan, dense_modules
 
 def whole(value: torch.Tensor) -> torch.Tensor:
     """A state dict entry assembled whole on every rank (collective): a sharded table (ShardedTensor
-    or DTensor) from every rank's pieces, an FSDP parameter from its shards, a replica as it is."""
+    or DTensor) from every rank's pieces, an FSDP parameter from its shards, a data-parallel copy
+    or plain parameter as it is."""
     if is_sharded(value):
         full = torch.zeros(global_size(value), dtype=value.dtype)
         for (r0, c0), (rows, cols), t in local_pieces(value):

@@ -2,7 +2,7 @@
 
 The search charges memory as it places shards; `plan_stats` prices the finished plan. Where the
 search reserved less than the plan holds, a plan would come back that does not fit, and `shard`
-would run out of memory on the device. Two such gaps were real: data-parallel replicas were
+would run out of memory on the device. Two such gaps were real: data-parallel copies were
 added to every rank without a check, and under FP16/BF16 comms the search reserved one table's
 worth of low-precision copies per table where k row-wise pieces make k (Note [wire copies] in
 planners/cost.py). The tests below plan at the tightest memory that plans at all (bisection),
@@ -88,8 +88,8 @@ def test_row_wise_pieces_reserve_their_copies_on_every_rank():
     assert low.stats.over_capacity == ()
 
 
-def test_replicas_that_do_not_fit_together_are_refused():
-    # Each replica (~0.6 GiB with its state) fits a rank, ten of them do not: the search used to
+def test_data_parallel_copies_that_do_not_fit_together_are_refused():
+    # Each copy (~0.6 GiB with its state) fits a rank, ten of them do not: the search used to
     # add data-parallel tables to every rank without looking and returned a plan at 5x capacity.
     tables = [Table(f"t{i}", 1_000_000, 128) for i in range(10)]
     topo = Topology(4, device_memory=2 * GiB)
@@ -97,15 +97,15 @@ def test_replicas_that_do_not_fit_together_are_refused():
         planners.plan(tables, topo, batch_size=1024, constraints=_only(T.DATA_PARALLEL, tables))
     assert "more ranks do not help" in str(err.value) and "'t0': " in str(err.value)
     assert sorted(err.value.tables) == sorted(t.name for t in tables)
-    # with room for every replica the same tables plan, all replicated
+    # with room for every copy the same tables plan, all data-parallel
     plan = planners.plan(tables, Topology(4, device_memory=12 * GiB), batch_size=1024,
                          constraints=_only(T.DATA_PARALLEL, tables))  # fmt: skip
     assert {p.sharding_type for p in plan.modules[""].values()} == {T.DATA_PARALLEL}
 
 
-def test_tables_the_search_would_replicate_are_sharded_when_replicas_do_not_fit():
-    # Small tables with many ids per sample are cheapest replicated; with room for only some
-    # replicas the rest are sharded instead of pushing every rank over its memory.
+def test_tables_the_search_would_make_data_parallel_are_sharded_when_copies_do_not_fit():
+    # Small tables with many ids per sample are cheapest data-parallel; with room for only some
+    # copies the rest are sharded instead of pushing every rank over its memory.
     tables = [Table(f"t{i}", 200_000, 64, pooling_factor=500.0) for i in range(12)]
     roomy = planners.plan(tables, Topology(4), batch_size=65_536)
     assert {p.sharding_type for p in roomy.modules[""].values()} == {T.DATA_PARALLEL}

@@ -201,7 +201,7 @@ def test_cli_replan(tmp_path, capsys):
 
 def _hot_on_rank_0(kind: str = "table_wise") -> tuple[list[Table], planners.ShardingPlan, Topology]:
     """Rank 0 holds only `hot`, whose pooling factor grew tenfold; ranks 1-3 one table each, and
-    `ctx` is replicated."""
+    `ctx` is data-parallel."""
     tables = [Table("hot", 2_000_000, 64, pooling_factor=40.0),
               *(Table(n, 1_000_000, 64, pooling_factor=4.0) for n in "abc"),
               Table("ctx", 50_000, 32, pooling_factor=2.0)]  # fmt: skip
@@ -217,7 +217,7 @@ def test_a_recut_wins_within_a_budget():
     rank 0: part of it is peeled onto other ranks, the rest stays where it is."""
     tables, old, topology = _hot_on_rank_0()
     whole = int(move_bytes(tables[0], old.placement("", "hot"), TablePlacement(_T.TABLE_WISE, (1,)), 4)[0].sum())
-    # A replica made a shard moves nothing (every rank holds it): a 1-byte budget takes it.
+    # A data-parallel table sharded moves nothing (every rank holds it): a 1-byte budget takes it.
     r = planners.replan(old, tables, topology, batch_size=BATCH, max_moved_bytes=1)
     assert r.moved_bytes == 0 and r.plan.placement("", "ctx").sharding_type is not _T.DATA_PARALLEL
     assert r.plan.placement("", "hot") == old.placement("", "hot")

@@ -99,7 +99,7 @@ def _plan(kind: str, world: int, with_ec: bool, item_table: str = "t_item") -> S
         ebc = {"t_user": TablePlacement(ShardingType.ROW_WISE),
                item_table: TablePlacement(ShardingType.TABLE_WISE, ranks=(last,))}  # fmt: skip
         ec = {"s_hist": TablePlacement(ShardingType.COLUMN_WISE, ranks=(last, 0))}
-    else:  # every table changes type; t_item becomes a replica, loaded with the dense entries
+    else:  # every table changes type; t_item becomes data-parallel, loaded with the dense entries
         ebc = {"t_user": TablePlacement(ShardingType.COLUMN_WISE, ranks=(0, last)),
                item_table: TablePlacement(ShardingType.DATA_PARALLEL)}  # fmt: skip
         ec = {"s_hist": TablePlacement(ShardingType.ROW_WISE)}

@@ -140,7 +140,7 @@ def _train_with_lr_schedule() -> dict[str, float]:
 @pytest.mark.timeout(120)
 def test_lr_scheduler_drives_every_fused_kernel_kind() -> None:
     # fbgemm's kernel (table-wise, row-wise), its two-pass column-wise form, the replayed
-    # data-parallel replicas and the torch emulation (widths 5 and 7) all follow a StepLR.
+    # data-parallel copies and the torch emulation (widths 5 and 7) all follow a StepLR.
     results = run_on_ranks(2, _train_with_lr_schedule, timeout=100)
     assert set(results[0]) == set(CASES)
 
@@ -228,7 +228,7 @@ def _train_weighted(optimizer: str) -> dict[str, float]:
 @pytest.mark.parametrize("optimizer", ["exact_sgd", "exact_rowwise_adagrad"])
 def test_per_sample_weights_train_like_the_reference(optimizer: str) -> None:
     # fbgemm's kernel with weights in each form: plain (table-, row-wise), two passes
-    # (column-wise) and the replayed data-parallel replicas.
+    # (column-wise) and the replayed data-parallel copies.
     results = run_on_ranks(2, _train_weighted, optimizer, timeout=100)
     assert set(results[0]) == set(CASES)
 
@@ -304,7 +304,7 @@ def test_a_rank_without_column_pieces_joins_their_statistics_exchange() -> None:
 
 
 def _train_prefetching() -> dict[str, float]:
-    # The end-of-backward collectives (column statistics, replicas' gathers) run while the next
+    # The end-of-backward collectives (column statistics, data-parallel copies' gathers) run while the next
     # batch's input dist is in flight on the prefetch group (Note [prefetched input dist]).
     return {c: _train(c, "exact_rowwise_adagrad", prefetch=True, lookups=1 + (c == "column_wise"))["worst"]
             for c in ("column_wise", "mixed", "data_parallel")}  # fmt: skip

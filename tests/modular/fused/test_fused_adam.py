@@ -1,7 +1,7 @@
 """The fused Adam family (Note [fused Adam and LAMB]): sharded training equals the unsharded
 tables under `adam_family_step` (tests/modular/adam_reference.py) on the global batch, for every
 plan, world sizes 1-3, EBCs and ECs, with per-sample weights, prefetch, DTensor tables and FP16
-tables; data-parallel replicas stay bit-identical; column pieces combine their rows' statistics
+tables; data-parallel copies stay bit-identical; column pieces combine their rows' statistics
 in one exchange per statistic and step."""
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ DECAY = {"adam": 0.05, "partial_rowwise_adam": 0.0, "lamb": 0.0, "partial_rowwis
 def whole(value: torch.Tensor) -> torch.Tensor:
     """A weight or state entry in full on every rank (collective for sharded ones): the local
     pieces of a ShardedTensor or table DTensor (1-D or 2-D) summed over ranks (they are
-    disjoint), a replica as it is."""
+    disjoint), a data-parallel copy as it is."""
     if not is_sharded(value):
-        return value.detach().float().clone()  # a copy: the replica trains on
+        return value.detach().float().clone()  # a clone: the data-parallel copy trains on
     out = torch.zeros(global_size(value))
     for piece in local_pieces(value):
         out[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))] = piece.tensor.detach().float()
@@ -104,9 +104,9 @@ def _train(
         ref.step(touched_rows(ref.module, batches))
     worst, state = _matches_reference(model, opt, ref, worst, label)
     for name, p in model.named_parameters():
-        if not is_sharded(p) and world > 1:  # a data-parallel replica
-            _same_on_every_rank(p.detach(), f"{label}: replica {name}")
-            _same_on_every_rank(state[name]["exp_avg_sq"], f"{label}: replica {name} exp_avg_sq")
+        if not is_sharded(p) and world > 1:  # a data-parallel copy
+            _same_on_every_rank(p.detach(), f"{label}: data-parallel copy {name}")
+            _same_on_every_rank(state[name]["exp_avg_sq"], f"{label}: data-parallel copy {name} exp_avg_sq")
     return worst
 
 
@@ -262,14 +262,14 @@ def _fp16(kinds: tuple[str, ...]) -> dict[str, float]:
                     assert state[name][key].dtype == torch.float32, (label, name, key)
                     torch.testing.assert_close(whole(state[name][key]), value, rtol=1e-3, atol=1e-6)
                 if case == "data_parallel" and world > 1:
-                    _same_on_every_rank(p.detach(), f"{label}: replica {name}")
+                    _same_on_every_rank(p.detach(), f"{label}: data-parallel copy {name}")
             assert same >= 0.99 * total, (label, same, total)
             results[f"{kind}/{case}"] = same / total
     return results
 
 
 @pytest.mark.timeout(120)
-def test_fp16_tables_keep_fp32_moments_and_replicas_stay_identical() -> None:
+def test_fp16_tables_keep_fp32_moments_and_copies_stay_identical() -> None:
     run_on_ranks(2, _fp16, ADAM_FAMILY, timeout=100)
 
 

@@ -79,7 +79,7 @@ def _run(placements: dict, statistic: str) -> tuple[list, dict]:
     for fqn, states in opt.state_dict()["state"].items():
         row_sum = states["row_sum"]
         out[f"{fqn} state shape"] = tuple(row_sum.size())
-        if not isinstance(row_sum, ShardedTensor):  # a data-parallel replica's
+        if not isinstance(row_sum, ShardedTensor):  # a data-parallel copy's
             out[f"{fqn} state"] = row_sum.clone()
             continue
         for s in row_sum.local_shards():

@@ -9,7 +9,7 @@ FP16 values, stepped by the torch equivalent of each optimizer (tests/modular/fu
 The two differ only in the order of FP32 additions (the gradient sums), which can move a value
 across a rounding boundary: so every weight must be within 2 FP16 ulps of the reference
 (|d| <= 4u|w|) and at least 99% of them bit-identical (all are, on fbgemm-gpu-cpu 1.8.0); the FP32 state within 1e-3 relative.
-Data-parallel replicas (fbgemm's replay and the emulation) must be bit-identical on every rank.
+Data-parallel copies (fbgemm's replay and the emulation) must be bit-identical on every rank.
 """
 
 from __future__ import annotations
@@ -93,13 +93,13 @@ def _fused_fp16(optimizers: tuple[str, ...], cases: tuple[str, ...]) -> dict:
                     if t.dtype != torch.float32:
                         raise AssertionError(f"{label}: state of {name} is {t.dtype}, want FP32")
                 got_local = got if not hasattr(got, "local_shards") else None
-                if got_local is not None:  # replicas: the whole state here
+                if got_local is not None:  # data-parallel copies: the whole state here
                     torch.testing.assert_close(got_local, want_state, rtol=1e-3, atol=1e-6, msg=lambda m: f"{label}: {m}")
-                if not hasattr(p, "local_shards") and world > 1:  # a replica: the same bits everywhere
+                if not hasattr(p, "local_shards") and world > 1:  # a data-parallel copy: the same bits everywhere
                     copies = [torch.empty_like(p) for _ in range(world)]
                     dist.all_gather(copies, p.detach().contiguous())
                     if not all(torch.equal(c.view(torch.int16), copies[0].view(torch.int16)) for c in copies):
-                        raise AssertionError(f"{label}: replicas of {name} differ between ranks")
+                        raise AssertionError(f"{label}: data-parallel copies of {name} differ between ranks")
     return {"same": same, "total": total}
 
 

@@ -1,7 +1,7 @@
 """Dense kernels keep one gradient buffer across steps (Note [dense gradient buffer]) and must
 still behave like ordinary parameters: gradients accumulate over backward calls, zero_grad() with
 or without set_to_none clears them, and data-parallel tables average each backward over ranks,
-whether they replay the global batch or all-reduce the buffer (Note [dense replicas]).
+whether they replay the global batch or all-reduce the buffer (Note [dense data-parallel copies]).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ def _compare_grads(ebc, ref, what: str) -> int:
         for tensor, rows, cols in local_blocks(param):
             close(tensor.grad, ref_params[name].grad[rows, cols], f"{what}: grad of {name}")
             compared += 1
-        if not isinstance(param, ShardedTensor):  # a replica: the same bits on every rank
+        if not isinstance(param, ShardedTensor):  # a data-parallel copy: the same bits on every rank
             copies = [torch.empty_like(param.grad) for _ in range(dist.get_world_size())]
             dist.all_gather(copies, param.grad.contiguous())
-            assert all(torch.equal(c, copies[0]) for c in copies), f"{what}: replicas of {name} differ"
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{what}: copies of {name} differ"
     return compared
 
 
@@ -83,7 +83,7 @@ def test_gradients_accumulate_and_clear_like_plain_parameters(case: str) -> None
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("replay_ratio", [0.0, float("inf")], ids=["all_reduce", "replay"])
-def test_data_parallel_replicas_average_by_either_route(replay_ratio: float, world: int) -> None:
+def test_data_parallel_copies_average_by_either_route(replay_ratio: float, world: int) -> None:
     for weighted in (False, True):  # SUM and MEAN bags; per-sample weights
         compared = run_on_ranks(world, _accumulate_and_clear, "data_parallel", replay_ratio, weighted, timeout=100)
         assert all(n > 0 for n in compared), compared

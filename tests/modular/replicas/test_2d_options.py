@@ -51,7 +51,7 @@ def _mesh(shape: tuple[int, int]) -> DeviceMesh:
 
 def _blocks(p: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """(region, tensor) of each piece of a table (or state laid out like it) this rank holds:
-    its shards, or the whole of a replica."""
+    its shards, or the whole of a data-parallel copy."""
     if is_sharded(p):
         return [(tuple(slice(o, o + n) for o, n in zip(off, size)), t) for off, size, t in local_pieces(p)]
     return [(tuple(slice(0, n) for n in p.shape), p)]
@@ -101,7 +101,7 @@ def _fused_state(opt: Any) -> dict[str, torch.Tensor]:
 
 def _check_placements(model, opt, plan: ShardingPlan, mesh: DeviceMesh, label: str) -> None:
     """Every sharded table a DTensor over the 2D mesh, (Replicate(), the 1D placement), its fused
-    state (Replicate(), Shard(0)) for row state; data-parallel tables plain replicas."""
+    state (Replicate(), Shard(0)) for row state; data-parallel tables plain tensors."""
     placements = plan.modules[""]
     state = _fused_state(opt) if opt is not None else {}
     for name, p in model.named_parameters():

@@ -112,7 +112,7 @@ def _check_weights(model: nn.Module, ref: nn.Module, what: str) -> None:
     refs = dict(ref.named_parameters())
     names = [n for n, _ in model.named_parameters()]
     assert names == list(refs), f"{what}: parameter names {names} != {list(refs)}"
-    for name, p in model.named_parameters():  # ShardedTensor or DTensor tables, or replicas
+    for name, p in model.named_parameters():  # ShardedTensor or DTensor tables, or data-parallel copies
         for piece in local_pieces(p) if is_sharded(p) else [Piece((0, 0), tuple(p.shape), p)]:
             (r0, c0), (nr, nc) = piece.offsets, piece.sizes
             close(piece.tensor.detach(), refs[name].detach()[r0 : r0 + nr, c0 : c0 + nc], f"{what}: {name}")
@@ -420,7 +420,7 @@ def _dlrm_dtensor(compose: str) -> int:
         want, said = _local_values(held), []
         with _reshard_warnings(said):
             modular.reshard(model, ShardingPlan(world_size=world, modules={"sparse": _dlrm_placements(chain[i + 1], world)}))
-        for k, values in _local_values(held).items():  # the state_dict's DTensors and replicas
+        for k, values in _local_values(held).items():  # the state_dict's DTensors and data-parallel copies
             assert all(torch.equal(a, b) for a, b in zip(values, want[k])), f"{what}: held state_dict {k} changed"
         assert len(said) == (1 if held else 0), f"{what}: {said}"
         assert not held or "still referenced outside the model" in said[0], f"{what}: {said}"
@@ -591,7 +591,7 @@ def _values_through_given_back_pages() -> None:
         for (name, j), states in ebc.fused_tables.states().items():
             spec = layout.shards[layout.table_index(name)][j]
             out[f"{name} row_sum"][spec.row_offset : spec.row_offset + spec.num_rows] = states["row_sum"]
-        for c in configs:  # copies (column pieces, replicas) hold the same positive values
+        for c in configs:  # copies (column pieces, data-parallel tables) hold the same positive values
             dist.all_reduce(out[f"{c.name} row_sum"], op=dist.ReduceOp.MAX)
         return out
 

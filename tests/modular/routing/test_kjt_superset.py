@@ -188,7 +188,8 @@ def loss(outputs, targets, bag_rows: slice, seq_rows) -> torch.Tensor:
 
 
 def compare_tables(model: nn.Module, ref: nn.Module, what: str, grads: bool, tol: float = 0.0) -> int:
-    """This rank's pieces of every table (ShardedTensor or DTensor shards, or whole replicas)."""
+    """This rank's pieces of every table (ShardedTensor or DTensor shards, or whole data-parallel
+    copies)."""
     ref_params = dict(ref.named_parameters())
     compared = 0
     for name, param in model.named_parameters():

@@ -5,7 +5,7 @@ The reference slices each route's rows of each source out of its kernel's output
 concatenates them source by source, route by route (what the former `send_rows` and the per-route views of
 the lookup did); autograd's slicing gives padding rows a zero gradient. Cases: bags-of-one and
 `nobag` kernels, routes of unequal widths (column pieces), empty routes and empty (route,
-source) pairs, padded bags (replicas), and a world of one.
+source) pairs, padded bags (data-parallel copies), and a world of one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fused optimizers on sharded EmbeddingCollections: 3 steps equal the unsharded model trained
 with the torch equivalent, for every placement (dim-8 tables take fbgemm's fused kernel, whole or
 in 4-column pieces with their row statistics exchanged; dim-5 ones and odd pieces the emulation;
-data-parallel ones the replicas), beside a fused EBC."""
+data-parallel ones fbgemm's replay of the gathered batch), beside a fused EBC."""
 
 from __future__ import annotations
 

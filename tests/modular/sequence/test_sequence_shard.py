@@ -88,7 +88,7 @@ LOW, HIGH = 0.25, 0.75
 
 def _meta_ec() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1234 + rank)  # replicas must agree even when the ranks' RNGs do not
+    torch.manual_seed(1234 + rank)  # data-parallel copies must agree even when the ranks' RNGs do not
     tables = [dataclasses.replace(t, init_fn=lambda w: torch.nn.init.uniform_(w, LOW, HIGH)) for t in seq_a_tables()]
     ec = EmbeddingCollection(tables=tables, device=torch.device("meta"))
     placements = placements_for("mixed", tables, world)

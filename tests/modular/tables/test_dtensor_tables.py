@@ -42,7 +42,7 @@ def _ebc() -> EmbeddingBagCollection:
 
 
 def _blocks(p: torch.Tensor) -> dict[tuple, torch.Tensor]:
-    """This rank's pieces of a table by (offsets, sizes): shards, or the whole replica."""
+    """This rank's pieces of a table by (offsets, sizes): shards, or the whole data-parallel copy."""
     if isinstance(p, (ShardedTensor, DTensor)):
         return {(o, s): t for o, s, t in local_pieces(p)}
     return {((0, 0), tuple(p.shape)): p}

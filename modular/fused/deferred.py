@@ -326,9 +326,4 @@ class GatheredFusedKernel(DeferredFusedKernel):
     the world size), and every rank runs fbgemm's fused backward on the global batch, ranks in
     order: the identical update everywhere, from a fraction of the bytes (ids and bags x dim
     floats), with fbgemm summing duplicate rows. CPU; other devices take the torch emulation.
-
-    # Note [fused replicas]
-    The former name of Note [fused data-parallel copies] above, kept only while
-    docs/benchmarks.md (being rewritten elsewhere) still refers to it; delete once it says the
-    new name.
     """

@@ -26,10 +26,6 @@ instead of a table's worth, and the same bits on every rank. Otherwise (more ids
 has rows) it accumulates its own batch and all-reduces the buffer. The choice rests on the
 gathered lengths, so every rank makes the same one. Measured in docs/benchmarks.md; the fused
 twin is Note [fused data-parallel copies] in modular/fused/deferred.py.
-
-# Note [dense replicas]
-The former name of Note [dense data-parallel copies] above, kept only while docs/benchmarks.md
-(being rewritten elsewhere) still refers to it; delete once it says the new name.
 """
 
 from __future__ import annotations

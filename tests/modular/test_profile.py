@@ -302,7 +302,7 @@ def test_shard_logs_what_it_built_at_info_and_each_kernel_choice_at_debug() -> N
         # statistic (Note [row statistics across column shards]), t_dp a fused replica.
         remote = "t_tw, t_rw#0" if rank == 0 else "t_rw#1"
         kernels = [
-            f"FusedKernel [{remote}]", f"RowStatsFusedKernel [t_cw#{rank}]", "ReplicaFusedKernel [t_dp]"
+            f"FusedKernel [{remote}]", f"RowStatsFusedKernel [t_cw#{rank}]", "GatheredFusedKernel [t_dp]"
         ]  # fmt: skip
         assert f"kernels: {', '.join(kernels)}" in info, info
         debugs = [m for _, level, m in built if level == logging.DEBUG]
@@ -312,6 +312,6 @@ def test_shard_logs_what_it_built_at_info_and_each_kernel_choice_at_debug() -> N
             f"{mine}: kernel group [t_cw#{rank}] (SUM, torch.float32) -> RowStatsFusedKernel "
             "(row_statistics: column pieces under exact_rowwise_adagrad: fbgemm's update in two "
             "passes with the whole row's statistic exchanged between them)",
-            f"{mine}: kernel group [t_dp] (SUM, torch.float32, data-parallel) -> ReplicaFusedKernel "
+            f"{mine}: kernel group [t_dp] (SUM, torch.float32, data-parallel) -> GatheredFusedKernel "
             "(replayed: data-parallel copies: fbgemm's backward replayed over every rank's batch)",
         ], debugs

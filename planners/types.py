@@ -24,6 +24,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from planners.errors import PlanError
+
 __all__ = [
     "PlanError",
     "ShardSpec",
@@ -36,10 +38,6 @@ __all__ = [
 ]
 
 _FORMAT_VERSION = 1
-
-
-class PlanError(ValueError):
-    """A plan that cannot be applied: the message names the module, table or rank and the fix."""
 
 
 class ShardingType(enum.Enum):

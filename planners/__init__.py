@@ -30,6 +30,7 @@ from planners.replan import ReplanResult, TableMove, move_bytes, replan
 from planners.stats import PlanStats, RankStats, ShardStats, TableStats, plan_stats, validate_plan
 from planners.torchrec_interop import TorchRecLayoutWarning, from_torchrec, to_torchrec
 from planners.types import (
+    PlanAssumptions,
     PlanError,
     ShardingPlan,
     ShardingType,
@@ -46,6 +47,7 @@ __all__ = [
     "FileFormatError",
     "NoPlanError",
     "Optimizer",
+    "PlanAssumptions",
     "PlanError",
     "PlanResult",
     "PlanStats",

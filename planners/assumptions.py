@@ -1,21 +1,27 @@
-"""What a plan is priced for: the optimizer, the column-wise statistic, the comm dtype and the
-replica sync, each given to `planners.plan` and again to `modular.fuse_optimizer` or
-`modular.shard`. The enums are the one vocabulary of both sides: modular takes the planner's
-`ColumnWiseStatistic`, and `Optimizer.fused_name` is the one table between the planner's
-optimizer names and `modular.fuse_optimizer`'s.
+"""What a plan is priced for: the optimizer, the column-wise statistic, the comm dtype, the replica
+groups and their sync, and the batch size; and `PlanAssumptions`, the record of them a plan carries.
 
-Pure Python, a leaf: it imports only `PlanError`, so that planners/types.py may import it.
-`planners.inputs` and `planners.replicas` re-export the enums.
+Each of these is given twice: to `planners.plan`, which prices the plan under it, and again to
+`modular.fuse_optimizer` or `modular.shard`, which run under it. So the plan records what it was
+priced for (`ShardingPlan.priced_for`), the way DCP's metadata carries what its planner assumed,
+and `modular.shard` compares the record with what it is given (docs/planner.md, "What a plan
+records"). The enums are the one vocabulary of both sides: modular takes the
+planner's `ColumnWiseStatistic`, and `Optimizer.fused_name` is the one table between the
+planner's optimizer names and `modular.fuse_optimizer`'s.
+
+Pure Python, a leaf below planners/types.py (which imports `PlanAssumptions`): it imports only
+`PlanError`. `planners.inputs` and `planners.replicas` re-export the enums.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from planners.errors import PlanError
 
-__all__ = ["ColumnWiseStatistic", "DataType", "Optimizer", "ReplicaSync"]
+__all__ = ["ColumnWiseStatistic", "DataType", "Optimizer", "PlanAssumptions", "ReplicaSync"]
 
 
 class DataType(enum.Enum):
@@ -141,3 +147,78 @@ class ReplicaSync(enum.Enum):
     def parse(cls, value: str | ReplicaSync) -> ReplicaSync:
         """Accepts a member or its value, "exact" or "periodic" (any case)."""
         return _parse_member(cls, value, "replica_sync")
+
+
+_FIELDS = ("batch_size", "optimizer", "column_wise_statistic", "comm_dtype", "replicas",
+           "replica_sync")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanAssumptions:
+    """What a plan was priced for. `planners.plan` fills `ShardingPlan.priced_for` with one:
+
+        plan = planners.plan(tables, topology, batch_size=512, comm_dtype="fp16")
+        plan.priced_for  # PlanAssumptions(batch_size=512, optimizer='rowwise_adagrad',
+                         #   column_wise_statistic='exact', comm_dtype='fp16', replicas=1, ...)
+
+    and `modular.shard` (and `modular.reshard`) compare it with what they are given, on every
+    rank: a difference that changes the layout (`replicas` against the mesh's "replicate" size,
+    `column_wise_statistic` against `fuse_optimizer`'s) raises `modular.ShardingError`; one that
+    changes only the price (`optimizer`, `comm_dtype`, `replica_sync`) warns once with
+    `modular.PlanMismatchWarning`; `batch_size` is recorded, not checked (`shard` never sees a
+    batch). docs/planner.md, "What a plan records".
+
+    Each field takes the enum member or its name, as `planners.plan` does. `batch_size` is the
+    per-rank batch; `replicas` the replica groups of a 2D mesh (1: none), and `replica_sync` how
+    they were priced to stay in step (it prices nothing when `replicas` is 1).
+    """
+
+    batch_size: int
+    optimizer: Optimizer = Optimizer.ROWWISE_ADAGRAD
+    column_wise_statistic: ColumnWiseStatistic = ColumnWiseStatistic.EXACT
+    comm_dtype: DataType = DataType.FP32
+    replicas: int = 1
+    replica_sync: ReplicaSync = ReplicaSync.EXACT
+
+    def __post_init__(self) -> None:
+        for name, value in (("batch_size", self.batch_size), ("replicas", self.replicas)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                unit = "per rank" if name == "batch_size" else "replica groups"
+                raise PlanError(f"{name} must be a positive integer ({unit}), got {value!r}")
+        object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer))
+        object.__setattr__(self, "column_wise_statistic",
+                           ColumnWiseStatistic.parse(self.column_wise_statistic))  # fmt: skip
+        object.__setattr__(self, "comm_dtype", DataType.parse(self.comm_dtype))
+        object.__setattr__(self, "replica_sync", ReplicaSync.parse(self.replica_sync))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
+        return f"PlanAssumptions({fields})"
+
+    def describe(self) -> str:
+        """'batch 512 per rank, rowwise_adagrad (exact column statistic), fp32 comms, 1D'."""
+        replicas = "1D" if self.replicas == 1 else (
+            f"{self.replicas} replica groups ({self.replica_sync.value} sync)")  # fmt: skip
+        return (f"batch {self.batch_size} per rank, {self.optimizer.value} "
+                f"({self.column_wise_statistic.value} column statistic), "
+                f"{self.comm_dtype.value} comms, {replicas}")  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as a plan file writes it: enums by their names."""
+        return {
+            "batch_size": self.batch_size, "optimizer": self.optimizer.value,
+            "column_wise_statistic": self.column_wise_statistic.value,
+            "comm_dtype": self.comm_dtype.value, "replicas": self.replicas,
+            "replica_sync": self.replica_sync.value,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanAssumptions:
+        """The record `to_dict` wrote (a field left out takes its default, as in the constructor)."""
+        if not isinstance(data, Mapping) or "batch_size" not in data:
+            raise PlanError(f"a plan's 'priced_for' needs a 'batch_size', got {data!r}")
+        unknown = sorted(set(data) - set(_FIELDS), key=str)
+        if unknown:
+            raise PlanError(f"unknown fields {unknown} in the plan's 'priced_for'; it has "
+                            f"{', '.join(repr(f) for f in _FIELDS)}")  # fmt: skip
+        return cls(**{name: data[name] for name in _FIELDS if name in data})

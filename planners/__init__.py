@@ -11,7 +11,7 @@ Pure Python (plus numpy for the search): nothing here imports torch.distributed.
 The cost model, the search and the lower bound are described in docs/planner.md.
 """
 
-from planners.api import PlanResult, plan, plan_with_stats
+from planners.api import PlanOptions, PlanResult, plan, plan_with_stats
 from planners.cost import CostModel
 from planners.explain import NoPlanError
 from planners.files import FileFormatError
@@ -49,6 +49,7 @@ __all__ = [
     "Optimizer",
     "PlanAssumptions",
     "PlanError",
+    "PlanOptions",
     "PlanResult",
     "PlanStats",
     "RankStats",

@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 from modular import lifecycle
 from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
+from modular.plan_assumptions import check_priced_for
 from modular.resharding.adopt import Adoption, retire_replaced
 from modular.resharding.exchange import agree, exchange, pack, plan_traffic, rounds
 from modular.resharding.memory import uncommitted
@@ -109,6 +110,12 @@ def _agreed_moves(
             described = {"shape": shape, "sync": replicas.sync.value}  # agreed beside the plan
         if plan.world_size != world:
             raise ShardingError(_world_message(plan.world_size, world, replicas))
+        check_priced_for(  # Note [a plan's assumptions]
+            plan, targets, {fqn: m.comm_dtype for fqn, m in targets},
+            replicas=1 if replicas is None else replicas.size,
+            replica_sync="exact" if replicas is None else replicas.sync.value,
+            call="modular.reshard", stacklevel=3,
+        )  # fmt: skip
         for fqn, module in targets:
             placements, shards = resolve_placements(fqn, module, plan, world, module.device)
             at = RankLayout.build(

@@ -4,10 +4,11 @@ groups and their sync, and the batch size; and `PlanAssumptions`, the record of 
 Each of these is given twice: to `planners.plan`, which prices the plan under it, and again to
 `modular.fuse_optimizer` or `modular.shard`, which run under it. So the plan records what it was
 priced for (`ShardingPlan.priced_for`), the way DCP's metadata carries what its planner assumed,
-and `modular.shard` compares the record with what it is given (docs/planner.md, "What a plan
-records"). The enums are the one vocabulary of both sides: modular takes the
-planner's `ColumnWiseStatistic`, and `Optimizer.fused_name` is the one table between the
-planner's optimizer names and `modular.fuse_optimizer`'s.
+and `modular.shard` compares the record with what it is given (Note [a plan's assumptions] in
+modular/plan_assumptions.py; docs/planner.md, "What a plan records"). The enums are the one
+vocabulary of both sides: modular takes the planner's `ColumnWiseStatistic`, and
+`Optimizer.fused_name` is the one table between the planner's optimizer names and
+`modular.fuse_optimizer`'s.
 
 Pure Python, a leaf below planners/types.py (which imports `PlanAssumptions`): it imports only
 `PlanError`. `planners.inputs` and `planners.replicas` re-export the enums.
@@ -94,10 +95,8 @@ class Optimizer(enum.Enum):
 
     @property
     def fused_name(self) -> str:
-        """The name `modular.fuse_optimizer` takes for this optimizer."""
-        if self in (Optimizer.SGD, Optimizer.ADAGRAD, Optimizer.ROWWISE_ADAGRAD):
-            return f"exact_{self.value}"
-        return self.value
+        """The name `modular.fuse_optimizer` takes for this optimizer (`_FUSED_NAMES`)."""
+        return _FUSED_NAMES[self]
 
     @classmethod
     def parse(cls, value: str | Optimizer) -> Optimizer:
@@ -112,6 +111,19 @@ class Optimizer(enum.Enum):
             m.value if m.fused_name == m.value else f"{m.value} ({m.fused_name})" for m in cls
         )
         raise PlanError(f"unknown optimizer {value!r}; expected one of: {names}")
+
+
+# `modular.fuse_optimizer`'s name of each optimizer: the one table between the two vocabularies
+# (`Optimizer.parse` reads it, and modular's `FusedOptimizerKind.parse` through it).
+_FUSED_NAMES = {
+    Optimizer.SGD: "exact_sgd",
+    Optimizer.ROWWISE_ADAGRAD: "exact_rowwise_adagrad",
+    Optimizer.ADAGRAD: "exact_adagrad",
+    Optimizer.ADAM: "adam",
+    Optimizer.PARTIAL_ROWWISE_ADAM: "partial_rowwise_adam",
+    Optimizer.LAMB: "lamb",
+    Optimizer.PARTIAL_ROWWISE_LAMB: "partial_rowwise_lamb",
+}
 
 
 class ColumnWiseStatistic(enum.Enum):

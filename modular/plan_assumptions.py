@@ -55,7 +55,8 @@ __all__ = ["check_priced_for", "fused_config"]
 # `shard`'s comm dtypes as the planner names them; None (the default) sends FP32.
 _WIRE = {None: DataType.FP32, torch.float32: DataType.FP32, torch.float16: DataType.FP16,
          torch.bfloat16: DataType.BF16}  # fmt: skip
-_TORCH_NAME = {DataType.FP32: "None", DataType.FP16: "torch.float16", DataType.BF16: "torch.bfloat16"}
+_TORCH_NAME = {DataType.FP32: "None", DataType.FP16: "torch.float16",
+               DataType.BF16: "torch.bfloat16"}  # fmt: skip
 # (what, planned, given) already warned in this process.
 _WARNED: set[tuple[str, str, str]] = set()
 
@@ -96,12 +97,12 @@ def check_priced_for(
     if priced.replicas != replicas:
         raise ShardingError(_replicas_message(priced.replicas, replicas, call))
     fused = [(fqn, fused_config(m)) for fqn, m in modules]
+    rowwise = priced.optimizer is Optimizer.ROWWISE_ADAGRAD  # the one the statistic changes
     for fqn, config in fused:  # layout first: nothing is warned about a plan that is refused
-        if (config is not None and config.optimizer.rowwise()
-                and priced.optimizer is Optimizer.ROWWISE_ADAGRAD
-                and config.column_wise_statistic is not priced.column_wise_statistic):  # fmt: skip
-            raise ShardingError(_statistic_message(priced.column_wise_statistic,
-                                                   config.column_wise_statistic, fqn, call))  # fmt: skip
+        if rowwise and config is not None and config.optimizer.rowwise():
+            statistic = config.column_wise_statistic
+            if statistic is not priced.column_wise_statistic:
+                raise ShardingError(_statistic_message(priced.column_wise_statistic, statistic, fqn, call))
     planned = priced.optimizer.fused_name
     for fqn, config in fused:
         if config is None:
@@ -117,17 +118,17 @@ def check_priced_for(
             _warn_once(("optimizer", planned, given), stacklevel, (
                 f"{call}: the plan was priced for the fused optimizer {planned!r} but module "
                 f"{fqn!r} is fused with {given!r} (modular.fuse_optimizer); its placements apply "
-                f"and train exactly, balanced for {planned!r}'s optimizer state and update: plan "
-                f"with planners.plan(..., optimizer={given!r}) to balance for what runs"))  # fmt: skip
+                f"and train exactly, balanced for {planned!r}'s optimizer state and update: "
+                f"plan with planners.plan(..., optimizer={given!r}) to balance for what runs"))
     for fqn, dtype in comm_dtypes.items():
         wire = _WIRE[dtype]
         if wire is not priced.comm_dtype:
             _warn_once(("comm_dtype", priced.comm_dtype.value, wire.value), stacklevel, (
                 f"{call}: the plan was priced for comm_dtype {priced.comm_dtype.value} but module "
-                f"{fqn!r} sends its pooled embeddings in {wire.value}; its placements apply, "
-                "balanced for the other dtype's output-dist bytes and copies: give modular.shard "
-                f"comm_dtype={_TORCH_NAME[priced.comm_dtype]}, or plan with planners.plan(..., "
-                f"comm_dtype={wire.value!r})"))  # fmt: skip
+                f"{fqn!r} sends its outputs and their gradients in {wire.value}; its placements "
+                "apply, balanced for the other dtype's output-dist bytes and copies: give "
+                f"modular.shard comm_dtype={_TORCH_NAME[priced.comm_dtype]}, or plan with "
+                f"planners.plan(..., comm_dtype={wire.value!r})"))  # fmt: skip
     if replicas > 1 and replica_sync != priced.replica_sync.value:
         _warn_once(("replica_sync", priced.replica_sync.value, replica_sync), stacklevel, (
             f"{call}: the plan was priced for replica_sync {priced.replica_sync.value!r} but the "

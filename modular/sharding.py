@@ -116,8 +116,9 @@ def shard(
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)
         wires = per_module(comm_dtype, fqns, "comm_dtype", None)
         # what the plan was priced for against what it runs under (Note [a plan's assumptions])
-        check_priced_for(plan, targets, wires, replicas=groups.replicas.size if groups.replicas else 1,
-                         replica_sync=replica_sync.value, call="modular.shard", stacklevel=2)  # fmt: skip
+        replica_groups = groups.replicas.size if groups.replicas is not None else 1
+        check_priced_for(plan, targets, wires, replicas=replica_groups,
+                         replica_sync=replica_sync.value, call="modular.shard", stacklevel=2)
     except ShardingError as e:
         problem = e
     options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}

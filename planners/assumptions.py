@@ -226,7 +226,7 @@ class PlanAssumptions:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanAssumptions:
-        """The record `to_dict` wrote (a field left out takes its default, as in the constructor)."""
+        """The record `to_dict` wrote; a field left out takes its default, as in the constructor."""
         if not isinstance(data, Mapping) or "batch_size" not in data:
             raise PlanError(f"a plan's 'priced_for' needs a 'batch_size', got {data!r}")
         unknown = sorted(set(data) - set(_FIELDS), key=str)

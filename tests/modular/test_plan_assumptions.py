@@ -210,8 +210,8 @@ def test_a_price_difference_warns_once_naming_both_values_and_trains_as_unsharde
         # two modules with both differences: one warning for each difference, not for each module
         assert len(messages) == 2, (rank, messages)
         comm, optimizer = messages
-        assert re.match(r"modular\.shard: the plan was priced for comm_dtype fp16 but module 'a' sends its pooled "
-                        r"embeddings in fp32;.* give modular\.shard comm_dtype=torch\.float16, or plan with "
+        assert re.match(r"modular\.shard: the plan was priced for comm_dtype fp16 but module 'a' sends its outputs "
+                        r"and their gradients in fp32;.* give modular\.shard comm_dtype=torch\.float16, or plan with "
                         r"planners\.plan\(\.\.\., comm_dtype='fp32'\)", comm), comm  # fmt: skip
         assert re.match(r"modular\.shard: the plan was priced for the fused optimizer 'adam' but module 'a' is fused "
                         r"with 'exact_rowwise_adagrad' \(modular\.fuse_optimizer\);.* plan with planners\.plan\(\.\.\., "
@@ -220,8 +220,8 @@ def test_a_price_difference_warns_once_naming_both_values_and_trains_as_unsharde
         assert out["again"] == [], out["again"]
         assert out["worst"] < 1e-5
         (resharded, where), = out["resharded"]  # the optimizer now as priced: the comm dtype only
-        assert re.match(r"modular\.reshard: the plan was priced for comm_dtype bf16 but module 'a' sends its pooled "
-                        r"embeddings in fp32", resharded), resharded  # fmt: skip
+        assert re.match(r"modular\.reshard: the plan was priced for comm_dtype bf16 but module 'a' sends its outputs "
+                        r"and their gradients in fp32", resharded), resharded  # fmt: skip
         assert where == __file__
 
 
@@ -298,5 +298,5 @@ def test_a_plan_recording_nothing_or_run_as_priced_warns_nothing() -> None:
     for out in _on_fresh_ranks(2, _silent_plans):
         assert out["by_hand"] == [] and out["as_priced"] == [], out
         assert len(out["recorded"]) == 2, out["recorded"]  # unfused (exact_sgd) and FP16 comms
-        assert any("comm_dtype fp32 but module '' sends its pooled embeddings in fp16" in m for m in out["recorded"])
+        assert any("comm_dtype fp32 but module '' sends its outputs and their gradients in fp16" in m for m in out["recorded"])
         assert any("'exact_sgd' but module '' is not fused" in m for m in out["recorded"])

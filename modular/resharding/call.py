@@ -71,7 +71,9 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     clone what must outlive it) to stay within the bound.
 
     A plan that does not fit (another world size, a module that is not sharded, other tables)
-    raises ShardingError on every rank before anything moves (Note [agreeing on the plan]). A
+    raises ShardingError on every rank before anything moves (Note [agreeing on the plan]); what
+    a plan from `planners.replan` or `plan` was priced for is checked as `shard` checks it (Note
+    [a plan's assumptions]). A
     failure while moving raises on every rank (ShardingError naming the rank and its error, or
     CollectiveError where a peer died) and leaves every rank's model as it was: the new
     modules replace the old ones only once every rank has built all of them.

@@ -27,7 +27,9 @@ from modular.compose.fsdp import apply_fully_shard
 from modular.compose.params import ignored_params, local_parameters
 from modular.embedding import ShardedEmbeddingCollection
 from modular.embedding_bag import ShardedEmbeddingBagCollection
-from modular.errors import CheckpointError, CollectiveError, InputError, PlanError, ShardingError
+from modular.errors import (
+    CheckpointError, CollectiveError, InputError, PlanError, PlanMismatchWarning, ShardingError,
+)
 from modular.optim import CombinedOptimizer, FusedOptimizer, fuse_optimizer
 from modular.prefetching import prefetch
 from modular.replica_sync import sync_replicas
@@ -42,6 +44,7 @@ __all__ = [
     "FusedOptimizer",
     "InputError",
     "PlanError",
+    "PlanMismatchWarning",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardingError",

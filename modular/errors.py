@@ -6,18 +6,30 @@
         ...
 
 All are exported from `modular` itself. `PlanError` (a plan that is wrong on its own, whatever the
-model) is the planner's, re-exported here for one-stop imports.
+model) is the planner's, re-exported here for one-stop imports. `PlanMismatchWarning` is a
+warning, not an error: a plan priced for other settings than it runs under (Note [a plan's
+assumptions] in modular/plan_assumptions.py).
 """
 
 from __future__ import annotations
 
 from planners.types import PlanError
 
-__all__ = ["CheckpointError", "CollectiveError", "InputError", "PlanError", "ShardingError"]
+__all__ = [
+    "CheckpointError", "CollectiveError", "InputError", "PlanError", "PlanMismatchWarning",
+    "ShardingError",
+]
 
 
 class ShardingError(ValueError):
     """A plan that does not fit the model or the process group; names the module, table or rank."""
+
+
+class PlanMismatchWarning(UserWarning):
+    """`modular.shard` (or `reshard`) runs a plan under settings that change only its price, not
+    its layout: another optimizer, comm dtype or replica sync than it was priced for. Names the
+    setting, both values and the fix; warned once per process for each such pair. To make it an
+    error: `warnings.simplefilter("error", modular.PlanMismatchWarning)`."""
 
 
 class InputError(ValueError):

@@ -25,6 +25,7 @@ from modular.kernels.table_dtypes import check_table_dtypes
 from modular.dtype_options import DtypeOption, per_module
 from modular.kinds import KINDS, POOLED, SEQUENCE
 from modular.mesh import resolve_mesh
+from modular.plan_assumptions import check_priced_for
 from modular.sharded_types import SHARDED_COLLECTIONS, kind_of, sharded_class
 from modular.tables.forms import TensorType, is_sharded, local_pieces
 from modular.tables.layout import RankLayout
@@ -62,8 +63,11 @@ def shard(
     collection's weights are copied, so the sharded model computes exactly what the original did.
 
     Every problem with the plan is raised on every rank, also when only one rank sees it (its
-    plan or model differs): see Note [agreeing on the plan]. `device` defaults to the current
-    CUDA device under NCCL and to the CPU otherwise.
+    plan or model differs): see Note [agreeing on the plan]. What a plan from `planners.plan` was
+    priced for is checked against the call (Note [a plan's assumptions]): another replica count
+    or column-wise statistic raises, another optimizer, comm dtype or replica sync warns
+    `PlanMismatchWarning`. `device` defaults to the current CUDA device under NCCL and to the
+    CPU otherwise.
 
     Tables keep their config's data type (FP32, FP16; BF16 where fbgemm has kernels for it:
     Note [low-precision tables] in modular/kernels/table_dtypes.py). `output_dtype` is the dtype of
@@ -112,6 +116,10 @@ def shard(
         fqns = [fqn for fqn, _ in targets]
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)
         wires = per_module(comm_dtype, fqns, "comm_dtype", None)
+        # what the plan was priced for against what it runs under (Note [a plan's assumptions])
+        replica_groups = groups.replicas.size if groups.replicas is not None else 1
+        check_priced_for(plan, targets, wires, replicas=replica_groups,
+                         replica_sync=replica_sync.value, call="modular.shard", stacklevel=2)
     except ShardingError as e:
         problem = e
     options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}

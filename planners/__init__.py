@@ -11,7 +11,7 @@ Pure Python (plus numpy for the search): nothing here imports torch.distributed.
 The cost model, the search and the lower bound are described in docs/planner.md.
 """
 
-from planners.api import PlanResult, plan, plan_with_stats
+from planners.api import PlanOptions, PlanResult, plan, plan_with_stats
 from planners.cost import CostModel
 from planners.explain import NoPlanError
 from planners.files import FileFormatError
@@ -30,6 +30,7 @@ from planners.replan import ReplanResult, TableMove, move_bytes, replan
 from planners.stats import PlanStats, RankStats, ShardStats, TableStats, plan_stats, validate_plan
 from planners.torchrec_interop import TorchRecLayoutWarning, from_torchrec, to_torchrec
 from planners.types import (
+    PlanAssumptions,
     PlanError,
     ShardingPlan,
     ShardingType,
@@ -46,7 +47,9 @@ __all__ = [
     "FileFormatError",
     "NoPlanError",
     "Optimizer",
+    "PlanAssumptions",
     "PlanError",
+    "PlanOptions",
     "PlanResult",
     "PlanStats",
     "RankStats",

@@ -1,10 +1,15 @@
-"""`plan`: tables and a cluster in, a `ShardingPlan` out -- and `plan_with_stats` to see why."""
+"""`plan`: tables and a cluster in, a `ShardingPlan` out -- and `plan_with_stats` to see why.
+
+Both take the same keyword arguments, spelt once as the fields of `PlanOptions`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from planners.cost import CostModel, TableArrays
 from planners.explain import before_candidates, before_search, explain_no_plan
@@ -14,9 +19,70 @@ from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
 from planners.search import search
 from planners.stats import PlanStats, stats_for
-from planners.types import ShardingPlan, ShardingType, TablePlacement, even_split
+from planners.types import PlanAssumptions, ShardingPlan, ShardingType, TablePlacement, even_split
 
-__all__ = ["PlanResult", "plan", "plan_with_stats"]
+__all__ = ["PlanOptions", "PlanResult", "plan", "plan_with_stats"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Everything `plan` and `plan_with_stats` take besides the tables and the topology, as one
+    record (each is described in `plan`'s docstring). The two functions take these as keyword
+    arguments and build the record from them, so they are spelt once, here:
+
+        planners.plan(tables, topology, batch_size=512, comm_dtype="fp16")
+        planners.PlanOptions(batch_size=512, comm_dtype="fp16")  # the record the call builds
+
+    Names are parsed where they are given (an unknown optimizer, statistic, dtype or sync is a
+    PlanError naming the choices); `priced_for` is what the plan made under them records.
+    """
+
+    batch_size: int
+    constraints: Mapping[str, TableConstraint] | None = None
+    optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD
+    module_fqn: str = ""
+    column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT
+    pooling_factors: Mapping[str, float] | None = None
+    comm_dtype: DataType | str = DataType.FP32
+    torchrec_compatible: bool = False
+    replicas: int = 1
+    replica_sync: ReplicaSync | str = ReplicaSync.EXACT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer))
+        object.__setattr__(self, "column_wise_statistic",
+                           ColumnWiseStatistic.parse(self.column_wise_statistic))  # fmt: skip
+        object.__setattr__(self, "comm_dtype", DataType.parse(self.comm_dtype))
+        object.__setattr__(self, "replica_sync", ReplicaSync.parse(self.replica_sync))
+
+    @property
+    def priced_for(self) -> PlanAssumptions:
+        """What a plan made under these options is priced for (`ShardingPlan.priced_for`)."""
+        return PlanAssumptions(
+            batch_size=self.batch_size, optimizer=self.optimizer,
+            column_wise_statistic=self.column_wise_statistic, comm_dtype=self.comm_dtype,
+            replicas=self.replicas, replica_sync=self.replica_sync,
+        )  # fmt: skip
+
+
+_R = TypeVar("_R")
+
+
+def _takes_plan_options(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """Shows `fn(tables, topology, **options)` with `PlanOptions`'s fields as its keyword-only
+    arguments, so that `help()` and `inspect.signature` list them as if spelt out; any other
+    keyword is a TypeError from `PlanOptions`, as it was from the function."""
+    signature = inspect.signature(fn)
+    fixed = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    options = [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+        )  # fmt: skip
+        for f in dataclasses.fields(PlanOptions)
+    ]
+    fn.__signature__ = signature.replace(parameters=[*fixed, *options])  # type: ignore[attr-defined]
+    return fn
 
 
 @dataclass(frozen=True)
@@ -28,21 +94,8 @@ class PlanResult:
     seconds: float
 
 
-def plan(
-    tables: TablesLike,
-    topology: Topology,
-    *,
-    batch_size: int,
-    constraints: Mapping[str, TableConstraint] | None = None,
-    optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
-    module_fqn: str = "",
-    column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
-    pooling_factors: Mapping[str, float] | None = None,
-    comm_dtype: DataType | str = DataType.FP32,
-    torchrec_compatible: bool = False,
-    replicas: int = 1,
-    replica_sync: ReplicaSync | str = ReplicaSync.EXACT,
-) -> ShardingPlan:
+@_takes_plan_options
+def plan(tables: TablesLike, topology: Topology, **options: Any) -> ShardingPlan:
     """Places every table so that the slowest rank is as fast as possible and every rank fits.
 
         tables = [planners.Table("t_user", 10_000_000, 128, features=("user_id",)),
@@ -92,47 +145,38 @@ def plan(
         plan = planners.plan(tables, planners.Topology(64, ranks_per_host=8), batch_size=512,
                              replicas=4)   # a plan for 16 ranks, replicated 4 times
 
+    The plan records what it was priced for (`plan.priced_for`: the batch size, optimizer,
+    column-wise statistic, comm dtype, replicas and replica sync), and `modular.shard` checks
+    it against what it is given (docs/planner.md, "What a plan records").
+
+    The keyword arguments are the fields of `PlanOptions` (the defaults above).
     Raises `NoPlanError` (a PlanError) naming the tables that do not fit, with the numbers and
     the ways out; PlanError for invalid input.
     """
-    return plan_with_stats(
-        tables, topology, batch_size=batch_size, constraints=constraints,
-        optimizer=optimizer, module_fqn=module_fqn, column_wise_statistic=column_wise_statistic,
-        pooling_factors=pooling_factors, comm_dtype=comm_dtype,
-        torchrec_compatible=torchrec_compatible, replicas=replicas, replica_sync=replica_sync,
-    ).plan  # fmt: skip
+    return plan_with_stats(tables, topology, **options).plan
 
 
-def plan_with_stats(
-    tables: TablesLike,
-    topology: Topology,
-    *,
-    batch_size: int,
-    constraints: Mapping[str, TableConstraint] | None = None,
-    optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
-    module_fqn: str = "",
-    column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
-    pooling_factors: Mapping[str, float] | None = None,
-    comm_dtype: DataType | str = DataType.FP32,
-    torchrec_compatible: bool = False,
-    replicas: int = 1,
-    replica_sync: ReplicaSync | str = ReplicaSync.EXACT,
-) -> PlanResult:
+@_takes_plan_options
+def plan_with_stats(tables: TablesLike, topology: Topology, **options: Any) -> PlanResult:
     """Like `plan` (the same arguments), and also returns the plan's statistics, priced under
     the same optimizer and `column_wise_statistic`, and how long the search took.
 
         result = planners.plan_with_stats(tables, topology, batch_size=512)
         print(result.stats.format())
     """
+    return _plan_with_stats(tables, topology, PlanOptions(**options))
+
+
+def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOptions) -> PlanResult:
     start = time.perf_counter()
-    table_set = as_table_set(tables, module_fqn, pooling_factors=pooling_factors)
+    table_set = as_table_set(tables, options.module_fqn, pooling_factors=options.pooling_factors)
     layout = None
-    if replicas != 1:  # one shard group is planned (Note [pricing replica groups])
-        topology, layout = group_topology(topology, replicas, replica_sync)
-    model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
-                      column_wise_statistic=column_wise_statistic,
-                      comm_dtype=comm_dtype, replicas=layout)  # parsed by CostModel
-    cons = match_constraints(table_set, constraints, topology.world_size)
+    if options.replicas != 1:  # one shard group is planned (Note [pricing replica groups])
+        topology, layout = group_topology(topology, options.replicas, options.replica_sync)
+    model = CostModel(topology, options.batch_size, options.optimizer,
+                      column_wise_statistic=options.column_wise_statistic,
+                      comm_dtype=options.comm_dtype, replicas=layout)  # fmt: skip
+    cons = match_constraints(table_set, options.constraints, topology.world_size)
     plain = [t for _, t in table_set]
     base = model.batch_buffer_bytes(TableArrays.of(plain))
     # What no search can overcome fails here, before it (docs/planner.md, "When no plan fits").
@@ -140,7 +184,7 @@ def plan_with_stats(
     if early is not None:
         raise early
     candidates = enumerate_candidates(plain, model, cons, topology.capacity - base,
-                                      torchrec=torchrec_compatible)  # fmt: skip
+                                      torchrec=options.torchrec_compatible)  # fmt: skip
     early = before_search(table_set, candidates, cons, model, base)
     if early is not None:
         raise early
@@ -157,8 +201,9 @@ def plan_with_stats(
             # reads short and survives a round trip through TorchRec unchanged
             sizes = None if p.sizes == even_split(total, len(p.sizes)) else p.sizes
         modules.setdefault(fqn, {})[table.name] = TablePlacement(p.kind, p.ranks, sizes)
-    result = ShardingPlan(topology.world_size, modules, ranks_per_host=topology.ranks_per_host)
+    result = ShardingPlan(topology.world_size, modules, ranks_per_host=topology.ranks_per_host,
+                          priced_for=options.priced_for)  # fmt: skip
     seconds = time.perf_counter() - start
     stats = stats_for(result, table_set, model, bound, plan_seconds=seconds,
-                      torchrec_compatible=torchrec_compatible)
+                      torchrec_compatible=options.torchrec_compatible)
     return PlanResult(result, stats, seconds)

@@ -8,12 +8,14 @@ one 400 Gb/s NIC per GPU); docs/planner.md says where each number comes from.
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+# The optimizer, statistic and dtype vocabularies live beside the record of them a plan carries
+# (planners/assumptions.py); they are re-exported here, where the planner's inputs are.
+from planners.assumptions import ColumnWiseStatistic, DataType, Optimizer
 from planners.types import PlanError, ShardingType
 
 __all__ = [
@@ -29,119 +31,6 @@ __all__ = [
 
 GiB = 1024**3
 MAX_WORLD_SIZE = 1 << 20
-
-
-class DataType(enum.Enum):
-    """The element type of a table's weights."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-    @property
-    def num_bytes(self) -> int:
-        return 4 if self is DataType.FP32 else 2
-
-    @classmethod
-    def parse(cls, value: str | DataType) -> DataType:
-        """Accepts a member, "fp32"/"FP32", or torchrec's DataType (by its name)."""
-        if isinstance(value, cls):
-            return value
-        text = str(getattr(value, "name", value)).strip().lower()
-        for member in cls:
-            if text == member.value:
-                return member
-        raise PlanError(
-            f"unknown dtype {value!r}; expected one of: {', '.join(m.value for m in cls)}"
-        )
-
-
-def _parse_member(cls: Any, value: Any, what: str) -> Any:
-    """The member of enum `cls` named by `value` (a member, or its value in any case)."""
-    if isinstance(value, cls):
-        return value
-    text = str(value).strip().lower()
-    for member in cls:
-        if text == member.value:
-            return member
-    raise PlanError(f"unknown {what} {value!r}; expected one of: {', '.join(m.value for m in cls)}")
-
-
-class Optimizer(enum.Enum):
-    """The fused embedding optimizer; it decides the optimizer state kept per row.
-
-    State bytes per row of a shard with `c` columns: sgd 0, rowwise_adagrad 4 (one fp32 per row),
-    adagrad 4*c, adam and lamb 8*c (two fp32 moments per element), partial_rowwise_adam and
-    partial_rowwise_lamb 4*c + 4 (fp32 first moments, one fp32 second moment per row).
-
-    One vocabulary with `modular.fuse_optimizer`: `parse` accepts its names too
-    ("exact_rowwise_adagrad" is ROWWISE_ADAGRAD), and `fused_name` gives them back; the Adam
-    family's names are the same in both.
-    """
-
-    SGD = "sgd"
-    ROWWISE_ADAGRAD = "rowwise_adagrad"
-    ADAGRAD = "adagrad"
-    ADAM = "adam"
-    PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
-    LAMB = "lamb"
-    PARTIAL_ROWWISE_LAMB = "partial_rowwise_lamb"
-
-    def state_bytes_per_row(self, cols: Any) -> Any:
-        """Optimizer state bytes for one row of `cols` columns (works on numpy arrays)."""
-        if self is Optimizer.SGD:
-            return 0 * cols
-        if self is Optimizer.ROWWISE_ADAGRAD:
-            return 4 + 0 * cols
-        if self is Optimizer.ADAGRAD:
-            return 4 * cols
-        if self in (Optimizer.PARTIAL_ROWWISE_ADAM, Optimizer.PARTIAL_ROWWISE_LAMB):
-            return 4 * cols + 4
-        return 8 * cols
-
-    @property
-    def fused_name(self) -> str:
-        """The name `modular.fuse_optimizer` takes for this optimizer."""
-        if self in (Optimizer.SGD, Optimizer.ADAGRAD, Optimizer.ROWWISE_ADAGRAD):
-            return f"exact_{self.value}"
-        return self.value
-
-    @classmethod
-    def parse(cls, value: str | Optimizer) -> Optimizer:
-        """Accepts a member, its value, or modular's name for it ("exact_rowwise_adagrad")."""
-        if isinstance(value, cls):
-            return value
-        text = str(value).strip().lower()
-        for member in cls:
-            if text in (member.value, member.fused_name):
-                return member
-        names = ", ".join(
-            m.value if m.fused_name == m.value else f"{m.value} ({m.fused_name})" for m in cls
-        )
-        raise PlanError(f"unknown optimizer {value!r}; expected one of: {names}")
-
-
-class ColumnWiseStatistic(enum.Enum):
-    """Which row statistic row-wise Adagrad keeps on a table cut into column pieces, as
-    `modular.fuse_optimizer(..., column_wise_statistic=...)` was told (Note [fused tables] in
-    modular/fused/choice.py); the planner prices what that choice costs (docs/planner.md, "Column
-    pieces under row-wise Adagrad").
-
-    EXACT (the default): the whole row's, as unsharded; each piece runs its backward twice,
-    keeps a scratch statistic per row and exchanges one fp32 per id with the table's other
-    pieces. PER_SHARD: each piece its own columns' (TorchRec's approximation); one plain pass.
-    Only row-wise Adagrad keeps a row statistic: under the other optimizers both price the same.
-    modular uses this enum itself (`modular.fused.config.ColumnWiseStatistic`): planners imports no
-    torch, modular imports planners.
-    """
-
-    EXACT = "exact"
-    PER_SHARD = "per_shard"
-
-    @classmethod
-    def parse(cls, value: str | ColumnWiseStatistic) -> ColumnWiseStatistic:
-        """Accepts a member or its value, "exact" or "per_shard" (any case)."""
-        return _parse_member(cls, value, "column_wise_statistic")
 
 
 _UNITS = {

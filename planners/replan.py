@@ -282,7 +282,9 @@ def replan(
     for (fqn, t), p, q in zip(table_set, chosen, old):
         modules.setdefault(fqn, {})[t.name] = p
         old_modules.setdefault(fqn, {})[t.name] = q
-    new_plan = ShardingPlan(world, modules, ranks_per_host=topology.ranks_per_host)
+    # priced as plan() priced its fresh plan (1D: replan plans no replica groups)
+    new_plan = ShardingPlan(world, modules, ranks_per_host=topology.ranks_per_host,
+                            priced_for=fresh_result.plan.priced_for)  # fmt: skip
     old_plan = ShardingPlan(world, old_modules, ranks_per_host=topology.ranks_per_host)
     groups = table_set_as_modules(table_set)
     stats = plan_stats(new_plan, groups, topology, **settings)

@@ -54,26 +54,14 @@ H % G == 0), so that every group sits on the hosts alike.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-from planners.inputs import Optimizer, Table, Topology, _parse_member
+from planners.assumptions import ReplicaSync
+from planners.inputs import Optimizer, Table, Topology
 from planners.types import PlanError, ShardingPlan
 
 __all__ = ["ReplicaSync", "Replicas", "group_topology", "synced_bytes"]
-
-
-class ReplicaSync(enum.Enum):
-    """How replica groups stay in step, as given to `modular.shard(..., replica_sync=...)`."""
-
-    EXACT = "exact"
-    PERIODIC = "periodic"
-
-    @classmethod
-    def parse(cls, value: str | ReplicaSync) -> ReplicaSync:
-        """Accepts a member or its value, "exact" or "periodic" (any case)."""
-        return _parse_member(cls, value, "replica_sync")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ here. Everything in this file is pure Python: it imports neither torch nor torch
         }})
 
 Shard boundaries are derived from the table's shape when a placement does not give them
-(`TablePlacement.shards`), so a plan can be written before the tables exist.
+(`TablePlacement.shards`), so a plan can be written before the tables exist. A plan made by
+`planners.plan` also records what it was priced for (`priced_for`, planners/assumptions.py),
+which `modular.shard` checks; one written by hand records nothing, and nothing is checked.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from planners.assumptions import PlanAssumptions
+from planners.errors import PlanError
+
 __all__ = [
+    "PlanAssumptions",
     "PlanError",
     "ShardSpec",
     "ShardingPlan",
@@ -36,10 +42,6 @@ __all__ = [
 ]
 
 _FORMAT_VERSION = 1
-
-
-class PlanError(ValueError):
-    """A plan that cannot be applied: the message names the module, table or rank and the fix."""
 
 
 class ShardingType(enum.Enum):
@@ -290,11 +292,17 @@ class ShardingPlan:
     `modules` maps an EBC's fully-qualified name in the model ("" for the model itself) to a
     mapping of table name -> `TablePlacement`. `ranks_per_host` is the host size used by
     TABLE_ROW_WISE placements; when None, `modular.shard` uses the local world size.
+
+    `priced_for` is what the plan was priced for (`PlanAssumptions`: batch size, optimizer,
+    column-wise statistic, comm dtype, replica groups and their sync), which `planners.plan`
+    fills and `modular.shard` compares with what it is given (docs/planner.md, "What a plan
+    records"). None, the default of a plan written by hand, records nothing and checks nothing.
     """
 
     world_size: int
     modules: Mapping[str, Mapping[str, TablePlacement]] = field(default_factory=dict)
     ranks_per_host: int | None = None
+    priced_for: PlanAssumptions | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or (
@@ -307,6 +315,11 @@ class ShardingPlan:
             or self.ranks_per_host < 1
         ):
             raise PlanError(f"ranks_per_host must be a positive integer, got {self.ranks_per_host!r}")
+        if self.priced_for is not None and not isinstance(self.priced_for, PlanAssumptions):
+            raise PlanError(
+                f"priced_for must be a planners.PlanAssumptions or None, got "
+                f"{type(self.priced_for).__name__}; build one with PlanAssumptions(batch_size=...)"
+            )
         object.__setattr__(self, "modules", _freeze_modules(self.modules))
         for fqn, tables in self.modules.items():
             for name, placement in tables.items():
@@ -336,8 +349,10 @@ class ShardingPlan:
                 f"{': ' + counts if counts else ''})")  # fmt: skip
 
     def __str__(self) -> str:
-        """One line per table: where it goes (print(plan))."""
+        """One line per table: where it goes (print(plan)); first what it was priced for."""
         lines = [repr(self)]
+        if self.priced_for is not None:
+            lines.append(f"  priced for {self.priced_for.describe()}")
         for fqn, tables in self.modules.items():
             lines.append(f"  module {fqn!r}:")
             width = max((len(n) for n in tables), default=0)
@@ -352,15 +367,20 @@ class ShardingPlan:
             raise PlanError(f"the plan has no placement for table {table!r} of {module_fqn!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The plan as JSON data; 'priced_for' only where the plan records it, so a plan written
+        by hand reads (and hashes) as it did before plans recorded it."""
+        out: dict[str, Any] = {
             "format": _FORMAT_VERSION,
             "world_size": self.world_size,
             "ranks_per_host": self.ranks_per_host,
-            "modules": {
-                fqn: {name: p.to_dict() for name, p in tables.items()}
-                for fqn, tables in self.modules.items()
-            },
         }
+        if self.priced_for is not None:
+            out["priced_for"] = self.priced_for.to_dict()
+        out["modules"] = {
+            fqn: {name: p.to_dict() for name, p in tables.items()}
+            for fqn, tables in self.modules.items()
+        }
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
@@ -374,11 +394,12 @@ class ShardingPlan:
             raise PlanError(f"plan format {version!r} is not supported (expected {_FORMAT_VERSION})")
         # 'planner': the settings block `planners.files.save_plan` adds. Anything else is a typo
         # (a misspelt 'ranks_per_host' would otherwise drop the host check silently).
-        unknown = sorted(set(data) - {"format", "world_size", "ranks_per_host", "modules", "planner"})
+        known = {"format", "world_size", "ranks_per_host", "priced_for", "modules", "planner"}
+        unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(
                 f"unknown fields {unknown} in the plan; a plan has 'format', 'world_size', "
-                "'ranks_per_host', 'modules' (and 'planner' settings)"
+                "'ranks_per_host', 'priced_for', 'modules' (and 'planner' settings)"
             )
         modules = data.get("modules", {})
         if not isinstance(modules, Mapping):
@@ -388,10 +409,14 @@ class ShardingPlan:
             if not isinstance(tables, Mapping):
                 raise PlanError(f"module {fqn!r} must map table name -> placement")
             parsed[fqn] = {name: TablePlacement.from_dict(p) for name, p in tables.items()}
+        # A plan written before plans recorded what they were priced for has no 'priced_for':
+        # it records nothing, as a plan written by hand.
+        priced = data.get("priced_for")
         return cls(
             world_size=data["world_size"],
             modules=parsed,
             ranks_per_host=data.get("ranks_per_host"),
+            priced_for=None if priced is None else PlanAssumptions.from_dict(priced),
         )
 
     @classmethod

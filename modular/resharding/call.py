@@ -16,6 +16,7 @@ from modular import lifecycle
 from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
 from modular.profiling import RESHARD, labelled
+from modular.plan_assumptions import check_priced_for
 from modular.resharding.adopt import Adoption, retire_replaced
 from modular.resharding.rounds import agree, exchange, pack, plan_traffic, rounds
 from modular.resharding.memory import uncommitted
@@ -72,7 +73,9 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     clone what must outlive it) to stay within the bound.
 
     A plan that does not fit (another world size, a module that is not sharded, other tables)
-    raises ShardingError on every rank before anything moves (Note [agreeing on the plan]). A
+    raises ShardingError on every rank before anything moves (Note [agreeing on the plan]); what
+    a plan from `planners.replan` or `plan` was priced for is checked as `shard` checks it (Note
+    [a plan's assumptions]). A
     failure while moving raises on every rank (ShardingError naming the rank and its error, or
     CollectiveError where a peer died) and leaves every rank's model as it was: the new
     modules replace the old ones only once every rank has built all of them.
@@ -111,6 +114,12 @@ def _agreed_moves(
             described = {"shape": shape, "sync": replicas.sync.value}  # agreed beside the plan
         if plan.world_size != world:
             raise ShardingError(_world_message(plan.world_size, world, replicas))
+        check_priced_for(  # Note [a plan's assumptions]
+            plan, targets, {fqn: m.comm_dtype for fqn, m in targets},
+            replicas=1 if replicas is None else replicas.size,
+            replica_sync="exact" if replicas is None else replicas.sync.value,
+            call="modular.reshard", stacklevel=3,
+        )  # fmt: skip
         for fqn, module in targets:
             placements, shards = resolve_placements(fqn, module, plan, world, module.device)
             at = RankLayout.build(

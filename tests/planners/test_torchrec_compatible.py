@@ -3,6 +3,7 @@ moved row (issue 38; Note [plans TorchRec runs unchanged] in planners/options.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -61,7 +62,7 @@ def _check_torchrec_layout(plan: planners.ShardingPlan, tables: list[Table], top
         for device in ("cuda", "cpu"):
             tr_plan = planners.to_torchrec(plan, tables, device_type=device)
     back = planners.from_torchrec(tr_plan, world_size=world, ranks_per_host=host)
-    assert back == plan
+    assert back == dataclasses.replace(plan, priced_for=None)  # TorchRec's plan records no pricing
 
 
 @pytest.mark.parametrize("n,world,per_host,comm", [(12, 8, 4, "fp32"), (40, 16, 8, "fp16"),

@@ -118,7 +118,7 @@ def _agreed_moves(
             plan, targets, {fqn: m.comm_dtype for fqn, m in targets},
             replicas=1 if replicas is None else replicas.size,
             replica_sync="exact" if replicas is None else replicas.sync.value,
-            call="modular.reshard", stacklevel=3,
+            call="modular.reshard", stacklevel=4,  # past the label's wrapper
         )  # fmt: skip
         for fqn, module in targets:
             placements, shards = resolve_placements(fqn, module, plan, world, module.device)
@@ -182,7 +182,7 @@ def _move(
             "back: load the last checkpoint on every rank (modular.checkpoint.load into this model)"
         ) from e
     if whole:
-        warnings.warn(kept_whole_warning(whole, moves, rank), stacklevel=3)  # the caller's line
+        warnings.warn(kept_whole_warning(whole, moves, rank), stacklevel=4)  # the caller's (past the label)
 
 
 def _build(

@@ -13,7 +13,9 @@ import torch
 from modular.errors import ShardingError
 from planners.types import ShardSpec
 
-__all__ = ["WHOLE_TABLE_INIT_BYTES", "init_meta_table", "initialised_whole", "shard_seed", "table_seed"]
+__all__ = [
+    "WHOLE_TABLE_INIT_BYTES", "init_meta_table", "initialised_whole", "shard_seed", "table_seed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def init_meta_table(
         return
     # A piece that is the whole table (table-wise, a replica) is filled in place.
     whole = first if len(pieces) == 1 and tuple(first.shape) == shape else None
-    full = whole if whole is not None else torch.empty(shape, dtype=first.dtype, device=first.device)
+    full = torch.empty(shape, dtype=first.dtype, device=first.device) if whole is None else whole
     with _seeded(table_seed(table), full.device):
         _call(init_fn, full, table=table, module=module, what=f"the whole table (shape {shape})")
     if whole is None:

@@ -59,8 +59,10 @@ def shard(
     replaced by a `ShardedEmbeddingBagCollection` or `ShardedEmbeddingCollection` holding only
     this rank's shards (Note [collection kinds]); every other module is left alone and
     parameter names do not change. Collections may live on the `meta` device: each rank then
-    allocates just its shards and fills them with the table's `init_fn`; a materialised
-    collection's weights are copied, so the sharded model computes exactly what the original did.
+    allocates just its shards and fills them with the table's `init_fn` (called on the whole table
+    where it takes at most 1 GiB, so its values are the unsharded module's: Note [shard init]); a
+    materialised collection's weights are copied, so the sharded model computes exactly what
+    the original did.
 
     Every problem with the plan is raised on every rank, also when only one rank sees it (its
     plan or model differs): see Note [agreeing on the plan]. What a plan from `planners.plan` was

@@ -7,6 +7,7 @@ from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from modular.errors import ShardingError
+from modular.tables.config_fields import check_config_fields
 from modular.tables.layout import Pooling, TableInfo
 from modular.tables.weights import table_info
 
@@ -24,6 +25,7 @@ def sequence_table_infos(ec: EmbeddingCollection, module: str) -> tuple[TableInf
     (an FP16 table there) is refused rather than sharded as a BF16 one."""
     infos = []
     for cfg in ec.embedding_configs():
+        check_config_fields(cfg, module)  # Note [table config fields]
         if cfg.data_type not in (DataType.FP32, DataType.FP16):
             raise ShardingError(
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "

@@ -1,10 +1,9 @@
 """Filling a sharded module's local shards: copied from the unsharded weights, or `init_fn` on
-meta tables, seeded per shard; every rank raises when one could not (Note [agreeing on the
-shards' init]), and warns when the ranks copied from tables that differ."""
+meta tables (modular/tables/meta_init.py); every rank raises when one could not (Note [agreeing
+on the shards' init]), and warns when the ranks copied from tables that differ."""
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from typing import Optional
 
@@ -15,6 +14,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from modular.comm import all_gather_bytes, broadcast, raise_shared_failure
 from modular.errors import ShardingError
 from modular.tables.layout import Layout, RankLayout
+from modular.tables.meta_init import init_meta_table, shard_seed
 from planners.types import ShardingType, ShardSpec
 
 __all__ = ["agree_on_init", "fill_local_shards", "init_shards", "shard_seed", "weights_fingerprints"]
@@ -61,32 +61,13 @@ def fill_local_shards(
     """Copies each local shard (`views`, by (table, shard index)) from `ebc`'s weights, or runs
     the table's init_fn on it where the table is on meta (Note [shard init])."""
     configs = ebc.embedding_bag_configs()
+    on_meta: dict[str, list[tuple[ShardSpec, torch.Tensor]]] = {}
     for (table, j), view in views.items():
         t = layout.table_index(table)
         spec = layout.shards[t][j]
         source = ebc.embedding_bags[table].weight
         if source.is_meta:
-            init_fn = configs[t].init_fn
-            if init_fn is None:
-                raise ShardingError(f"table {table!r} of {module!r} has no init_fn")
-            # Seeded per shard, then the caller's generators are restored: only the CPU's,
-            # and the shard's CUDA device's (torch.manual_seed would reseed every GPU).
-            seed = shard_seed(table, spec)
-            on_cuda = view.device.type == "cuda"
-            with torch.random.fork_rng(devices=[view.device] if on_cuda else [], device_type="cuda"):
-                torch.random.default_generator.manual_seed(seed)
-                if on_cuda:
-                    torch.cuda.default_generators[view.device.index].manual_seed(seed)
-                try:
-                    init_fn(view)
-                except Exception as e:
-                    raise ShardingError(
-                        f"init_fn of table {table!r} of module {module!r} failed on the shard of "
-                        f"rows {spec.row_offset}:{spec.row_offset + spec.num_rows}, columns "
-                        f"{spec.col_offset}:{spec.col_offset + spec.num_cols} (shape "
-                        f"{tuple(view.shape)}): {type(e).__name__}: {e}. init_fn is called once "
-                        "per shard, with that shard's (rows, columns) tensor, never the whole table"
-                    ) from e
+            on_meta.setdefault(table, []).append((spec, view))
         else:
             view.copy_(
                 source[
@@ -94,6 +75,13 @@ def fill_local_shards(
                     spec.col_offset : spec.col_offset + spec.num_cols,
                 ]
             )
+    for table, pieces in on_meta.items():
+        info = layout.tables[layout.table_index(table)]
+        init_fn = configs[layout.table_index(table)].init_fn
+        if init_fn is None:
+            raise ShardingError(f"table {table!r} of {module!r} has no init_fn")
+        shape = (info.num_embeddings, info.embedding_dim)
+        init_meta_table(init_fn, pieces, table=table, shape=shape, module=module)
 
 
 def agree_on_init(
@@ -148,8 +136,8 @@ def weights_fingerprints(weights: list[torch.Tensor]) -> bytes:
     equal copies give equal sums bit for bit (the same ops on the same values), copies seeded
     apart differ in every row. `_warn_if_weights_differ` names the tables and ranks. A warning,
     not an error: a model about to load a checkpoint may start from any weights. Data-parallel
-    tables need none of it (rank 0's copies are broadcast), nor do meta tables (`init_fn`
-    runs per shard, seeded per shard: Note [shard init])."""
+    tables need none of it (rank 0's copies are broadcast), nor do meta tables (their
+    shards run `init_fn`: Note [shard init])."""
     out = bytearray()
     for w in weights:
         if w.is_meta:
@@ -199,13 +187,3 @@ def _warn_if_weights_differ(module: str, tables: list[str], payloads: list[bytes
             "(Note [weights that differ between ranks])",
             stacklevel=7,  # the caller of modular.shard
         )
-
-
-def shard_seed(table: str, spec: ShardSpec) -> int:
-    """# Note [shard init]
-    A meta table's shards are initialised on different ranks, usually all seeded alike (SPMD).
-    Drawing each from the global RNG would repeat one stream in every shard; instead each shard
-    draws from a stream seeded by the base seed, the table and the shard's offsets, so shards are
-    independent and a shard gets the same values whichever rank (or plan size) holds it."""
-    text = f"{torch.initial_seed()}/{table}/{spec.row_offset}/{spec.col_offset}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1

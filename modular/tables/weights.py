@@ -24,6 +24,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from modular.errors import ShardingError
+from modular.tables.config_fields import check_config_fields
 from modular.tables.deprecation import quiet_sharded_tensor, quietly
 from modular.tables.forms import TensorType, dtensor_from_pieces, is_sharded, local_pieces
 from modular.tables.layout import Layout, Pooling, RankLayout, TableInfo, odd_width
@@ -55,6 +56,7 @@ def table_infos(ebc: EmbeddingBagCollection, module: str) -> tuple[TableInfo, ..
     """Reads the tables of a torchrec EBC, rejecting what sharding does not support."""
     infos = []
     for cfg in ebc.embedding_bag_configs():
+        check_config_fields(cfg, module)  # Note [table config fields]
         if cfg.data_type not in TABLE_DTYPES:
             raise ShardingError(
                 f"table {cfg.name!r} of module {module!r} has data type {cfg.data_type.name}; "

@@ -140,8 +140,8 @@ def _init_fn_fails_on_rank_1() -> None:
 def test_init_fn_failing_on_one_rank_raises_on_every_rank_and_leaves_the_model() -> None:
     messages = expect_errors_on_all_ranks(2, _init_fn_fails_on_rank_1, timeout=TIMEOUT_S)
     own = (
-        r"init_fn of table 't_b' of module 'b' failed on the shard of rows 0:8, columns 2:4 \(shape \(8, 2\)\): "
-        r"ValueError: pretrained rows do not fit\. init_fn is called once per shard"
+        r"init_fn of table 't_b' of module 'b' failed on the whole table \(shape \(8, 4\)\): "
+        r"ValueError: pretrained rows do not fit\. init_fn is called once on the whole table when"
     )
     assert re.fullmatch(own + ".*", messages[1]), messages[1]
     assert re.fullmatch(r"module 'b': rank 1 could not initialise its shards: ShardingError: " + own + r".* \(ranks \[1\] failed; this rank stops too so that no rank hangs\)", messages[0]), messages[0]

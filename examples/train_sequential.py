@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -117,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = TrainConfig(steps=a.steps, batch_size=a.batch_size, checkpoint_dir=a.checkpoint_dir, resume=a.resume)
     if "RANK" in os.environ:  # one of the ranks `main` launched
         torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+        # A lost peer stops the job in minutes, not gloo's default 30 (docs/troubleshooting.md)
+        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
         try:
             train(config)
         finally:

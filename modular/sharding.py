@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 
 from modular import lifecycle
+from modular.agreed_options import fused_settings, raise_if_settings_differ, shard_settings
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.describe import log_built
 from modular.errors import ShardingError
@@ -125,14 +126,22 @@ def shard(
     except ShardingError as e:
         problem = e
     options = {f: [str(outputs[f]), str(wires[f])] for f, _ in targets} if problem is None else {}
-    agree_on_plan(plan, targets, groups.agreement_group, problem, options, mesh=groups.described)
+    settings = shard_settings(  # Note [agreeing on options]
+        {f: {"output_dtype": o, "comm_dtype": w, **fused_settings(_fused_of(m))}
+         for (f, m), (o, w) in zip(targets, options.values())},
+        tensor_type=tensor_type.value,
+        replica_sync=replica_sync.value if groups.replicas is not None else None,
+    )  # fmt: skip
+    agree_on_plan(
+        plan, targets, groups.agreement_group, problem, options, mesh=groups.described,
+        settings=settings,
+    )  # fmt: skip
 
     built = []
     for fqn, ebc in targets:  # same order on every rank: building a table is collective
         placements, shards = resolved[fqn]
-        # A fused EBC stays fused (Note [fused tables]): unsharded and fused, or fused on meta.
         local = ebc if isinstance(ebc, _SHARDED) else None
-        fused = local.fused if local is not None else lifecycle.pending_fuse(ebc)
+        fused = _fused_of(ebc)
         kind = kind_of(ebc)
         at = RankLayout.build(
             kind.read_tables(ebc, fqn), placements, shards, module=fqn, group=process_group,
@@ -152,6 +161,11 @@ def shard(
         lifecycle.replace_module(model, fqn, sharded)
         log_built(fqn, sharded)  # at INFO on logger "modular" (modular/describe.py)
     return model
+
+
+def _fused_of(ebc: nn.Module):
+    # A fused EBC stays fused (Note [fused tables]): unsharded and fused, or fused on meta.
+    return ebc.fused if isinstance(ebc, _SHARDED) else lifecycle.pending_fuse(ebc)
 
 
 def retire_tables(ebc: nn.Module, fqn: str, *, by: str = "modular.shard") -> None:
@@ -265,6 +279,7 @@ def agree_on_plan(
     *,
     call: str = "modular.shard",
     mesh: Optional[dict] = None,
+    settings: Optional[dict[str, str]] = None,
 ) -> None:
     """# Note [agreeing on the plan]
     Every rank joins one small all-gather, always, even when its own plan check failed: each
@@ -284,6 +299,8 @@ def agree_on_plan(
             described["precision"] = options  # output and comm dtypes, when not the defaults
         if mesh is not None:
             described["mesh"] = mesh
+        if settings:  # Note [agreeing on options]
+            described["settings"] = settings
         payload = b"\x00" + hashlib.sha256(json.dumps(described, sort_keys=True).encode()).digest()
     else:
         payload = b"\x01" + bytes(32)
@@ -297,6 +314,8 @@ def agree_on_plan(
             "this rank stops too so that no rank hangs)"
         )
     if len(set(payloads)) > 1:
+        if settings is not None:  # every rank sees the same digests, so every rank gathers
+            raise_if_settings_differ(settings, group, call)
         groups: dict[bytes, list[int]] = {}
         for r, d in enumerate(payloads):
             groups.setdefault(d, []).append(r)

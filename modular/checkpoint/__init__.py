@@ -42,6 +42,7 @@ from modular.checkpoint._directory import (
     verify_file,
 )
 from modular.checkpoint._one_writer import drop_replica_copies
+from modular.checkpoint._together import failed, save_collective
 from modular.checkpoint._staging import check_loaded, stage
 from modular.checkpoint._entries import MODEL, model_state, optimizer_parts, optimizer_state
 from modular.errors import CheckpointError
@@ -85,34 +86,54 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
         state = drop_replica_copies(model, state, prefixes)  # Note [one replica group writes]
     except TypeError as e:
         error = str(e)
+    except Exception as e:  # Note [saves fail together]
+        error = failed(path, rank, "describing the model and optimizer state", e)
     if error is None and rank == 0:  # the filesystem is shared: rank 0 looks for all of them
         error = refuse_save_target(path)
-    agree(error)
-    tmp = tmp_dir(path, new_token())
+    with save_collective(path, "the agreement before writing"):
+        agree(error)
+        tmp = tmp_dir(path, new_token())
     if rank == 0:
-        tmp.mkdir(parents=True)
-    dist.barrier()
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:  # e.g. NotADirectoryError: a path under a regular file
+            error = failed(path, rank, f"creating the directory {str(tmp)!r}", e)
+    with save_collective(path, "the agreement on the temporary directory"):
+        agree(error)  # in place of a barrier: a rank that could not create it says so
     try:
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-            planner=DefaultSavePlanner(flatten_state_dict=False),
-        )
+        with save_collective(path, "DCP's save"):
+            dcp.save(
+                state,
+                storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+            )
     except CheckpointException as e:  # a BaseException: `except Exception` would not see it
         raise CheckpointError(
             f"saving checkpoint {str(path)!r} failed while writing {str(tmp)!r}: {e}; the "
             f"previous checkpoint at {str(path)!r}, if any, is untouched"
         ) from e
+    try:
+        mine: object = hash_rank_files(tmp, rank)
+    except OSError as e:  # the error travels in the digests' gather
+        mine = failed(path, rank, f"hashing the files it wrote in {str(tmp)!r}", e)
     digests: list[Optional[dict]] = [None] * world
-    dist.all_gather_object(digests, hash_rank_files(tmp, rank))
+    with save_collective(path, "the gather of the written files' digests"):
+        dist.all_gather_object(digests, mine)
+    broken = [(r, d) for r, d in enumerate(digests) if isinstance(d, str)]
     error = None
+    if broken:
+        error = broken[0][1] if broken[0][0] == rank else (
+            f"rank {broken[0][0]} failed, so every rank stops: {broken[0][1]}"
+        )
+        raise CheckpointError(error)
     if rank == 0:
         files = {name: d for per_rank in digests for name, d in per_rank.items()}
         try:  # the other ranks must learn that the checkpoint was not committed
             commit(path, tmp, files, world)
         except OSError as e:
-            error = f"could not commit checkpoint {str(path)!r} from {str(tmp)!r}: {e}"
-    agree(error)
+            error = f"could not commit checkpoint {str(path)!r} from {str(tmp)!r} on rank 0: {e}"
+    with save_collective(path, "the agreement on the commit"):
+        agree(error)
 
 
 @labelled(CHECKPOINT_LOAD)

@@ -31,6 +31,7 @@ class Problem(enum.IntEnum):
     WEIGHTS = 5
     DEVICE = 7
     EMPTY_BATCH = 8
+    SHAPE = 9  # Note [a batch's shapes] in modular/routing/shapes.py
 
     def summary(self) -> str:
         return {
@@ -41,6 +42,7 @@ class Problem(enum.IntEnum):
             Problem.WEIGHTS: "bad per-sample weights",
             Problem.DEVICE: "a batch on another device than the module",
             Problem.EMPTY_BATCH: "an empty batch: batch size 0",
+            Problem.SHAPE: "ids, lengths or weights that are not 1-D",
         }.get(self, "no problem")
 
 

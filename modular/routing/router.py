@@ -15,6 +15,7 @@ from modular.errors import InputError
 from modular.kernels.lookups import INT32_MAX
 from modular.routing.checks import BatchChecks, Problem, Rejection
 from modular.routing.permute import Permutation, permute
+from modular.routing.shapes import check_shapes
 from modular.routing.variable_batch import permute_segments, segment_sums, strides_of
 from modular.tables.layout import ROW_SPLIT, Layout
 
@@ -258,8 +259,11 @@ class Router(BatchChecks):
         """`normalise`, `check` and `route` a batch: (rejection, kjt, routed), one of the last two
         None when rejected. `alone` (a world of one, with no peer to tell) raises the
         rejection as `InputError` at once; otherwise the exchange's header shares it first."""
-        rejection, kjt = self.normalise(features)
-        routed = None
+        # Note [a batch's shapes]
+        rejection = check_shapes(features, module=self.module, features=self.features)
+        kjt, routed = None, None
+        if rejection is None:
+            rejection, kjt = self.normalise(features)
         if rejection is None:
             rejection, routed = self.check_and_route(kjt)
         if alone and rejection is not None:

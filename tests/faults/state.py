@@ -3,6 +3,7 @@ changed nothing (issue 48: every rank fails together, and fails clean)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -47,3 +48,20 @@ def assert_unchanged(before: dict[str, torch.Tensor], after: dict[str, torch.Ten
     assert before.keys() == after.keys(), (where, sorted(before.keys() ^ after.keys()))
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert not changed, f"{where}: state changed in {changed}"
+
+
+def rejected(
+    module: nn.Module, optimizer: Optional[Any], batch: Any, where: str
+) -> tuple[str, str, float]:
+    """(error class, message, seconds) of `module(batch)`, which must raise, leaving the module's
+    and the optimizer's state as they were, bit for bit."""
+    before = snapshot(module, optimizer)
+    start = time.monotonic()
+    try:
+        module(batch)
+    except Exception as e:  # the error under test
+        got = (type(e).__name__, str(e), time.monotonic() - start)
+    else:
+        raise AssertionError(f"{where}: the batch was accepted")
+    assert_unchanged(before, snapshot(module, optimizer), where)
+    return got

@@ -178,7 +178,8 @@ def test_mesh_errors_raise_on_every_rank() -> None:
         assert "('replicate', 'shard')" in misnamed and "('shard', 'replicate')" in misnamed, misnamed
         assert "3D mesh" in cube, cube
         assert "disagree" in disagree and "mesh" in disagree, disagree
-        assert "disagree" in sync and "mesh" in sync, sync
+        # Note [agreeing on options]: the option, each group of ranks and its value
+        assert "disagree" in sync and "replica_sync: ranks [0, 1, 2] 'exact', ranks [3] 'periodic'" in sync, sync
 
 
 def _train_six(shape: tuple[int, int]) -> dict[str, float]:

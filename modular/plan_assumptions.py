@@ -24,9 +24,12 @@ way. `check_priced_for` is the one comparison both call.
   each (what, planned, given): the placements apply and train exactly as under any plan, but
   the plan balanced its ranks for other costs.
   * `optimizer`: the module's fused kind, or none (an unfused module, trained by a torch
-    optimizer over `modular.local_parameters`, keeps a gradient buffer the planner, which prices
-    every optimizer fused, did not count). One vocabulary: the planner's `Optimizer` parses
-    `fuse_optimizer`'s names (`Optimizer.fused_name` is the one table between the two);
+    optimizer over `modular.local_parameters`, keeps a gradient buffer that a plan priced for a
+    fused optimizer did not count). A plan priced unfused ("unfused_sgd", "unfused_adagrad",
+    "unfused_adam") matches any unfused module (which torch optimizer runs is not visible to
+    `shard`) and warns for a fused one. One vocabulary: the planner's `Optimizer` parses
+    `fuse_optimizer`'s names (`Optimizer.fused_name` is the one table between the two; the
+    unfused members have none);
   * `comm_dtype`, per module (`shard`'s, None being FP32);
   * `replica_sync`, where both the plan and the mesh have replica groups.
 - `batch_size` is recorded, never checked: `shard` never sees a batch, and steps may differ in
@@ -103,16 +106,28 @@ def check_priced_for(
             statistic = config.column_wise_statistic
             if statistic is not priced.column_wise_statistic:
                 raise ShardingError(_statistic_message(priced.column_wise_statistic, statistic, fqn, call))
-    planned = priced.optimizer.fused_name
+    planned = priced.optimizer.fused_name or priced.optimizer.value
     for fqn, config in fused:
         if config is None:
+            if not priced.optimizer.fused:  # priced unfused: the gradient buffer was counted
+                continue
             _warn_once(("optimizer", planned, "unfused"), stacklevel, (
                 f"{call}: the plan was priced for the fused optimizer {planned!r} but module "
                 f"{fqn!r} is not fused (a torch optimizer over modular.local_parameters trains "
                 "it, with a gradient buffer as large as its shards that the plan did not count); "
                 f"its placements apply and train exactly: call modular.fuse_optimizer(model, "
-                f"{planned!r}, lr=...) before modular.shard to run what was priced, or ignore this "
+                f"{planned!r}, lr=...) before modular.shard to run what was priced, plan with "
+                "planners.plan(..., optimizer='unfused_sgd') (or 'unfused_adagrad', "
+                "'unfused_adam': the torch optimizer) to price what runs, or ignore this "
                 "if the unfused tables are what you want"))  # fmt: skip
+        elif not priced.optimizer.fused:
+            given = config.optimizer.value
+            _warn_once(("optimizer", planned, given), stacklevel, (
+                f"{call}: the plan was priced for unfused tables ({planned!r}: a gradient buffer "
+                f"as large as the weights and a torch optimizer's state) but module {fqn!r} is "
+                f"fused with {given!r} (modular.fuse_optimizer); its placements apply and train "
+                f"exactly, balanced for the unfused tables' memory and update: plan with "
+                f"planners.plan(..., optimizer={given!r}) to balance for what runs"))
         elif Optimizer.parse(config.optimizer.value) is not priced.optimizer:
             given = config.optimizer.value
             _warn_once(("optimizer", planned, given), stacklevel, (

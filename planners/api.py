@@ -112,7 +112,11 @@ def plan(tables: TablesLike, topology: Topology, **options: Any) -> ShardingPlan
                              pooling_factors={"item_hist": 40.0})
 
     `batch_size` is per rank. `constraints` maps a table name (or 'fqn.table') to its
-    `TableConstraint`. `optimizer` is the fused embedding optimizer; with row-wise Adagrad (the
+    `TableConstraint`. `optimizer` is the fused embedding optimizer, or, for a model that is not
+    fused (a torch optimizer over `modular.local_parameters` steps the tables), "unfused_sgd",
+    "unfused_adagrad" or "unfused_adam": each shard is then priced with the dense kernel's
+    gradient buffer as large as its weights and that torch optimizer's state (Note [what a rank
+    holds] in planners/cost.py). With row-wise Adagrad (the
     default), pass the `column_wise_statistic` you give `modular.fuse_optimizer`:
 
         plan = planners.plan(tables, topology, batch_size=512, column_wise_statistic="per_shard")
@@ -120,8 +124,8 @@ def plan(tables: TablesLike, topology: Topology, **options: Any) -> ShardingPlan
                                      column_wise_statistic="per_shard")
 
     "exact" (the default) prices a table cut into column pieces with its exact row statistic (a
-    second backward pass, a scratch statistic per row and one fp32 per id exchanged between the
-    pieces); "per_shard" prices each piece as a plain fused table, so cutting costs less and
+    second backward pass, a scratch statistic per row where a rank's pieces mix widths, and one
+    fp32 per id exchanged between the pieces); "per_shard" prices each piece as a plain fused table, so cutting costs less and
     the plan may cut where "exact" would not. Under the other optimizers it changes nothing (any
     valid value is accepted). `comm_dtype` ("fp32", "fp16" or "bf16") is the dtype pooled
     embeddings travel in, as given to `modular.shard(comm_dtype=...)`; tables are priced in their

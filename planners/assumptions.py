@@ -62,15 +62,25 @@ def _parse_member(cls: Any, value: Any, what: str) -> Any:
 
 
 class Optimizer(enum.Enum):
-    """The fused embedding optimizer; it decides the optimizer state kept per row.
+    """The embedding optimizer; it decides the optimizer state kept per row, and whether the
+    tables keep a gradient.
 
-    State bytes per row of a shard with `c` columns: sgd 0, rowwise_adagrad 4 (one fp32 per row),
-    adagrad 4*c, adam and lamb 8*c (two fp32 moments per element), partial_rowwise_adam and
-    partial_rowwise_lamb 4*c + 4 (fp32 first moments, one fp32 second moment per row).
+    Fused (`modular.fuse_optimizer`), state bytes per row of a shard with `c` columns: sgd 0,
+    rowwise_adagrad 4 (one fp32 per row), adagrad 4*c, adam and lamb 8*c (two fp32 moments per
+    element), partial_rowwise_adam and partial_rowwise_lamb 4*c + 4 (fp32 first moments, one fp32
+    second moment per row); no gradient.
+
+    Unfused (the model is not fused; a torch optimizer over `modular.local_parameters` steps the
+    tables): unfused_sgd (torch.optim.SGD without momentum) keeps no state, unfused_adagrad one
+    value per element ("sum"), unfused_adam two ("exp_avg", "exp_avg_sq"), each in the weights'
+    dtype, as torch's optimizers make them (`zeros_like`/`full_like` of the parameter); and the
+    dense kernel keeps a gradient buffer as large as the weights (Note [dense gradient buffer] in
+    modular/kernels/dense.py). docs/planner.md, "Memory".
 
     One vocabulary with `modular.fuse_optimizer`: `parse` accepts its names too
-    ("exact_rowwise_adagrad" is ROWWISE_ADAGRAD), and `fused_name` gives them back; the Adam
-    family's names are the same in both.
+    ("exact_rowwise_adagrad" is ROWWISE_ADAGRAD), and `fused_name` gives them back (None for the
+    unfused members: fuse_optimizer has no such kind); the Adam family's names are the same in
+    both.
     """
 
     SGD = "sgd"
@@ -80,9 +90,26 @@ class Optimizer(enum.Enum):
     PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
     LAMB = "lamb"
     PARTIAL_ROWWISE_LAMB = "partial_rowwise_lamb"
+    # Unfused: a torch optimizer steps the tables' shards (no fused name).
+    UNFUSED_SGD = "unfused_sgd"
+    UNFUSED_ADAGRAD = "unfused_adagrad"
+    UNFUSED_ADAM = "unfused_adam"
 
-    def state_bytes_per_row(self, cols: Any) -> Any:
-        """Optimizer state bytes for one row of `cols` columns (works on numpy arrays)."""
+    @property
+    def fused(self) -> bool:
+        """Whether `modular.fuse_optimizer` runs it (else a torch optimizer, unfused)."""
+        return _FUSED_NAMES[self] is not None
+
+    def state_bytes_per_row(self, cols: Any, elem: Any = 4) -> Any:
+        """Optimizer state bytes for one row of `cols` columns (works on numpy arrays); `elem`,
+        the bytes of a weight, matters only unfused (torch keeps its state in the weights' dtype;
+        the fused state is fp32 whatever the table's)."""
+        if self is Optimizer.UNFUSED_SGD:
+            return 0 * cols
+        if self is Optimizer.UNFUSED_ADAGRAD:
+            return elem * cols
+        if self is Optimizer.UNFUSED_ADAM:
+            return 2 * elem * cols
         if self is Optimizer.SGD:
             return 0 * cols
         if self is Optimizer.ROWWISE_ADAGRAD:
@@ -94,8 +121,9 @@ class Optimizer(enum.Enum):
         return 8 * cols
 
     @property
-    def fused_name(self) -> str:
-        """The name `modular.fuse_optimizer` takes for this optimizer (`_FUSED_NAMES`)."""
+    def fused_name(self) -> str | None:
+        """The name `modular.fuse_optimizer` takes for this optimizer (`_FUSED_NAMES`); None for
+        the unfused members."""
         return _FUSED_NAMES[self]
 
     @classmethod
@@ -108,14 +136,15 @@ class Optimizer(enum.Enum):
             if text in (member.value, member.fused_name):
                 return member
         names = ", ".join(
-            m.value if m.fused_name == m.value else f"{m.value} ({m.fused_name})" for m in cls
+            m.value if m.fused_name in (None, m.value) else f"{m.value} ({m.fused_name})"
+            for m in cls
         )
         raise PlanError(f"unknown optimizer {value!r}; expected one of: {names}")
 
 
 # `modular.fuse_optimizer`'s name of each optimizer: the one table between the two vocabularies
 # (`Optimizer.parse` reads it, and modular's `FusedOptimizerKind.parse` through it).
-_FUSED_NAMES = {
+_FUSED_NAMES: dict[Optimizer, str | None] = {
     Optimizer.SGD: "exact_sgd",
     Optimizer.ROWWISE_ADAGRAD: "exact_rowwise_adagrad",
     Optimizer.ADAGRAD: "exact_adagrad",
@@ -123,6 +152,9 @@ _FUSED_NAMES = {
     Optimizer.PARTIAL_ROWWISE_ADAM: "partial_rowwise_adam",
     Optimizer.LAMB: "lamb",
     Optimizer.PARTIAL_ROWWISE_LAMB: "partial_rowwise_lamb",
+    Optimizer.UNFUSED_SGD: None,
+    Optimizer.UNFUSED_ADAGRAD: None,
+    Optimizer.UNFUSED_ADAM: None,
 }
 
 

@@ -92,7 +92,9 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    help="embedding optimizer: sgd, rowwise_adagrad (default), adagrad, adam, "
                         "partial_rowwise_adam, lamb, partial_rowwise_lamb, or "
                         "modular.fuse_optimizer's names exact_sgd, exact_rowwise_adagrad, "
-                        "exact_adagrad")  # fmt: skip
+                        "exact_adagrad; unfused_sgd, unfused_adagrad, unfused_adam for tables "
+                        "not fused, stepped by that torch optimizer (a gradient buffer as large "
+                        "as the weights, and torch's state)")  # fmt: skip
     g.add_argument("--column-wise-statistic", choices=[s.value for s in ColumnWiseStatistic],
                    help="row-wise Adagrad's row statistic on a table cut into column pieces, as "
                         "given to modular.fuse_optimizer: exact (default; each piece pays a second "

@@ -14,6 +14,32 @@ all-to-all (every rank sends its own batch's ids and receives its own batch's ba
 on every rank to first order, so it is left out: it would add one constant to every rank.
 Links are charged one after the other (intra-host bytes / intra-host bandwidth + cross-host
 bytes / cross-host bandwidth), which keeps a rank's cost a plain sum over its shards.
+
+Note [what a rank holds]
+A rank's memory is priced as what modular allocates for it, part by part (`ShardCost` and
+`planners.RankStats` name them; docs/planner.md, "Memory"):
+- weights: each shard's rows x cols x e (a data-parallel copy is the whole table);
+- optimizer state: fused, fp32 whatever the table's dtype (`Optimizer.state_bytes_per_row`);
+  unfused, what torch's optimizer makes with `zeros_like` of each shard, in its dtype: SGD
+  (no momentum) none, Adagrad one value per element, Adam two (their scalar step counts are
+  left out);
+- gradients: unfused only, the dense kernel's buffer as large as its weights, kept across steps
+  (Note [dense gradient buffer] in modular/kernels/dense.py), for every sharding kind. A fused
+  table holds no dense gradient, data-parallel copies included (Note [fused data-parallel
+  copies] in modular/fused/deferred.py);
+- buffers, kept by kernels across steps: a fused data-parallel copy that takes the torch
+  emulation (the Adam family; a width that is not a multiple of 4) gathers every rank's touched
+  rows and their gradients into kept buffers (Note [kept receive buffers] in modular/comm.py):
+  its own packed rows (int64) and gradients (fp32), the W ranks' gathered, and the global
+  batch's summed gradients, each 1/8 larger than asked; touched rows are estimated as from
+  uniform ids, T = N (1 - exp(-n / N)) of n ids. Under exact row-wise Adagrad a kernel group of
+  column pieces of mixed widths keeps a scratch statistic, one fp32 per row of its pieces
+  (`column_scratch_bytes`; groups of one width take a pooling kernel and keep none); it depends
+  on what else the rank holds, so the search reserves it for every such piece (`shard`) and
+  `plan_stats` prices, per rank, what is kept: never more than the search reserved;
+- the rest is the step's batch: ids, pooled outputs and their gradients, wire copies.
+Weight decay on CPU also sends fused tables to the emulation, and a non-CPU device never keeps
+gather buffers (its caching allocator reuses memory): neither is visible to the planner.
 """
 
 from __future__ import annotations
@@ -29,7 +55,7 @@ from planners.types import PlanError, ShardingType
 
 __all__ = [
     "COMPONENTS", "CostModel", "ShardCost", "TableArrays", "OUTPUT_BYTES", "ID_BYTES", "WIRE_ID_BYTES",
-    "WEIGHT_BYTES", "STAT_BYTES", "column_stat_floats",
+    "WEIGHT_BYTES", "STAT_BYTES", "column_scratch_bytes", "column_stat_floats",
 ]  # fmt: skip
 
 OUTPUT_BYTES = 4  # pooled outputs and their gradients are fp32 (also for FP16/BF16 tables)
@@ -40,6 +66,10 @@ WIRE_ID_BYTES = 4
 INT32_ROWS = 2**31 - 1
 WEIGHT_BYTES = 4  # per-id weights of weighted features are fp32
 STAT_BYTES = 4  # a column piece's row statistic (row-wise Adagrad, exact), one fp32 per id
+ROW_ID_BYTES = 8  # the touched rows an emulated data-parallel copy gathers are int64
+KEPT_SLACK = 1.125  # a kept buffer has room for 1/8 more (modular.comm.KeptBuffers)
+_ADAM_FAMILY = frozenset({Optimizer.ADAM, Optimizer.PARTIAL_ROWWISE_ADAM, Optimizer.LAMB,
+                          Optimizer.PARTIAL_ROWWISE_LAMB})  # fmt: skip
 
 
 def column_stat_floats(optimizer: Optimizer, statistic: ColumnWiseStatistic) -> int:
@@ -134,6 +164,12 @@ class ShardCost(NamedTuple):
     stat_exchange: np.ndarray
     memory: np.ndarray
     replica_sync: np.ndarray | float = 0.0  # 2D, exact (Note [pricing replica groups])
+    # The parts of `memory` that the model keeps across steps (Note [what a rank holds]); the
+    # rest of `memory` is the step's batch (ids, pooled outputs, their wire copies).
+    weights: np.ndarray | float = 0.0
+    state: np.ndarray | float = 0.0  # optimizer state
+    gradients: np.ndarray | float = 0.0  # unfused: the dense kernel's gradient buffer
+    buffers: np.ndarray | float = 0.0  # kept by kernels: emulated data-parallel gather buffers
 
     @property
     def total(self) -> np.ndarray:
@@ -273,7 +309,7 @@ class CostModel:
         cols = np.asarray(cols, dtype=np.float64)
         k = np.asarray(num_shards, dtype=np.float64)
         zero = np.zeros(np.broadcast(rows, cols, t.rows).shape)
-        state = self.optimizer.state_bytes_per_row(cols)  # s(c), bytes per row
+        state = self.optimizer.state_bytes_per_row(cols, t.elem)  # s(c), bytes per row
         frac = rows / t.rows  # phi, the share of the table's ids that this shard looks up
         if kind is ShardingType.DATA_PARALLEL:
             ids_in, bags_out = b * t.ids, b * t.bags
@@ -290,7 +326,11 @@ class CostModel:
                                     ShardingType.DATA_PARALLEL) else t.dim  # fmt: skip
         fwd = ids_in * cols * t.elem + bags_out * out_cols * OUTPUT_BYTES
         bwd = bags_out * out_cols * OUTPUT_BYTES + ids_in * (2 * cols * t.elem + 2 * state)
-        memory = rows * cols * t.elem + rows * state
+        weights, states = rows * cols * t.elem + zero, rows * state + zero
+        # Note [what a rank holds]: unfused, the dense kernel's gradient buffer (every kind).
+        gradients = weights if not self.optimizer.fused else zero
+        buffers = zero
+        memory = weights + states + gradients
         # Received ids: routed (wire) ids, or a data-parallel table's own batch.
         held_id_bytes = t.id_bytes if kind is ShardingType.DATA_PARALLEL else t.wire_id_bytes
         memory = memory + ids_in * held_id_bytes + 2 * bags_out * out_cols * OUTPUT_BYTES
@@ -308,9 +348,13 @@ class CostModel:
             # across column shards]); priced as one peer's worth. One piece (table-wise) does
             # neither, nor does a piece under "per_shard", which keeps its own columns'
             # statistic (already in `state`) and runs one plain pass.
+            # Its scratch statistic (one fp32 per row) exists only where a kernel group mixes
+            # piece widths: reserved here, where the rank's other pieces are not known;
+            # `plan_stats` prices what is kept (`column_scratch_bytes`).
             piece = (k > 1).astype(np.float64)
             bwd = bwd + piece * bwd
-            memory = memory + piece * rows * state
+            buffers = buffers + piece * rows * STAT_BYTES
+            memory = memory + piece * rows * STAT_BYTES
             bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
             stat_exchange = piece * merged * ids_in * STAT_BYTES / bw + zero
         floats = column_stat_floats(self.optimizer, self.column_wise_statistic)
@@ -329,7 +373,11 @@ class CostModel:
             # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
             # steps over the whole table (read gradient, read and write weights and state).
             bwd = bwd - ids_in * 2 * state + rows * cols * 3 * t.elem + rows * 2 * state
-            memory = memory + rows * cols * t.elem  # the dense gradient
+            # Its dense gradient is in `gradients` when unfused; fused copies hold none (Note
+            # [fused data-parallel copies] in modular/fused/deferred.py) but the emulated ones
+            # keep gather buffers (Note [what a rank holds]).
+            buffers = self.gather_buffer_bytes(t, cols) + zero
+            memory = memory + buffers
             if world > 1:
                 ring_bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
                 grad_sync = 2 * (world - 1) / world * rows * cols * t.elem / ring_bw + zero
@@ -366,4 +414,46 @@ class CostModel:
                 bwd = bwd + peers * bwd
         lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
         return ShardCost(lookup, input_dist, output_dist, grad_sync, stat_exchange, memory + zero,
-                         replica_sync)
+                         replica_sync, weights, states, gradients, buffers)
+
+    def emulated_copies(self, cols: np.ndarray) -> np.ndarray:
+        """Whether a fused data-parallel copy of this width takes the torch emulation, which
+        keeps gather buffers (Note [what a rank holds]): the Adam family always, the others at a
+        width fbgemm's fused kernels cannot take (not a multiple of 4). 0/1 per entry."""
+        if not self.optimizer.fused:
+            return np.zeros(np.shape(cols))
+        adam = self.optimizer in _ADAM_FAMILY
+        return np.where(adam | (np.asarray(cols) % 4 != 0), 1.0, 0.0)
+
+    def gather_buffer_bytes(self, t: TableArrays, cols: np.ndarray | float) -> np.ndarray:
+        """Bytes an emulated fused data-parallel copy of `cols` columns keeps on every rank for
+        gathering every rank's touched rows and their gradients (Note [what a rank holds]);
+        0 for the other copies."""
+        cols = np.asarray(cols, dtype=np.float64)
+        world = float(self.topology.world_size)
+        ids = self.batch_size * t.ids  # this rank's ids of the table per step
+        mine = t.rows * -np.expm1(-ids / t.rows)  # touched rows, ids drawn uniformly
+        every = t.rows * -np.expm1(-world * ids / t.rows)  # the global batch's touched rows
+        packed = mine * (ROW_ID_BYTES + cols * OUTPUT_BYTES)
+        kept = KEPT_SLACK * ((1 + world) * packed + every * cols * OUTPUT_BYTES)
+        return self.emulated_copies(cols) * kept
+
+
+def column_scratch_bytes(optimizer: Optimizer, statistic: ColumnWiseStatistic,
+                         pieces: Sequence[tuple[int, int, str, bool]]) -> float:  # fmt: skip
+    """Bytes of the scratch statistic that one rank's column pieces keep under exact row-wise
+    Adagrad: `pieces` are (rows, cols, dtype, sequence) of each column piece (of a table cut in
+    k > 1) on the rank. Pass 1 of Note [row statistics across column shards] reads a pooling
+    kernel where a kernel group's pieces have one width, and otherwise runs fbgemm's backward
+    into a scratch state as large as the group's row-wise state (one fp32 per row of each of
+    its pieces), made on first use and kept. A rank's pooled column pieces form one kernel group
+    per weights' dtype (pieces of a width fbgemm cannot take, emulated, one of their own; a
+    sequence group has one width), as modular/tables/layout.py's `kernel_groups` cuts them."""
+    if optimizer is not Optimizer.ROWWISE_ADAGRAD or statistic is not ColumnWiseStatistic.EXACT:
+        return 0.0
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for rows, cols, dtype, sequence in pieces:
+        if not sequence and cols % 4 == 0:
+            groups.setdefault(dtype, []).append((rows, cols))
+    return float(sum(STAT_BYTES * sum(r for r, _ in g) for g in groups.values()
+                     if len({c for _, c in g}) > 1))  # fmt: skip

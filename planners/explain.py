@@ -29,9 +29,11 @@ class NoPlanError(PlanError):
 
 
 def _footprint(table, optimizer: Optimizer) -> float:
-    """Weights plus optimizer state of the whole table, the part no sharding can shrink."""
-    state = optimizer.state_bytes_per_row(table.embedding_dim)
-    return float(table.weight_bytes + table.num_embeddings * state)
+    """Weights plus optimizer state (and, unfused, the gradient buffer) of the whole table, the
+    part no sharding can shrink."""
+    state = optimizer.state_bytes_per_row(table.embedding_dim, table.dtype.num_bytes)
+    grads = 0 if optimizer.fused else table.weight_bytes
+    return float(table.weight_bytes + table.num_embeddings * state + grads)
 
 
 def explain_no_plan(

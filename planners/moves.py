@@ -77,8 +77,9 @@ def move_bytes(
     recv = np.zeros(world_size, dtype=np.int64)
     sent = np.zeros(world_size, dtype=np.int64)
     old, new = shards_of(before, table, world_size), shards_of(after, table, world_size)
-    per_row = int(optimizer.state_bytes_per_row(0))
-    per_elem = table.dtype.num_bytes + int(optimizer.state_bytes_per_row(1)) - per_row
+    elem = table.dtype.num_bytes
+    per_row = int(optimizer.state_bytes_per_row(0, elem))
+    per_elem = elem + int(optimizer.state_bytes_per_row(1, elem)) - per_row
     rects = _holders(old, with_cols=True)
     for n in new:
         for (r0, nr, c0, nc), ranks in rects.items():

@@ -11,7 +11,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from planners.cost import COMPONENTS, CostModel, ShardCost, TableArrays
+from planners.cost import (
+    COMPONENTS, STAT_BYTES, CostModel, ShardCost, TableArrays, column_scratch_bytes,
+)  # fmt: skip
 from planners.inputs import (
     ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
 )  # fmt: skip
@@ -29,6 +31,10 @@ __all__ = [
 ]  # fmt: skip
 
 _COMPONENTS = tuple(attr for attr, _, _ in COMPONENTS)
+# The parts of a rank's memory that the model keeps across steps (Note [what a rank holds] in
+# planners/cost.py): (RankStats attribute, ShardCost attribute, short column header).
+MEMORY_PARTS = (("weights", "weights", "weights"), ("optimizer_state", "state", "state"),
+                ("gradients", "gradients", "grads"), ("buffers", "buffers", "buffers"))  # fmt: skip
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:
@@ -65,6 +71,22 @@ class RankStats:
     tables: tuple[tuple[str, float], ...]  # (table, seconds) of each shard here, slowest first
     stat_exchange: float = 0.0  # column pieces' row statistics (cost.column_stat_floats)
     replica_sync: float = 0.0  # 2D, exact: the other replica groups' batches (planners/replicas.py)
+    # `memory` by part (Note [what a rank holds] in planners/cost.py); the rest is `batch`.
+    weights: float = 0.0  # its shards' (and data-parallel copies') weights
+    optimizer_state: float = 0.0  # fused state, or the torch optimizer's (unfused)
+    gradients: float = 0.0  # unfused: the dense kernels' gradient buffers
+    buffers: float = 0.0  # kept by kernels: emulated copies' gather buffers, scratch statistics
+
+    @property
+    def held(self) -> float:
+        """Bytes the model keeps across steps: weights + optimizer state + gradients + buffers
+        (what tests/modular/test_memory_prices.py measures)."""
+        return self.weights + self.optimizer_state + self.gradients + self.buffers
+
+    @property
+    def batch(self) -> float:
+        """Bytes of the step's batch: ids, pooled outputs and their gradients, wire copies."""
+        return self.memory - self.held
 
     @property
     def cost(self) -> float:
@@ -290,6 +312,8 @@ class PlanStats:
                 + " ".join(f"{h:>8}" for _, h, _ in shown_parts) + f" {'shards':>6}")  # fmt: skip
         rows = [head]
         shown = self.ranks if max_rows is None else self.ranks[:max_rows]
+        mem_rows = [f"{'rank':>5} " + " ".join(f"{h:>10}" for _, _, h in MEMORY_PARTS)
+                    + f" {'batch':>10}"]  # fmt: skip
         for r in shown:
             rows.append(
                 f"{r.rank:>5} {format_bytes(r.memory):>10} {100 * r.memory / r.capacity:>5.1f} "
@@ -297,9 +321,17 @@ class PlanStats:
                 + " ".join(f"{scale * getattr(r, a):>8.3f}" for a, _, _ in shown_parts)
                 + f" {len(r.tables):>6}"
             )
+            mem_rows.append(f"{r.rank:>5} " + " ".join(
+                f"{format_bytes(getattr(r, a)):>10}" for a, _, _ in MEMORY_PARTS)
+                + f" {format_bytes(r.batch):>10}")  # fmt: skip
         if len(shown) < len(self.ranks):
-            rows.append(f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}")
+            more = f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}"
+            rows.append(more)
+            mem_rows.append(more)
         rows.extend(f"  {h}: {d}" for _, h, d in shown_parts[1:])
+        rows.extend(mem_rows)  # no blank line: views split the output at blank lines
+        rows.append("  memory by part: weights, optimizer state, gradients (unfused), buffers "
+                    "kept by kernels; batch: ids, pooled outputs, wire copies")  # fmt: skip
         return "\n".join(rows)
 
     def format(self, max_rows: int | None = None) -> str:
@@ -325,7 +357,9 @@ class PlanStats:
             "replica_sync": None if self.replicas is None else self.replicas.sync.value,
             "ranks": [
                 {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
-                 **{c: getattr(r, c) for c in _COMPONENTS}, "tables": [n for n, _ in r.tables]}
+                 **{c: getattr(r, c) for c in _COMPONENTS},
+                 **{a: getattr(r, a) for a, _, _ in MEMORY_PARTS}, "batch": r.batch,
+                 "tables": [n for n, _ in r.tables]}
                 for r in self.ranks
             ],
             "tables": [t.to_dict() for t in self.tables],
@@ -348,9 +382,11 @@ def _defaults_used(topology: Topology) -> list[str]:
 
 def evaluate(
     plan: ShardingPlan, table_set: TableSet, model: CostModel
-) -> tuple[np.ndarray, np.ndarray, list[list[tuple[str, float]]], list[list[ShardStats]]]:
-    """Per-rank component seconds (W x 5, in `COMPONENTS` order), per-rank bytes, per-rank
-    (table, seconds) lists, and per-table shard statistics (in shard order)."""
+) -> tuple[np.ndarray, np.ndarray, list[list[tuple[str, float]]], list[list[ShardStats]],
+           np.ndarray]:  # fmt: skip
+    """Per-rank component seconds (W x 6, in `COMPONENTS` order), per-rank bytes (W, and W x 4 by
+    `MEMORY_PARTS` in the last column of the tuple), per-rank (table, seconds) lists, and
+    per-table shard statistics (in shard order)."""
     topo = model.topology
     world = topo.world_size
     tables = [t for _, t in table_set]
@@ -361,6 +397,8 @@ def evaluate(
     mem = np.full(world, model.batch_buffer_bytes(arrays, wire=False))
     held: list[list[tuple[str, float]]] = [[] for _ in range(world)]
     per_table: list[list[ShardStats | None]] = []
+    parts_mem = np.zeros((world, len(MEMORY_PARTS)))
+    pieces: list[list[tuple[int, int, str, bool]]] = [[] for _ in range(world)]  # column pieces
     groups: dict[ShardingType, list[tuple[int, int, int, int, int, int, int, int]]] = {}
     for i, (fqn, table) in enumerate(table_set):
         placement = plan.placement(fqn, table.name)
@@ -370,6 +408,8 @@ def evaluate(
         k = 1 if kind is ShardingType.DATA_PARALLEL else len(shards)
         per_table.append([None] * len(shards))
         for j, s in enumerate(shards):
+            if kind is ShardingType.COLUMN_WISE and k > 1:
+                pieces[s.rank].append((s.num_rows, s.num_cols, table.dtype.value, table.sequence))
             groups.setdefault(kind, []).append(
                 (i, s.rank, s.num_rows, s.num_cols, k, j, s.row_offset, s.col_offset)
             )
@@ -380,6 +420,8 @@ def evaluate(
         parts = np.stack([getattr(cost, c) for c in _COMPONENTS], axis=1)
         np.add.at(comp, ranks, parts)
         np.add.at(mem, ranks, cost.memory)
+        for p, (_, attr, _) in enumerate(MEMORY_PARTS):
+            np.add.at(parts_mem[:, p], ranks, np.broadcast_to(getattr(cost, attr), ranks.shape))
         mem += float(np.sum(model.arrival_wire_bytes(kind, arrays.take(idx), cols.astype(float))))
         total = cost.total
         for e, (n, r, sec) in enumerate(zip(idx.tolist(), ranks.tolist(), total.tolist())):
@@ -388,7 +430,15 @@ def evaluate(
                 r, int(row_offs[e]), int(rows[e]), int(col_offs[e]), int(cols[e]),
                 float(cost.memory[e]), *(float(x) for x in parts[e]),
             )  # fmt: skip
-    return comp, mem, held, per_table  # type: ignore[return-value]
+    # Note [what a rank holds]: `shard` reserved a scratch statistic for each column piece under
+    # exact row-wise Adagrad; a rank keeps one only for kernel groups that mix widths.
+    for r in range(world):
+        scratch = column_scratch_bytes(model.optimizer, model.column_wise_statistic, pieces[r])
+        if model.exact_column_statistic:
+            scratch -= STAT_BYTES * sum(rows for rows, _, _, _ in pieces[r])
+        mem[r] += scratch
+        parts_mem[r, 3] += scratch
+    return comp, mem, held, per_table, parts_mem  # type: ignore[return-value]
 
 
 def _name(entry: tuple[str, Table]) -> tuple[str, str]:
@@ -454,7 +504,7 @@ def stats_for(
     """`plan_stats` for callers that already hold the flattened tables and the bound."""
     topology = model.topology
     check_placements(plan, table_set, topology)
-    comp, mem, held, per_table = evaluate(plan, table_set, model)
+    comp, mem, held, per_table, parts_mem = evaluate(plan, table_set, model)
     ranks = tuple(
         RankStats(
             rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
@@ -462,6 +512,7 @@ def stats_for(
             output_dist=float(comp[r, 2]), grad_sync=float(comp[r, 3]),
             tables=tuple(sorted(held[r], key=lambda x: (-x[1], x[0]))),
             stat_exchange=float(comp[r, 4]), replica_sync=float(comp[r, 5]),
+            **{a: float(parts_mem[r, p]) for p, (a, _, _) in enumerate(MEMORY_PARTS)},
         )
         for r in range(topology.world_size)
     )  # fmt: skip

@@ -300,3 +300,25 @@ def test_a_plan_recording_nothing_or_run_as_priced_warns_nothing() -> None:
         assert len(out["recorded"]) == 2, out["recorded"]  # unfused (exact_sgd) and FP16 comms
         assert any("comm_dtype fp32 but module '' sends its outputs and their gradients in fp16" in m for m in out["recorded"])
         assert any("'exact_sgd' but module '' is not fused" in m for m in out["recorded"])
+
+
+def _unfused_plans() -> dict:
+    # an unfused model under a plan priced unfused: what was priced runs, nothing is warned
+    ebc = make_ebc(False)
+    unfused = _shard_warnings(modular.shard, ebc, _planner_plan(ebc, optimizer="unfused_sgd"))
+    # a fused model under it: a price difference
+    fused = fused_ebc()
+    modular.fuse_optimizer(fused, "exact_sgd", lr=0.1)
+    return {"unfused": unfused,
+            "fused": _shard_warnings(modular.shard, fused, _planner_plan(fused, optimizer="unfused_sgd"))}
+
+
+@pytest.mark.timeout(180)
+def test_a_plan_priced_unfused_matches_an_unfused_model_and_warns_for_a_fused_one() -> None:
+    for out in _on_fresh_ranks(2, _unfused_plans):
+        assert out["unfused"] == []
+        (message, where), = out["fused"]
+        assert re.match(r"modular\.shard: the plan was priced for unfused tables \('unfused_sgd': a gradient "
+                        r"buffer .* but module '' is fused with 'exact_sgd' .*optimizer='exact_sgd'\)",
+                        message), message  # fmt: skip
+        assert where == __file__

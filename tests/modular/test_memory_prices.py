@@ -1,0 +1,149 @@
+"""The planner's memory prices come true (issue 51; Note [what a rank holds] in planners/cost.py):
+on 2 gloo ranks, seeded configurations -- fused and unfused optimizers, every sharding kind,
+FP32 and FP16 tables -- are planned by `planners.plan`, built by `modular.shard` and trained one
+step on uniform ids; each rank's bytes of weights, optimizer state, gradients and kept buffers,
+measured by walking the kernels' tensors, are within 10% of `planners.plan_stats`'s `held`.
+
+`python -m tests.modular.test_memory_prices` prints the table in docs/planner.md ("Memory").
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import modular
+import planners
+from tests.dist import run_on_ranks
+
+WORLD, BATCH, POOLING = 2, 64, 4
+TORCH_OPTIMIZERS = {"unfused_sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+                    "unfused_adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+                    "unfused_adam": lambda p: torch.optim.Adam(p, lr=0.01)}  # fmt: skip
+# (optimizer, [(rows, dim, dtype, sharding type, shards)]), each table its own feature.
+CONFIGS = {
+    "rowwise_tw_rw": ("rowwise_adagrad", [(4000, 32, "fp32", "table_wise", 1),
+                                          (6000, 16, "fp32", "row_wise", 2)]),
+    "sgd_dp": ("sgd", [(3000, 32, "fp32", "data_parallel", 1),
+                       (2000, 16, "fp32", "table_wise", 1)]),
+    "adam_dp_twrw": ("adam", [(3000, 32, "fp32", "data_parallel", 1),
+                              (5000, 16, "fp32", "table_row_wise", 2)]),
+    "rowwise_cw_mixed": ("rowwise_adagrad", [(4000, 64, "fp32", "column_wise", 2),
+                                             (3000, 32, "fp32", "column_wise", 2)]),
+    "adagrad_fp16": ("adagrad", [(5000, 32, "fp16", "row_wise", 2),
+                                 (2000, 16, "fp16", "data_parallel", 1)]),
+    "unfused_sgd": ("unfused_sgd", [(4000, 32, "fp32", "table_wise", 1),
+                                    (3000, 16, "fp32", "data_parallel", 1)]),
+    "unfused_adagrad_fp16": ("unfused_adagrad", [(5000, 32, "fp16", "row_wise", 2),
+                                                 (2000, 32, "fp16", "column_wise", 2)]),
+    "unfused_adam": ("unfused_adam", [(3000, 32, "fp32", "data_parallel", 1),
+                                      (4000, 16, "fp32", "row_wise", 2)]),
+}
+_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
+
+
+def _tables(name: str) -> list[planners.Table]:
+    return [planners.Table(f"t{i}", rows, dim, features=(f"f{i}",), pooling_factor=POOLING,
+                           dtype=dtype)
+            for i, (rows, dim, dtype, _, _) in enumerate(CONFIGS[name][1])]  # fmt: skip
+
+
+def _plan_and_stats(name: str) -> tuple[planners.ShardingPlan, planners.PlanStats]:
+    optimizer, specs = CONFIGS[name]
+    tables = _tables(name)
+    cons = {t.name: planners.TableConstraint(sharding_types=(kind,), min_shards=k, max_shards=k)
+            if kind != "data_parallel" else planners.TableConstraint(sharding_types=(kind,))
+            for t, (_, _, _, kind, k) in zip(tables, specs)}  # fmt: skip
+    topology = planners.Topology(WORLD, device_memory="1GiB")
+    plan = planners.plan(tables, topology, batch_size=BATCH, optimizer=optimizer, constraints=cons)
+    stats = planners.plan_stats(plan, tables, topology, batch_size=BATCH, optimizer=optimizer,
+                                constraints=cons)  # fmt: skip
+    return plan, stats
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _measure(name: str, plan: planners.ShardingPlan) -> dict[str, int]:
+    """This rank's bytes by part, walking the sharded module's kernels and torch's state."""
+    optimizer, specs = CONFIGS[name]
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim,
+                           feature_names=[f"f{i}"], data_type=_DTYPES[dtype])
+        for i, (rows, dim, dtype, _, _) in enumerate(specs)])  # fmt: skip
+    if optimizer in TORCH_OPTIMIZERS:
+        fused = None
+    else:
+        fused = modular.fuse_optimizer(ebc, planners.Optimizer.parse(optimizer).fused_name, lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", modular.PlanMismatchWarning)  # priced as it runs
+        modular.shard(ebc, plan)
+    torch_opt = TORCH_OPTIMIZERS[optimizer](modular.local_parameters(ebc)) if fused is None else None
+    gen = torch.Generator().manual_seed(1000 * rank + 7)
+    keys = [f"f{i}" for i in range(len(specs))]
+    ids = [torch.randint(0, rows, (BATCH * POOLING,), generator=gen) for rows, *_ in specs]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat(ids), lengths=torch.full((BATCH * len(keys),), POOLING))
+    ebc(kjt).values().sum().backward()
+    if torch_opt is not None:
+        torch_opt.step()
+    shards = ebc._sharded.shards
+    got = {"weights": 0, "optimizer_state": 0, "gradients": 0, "buffers": 0}
+    for k in (*shards.kernels, *shards.local_kernels):
+        got["weights"] += sum(_nbytes(v) for v in k.views)
+        got["optimizer_state"] += sum(_nbytes(s) for per in getattr(k, "states", ()) for s in per.values())
+        grads = getattr(k, "grads", None)  # DenseKernel's kept buffer (Note [dense gradient buffer])
+        got["gradients"] += 0 if grads is None else _nbytes(grads.flat.grad)
+        kept = getattr(k, "_kept", None)  # emulated copies' gather buffers
+        got["buffers"] += 0 if kept is None else sum(_nbytes(t) for t in kept._kept.values())
+        got["buffers"] += _nbytes(getattr(k, "_scratch_flat", None))  # row statistics' scratch
+    if torch_opt is not None:
+        got["optimizer_state"] += sum(_nbytes(t) for st in torch_opt.state.values()
+                                      for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    return got
+
+
+def _measure_all(names: list[str]) -> dict[str, dict[str, int]]:
+    # Each rank plans again (plans are deterministic, and do not pickle).
+    return {name: _measure(name, _plan_and_stats(name)[0]) for name in names}
+
+
+def compare() -> list[tuple[str, int, str, float, float]]:
+    """(config, rank, optimizer, predicted, measured) bytes of each rank's held memory."""
+    priced = {name: _plan_and_stats(name) for name in CONFIGS}
+    measured = run_on_ranks(WORLD, _measure_all, list(priced), timeout=120)
+    rows = []
+    for name, (_, stats) in priced.items():
+        for r in stats.ranks:
+            got = measured[r.rank][name]
+            rows.append((name, r.rank, CONFIGS[name][0], r.held, float(sum(got.values())), got, r))
+    return rows
+
+
+def test_each_ranks_weights_state_gradients_and_buffers_are_priced_within_10_percent():
+    rows = compare()
+    bad = []
+    for name, rank, _, predicted, measured, got, r in rows:
+        if abs(predicted - measured) > 0.10 * measured:
+            bad.append(f"{name} rank {rank}: predicted {predicted:.0f} measured {measured:.0f} "
+                       f"({got}; priced weights {r.weights:.0f} state {r.optimizer_state:.0f} "
+                       f"gradients {r.gradients:.0f} buffers {r.buffers:.0f})")
+        assert got["weights"] == pytest.approx(r.weights), (name, rank)  # exact
+    assert not bad, "\n".join(bad)
+
+
+if __name__ == "__main__":
+    print("| config | optimizer | rank | predicted | measured | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, rank, opt, predicted, measured, _, _ in compare():
+        print(f"| {name} | {opt} | {rank} | {planners.format_bytes(predicted)} | "
+              f"{planners.format_bytes(measured)} | {predicted / measured:.3f} |")

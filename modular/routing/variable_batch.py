@@ -38,7 +38,6 @@ torchrec's EmbeddingCollection has no VBE path, and neither has a sharded one: i
 batch naming the module. A VBE batch's keys must be the module's features in its order (a
 selection of VBE features would have to move whole bags of every feature first; torchrec's
 sharded modules ask the same).
-"""
 
 # Note [a batch size per rank]
 Each rank may pass its own batch size, 0 included (an epoch's last batch, torchrec's
@@ -55,6 +54,7 @@ Gradients: each rank's output gradient is its own loss's, and a table's gradient
 mean over ranks of each rank's loss, whatever the batch sizes: a rank's mean loss weighs the
 same however few samples it has, as DDP's and FSDP2's averaging of the dense gradients does
 (docs/batch_per_rank.md).
+"""
 
 from __future__ import annotations
 

@@ -171,3 +171,52 @@ def _every_case(kind: str) -> int:
 def test_each_rank_its_own_batch_size_trains_like_the_unsharded_module(kind: str, world: int) -> None:
     compared = run_on_ranks(world, _every_case, kind, timeout=360)
     assert min(compared) > 60, compared
+
+
+class _Ranker(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = make_ebc(False)
+        self.tower = torch.nn.Linear(34, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.tower(self.sparse(kjt).values()).square().sum()
+
+
+def _compiled(compiled: bool, warm_up: int) -> list[float]:
+    """Batch sizes 0-5 changing every step on every rank, each batch prefetched; after `warm_up`
+    steps (sizes 0 and 1 are dynamo's specialisations, then any other) nothing recompiles."""
+    from torch._dynamo.utils import counters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _Ranker()
+    tables = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=0.1)
+    modular.shard(model, plan_for("mixed", model.sparse, world, module="sparse"))
+    dense = torch.optim.SGD(modular.local_parameters(model), lr=0.1)
+    call = torch.compile(model) if compiled else model
+    keys, bounds = features_of(model.sparse), id_bounds(model.sparse)
+    sizes = [[2, 3][rank], [0, 1][rank], [1, 0][rank], *[(3 * step + 2 * rank) % 6 for step in range(12)]]
+    batches = [make_batch(keys, bounds, seed=31 * s + rank, size=n, weighted=False) for s, n in enumerate(sizes)]
+    losses = []
+    for step, batch in enumerate(batches):
+        if step + 1 < len(batches):
+            modular.prefetch(model, batches[step + 1])
+        with torch._dynamo.config.patch(error_on_recompile=step >= warm_up):
+            loss = call(batch) / max(batch.stride(), 1)
+            loss.backward()
+        tables.step()
+        dense.step()
+        dense.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_batch_sizes_per_rank_compile_without_recompiles() -> None:
+    eager = run_on_ranks(2, _compiled, False, 3, timeout=240)
+    compiled = run_on_ranks(2, _compiled, True, 3, timeout=240)
+    for rank in range(2):
+        assert compiled[rank] == pytest.approx(eager[rank], abs=1e-5, rel=0), rank

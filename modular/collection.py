@@ -154,7 +154,8 @@ class ShardedCollection:
         variable = kjt is not None and kjt.variable_stride_per_key()
         if self.alone:
             lengths, values, weights = routed.lengths, routed.values, routed.weights
-            strides = torch.tensor([strides_of(kjt)], dtype=torch.int64) if variable else None
+            bags = variable or kjt.stride() == 0  # Note [a batch size per rank]
+            strides = torch.tensor([strides_of(kjt)], dtype=torch.int64) if bags else None
         else:
             # Every rank hears how much is coming and whether anyone failed (so a bad batch
             # raises on every rank instead of hanging the others) in the header of the ids' own
@@ -169,7 +170,8 @@ class ShardedCollection:
             if rejection is not None:  # unreachable: the exchange raised it
                 raise InputError(rejection.message)
             lengths, values, weights, strides = got.lengths, got.values, got.weights, got.strides
-        if strides is not None:  # some rank's batch has its own bags per feature: the step's part
+        # Some rank's batch has its own bags per feature, or its own batch size: the step's part
+        if strides is not None:
             inverse = kjt.inverse_indices()[1] if variable else _uniform_inverse(kjt)
             vbe = VariableBatch(strides, inverse)
             return self._received_bags(kjt, lengths, values, weights, vbe)
@@ -188,12 +190,13 @@ class ShardedCollection:
             )
         lengths = lengths.reshape(-1, world * batch)
         local = permute(kjt, self.local_features) if self.layout.local else None
-        extra = self.part.prepare(kjt, lengths)
+        extra = self.part.prepare(kjt, lengths, None)
         return Received(batch, kjt, lengths, values, weights, local, extra, self.part)
 
     def _received_bags(self, kjt, lengths, values, weights, vbe: VariableBatch) -> Received:
         """`input_dist`'s result where features have their own bags (Note [variable batch per
-        feature]): the arrivals, (source rank, route) by bags, put route by route."""
+        feature]), or ranks their own batch sizes (Note [a batch size per rank]): the arrivals,
+        (source rank, route) by bags, put route by route."""
         mine = self.my_route_features
         if mine.numel() and self.at.world > 1:
             per_source = vbe.strides[:, mine]  # (ranks, my routes): the bags each rank sent
@@ -205,8 +208,10 @@ class ShardedCollection:
         if self.layout.local:
             features = [r.feature for r in self.layout.local]
             local = select_features(kjt, features, [self.layout.features[f] for f in features])
-        part = self.variable_part
-        extra = part.prepare(kjt, lengths)
+        # A kind that takes no VBE batch runs its own part on a step whose ranks differ in batch
+        # size (Note [a batch size per rank]): every feature's stride is the rank's batch size.
+        part = self.variable_part or self.part
+        extra = part.prepare(kjt, lengths, vbe)
         return Received(kjt.stride(), kjt, lengths, values, weights, local, extra, part, vbe)
 
     def _agreement(self, exchange: IdsExchange) -> str:
@@ -351,7 +356,8 @@ class ShardedCollectionModule(nn.Module):
 
 
 def _uniform_inverse(kjt: KeyedJaggedTensor) -> torch.Tensor:
-    """The inverse indices of a batch with one bag per sample, for a step in which some other
-    rank's batch has its own bags per feature (every rank then takes the variable-batch path)."""
+    """The inverse indices of a batch with one bag per sample, for a step in which some rank's
+    batch has its own bags per feature or its own batch size (every rank then takes the
+    variable-batch path)."""
     batch, device = kjt.stride(), kjt.lengths().device
     return torch.arange(batch, device=device).expand(len(kjt.keys()), batch)

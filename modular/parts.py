@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.local_shards import LocalShards
 from modular.routing.received import Received
+from modular.routing.variable_batch import VariableBatch
 
 __all__ = ["KindPart", "Wire"]
 
@@ -36,8 +37,11 @@ class KindPart(Protocol):
     def attach(self, shards: LocalShards) -> None:
         """Sees this rank's kernels once they are built (before any step)."""
 
-    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> Any:
-        """Per-kind facts of a batch, made in the input dist (a prefetch makes them early)."""
+    def prepare(
+        self, kjt: KeyedJaggedTensor, lengths: torch.Tensor, vbe: Optional[VariableBatch]
+    ) -> Any:
+        """Per-kind facts of a batch, made in the input dist (a prefetch makes them early);
+        `vbe`: the strides of a variable-batch step, whose `lengths` are then 1-D."""
 
     def lookup(self, shards: LocalShards, received: Received) -> Any:
         """The kernels' results for the routed ids and the data-parallel ones."""

@@ -41,7 +41,7 @@ class PooledPart:
     def attach(self, shards: LocalShards) -> None:
         pass  # the kernels are read at each lookup
 
-    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> None:
+    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor, vbe: None) -> None:
         return None  # a pooled output needs nothing more of the batch
 
     def lookup(

@@ -20,7 +20,7 @@ from modular.local_shards import LocalShards
 from modular.parts import Wire
 from modular.pooled.pooled_part import keyed_output
 from modular.routing.received import Received
-from modular.routing.variable_batch import bag_positions, element_positions
+from modular.routing.variable_batch import VariableBatch, bag_positions, element_positions
 from modular.tables.layout import RankLayout
 
 __all__ = ["VariableBags"]
@@ -109,6 +109,7 @@ class VariableBags:
         self.has_routes = bool(layout.routes)
         self.keys = [o.key for o in layout.outputs]
         self.dims = [o.dim for o in layout.outputs]
+        self.out_width = sum(self.dims)  # a batch of 0 samples is (0, out_width) too
         mine = layout.routes_to(at.rank)
         self.mine_feature = _long([r.feature for r in mine])
         self.mine_width = _long([r.shard.num_cols for r in mine])
@@ -230,7 +231,7 @@ class VariableBags:
     def attach(self, shards: LocalShards) -> None:
         pass  # the kernels are read at each lookup
 
-    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> None:
+    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor, vbe: VariableBatch) -> None:
         return None  # the strides and inverse indices travel in `Received.vbe`
 
     def lookup(
@@ -282,14 +283,14 @@ class VariableBags:
         where = (ix.columns + rows_of.t() * ix.unit_dims).reshape(-1)
         if self._direct:  # every bag's block arrived once: gather it from the arrivals
             out = _Gather.apply(arrived.view(-1, u), where, self.buffers, "output")
-            return out.view(inverse.shape[1], -1)
+            return out.view(inverse.shape[1], self.out_width)
         bagged = arrived.new_zeros(ix.bagged // u, u)
         bagged = bagged.index_add(0, ix.at, arrived.view(-1, u)).view(-1)
         if self.mean_outputs:
             divisor = self._bag_counts(received, ix.out_bags, ix.bagged, ix.out_start)
             bagged = bagged / divisor.to(bagged.dtype)
         out = _Gather.apply(bagged.view(-1, u), where, self.buffers, "output")
-        return out.view(inverse.shape[1], -1)
+        return out.view(inverse.shape[1], self.out_width)
 
     def wrap(self, out: torch.Tensor, received: Received) -> KeyedTensor:
         return keyed_output(out, self.keys, self.dims)

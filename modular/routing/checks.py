@@ -18,10 +18,7 @@ from modular.errors import InputError
 
 
 class Problem(enum.IntEnum):
-    """Why a rank rejected its batch; travels to the other ranks as (code, feature index).
-
-    Batch sizes that differ between ranks have no code: no rank can tell from its own batch, so
-    every rank compares the sizes the peers' headers brought (`BatchChecks.raise_if_rejected`)."""
+    """Why a rank rejected its batch; travels to the other ranks as (code, feature index)."""
 
     NONE = 0
     FEATURES = 1
@@ -30,7 +27,6 @@ class Problem(enum.IntEnum):
     ID_RANGE = 4
     WEIGHTS = 5
     DEVICE = 7
-    EMPTY_BATCH = 8
     SHAPE = 9  # Note [a batch's shapes] in modular/routing/shapes.py
 
     def summary(self) -> str:
@@ -41,7 +37,6 @@ class Problem(enum.IntEnum):
             Problem.ID_RANGE: "ids out of range",
             Problem.WEIGHTS: "bad per-sample weights",
             Problem.DEVICE: "a batch on another device than the module",
-            Problem.EMPTY_BATCH: "an empty batch: batch size 0",
             Problem.SHAPE: "ids, lengths or weights that are not 1-D",
         }.get(self, "no problem")
 
@@ -135,13 +130,12 @@ class BatchChecks:
         self,
         problems: torch.Tensor,
         features: torch.Tensor,
-        sizes: torch.Tensor,
         mine: Optional[Rejection],
     ) -> None:
-        """Raises this rank's own rejection, else the first peer's, else differing batch sizes,
-        from the headers of the input dist's first all-to-all (Note [ids with their header] in
-        modular/routing/exchange.py): per rank, on the host, its `Problem` code, the feature it names
-        and its batch size."""
+        """Raises this rank's own rejection, else the first peer's, from the headers of the input
+        dist's first all-to-all (Note [ids with their header] in modular/routing/exchange.py): per
+        rank, on the host, its `Problem` code and the feature it names. Batch sizes may differ
+        (Note [a batch size per rank] in modular/routing/variable_batch.py)."""
         if mine is not None:
             raise InputError(mine.message)
         codes = problems.tolist()  # one conversion, not a tensor read per rank
@@ -155,12 +149,6 @@ class BatchChecks:
                     f"({problem.summary()}{where}); this rank stops too so that no rank hangs. "
                     f"See rank {src}'s error for the details"
                 )
-        batches = sizes.tolist()
-        if len(set(batches)) > 1:
-            raise InputError(
-                f"module {self.module!r} needs the same batch size on every rank, got "
-                + ", ".join(f"rank {r}: {b}" for r, b in enumerate(batches))
-            )
 
     def batch_stats(
         self, kjt: KeyedJaggedTensor, selection: Optional[torch.Tensor] = None
@@ -263,17 +251,7 @@ class BatchChecks:
                 f"module {self.module!r}: {lengths.numel()} lengths for {nf} features is not a "
                 f"whole batch (batch size {kjt.stride()} x {nf} = {nf * kjt.stride()})",
             )
-        if kjt.stride() == 0:
-            # Routing cannot shape the lengths of 0 samples (nor does torchrec's EBC take them):
-            # refused here, so that every rank hears of it in the agreement, not one crashing.
-            return Rejection(
-                Problem.EMPTY_BATCH,
-                -1,
-                f"module {self.module!r} got an empty batch (batch size 0) on this rank; it "
-                "needs the same batch size, at least 1, on every rank: give this rank as many "
-                "samples as the others (a sample may have no ids), or skip the step on every rank",
-            )
-        return None
+        return None  # a batch of 0 samples too (Note [a batch size per rank])
 
     def _check_counts(self, kjt: KeyedJaggedTensor, stats: BatchStats) -> Optional[Rejection]:
         """Lengths, and weights that agree with the values."""

@@ -30,7 +30,7 @@ Elsewhere every slot is a header alone and the payload always takes the second a
 
 The slots are kept per process group, since the prefetch thread's input dists (Note [prefetched
 input dist]) run on a group of their own, in an order only that group's collectives fix. A step
-that raises (a rejected batch, differing batch sizes) raises on every rank, from the same headers,
+that raises (a rejected batch) raises on every rank, from the same headers,
 before any slot changes: the ranks keep agreeing on them.
 """
 
@@ -191,9 +191,7 @@ class IdsExchange:
         # One read on the host: this rank's counts with every peer's header.
         both = torch.cat([sent[:, IDS], heads]).cpu()
         meta = both[world:].view(world, self._header)
-        self._router.raise_if_rejected(
-            meta[:, PROBLEM], meta[:, FEATURE], meta[:, BATCH], rejection
-        )
+        self._router.raise_if_rejected(meta[:, PROBLEM], meta[:, FEATURE], rejection)
         if counts is None:
             counts = both[:world].tolist()
             n_out = self._payloads(bags_out, counts)
@@ -202,6 +200,10 @@ class IdsExchange:
         if self._header > HEADER and bool(meta[:, HEADER].any()):
             all_strides = meta[:, HEADER + 1:]
             bags_in = (all_strides @ self._routes_of[self._rank]).tolist()
+        elif batch == 0 or bool((meta[:, BATCH] != batch).any()):  # Note [a batch size per rank]
+            batches = meta[:, BATCH]
+            all_strides = batches.view(world, 1).expand(world, len(self._router.features)).clone()
+            bags_in = (batches * self._mine).tolist()
         n_in = self._payloads(bags_in, received)
         wide_any = bool(meta[:, WIDE].any())
         fit_in = [0 if wide_any else min(n, s) for n, s in zip(n_in, self._in)]

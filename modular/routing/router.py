@@ -296,7 +296,7 @@ class Router(BatchChecks):
                 weights=None if weights is None else weights.new_empty(0),
                 counts=self.zero_counts,
             )
-        if kjt.variable_stride_per_key():
+        if kjt.variable_stride_per_key() or batch == 0:  # Note [a batch size per rank]
             return self._route_bags(lengths, values, weights, strides_of(kjt))
         lengths = lengths.view(nf, batch)
         if self._bucketize:

@@ -29,7 +29,7 @@ after the output dist:
   * per step: the indices that depend on the strides alone are made once per distinct strides;
     only the expansion's depend on the batch.
 So the bytes of both all-to-alls scale with the deduplicated batch. Ranks may differ in their
-strides; they must agree on the batch size, as without VBE. A batch whose strides are all the
+strides and in their batch sizes (Note [a batch size per rank]). A batch whose strides are all the
 batch size costs what it did: nothing above runs for it. Data-parallel copies gather every
 rank's bags in equal shapes (Note [dense data-parallel copies]), so their bags are padded to the
 largest stride any rank has for their features, which every rank reads from the same headers.
@@ -38,6 +38,22 @@ torchrec's EmbeddingCollection has no VBE path, and neither has a sharded one: i
 batch naming the module. A VBE batch's keys must be the module's features in its order (a
 selection of VBE features would have to move whole bags of every feature first; torchrec's
 sharded modules ask the same).
+
+# Note [a batch size per rank]
+Each rank may pass its own batch size, 0 included (an epoch's last batch, torchrec's
+`ModelInput.generate(variable_batch_size=True)`). Every header of the ids' exchange carries its
+rank's batch size (Note [ids with their header]), so every rank sees at once whether the sizes
+differ (or are all 0) and all take the same path: a step with equal sizes runs the uniform path
+at its usual cost; otherwise the step is a variable-batch one whose strides on a rank are that
+rank's batch size for every feature (inverse indices the identity), or its VBE strides. The
+pooled EBC runs it as above (`VariableBags`); the EC, which has no VBE part, runs its one part,
+which reads each route's ids per source rank from the strides (`SequencePart.prepare`). A rank
+with 0 samples routes, sends and receives empty segments and returns an output of 0 rows.
+Gradients: each rank's output gradient is its own loss's, and a table's gradient is scaled by
+1/world (Note [grad scaling across ranks] in modular/comm.py), so the tables are trained on the
+mean over ranks of each rank's loss, whatever the batch sizes: a rank's mean loss weighs the
+same however few samples it has, as DDP's and FSDP2's averaging of the dense gradients does
+(docs/batch_per_rank.md).
 """
 
 from __future__ import annotations

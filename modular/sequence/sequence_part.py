@@ -15,6 +15,7 @@ from modular.comm import all_reduce
 from modular.local_shards import LocalShards
 from modular.parts import Wire
 from modular.routing.received import Received
+from modular.routing.variable_batch import VariableBatch, segment_sums
 from modular.sequence.lookup import lookup_kernels
 from modular.sequence.output import Placement, RowGather, RowPlacer, place_rows
 from modular.tables.layout import RankLayout
@@ -31,17 +32,29 @@ class Sequences(NamedTuple):
 
 class SequencePart:
     """Sequences: the per-kind part of the step (`KindPart` in modular/parts.py). torchrec's EC
-    takes no variable-batch KJT (Note [variable batch per feature]), so it is the only part."""
+    takes no variable-batch KJT (Note [variable batch per feature]), so it is the only part; it
+    also runs the steps whose ranks differ in batch size (Note [a batch size per rank])."""
 
     def __init__(self, at: RankLayout, *, embedding_dim: int, need_indices: bool) -> None:
         self.at, self.layout = at, at.layout
         self.embedding_dim, self.need_indices = embedding_dim, need_indices
         self.placer = RowPlacer(self.layout)  # Note [placing rows without a loop over routes]
+        mine = self.layout.routes_to(at.rank)
+        self.my_route_features = torch.tensor([r.feature for r in mine], dtype=torch.int64)
 
-    def prepare(self, kjt: KeyedJaggedTensor, lengths: torch.Tensor) -> Sequences:
-        batch = kjt.stride()
-        per_source = lengths.view(lengths.shape[0], self.at.world, batch).sum(2).long().cpu()
-        return Sequences(per_source, self.placer(kjt.values(), kjt.length_per_key()))
+    def prepare(
+        self, kjt: KeyedJaggedTensor, lengths: torch.Tensor, vbe: Optional[VariableBatch]
+    ) -> Sequences:
+        """`vbe`: a step whose ranks differ in batch size (Note [a batch size per rank]); each
+        route's bags then arrive source by source, as many from a rank as its batch size."""
+        if vbe is None:
+            batch = kjt.stride()
+            per_source = lengths.view(lengths.shape[0], self.at.world, batch).sum(2)
+        else:
+            bags = vbe.strides[:, self.my_route_features].t()  # (my routes, ranks)
+            per_source = segment_sums(lengths, bags.reshape(-1)).view(bags.shape)
+        placement = self.placer(kjt.values(), kjt.length_per_key())
+        return Sequences(per_source.long().cpu(), placement)
 
     def lookup(
         self, shards: LocalShards, received: Received
@@ -101,7 +114,9 @@ class SequencePart:
         its embedding backward adds them up; the kernels add a row's FP32 gradients in FP32 and
         round once (into the FP16 `.grad`, or into a fused update with FP32 state).
         `output_dtype` and `comm_dtype` round the rows as they do the EBC's pooled values."""
-        features = received.kjt.to_dict()
+        kjt = received.kjt
+        # torchrec's to_dict cannot split a batch of 0 samples (Note [a batch size per rank])
+        features = kjt.to_dict() if kjt.stride() else _empty_features(kjt)
         values = out.view(-1, self.embedding_dim).split(received.extra.placement.rows_per_output)
         result = {}
         for o, rows in zip(self.layout.outputs, values):
@@ -119,3 +134,9 @@ class SequencePart:
         """The row gathers of this rank's kernels, once they exist."""
         # Note [gathering rows without a loop over routes]
         self.gather, self.local_gather = RowGather(shards.kernels), RowGather(shards.local_kernels)
+
+
+def _empty_features(kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    """`kjt.to_dict()` of a batch of 0 samples: each feature no lengths and no ids."""
+    lengths, values = kjt.lengths(), kjt.values()
+    return {f: JaggedTensor(values=values, lengths=lengths) for f in kjt.keys()}

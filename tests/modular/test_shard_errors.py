@@ -313,19 +313,20 @@ def test_bad_ids_are_caught_whatever_the_placement(case: str) -> None:
     assert all(m.startswith(f"rank {BAD_RANK} rejected its batch") for r, m in enumerate(messages) if r != BAD_RANK), messages
 
 
-def _different_batch_sizes() -> None:
+def _different_batch_sizes() -> list[int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = make_ebc(False)
     ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world))
-    ebc(make_batch(ref, seed=rank, batch_size=2 + rank))
+    return list(ebc(make_batch(ref, seed=rank, batch_size=2 + rank)).values().shape)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_different_batch_sizes_raise_on_every_rank(world_size: int) -> None:
-    messages = expect_errors_on_all_ranks(world_size, _different_batch_sizes, timeout=TIMEOUT_S)
-    sizes = ", ".join(f"rank {r}: {2 + r}" for r in range(world_size))
-    assert messages == [f"module '' needs the same batch size on every rank, got {sizes}"] * world_size
+def test_different_batch_sizes_are_each_ranks_own(world_size: int) -> None:
+    # Once refused ("needs the same batch size on every rank"); now each rank's output has its own
+    # batch's rows (parity: tests/modular/test_batch_per_rank.py, Note [a batch size per rank]).
+    shapes = run_on_ranks(world_size, _different_batch_sizes, timeout=TIMEOUT_S)
+    assert shapes == [[2 + r, 34] for r in range(world_size)]
 
 
 def _missing_weights() -> None:

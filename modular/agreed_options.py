@@ -77,12 +77,15 @@ def settings_that_differ(gathered: list[dict[str, str]]) -> list[str]:
     return differing
 
 
-def disagreement(call: str, differing: list[str], fix: str = SHARD_FIX) -> str:
-    """The message every rank raises when `settings_that_differ` found `differing`."""
+def disagreement(
+    call: str, differing: list[str], fix: str = SHARD_FIX, note: str = "Note [agreeing on options]"
+) -> str:
+    """The message every rank raises when `settings_that_differ` found `differing`; `note`
+    is the Note that says how `call` agrees."""
     return (
         f"ranks disagree on options of {call} that change what its collectives do ("
         + "; ".join(differing)
-        + f"); every rank must {fix.format(call=call)} (Note [agreeing on options])"
+        + f"); every rank must {fix.format(call=call)} ({note})"
     )
 
 

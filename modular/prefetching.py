@@ -6,8 +6,6 @@ the model-level call, apart from modular/sharding.py so that neither outgrows on
 
 from __future__ import annotations
 
-import hashlib
-import json
 import weakref
 from typing import Iterable, Optional
 
@@ -17,7 +15,6 @@ from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.agreed_options import disagreement, settings_that_differ
-from modular.comm import all_gather_bytes, raise_shared_failure
 from modular.errors import InputError, ShardingError
 from modular.sharding import sharded_modules
 
@@ -115,10 +112,8 @@ def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
 # collections then: (None or the names given, the collections' FQNs) (Note [agreeing on what to
 # prefetch]). Keyed by the model, so a model that goes away takes its entries with it.
 _AGREED: "weakref.WeakKeyDictionary[nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
-_FIX = (
-    "call {call} with the same modules=, in the same order, on models sharded alike "
-    "(Note [agreeing on what to prefetch])"
-)
+_FIX = "call {call} with the same modules=, in the same order, on models sharded alike"
+_NOTE = "Note [agreeing on what to prefetch]"
 
 
 def agree_on_modules(
@@ -138,12 +133,13 @@ def agree_on_modules(
     read once the slots, whose sizes are the module's own, have arrived. An agreement at every
     prefetch would be a collective a step (prefetch runs every step, Note [prefetch on every
     rank]). So every rank agrees once per model and `modules=`: the first call with a given
-    `modules=` gathers a digest of what it prefetches for and the model's sharded collections
-    (one all-gather of 33 bytes on the collections' group; every rank where they are 2D) and,
-    where the digests differ, the names themselves, then every rank raises `ShardingError`
-    naming the ranks and what each holds, before any batch is armed. A rank that refused the
-    call (an unknown module, InputError of Note [choosing what to prefetch for]) says so in the
-    same gather and every rank raises its error. A later call with a `modules=` already agreed
+    `modules=` gathers what each rank prefetches for and the model's sharded collections (one
+    `all_gather_object` of a few names on the collections' group; every rank where they are
+    2D: an object collective, on the CPU where the group has a CPU backend) and, where one
+    differs, every rank raises `ShardingError` naming the ranks and what each holds, before any
+    batch is armed. A rank that refused the call (an unknown module, InputError of Note
+    [choosing what to prefetch for]) says so in the same gather and every rank raises its error,
+    in its class. A later call with a `modules=` already agreed
     runs no collective: one that differs from its peers only in the order of calls (a rank
     prefetching 'bags' then 'seq', its peer 'seq' then 'bags', both agreed before) is not
     caught, and fails at the timeout as Note [prefetch on every rank] says. Collections of
@@ -164,26 +160,22 @@ def agree_on_modules(
         "prefetched for": repr(names),
         "the model's sharded collections": repr(sorted(found)),
     }
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
-    payload = b"\x00" + digest if problem is None else b"\x01" + bytes(32)
-    payloads = all_gather_bytes(payload, width=len(payload), group=group)
-    rejecting = [r for r, p in enumerate(payloads) if p[0] == 1]
-    shared = raise_shared_failure(problem, rejecting, group, text=_kind_and_message)
-    if shared is not None:
-        first, (kind, message) = shared
+    gathered: list = [None] * dist.get_world_size(group)
+    mine = None if problem is None else (type(problem).__name__, str(problem))
+    dist.all_gather_object(gathered, (settings, mine), group=group)
+    refused = [(r, p) for r, (_, p) in enumerate(gathered) if p is not None]
+    if problem is not None:
+        raise problem
+    if refused:
+        (first, (kind, message)) = refused[0]
         raise (InputError if kind == "InputError" else ShardingError)(
-            f"rank {first} refused modular.prefetch: {message} (ranks {rejecting} refused it; "
-            "this rank stops too so that no rank hangs)"
+            f"rank {first} refused modular.prefetch: {message} (ranks {[r for r, _ in refused]} "
+            "refused it; this rank stops too so that no rank hangs)"
         )
-    if len(set(payloads)) > 1:  # every rank sees the same digests, so every rank gathers
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, settings, group=group)
-        raise ShardingError(disagreement("modular.prefetch", settings_that_differ(gathered), _FIX))
+    differing = settings_that_differ([s for s, _ in gathered])
+    if differing:
+        raise ShardingError(disagreement("modular.prefetch", differing, _FIX, _NOTE))
     agreed.add(key)
-
-
-def _kind_and_message(e: BaseException) -> tuple[str, str]:
-    return type(e).__name__, str(e)
 
 
 def _agreement_group(module: nn.Module) -> Optional[ProcessGroup]:

@@ -72,7 +72,7 @@ def agree_on_load(
     dist.all_gather_object(gathered, (settings, error, read))
     differing = settings_that_differ([s for s, _, _ in gathered])
     if differing:
-        raise CheckpointError(disagreement("modular.checkpoint.load", differing, _LOAD_FIX))
+        raise CheckpointError(disagreement("modular.checkpoint.load", differing, _LOAD_FIX, "Note [a load's options]"))
     failing = [(r, e) for r, (_, e, _) in enumerate(gathered) if e is not None]
     if error is not None:
         raise CheckpointError(error)

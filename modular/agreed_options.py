@@ -43,11 +43,12 @@ def fused_settings(fused: Optional[Any]) -> dict[str, str]:
 
 
 def shard_settings(
-    modules: dict[str, dict[str, str]], *, tensor_type: str, replica_sync: Optional[str]
+    modules: dict[str, dict[str, str]], *, tensor_type: Optional[str], replica_sync: Optional[str]
 ) -> dict[str, str]:
-    """`shard`'s settings, flat: "tensor_type", "replica_sync" (under a 2D mesh) and, per planned
-    module, "<option> of module 'fqn'" for each of its own (`modules[fqn]`)."""
-    settings = {"tensor_type": tensor_type}
+    """`shard`'s settings, flat: "tensor_type" (`reshard` has one per module instead),
+    "replica_sync" (under a 2D mesh) and, per planned module, "<option> of module 'fqn'" for each
+    of its own (`modules[fqn]`)."""
+    settings = {} if tensor_type is None else {"tensor_type": tensor_type}
     if replica_sync is not None:
         settings["replica_sync"] = replica_sync
     for fqn, options in modules.items():
@@ -56,13 +57,13 @@ def shard_settings(
     return settings
 
 
-def raise_if_settings_differ(
-    settings: dict[str, str], group: Optional[ProcessGroup], call: str
-) -> None:
-    """Gathers every rank's `settings` and raises `ShardingError` naming each that differs, with
-    the ranks holding each value; returns if none does. Collective: call it on every rank."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, settings, group=group)
+# What `raise_if_settings_differ` tells `shard`'s caller to do; other calls pass their own `fix`.
+SHARD_FIX = "call {call} (and modular.fuse_optimizer before it) with the same options"
+
+
+def settings_that_differ(gathered: list[dict[str, str]]) -> list[str]:
+    """Each setting whose value is not the same in every rank's `gathered` settings, as "name:
+    ranks [0] 'a', ranks [1] 'b'" (a rank without it holds 'absent'); pure, no collective."""
     names = sorted({n for s in gathered for n in s}, key=lambda n: (n != "tensor_type", n))
     differing = []
     for name in names:
@@ -73,10 +74,28 @@ def raise_if_settings_differ(
             differing.append(
                 f"{name}: " + ", ".join(f"ranks {ranks} {value!r}" for value, ranks in held.items())
             )
+    return differing
+
+
+def disagreement(
+    call: str, differing: list[str], fix: str = SHARD_FIX, note: str = "Note [agreeing on options]"
+) -> str:
+    """The message every rank raises when `settings_that_differ` found `differing`; `note`
+    is the Note that says how `call` agrees."""
+    return (
+        f"ranks disagree on options of {call} that change what its collectives do ("
+        + "; ".join(differing)
+        + f"); every rank must {fix.format(call=call)} ({note})"
+    )
+
+
+def raise_if_settings_differ(
+    settings: dict[str, str], group: Optional[ProcessGroup], call: str, fix: str = SHARD_FIX
+) -> None:
+    """Gathers every rank's `settings` and raises `ShardingError` naming each that differs, with
+    the ranks holding each value; returns if none does. Collective: call it on every rank."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, settings, group=group)
+    differing = settings_that_differ(gathered)
     if differing:
-        raise ShardingError(
-            f"ranks disagree on options of {call} that change what its collectives do ("
-            + "; ".join(differing)
-            + f"); every rank must call {call} (and modular.fuse_optimizer before it) with the "
-            "same options (Note [agreeing on options])"
-        )
+        raise ShardingError(disagreement(call, differing, fix))

@@ -6,12 +6,16 @@ the model-level call, apart from modular/sharding.py so that neither outgrows on
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Optional
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular.errors import InputError
+from modular.agreed_options import disagreement, settings_that_differ
+from modular.errors import InputError, ShardingError
 from modular.sharding import sharded_modules
 
 __all__ = ["prefetch"]
@@ -37,7 +41,12 @@ def prefetch(
 
     Without it every sharded collection gets `features`, which is only allowed when they all
     read the same features (Note [choosing what to prefetch for]); the KJT may then carry more
-    features than they read."""
+    features than they read.
+
+    The first call with a given `modules=` checks that every rank prefetches for the same
+    collections of a model with the same sharded collections; where one differs, every rank
+    raises `ShardingError` naming the ranks and what each holds, before any batch is armed (Note
+    [agreeing on what to prefetch]). Later calls with that `modules=` run no collective."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
     found = dict(sharded_modules(model))
@@ -46,13 +55,19 @@ def prefetch(
             "prefetch: the model has no sharded EmbeddingBagCollection or EmbeddingCollection "
             "(call modular.shard first)"
         )
-    names = _prefetch_targets(found) if modules is None else list(modules)
-    unknown = [n for n in names if n not in found]
-    if unknown:
-        raise ValueError(
-            f"prefetch: modules {unknown} are not sharded collections of the model; its sharded "
-            f"collections are {sorted(found)}"
-        )
+    asked = None if modules is None else tuple(modules)
+    names, problem = [], None
+    try:
+        names = _prefetch_targets(found) if asked is None else list(asked)
+        unknown = [n for n in names if n not in found]
+        if unknown:
+            raise ShardingError(
+                f"prefetch: modules {unknown} are not sharded collections of the model; its "
+                f"sharded collections are {sorted(found)}"
+            )
+    except (InputError, ShardingError) as e:
+        problem = e
+    agree_on_modules(model, found, asked, names, problem)  # Note [agreeing on what to prefetch]
     for name in names:
         found[name].prefetch(features)
     return model
@@ -68,7 +83,8 @@ def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
     raise InputError on every rank. It is read from the model instead, which every rank holds
     alike (`shard` agreed on each module's tables and features): collections that all read the
     same features take one batch (two that read the same features from different batches need
-    `modules=` too); otherwise every rank raises the same InputError, before any collective.
+    `modules=` too); otherwise every rank raises the same InputError, before any batch is armed
+    (in the agreement of Note [agreeing on what to prefetch]).
 
     A batch may carry more features than a collection reads (Note [batches with more features]
     in modular/routing/router.py), and that does not widen the rule. Collections that read the
@@ -90,3 +106,79 @@ def _prefetch_targets(found: dict[str, nn.Module]) -> list[str]:
             f"modules={list(found)}"
         )
     return list(found)
+
+
+# The `modules=` each model has prefetched for since every rank agreed on them, with its sharded
+# collections then: (None or the names given, the collections' FQNs) (Note [agreeing on what to
+# prefetch]). Keyed by the model, so a model that goes away takes its entries with it.
+_AGREED: "weakref.WeakKeyDictionary[nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
+_FIX = "call {call} with the same modules=, in the same order, on models sharded alike"
+_NOTE = "Note [agreeing on what to prefetch]"
+
+
+def agree_on_modules(
+    model: nn.Module, found: dict[str, nn.Module], asked: Optional[tuple[str, ...]],
+    names: list[str], problem: Optional[ValueError],
+) -> None:
+    """Raises on every rank, at the first prefetch of `model` with `asked` (its `modules=`), if
+    the ranks prefetch for other collections or hold other sharded collections (`found`), or if
+    a rank refused the call (`problem`); returns at once where the same call was agreed before.
+
+    # Note [agreeing on what to prefetch]
+    Which collections a batch is prefetched for decides which input dists run on the background
+    group (Note [prefetched input dist] in modular/routing/prefetcher.py): a rank that prefetches
+    for 'seq' while its peer prefetches for 'bags' runs another all-to-all than its peer, and
+    both wait until the group's timeout, or worse, exchange ids of different sizes. Nothing in
+    the input dist can catch it cheaply: the ids' header (Note [ids with their header]) is only
+    read once the slots, whose sizes are the module's own, have arrived. An agreement at every
+    prefetch would be a collective a step (prefetch runs every step, Note [prefetch on every
+    rank]). So every rank agrees once per model and `modules=`: the first call with a given
+    `modules=` gathers what each rank prefetches for and the model's sharded collections (one
+    `all_gather_object` of a few names on the collections' group; every rank where they are
+    2D: an object collective, on the CPU where the group has a CPU backend) and, where one
+    differs, every rank raises `ShardingError` naming the ranks and what each holds, before any
+    batch is armed. A rank that refused the call (an unknown module, InputError of Note
+    [choosing what to prefetch for]) says so in the same gather and every rank raises its error,
+    in its class. A later call with a `modules=` already agreed
+    runs no collective: one that differs from its peers only in the order of calls (a rank
+    prefetching 'bags' then 'seq', its peer 'seq' then 'bags', both agreed before) is not
+    caught, and fails at the timeout as Note [prefetch on every rank] says. Collections of
+    one process (`fuse_optimizer`'s, never sharded) run no collective and agree on nothing.
+    """
+    key = (asked, tuple(found))
+    agreed = _AGREED.setdefault(model, set())
+    if problem is None and key in agreed:
+        return
+    spread = [m for m in found.values() if not m.is_local]
+    if not spread:
+        if problem is not None:
+            raise problem
+        return
+    group = _agreement_group(spread[0])
+    settings = {
+        "modules=": "not given (every sharded collection)" if asked is None else repr(list(asked)),
+        "prefetched for": repr(names),
+        "the model's sharded collections": repr(sorted(found)),
+    }
+    gathered: list = [None] * dist.get_world_size(group)
+    mine = None if problem is None else (type(problem).__name__, str(problem))
+    dist.all_gather_object(gathered, (settings, mine), group=group)
+    refused = [(r, p) for r, (_, p) in enumerate(gathered) if p is not None]
+    if problem is not None:
+        raise problem
+    if refused:
+        (first, (kind, message)) = refused[0]
+        raise (InputError if kind == "InputError" else ShardingError)(
+            f"rank {first} refused modular.prefetch: {message} (ranks {[r for r, _ in refused]} "
+            "refused it; this rank stops too so that no rank hangs)"
+        )
+    differing = settings_that_differ([s for s, _ in gathered])
+    if differing:
+        raise ShardingError(disagreement("modular.prefetch", differing, _FIX, _NOTE))
+    agreed.add(key)
+
+
+def _agreement_group(module: nn.Module) -> Optional[ProcessGroup]:
+    """The group whose ranks all prefetch for `module`: its own, or every rank in 2D, where
+    every shard group prefetches alike."""
+    return None if module.replicas is not None else module.process_group

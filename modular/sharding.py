@@ -17,7 +17,9 @@ from torch.distributed.tensor import DTensor
 
 
 from modular import lifecycle
-from modular.agreed_options import fused_settings, raise_if_settings_differ, shard_settings
+from modular.agreed_options import (
+    SHARD_FIX, fused_settings, raise_if_settings_differ, shard_settings,
+)
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.describe import log_built
 from modular.errors import ShardingError
@@ -280,6 +282,7 @@ def agree_on_plan(
     call: str = "modular.shard",
     mesh: Optional[dict] = None,
     settings: Optional[dict[str, str]] = None,
+    fix: str = SHARD_FIX,
 ) -> None:
     """# Note [agreeing on the plan]
     Every rank joins one small all-gather, always, even when its own plan check failed: each
@@ -315,7 +318,7 @@ def agree_on_plan(
         )
     if len(set(payloads)) > 1:
         if settings is not None:  # every rank sees the same digests, so every rank gathers
-            raise_if_settings_differ(settings, group, call)
+            raise_if_settings_differ(settings, group, call, fix)
         groups: dict[bytes, list[int]] = {}
         for r, d in enumerate(payloads):
             groups.setdefault(d, []).append(r)

@@ -42,7 +42,7 @@ from modular.checkpoint._directory import (
     verify_file,
 )
 from modular.checkpoint._one_writer import drop_replica_copies
-from modular.checkpoint._together import failed, save_collective
+from modular.checkpoint._together import agree_on_load, failed, save_collective
 from modular.checkpoint._staging import check_loaded, stage
 from modular.checkpoint._entries import MODEL, model_state, optimizer_parts, optimizer_state
 from modular.errors import CheckpointError
@@ -153,7 +153,9 @@ def load(
     optimizer's, raising) puts every weight and the optimizer state back on every rank (Note [all
     or nothing]). So a failed load leaves the model and optimizer as they were. Tables (and every
     model entry) keep their dtype: an entry saved in another dtype (FP32 into an FP16 table, or
-    back) is refused naming it, unless `convert_dtypes=True` converts it.
+    back) is refused naming it, unless `convert_dtypes=True` converts it. Every rank must pass
+    the same `path` (the same checkpoint, on a file system they share) and `convert_dtypes`:
+    where one differs, every rank raises `CheckpointError` naming it (Note [a load's options]).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     error, manifest = None, None
@@ -162,7 +164,7 @@ def load(
         manifest = read_manifest(found)
     except CheckpointError as e:
         error = str(e)
-    agree(error)
+    agree_on_load(Path(path), convert_dtypes, error, manifest)  # Note [a load's options]
     names = sorted(manifest["files"])
     problems = [verify_file(found, n, manifest["files"][n]) for n in names[rank::world]]
     agree(next((p for p in problems if p is not None), None))

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from modular import lifecycle
+from modular.agreed_options import fused_settings, shard_settings
 from modular.errors import ShardingError
 from modular.kinds import unsharded_kind
 from modular.profiling import RESHARD, labelled
@@ -135,8 +136,35 @@ def _agreed_moves(
                 moves.append(move)
     except ShardingError as e:
         problem = e
-    agree_on_plan(plan, targets, agreement, problem, call="modular.reshard", mesh=described)
+    agree_on_plan(
+        plan, targets, agreement, problem, call="modular.reshard", mesh=described,
+        settings=_settings(targets), fix=_FIX,
+    )  # fmt: skip
     return moves, {move.index: names[id(move.old)][1] for move in moves}, group, agreement
+
+
+# Note [agreeing on options], for reshard: its only arguments are the model and the plan, but the
+# modules it rebuilds keep options that change what the build's and later steps' collectives do
+# (the fused optimizer's live param group can gain weight decay on one rank, say), so those are
+# folded into the plan's digest as shard folds its own: no collective more on a good call.
+_FIX = (
+    "hold the same options in every rank's sharded modules (modular.shard's, and the fused "
+    "optimizer's param group: set weight decay alike on every rank) before calling {call}"
+)
+
+
+def _settings(targets: list[tuple[str, nn.Module]]) -> dict[str, str]:
+    """The options each module `reshard` rebuilds keeps, by module (Note [agreeing on options])."""
+    return shard_settings(
+        {
+            fqn: {
+                "output_dtype": str(m.output_dtype), "comm_dtype": str(m.comm_dtype),
+                "tensor_type": m.tensor_type.value, **fused_settings(m.fused),
+            }
+            for fqn, m in targets
+        },
+        tensor_type=None, replica_sync=None,  # the sync is agreed beside the plan (`mesh`)
+    )  # fmt: skip
 
 
 def _move(

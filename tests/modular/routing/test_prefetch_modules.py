@@ -1,7 +1,7 @@
 """Which collections `modular.prefetch` prefetches for (Note [choosing what to prefetch for] in
 modular/prefetching.py): decided from the model, never from the batch, so that every rank decides
 alike. A model whose collections read different features (two ECs and an EBC) must name them;
-without `modules=` every rank raises the same InputError before any collective, also when one
+without `modules=` every rank raises the same InputError before any batch is armed, also when one
 rank's batch has the wrong keys, and nothing is left pending."""
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from planners.inputs import (
 )
 from planners.model_tables import tables_from_configs, tables_from_model
 from planners.replan import ReplanResult, TableMove, move_bytes, replan
-from planners.stats import PlanStats, RankStats, ShardStats, TableStats, plan_stats, validate_plan
+from planners.evaluate import plan_stats, validate_plan
+from planners.stats import PlanStats, RankStats, ShardStats, TableStats
 from planners.torchrec_interop import TorchRecLayoutWarning, from_torchrec, to_torchrec
 from planners.types import (
     PlanAssumptions,

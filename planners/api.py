@@ -18,7 +18,8 @@ from planners.model_tables import TablesLike, as_table_set, match_constraints
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
 from planners.search import search
-from planners.stats import PlanStats, stats_for
+from planners.evaluate import stats_for
+from planners.stats import PlanStats
 from planners.types import PlanAssumptions, ShardingPlan, ShardingType, TablePlacement, even_split
 
 __all__ = ["PlanOptions", "PlanResult", "plan", "plan_with_stats"]

@@ -17,7 +17,8 @@ from planners.files import (
 from planners.inputs import (
     ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
 )  # fmt: skip
-from planners.stats import PlanStats, plan_stats
+from planners.evaluate import plan_stats
+from planners.stats import PlanStats
 from planners.types import PlanError, ShardingPlan
 
 _SETTINGS = ("device_memory", "reserved_fraction", "device_memory_bandwidth",

@@ -35,7 +35,7 @@ Step = tuple[int, float, float, str]  # (table, slowest before, slowest after, w
 
 
 def table_load(model: CostModel, table: Table, p: TablePlacement) -> tuple[np.ndarray, np.ndarray]:
-    """What one table adds to each rank's seconds and bytes (as `stats.evaluate` counts them)."""
+    """What one table adds to each rank's seconds and bytes (as `evaluate.evaluate` counts them)."""
     load, mem = table_loads(model, table, [p])
     return load[0], mem[0]
 

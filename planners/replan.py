@@ -53,7 +53,8 @@ from planners.inputs import (
 from planners.model_tables import TablesLike, as_table_set, display_name, match_constraints
 from planners.moves import adapt_placement, move_bytes, shards_of
 from planners.nearby import greedy, refused, table_load
-from planners.stats import PlanStats, format_seconds, plan_stats, plural
+from planners.evaluate import plan_stats
+from planners.stats import PlanStats, format_seconds, plural
 from planners.types import (
     PlanError, ShardingPlan, ShardingType, TablePlacement, even_split,
 )  # fmt: skip

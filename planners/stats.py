@@ -1,34 +1,19 @@
-"""Plan statistics: what each rank holds, what it costs, and how far the plan is from the bound.
-
-`plan_stats` prices any `ShardingPlan` -- ours or one converted from TorchRec -- under the cost
-model of planners/cost.py, so two plans of the same tables can be compared number for number.
+"""Plan statistics: what each rank holds, what it costs, and how far the plan is from the bound,
+as records a report, the CLI and a test read; planners/evaluate.py prices a plan into them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-import numpy as np
+from planners.cost import COMPONENTS
+from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, Topology, format_bytes
+from planners.options import lower_bound
+from planners.replicas import Replicas
+from planners.types import PlanError, ShardingType
 
-from planners.cost import (
-    COMPONENTS, STAT_BYTES, CostModel, ShardCost, TableArrays, column_scratch_bytes,
-)  # fmt: skip
-from planners.inputs import (
-    ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
-)  # fmt: skip
-from planners.model_tables import (
-    TableSet, TablesLike, as_table_set, display_name, match_constraints,
-)  # fmt: skip
-from planners.options import enumerate_candidates, lower_bound
-from planners.replicas import Replicas, ReplicaSync, group_topology
-from planners.types import PlanError, ShardingPlan, ShardingType
-from planners.validate import check_placements, validate_plan
-
-__all__ = [
-    "PlanStats", "RankStats", "ShardStats", "TableStats", "format_seconds", "plan_stats", "plural",
-    "stats_for", "validate_plan",
-]  # fmt: skip
+__all__ = ["PlanStats", "RankStats", "ShardStats", "TableStats", "format_seconds", "plural"]
 
 _COMPONENTS = tuple(attr for attr, _, _ in COMPONENTS)
 # The parts of a rank's memory that the model keeps across steps (Note [what a rank holds] in
@@ -378,154 +363,3 @@ _DEFAULTS = (
 
 def _defaults_used(topology: Topology) -> list[str]:
     return [text for name, text, value in _DEFAULTS if getattr(topology, name) == value]
-
-
-def evaluate(
-    plan: ShardingPlan, table_set: TableSet, model: CostModel
-) -> tuple[np.ndarray, np.ndarray, list[list[tuple[str, float]]], list[list[ShardStats]],
-           np.ndarray]:  # fmt: skip
-    """Per-rank component seconds (W x 6, in `COMPONENTS` order), per-rank bytes (W, and W x 4 by
-    `MEMORY_PARTS` in the last column of the tuple), per-rank (table, seconds) lists, and
-    per-table shard statistics (in shard order)."""
-    topo = model.topology
-    world = topo.world_size
-    tables = [t for _, t in table_set]
-    arrays = TableArrays.of(tables)
-    comp = np.zeros((world, len(COMPONENTS)))
-    # Each rank's own batch, with the low-precision copies of what every shard sends it
-    # (Note [wire copies] in planners/cost.py), summed over the plan's shards below.
-    mem = np.full(world, model.batch_buffer_bytes(arrays, wire=False))
-    held: list[list[tuple[str, float]]] = [[] for _ in range(world)]
-    per_table: list[list[ShardStats | None]] = []
-    parts_mem = np.zeros((world, len(MEMORY_PARTS)))
-    pieces: list[list[tuple[int, int, str, bool]]] = [[] for _ in range(world)]  # column pieces
-    groups: dict[ShardingType, list[tuple[int, int, int, int, int, int, int, int]]] = {}
-    for i, (fqn, table) in enumerate(table_set):
-        placement = plan.placement(fqn, table.name)
-        shards = placement.shards(num_embeddings=table.num_embeddings,
-                                  embedding_dim=table.embedding_dim, world_size=world)  # fmt: skip
-        kind = placement.sharding_type
-        k = 1 if kind is ShardingType.DATA_PARALLEL else len(shards)
-        per_table.append([None] * len(shards))
-        for j, s in enumerate(shards):
-            if kind is ShardingType.COLUMN_WISE and k > 1:
-                pieces[s.rank].append((s.num_rows, s.num_cols, table.dtype.value, table.sequence))
-            groups.setdefault(kind, []).append(
-                (i, s.rank, s.num_rows, s.num_cols, k, j, s.row_offset, s.col_offset)
-            )
-    for kind, entries in groups.items():
-        idx, ranks, rows, cols, ks, js, row_offs, col_offs = (np.array(c) for c in zip(*entries))
-        cost: ShardCost = model.shard(kind, arrays.take(idx), rows.astype(float),
-                                      cols.astype(float), ks.astype(float))  # fmt: skip
-        parts = np.stack([getattr(cost, c) for c in _COMPONENTS], axis=1)
-        np.add.at(comp, ranks, parts)
-        np.add.at(mem, ranks, cost.memory)
-        for p, (_, attr, _) in enumerate(MEMORY_PARTS):
-            np.add.at(parts_mem[:, p], ranks, np.broadcast_to(getattr(cost, attr), ranks.shape))
-        mem += float(np.sum(model.arrival_wire_bytes(kind, arrays.take(idx), cols.astype(float))))
-        total = cost.total
-        for e, (n, r, sec) in enumerate(zip(idx.tolist(), ranks.tolist(), total.tolist())):
-            held[r].append((display_name(*_name(table_set[n])), sec))
-            per_table[n][int(js[e])] = ShardStats(
-                r, int(row_offs[e]), int(rows[e]), int(col_offs[e]), int(cols[e]),
-                float(cost.memory[e]), *(float(x) for x in parts[e]),
-            )  # fmt: skip
-    # Note [what a rank holds]: `shard` reserved a scratch statistic for each column piece under
-    # exact row-wise Adagrad; a rank keeps one only for kernel groups that mix widths.
-    for r in range(world):
-        scratch = column_scratch_bytes(model.optimizer, model.column_wise_statistic, pieces[r])
-        if model.exact_column_statistic:
-            scratch -= STAT_BYTES * sum(rows for rows, _, _, _ in pieces[r])
-        mem[r] += scratch
-        parts_mem[r, 3] += scratch
-    return comp, mem, held, per_table, parts_mem  # type: ignore[return-value]
-
-
-def _name(entry: tuple[str, Table]) -> tuple[str, str]:
-    return entry[0], entry[1].name
-
-
-def plan_stats(
-    plan: ShardingPlan,
-    tables: TablesLike,
-    topology: Topology,
-    *,
-    batch_size: int,
-    optimizer: Optimizer | str = Optimizer.ROWWISE_ADAGRAD,
-    constraints: Mapping[str, TableConstraint] | None = None,
-    module_fqn: str = "",
-    plan_seconds: float | None = None,
-    column_wise_statistic: ColumnWiseStatistic | str = ColumnWiseStatistic.EXACT,
-    comm_dtype: DataType | str = DataType.FP32,
-    torchrec_compatible: bool = False,
-    replicas: int = 1,
-    replica_sync: ReplicaSync | str = ReplicaSync.EXACT,
-) -> PlanStats:
-    """Prices `plan` for `tables` on `topology` and compares it with the lower bound.
-
-        stats = plan_stats(plan, tables, topology, batch_size=512)
-        stats.max_cost, stats.imbalance, stats.bound_ratio, stats.slowest_rank.tables
-
-    `optimizer` and `column_wise_statistic` as for `planners.plan`: price a plan under the
-    settings it will be trained with ("per_shard" makes column pieces under row-wise Adagrad
-    cheaper; under the other optimizers it changes nothing). `torchrec_compatible` as for
-    `planners.plan`: the bound is then that of plans TorchRec runs unchanged. `replicas` and
-    `replica_sync` as for `planners.plan`: `topology` is the whole world and `plan` one shard
-    group of `world_size / replicas` ranks, priced with its cross-replica sync.
-
-    Raises PlanError if the plan does not place exactly these tables (see `validate_plan`).
-    A plan over memory capacity is reported (`over_capacity`), not rejected.
-    """
-    table_set = as_table_set(tables, module_fqn)
-    layout = None
-    if replicas != 1:
-        topology, layout = group_topology(topology, replicas, replica_sync)
-    model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
-                      column_wise_statistic=column_wise_statistic,
-                      comm_dtype=comm_dtype, replicas=layout)  # parsed by CostModel
-    cons = match_constraints(table_set, constraints, topology.world_size)
-    plain = [t for _, t in table_set]
-    capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))
-    candidates = enumerate_candidates(plain, model, cons, capacity, torchrec=torchrec_compatible)
-    bound = lower_bound(candidates, topology.world_size)
-    return stats_for(plan, table_set, model, bound, plan_seconds,
-                     torchrec_compatible=torchrec_compatible)
-
-
-def stats_for(
-    plan: ShardingPlan,
-    table_set: TableSet,
-    model: CostModel,
-    bound: float,
-    plan_seconds: float | None = None,
-    *,
-    torchrec_compatible: bool = False,
-) -> PlanStats:
-    """`plan_stats` for callers that already hold the flattened tables and the bound."""
-    topology = model.topology
-    check_placements(plan, table_set, topology)
-    comp, mem, held, per_table, parts_mem = evaluate(plan, table_set, model)
-    ranks = tuple(
-        RankStats(
-            rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
-            lookup=float(comp[r, 0]), input_dist=float(comp[r, 1]),
-            output_dist=float(comp[r, 2]), grad_sync=float(comp[r, 3]),
-            tables=tuple(sorted(held[r], key=lambda x: (-x[1], x[0]))),
-            stat_exchange=float(comp[r, 4]), replica_sync=float(comp[r, 5]),
-            **{a: float(parts_mem[r, p]) for p, (a, _, _) in enumerate(MEMORY_PARTS)},
-        )
-        for r in range(topology.world_size)
-    )  # fmt: skip
-    tables = tuple(
-        TableStats(display_name(fqn, t.name), t.num_embeddings, t.embedding_dim,
-                   plan.placement(fqn, t.name).sharding_type, tuple(shards))
-        for (fqn, t), shards in zip(table_set, per_table)
-    )  # fmt: skip
-    return PlanStats(ranks, bound, topology, model.batch_size, model.optimizer, len(table_set),
-                     plan_seconds, column_wise_statistic=model.column_wise_statistic,
-                     tables=tables,
-                     num_sequence_tables=sum(t.sequence for _, t in table_set),
-                     comm_dtype=model.comm_dtype,
-                     torchrec_compatible=torchrec_compatible,
-                     replicas=model.replicas)  # fmt: skip
-

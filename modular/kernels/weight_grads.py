@@ -6,17 +6,14 @@ that no weight needs a gradient, Note [no gradient for per-sample weights] in
 modular/kernels/base.py, and a fused kernel's backward updates its rows). `WeightGrads` sits on
 the kernels' pooled output: its backward runs before theirs (their output is its input), so it
 reads each id's row as the forward did, before any fused update, and gives weight i of a bag
-<grad of its bag's output, row of id i> (over its route's columns; divided by the bag's length
-in a MEAN kernel), the derivative of what the kernel pooled, whichever kernel that is.
+<grad of its bag's output, row of id i> (over its route's columns), the derivative of what the
+kernel pooled, whichever kernel that is. Weighted tables pool by SUM only (`shard` refuses a MEAN
+one, as torchrec's unsharded EBC does).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
-from modular.tables.layout import Pooling
 
 __all__ = ["pool_with_weight_grads"]
 
@@ -61,23 +58,20 @@ def _weight_grads(
             rows = torch.Tensor.detach(table).index_select(0, values[lo:hi].long()).float()
             bag = bag_of[lo:hi]
             g = grad[bag - r * bags, col:col + width]
-            dots = (rows * g).sum(1)
-            if kernel.group.pooling is Pooling.MEAN:
-                dots = dots / lengths[bag].clamp(min=1).to(dots.dtype)
-            out[lo:hi] = dots
+            out[lo:hi] = (rows * g).sum(1)
         col += width
     return out
 
 
 def pool_with_weight_grads(
     pool, kernels: list, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-    bags: int, rows: Optional[int] = None,
+    bags: int,
 ) -> torch.Tensor:
     """`pool(kernels, values, offsets, weights.detach(), bags)` whose backward also gives
-    `weights` their gradient; with no kernel (a rank that holds no route), an empty (rows, 0)
+    `weights` their gradient; with no kernel (a rank that holds no route), an empty (bags, 0)
     output that still carries the weights' backward, which the ranks that sent them wait for."""
     if kernels:
         pooled = pool(kernels, values, offsets, weights.detach(), bags)
     else:
-        pooled = torch.zeros(rows, 0, device=weights.device)
+        pooled = torch.zeros(bags, 0, device=weights.device)
     return WeightGrads.apply(weights, pooled, kernels, values, offsets, bags)

@@ -10,7 +10,8 @@ worth about 1 ms of an 18 ms tw/fused step on 2 CPU ranks (docs/benchmarks.md, "
 step's CPU goes").
 
 So each rank sends each peer a slot whose size both sides know in advance: a header of six int64
-(ids for that peer, batch size, `Problem` code, feature, wide ids, spill), then as much of the
+(ids for that peer, batch size, `Problem` code, feature, wide ids (its second bit: the
+rank's weights require grad, Note [learned per-sample weights]), spill), then as much of the
 peer's payload (its lengths, its ids, Note [routes], and in a weighted module the bits of their
 float32 weights) as the slot holds. The slot of the pair (s, d) holds `grow(n)` payload
 elements, n being what s sent d in the last exchange on this process group: s knows n because it

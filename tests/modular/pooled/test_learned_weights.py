@@ -305,3 +305,69 @@ def test_weights_that_learn_on_some_ranks_only_are_refused_on_every_rank() -> No
         "per-sample weights for module '' require grad on ranks [1] but not on ranks [0, 2]: in a "
         "step, every rank's weights must require grad"
     ), messages[0]
+
+
+# -- torchrec's TestSparseNN, its fp_ebc's position weights learned --------------------------------
+
+
+def _test_sparse_nn(variable_batch_size: bool, fused: Optional[str]) -> float:
+    """torchrec's TestSparseNN (an EBC, a feature-processed EBC whose PositionWeightedModuleCollection
+    learns, a weighted EBC; each table under another sharding type) with its `ModelInput.generate`
+    batches under `apply_ddp`, 3 steps against the one-process model on every rank's batch with
+    the mean of the ranks' losses; the largest difference of any parameter after them."""
+    from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # Table names are feature names: TestSparseNN picks fp tables by name, its processors by feature.
+    tables = [EmbeddingBagConfig(name=f"f{i}", num_embeddings=20 + i, embedding_dim=8 * (i % 2 + 1), feature_names=[f"f{i}"]) for i in range(5)]
+    weighted = [EmbeddingBagConfig(name=f"w{i}", num_embeddings=15 + i, embedding_dim=8, feature_names=[f"w{i}"]) for i in range(2)]
+    torch.manual_seed(0)
+    ref = TestSparseNN(tables=tables, weighted_tables=weighted, num_float_features=4, max_feature_lengths={"f1": 12, "f3": 12})
+    for p in ref.sparse.fp_ebc._feature_processors.position_weights.values():
+        nn.init.uniform_(p, 0.5, 1.5)
+    model = copy.deepcopy(ref)
+    kinds = ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise")
+    def placement(i: int, name: str) -> TablePlacement:
+        cfg = EmbeddingBagConfig(name=name, num_embeddings=10, embedding_dim=8, feature_names=[name])
+        return placements_for(kinds[i % 5], EmbeddingBagCollection(tables=[cfg], device=torch.device("meta")), world)[name]
+
+    plan = ShardingPlan(world_size=world, modules={
+        "sparse.ebc": {f"f{i}": placement(i, f"f{i}") for i in (0, 2, 4)},
+        "sparse.fp_ebc._embedding_bag_collection": {"f1": placement(1, "f1"), "f3": placement(2, "f3")},
+        "sparse.weighted_ebc": {f"w{i}": placement(i + 3, f"w{i}") for i in range(2)},
+    })  # fmt: skip
+    if fused:
+        modular.fuse_optimizer(model, fused, lr=0.1)
+    modular.shard(model, plan)
+    modular.apply_ddp(model, find_unused_parameters=True)  # TestDenseArch's dummy_param is unused
+    opt = torch.optim.SGD(modular.local_parameters(model), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(STEPS):
+        batches = [
+            ModelInput.generate(batch_size=4, world_size=1, num_float_features=4, tables=tables, weighted_tables=weighted,
+                                variable_batch_size=variable_batch_size, random_seed=100 * step + r)[0]
+            for r in range(world)
+        ]  # fmt: skip
+        model(batches[rank])[0].backward()
+        (sum(ref(b)[0] for b in batches) / world).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    refs = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        got = full_value(p)
+        _close(got, refs[name].detach(), f"TestSparseNN {variable_batch_size=} {fused=}: {name}, rank {rank}/{world}")
+        worst = max(worst, float((got - refs[name].detach()).abs().max()))
+    return worst
+
+
+def _test_sparse_nns() -> list[float]:
+    return [_test_sparse_nn(False, None), _test_sparse_nn(True, "exact_sgd")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_torchrecs_test_sparse_nn_learns_its_position_weights_sharded(world: int) -> None:
+    worst = run_on_ranks(world, _test_sparse_nns, timeout=280)
+    assert max(max(w) for w in worst) <= TOL, worst

@@ -10,7 +10,7 @@ reference's. Checked over 3 steps for every sharding type and the mixed plan, de
 (SGD), fbgemm's fused kernel (exact SGD, widths 8 and 16), the torch emulation (odd widths),
 fbgemm's deferred row-wise Adagrad (column pieces) and the Adam family, ShardedTensor and
 DTensor tables, uniform batches, ranks with their own batch sizes (one of 0) and VBE batches,
-with and without prefetch. Then torchrec's FeatureProcessedEmbeddingBagCollection with
+with and without prefetch, and on a 2D mesh (exact replicas). Then torchrec's FeatureProcessedEmbeddingBagCollection with
 PositionWeightedModule (and PositionWeightedModuleCollection) trains sharded against the
 one-process reference on the global batch, its position weights all-reduced as DDP does; and
 weights that require grad on some ranks only are refused on every rank.
@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -90,21 +91,25 @@ def _close(got, want, what: str) -> None:
 
 def _train(
     case: str, tables: str, fused: Optional[str], tensor_type: str = "sharded_tensor",
-    batches: str = "uniform", prefetch: bool = False,
+    batches: str = "uniform", prefetch: bool = False, two_d: bool = False,
 ) -> int:  # fmt: skip
     """3 steps of one sharded EBC against the reference (module docstring); how many tensors
-    were compared."""
+    were compared. `two_d`: on a ("replicate", "shard") mesh of 2 x world / 2, exact replicas."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ref = fused_ebc(weighted=True) if tables == "wide" else make_ebc(True)
     ebc = copy.deepcopy(ref)
     opt = modular.fuse_optimizer(ebc, fused, lr=FUSED_LR, eps=FUSED_EPS) if fused else None
-    modular.shard(ebc, _plan(case, ebc, world), tensor_type=tensor_type)
+    if two_d:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        modular.shard(ebc, _plan(case, ebc, world // 2), mesh=mesh, tensor_type=tensor_type)
+    else:
+        modular.shard(ebc, _plan(case, ebc, world), tensor_type=tensor_type)
     # (a rank with no shard has no parameter; torch's optimizers refuse an empty list)
     opt = opt or torch.optim.SGD(modular.local_parameters(ebc) or [torch.zeros(1, requires_grad=True)], lr=LR)
     trains_ref = fused is None or fused in ("exact_sgd", "exact_rowwise_adagrad")
     ref_opt = FusedReference(ref, fused) if fused else torch.optim.SGD(ref.parameters(), lr=LR)
     ref_params = dict(ref.named_parameters())
-    label = f"{case} {tables} fused={fused} {tensor_type} {batches} prefetch={prefetch}, rank {rank}/{world}"
+    label = f"{case} {tables} fused={fused} {tensor_type} {batches} prefetch={prefetch} 2D={two_d}, rank {rank}/{world}"
     compared = 0
     for step in range(STEPS):
         kjts = BATCHES[batches](ref, world, step)
@@ -181,6 +186,21 @@ def test_weights_learn_with_batch_sizes_per_rank_vbe_prefetch_and_deferred_updat
     compared = run_on_ranks(world, _other_paths, timeout=280)
     for per_rank in compared:
         assert min(per_rank) >= 1 and sum(per_rank) > 40, compared
+
+
+def _in_2d() -> list[int]:
+    return [
+        _train("mixed", "odd", None, two_d=True),
+        _train("column_wise", "wide", "exact_sgd", two_d=True, tensor_type="dtensor"),
+        _train("table_row_wise", "wide", "exact_rowwise_adagrad", two_d=True, batches="sized"),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_weights_learn_in_2d_with_exact_replicas() -> None:
+    compared = run_on_ranks(4, _in_2d, timeout=280)
+    for per_rank in compared:
+        assert min(per_rank) >= 4, compared
 
 
 # -- torchrec's FeatureProcessedEmbeddingBagCollection -----------------------------------------------

@@ -7,8 +7,12 @@ modular/kernels/base.py, and a fused kernel's backward updates its rows). `Weigh
 the kernels' pooled output: its backward runs before theirs (their output is its input), so it
 reads each id's row as the forward did, before any fused update, and gives weight i of a bag
 <grad of its bag's output, row of id i> (over its route's columns), the derivative of what the
-kernel pooled, whichever kernel that is. Weighted tables pool by SUM only (`shard` refuses a MEAN
-one, as torchrec's unsharded EBC does).
+kernel pooled, whichever kernel that is, on any device. Weighted tables pool by SUM only (`shard`
+refuses a MEAN one, as torchrec's unsharded EBC does). Its backward loops over the kernels'
+routes in Python (a few torch ops each, no host read but one): only a step whose weights learn
+pays it, and position-weighted features are few. fbgemm's CPU op for it
+(`split_embedding_codegen_grad_indice_weights_cpu`, one call per kernel) would remove the loop on
+CPU at the price of one path per device and kernel storage.
 """
 
 from __future__ import annotations

@@ -391,3 +391,33 @@ def _test_sparse_nns() -> list[float]:
 def test_torchrecs_test_sparse_nn_learns_its_position_weights_sharded(world: int) -> None:
     worst = run_on_ranks(world, _test_sparse_nns, timeout=280)
     assert max(max(w) for w in worst) <= TOL, worst
+
+
+# -- weights that do not require grad keep their path ------------------------------------------------
+
+
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def _learned_nodes() -> tuple[set[str], set[str]]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = make_ebc(True)
+    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, world))
+    kjt = uniform_batches(ref, world, 1)[rank]
+    learned = {"WeightGradsBackward", "WeightsReturnBackward"}
+    return _graph_nodes(ebc(kjt).values()) & learned, _graph_nodes(ebc(_learning(kjt)).values()) & learned
+
+
+@pytest.mark.timeout(120)
+def test_weights_that_do_not_require_grad_take_none_of_the_learned_path() -> None:
+    for plain, learning in run_on_ranks(2, _learned_nodes, timeout=100):
+        assert plain == set() and learning == {"WeightGradsBackward", "WeightsReturnBackward"}, (plain, learning)

@@ -34,6 +34,7 @@ from modular.local_shards import LocalShards, ShardFill
 from modular.parts import KindPart
 from modular.profiling import INPUT_DIST, LOOKUP, OUTPUT_DIST, labelled
 from modular.routing.exchange import IdsExchange
+from modular.routing.learned_weights import LearnedWeights, positions_like, returned
 from modular.routing.permute import Permutation, permute
 from modular.routing.prefetcher import Prefetcher
 from modular.routing.received import Received
@@ -150,10 +151,23 @@ class ShardedCollection:
         self, features: KeyedJaggedTensor, exchange: Optional[IdsExchange] = None
     ) -> Received:
         """Checks the batch, then sends each id to the rank that owns its row (Note [routes])."""
-        rejection, kjt, routed = self.router.accept(features, alone=self.alone)
+        # Weights that require grad: positions travel in their place, the weights beside them
+        # (Note [learned per-sample weights] in modular/routing/learned_weights.py)
+        learned = LearnedWeights.of(features) if self.is_weighted else None
+        if learned is None:
+            rejection, kjt, routed = self.router.accept(features, alone=self.alone)
+        else:
+            rejection, kjt, routed = self.router.accept(
+                learned.checked, alone=self.alone, positions=learned.positions
+            )
+            if routed is not None:
+                sent = learned.at(routed.weights)
+                routed = routed._replace(weights=sent.detach())
         variable = kjt is not None and kjt.variable_stride_per_key()
         if self.alone:
             lengths, values, weights = routed.lengths, routed.values, routed.weights
+            if learned is not None:
+                weights = sent
             bags = variable or kjt.stride() == 0  # Note [a batch size per rank]
             strides = torch.tensor([strides_of(kjt)], dtype=torch.int64) if bags else None
         else:
@@ -165,17 +179,23 @@ class ShardedCollection:
             wide = routed is not None and routed.values.numel() > INT32_MAX
             got = exchange.exchange(
                 routed, rejection, features.stride(), wide, self._agreement(exchange),
-                strides_of(kjt) if variable else None,
+                strides_of(kjt) if variable else None, learned is not None,
             )  # fmt: skip
             if rejection is not None:  # unreachable: the exchange raised it
                 raise InputError(rejection.message)
             lengths, values, weights, strides = got.lengths, got.values, got.weights, got.strides
+            if learned is not None and self.layout.routes:
+                weights = returned(sent, weights, (got.sent, got.received), self.at.group, self.at.world)
+        if learned is not None:  # the permutations below move positions in `weights`
+            arrived, weights = weights, positions_like(weights)
         # Some rank's batch has its own bags per feature, or its own batch size: the step's part
         if strides is not None:
             inverse = kjt.inverse_indices()[1] if variable else _uniform_inverse(kjt)
             vbe = VariableBatch(strides, inverse)
-            return self._received_bags(kjt, lengths, values, weights, vbe)
-        return self._received_uniform(kjt, lengths, values, weights)
+            received = self._received_bags(kjt, lengths, values, weights, vbe)
+        else:
+            received = self._received_uniform(kjt, lengths, values, weights)
+        return received if learned is None else learned.resolve(received, arrived)
 
     def _received_uniform(self, kjt, lengths, values, weights) -> Received:
         """`input_dist`'s result where every feature has one bag per sample: the arrivals,

@@ -22,6 +22,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from modular.kernels.lookups import Lookup
 from modular.kernels.table_dtypes import sparse_type
+from modular.kernels.weight_grads import pool_with_weight_grads
 from modular.profiling import LOOKUP_BACKWARD, labelled
 from modular.tables.layout import KernelGroup, Pooling
 
@@ -119,8 +120,9 @@ def no_weight_grads(group: KernelGroup, device: torch.device) -> torch.Tensor:
     fbgemm's TBE autograd computes the gradient of the per-sample weights in every weighted
     backward (`split_embedding_codegen_grad_indice_weights_cpu`: a dot product of each id's row
     with its bag's output gradient), whether or not the weights require grad, unless
-    `feature_requires_grad` says which features need it. The checks refuse weights that
-    require grad (`BatchChecks`: nothing would reach them), so no feature does. Measured on one
+    `feature_requires_grad` says which features need it. Kernels always look up detached weights;
+    weights that require grad get their gradient beside the kernel (Note [learned per-sample
+    weights] in modular/routing/learned_weights.py), so no feature needs fbgemm's. Measured on one
     CPU thread, 4 tables x 100,000 x 64, 163,840 weighted ids, row-wise Adagrad: the fused
     backward took 46.9 ms with it and 6.9 ms without (7.9 ms unweighted).
     """
@@ -160,7 +162,11 @@ def pool(
     kernels: list, values: torch.Tensor, offsets: torch.Tensor, weights, bags_per_route: int
 ) -> torch.Tensor:
     """Runs each kernel on its consecutive routes' slice of one (values, offsets) batch, where
-    every route holds `bags_per_route` bags; the kernels' pooled outputs side by side."""
+    every route holds `bags_per_route` bags; the kernels' pooled outputs side by side. Weights
+    that require grad get their gradient beside the kernels' (Note [learned per-sample weights]
+    in modular/routing/learned_weights.py), even from a rank with no kernel."""
+    if weights is not None and weights.requires_grad:
+        return pool_with_weight_grads(pool, kernels, values, offsets, weights, bags_per_route)
     if len(kernels) == 1:  # the whole batch (its offsets start at 0 and end at its last id)
         return kernels[0](values, offsets, weights)
     ends = [0]

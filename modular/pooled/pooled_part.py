@@ -50,9 +50,12 @@ class PooledPart:
         """Pools the received ids (for every rank's batch) and this rank's data-parallel ids."""
         rows = self.world * received.batch_size
         remote = torch.zeros(rows, 0, device=self.device)
-        if shards.kernels:
+        weights = received.weights
+        # A rank with no route still runs learned weights' backward (Note [learned per-sample
+        # weights] in modular/routing/learned_weights.py)
+        if shards.kernels or (weights is not None and weights.requires_grad):
             values, offsets = batch_offsets(received.lengths.reshape(-1), received.values)
-            remote = pool(shards.kernels, values, offsets, received.weights, rows)
+            remote = pool(shards.kernels, values, offsets, weights, rows)
         local = None
         if received.local is not None:
             kjt = received.local

@@ -242,11 +242,12 @@ class VariableBags:
         equal shapes, Note [dense data-parallel copies])."""
         ix = self.indices(received.vbe.strides)
         remote = torch.zeros(0, self.my_dim, device=self.device)
-        if shards.kernels:
+        weights = received.weights  # learned: Note [learned per-sample weights], even with no route
+        if shards.kernels or (weights is not None and weights.requires_grad):
             lengths = received.lengths.new_zeros(ix.padded * self.mine_feature.numel())
             lengths = lengths.index_copy(0, ix.padded_at, received.lengths)
             values, offsets = batch_offsets(lengths, received.values)
-            remote = pool(shards.kernels, values, offsets, received.weights, ix.padded)
+            remote = pool(shards.kernels, values, offsets, weights, ix.padded)
         local = None
         if received.local is not None:
             kjt = received.local

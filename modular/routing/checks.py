@@ -306,19 +306,6 @@ class BatchChecks:
                     "tables' own dtype as torchrec's EBC takes them): pass "
                     "weights.to(torch.float32)",
                 )
-            if weights.requires_grad:
-                # The unsharded EBC back-propagates into its weights. Here nothing would: the
-                # weights' all-to-all carries no gradient back (it would be lost silently), and
-                # the backward of fbgemm's permutation of them (data-parallel tables, shuffled
-                # features) corrupts memory on CPU. So they are refused before any of it runs.
-                return Rejection(
-                    Problem.WEIGHTS,
-                    -1,
-                    f"per-sample weights for module {self.module!r} require grad, but a sharded "
-                    "module does not back-propagate into its per-sample weights (only into its "
-                    "tables), so their gradient would be lost: pass weights that do not require "
-                    "grad (weights.detach()), or leave this EBC unsharded to learn them",
-                )
         return None
 
     def _ids_in_range(

@@ -10,7 +10,8 @@ worth about 1 ms of an 18 ms tw/fused step on 2 CPU ranks (docs/benchmarks.md, "
 step's CPU goes").
 
 So each rank sends each peer a slot whose size both sides know in advance: a header of six int64
-(ids for that peer, batch size, `Problem` code, feature, wide ids, spill), then as much of the
+(ids for that peer, batch size, `Problem` code, feature, wide ids (its second bit: the
+rank's weights require grad, Note [learned per-sample weights]), spill), then as much of the
 peer's payload (its lengths, its ids, Note [routes], and in a weighted module the bits of their
 float32 weights) as the slot holds. The slot of the pair (s, d) holds `grow(n)` payload
 elements, n being what s sent d in the last exchange on this process group: s knows n because it
@@ -41,6 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.distributed import ProcessGroup
 
+from modular.errors import InputError
 from modular.routing.checks import Rejection
 from modular.comm import KeptBuffers, all_to_all
 from modular.routing.router import Routed, Router
@@ -66,6 +68,20 @@ def _span(views: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor
             out.append(v[max(start - at, 0):min(stop - at, n)])
         at += n
     return out
+
+
+def _agree_on_learning(learns: list[int], module: str) -> None:
+    """Raises on every rank, from the same headers, when some ranks' per-sample weights require
+    grad and others' do not: their gradients travel in a collective of backward that every rank
+    must run (Note [learned per-sample weights] in modular/routing/learned_weights.py)."""
+    if len(set(learns)) > 1:
+        on = [r for r, x in enumerate(learns) if x]
+        off = [r for r, x in enumerate(learns) if not x]
+        raise InputError(
+            f"per-sample weights for module {module!r} require grad on ranks {on} but not on "
+            f"ranks {off}: in a step, every rank's weights must require grad (learned, e.g. by a "
+            "PositionWeightedModule) or none's (pass weights.detach() on every rank)"
+        )
 
 
 def grow(n: int) -> int:
@@ -135,11 +151,13 @@ class IdsExchange:
         wide: bool,
         what: str,
         strides: Optional[list[int]] = None,
+        learned: bool = False,
     ) -> Exchanged:
         """Sends `routed` (None if this rank rejected its batch) and receives the peers'; raises
         on every rank what the router's `raise_if_rejected` finds in the headers. `wide`: this
         rank's ids need int64 on the wire this step. `what` names the first all-to-all in its
-        errors. `strides`: each feature's bags, for a variable-batch batch."""
+        errors. `strides`: each feature's bags, for a variable-batch batch. `learned`: this rank's
+        weights require grad, which every rank's must then (Note [learned per-sample weights])."""
         world, wire = self._world, self._wire
         h = self._header * 8 // wire.itemsize  # the header in wire elements
         wide = wide and wire != torch.int64
@@ -157,7 +175,7 @@ class IdsExchange:
         problem = rejection.problem if rejection is not None else 0
         feature = rejection.feature if rejection is not None else -1
         for column, value in ((BATCH, batch), (PROBLEM, int(problem)), (FEATURE, feature),
-                              (WIDE, int(wide))):  # fmt: skip
+                              (WIDE, int(wide) | 2 * learned)):  # fmt: skip
             sent[:, column] = value
         counts: Optional[list[int]] = None
         fit = [0] * world  # payload elements this rank puts in each slot
@@ -192,6 +210,9 @@ class IdsExchange:
         both = torch.cat([sent[:, IDS], heads]).cpu()
         meta = both[world:].view(world, self._header)
         self._router.raise_if_rejected(meta[:, PROBLEM], meta[:, FEATURE], rejection)
+        if self._weighted:  # WIDE's second bit: the rank's weights require grad
+            _agree_on_learning((meta[:, WIDE] >> 1).tolist(), self._router.module)
+            meta[:, WIDE] &= 1
         if counts is None:
             counts = both[:world].tolist()
             n_out = self._payloads(bags_out, counts)

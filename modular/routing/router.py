@@ -254,17 +254,27 @@ class Router(BatchChecks):
         return Rejection(Problem.FEATURES, feature, message)
 
     def accept(
-        self, features: KeyedJaggedTensor, *, alone: bool
+        self, features: KeyedJaggedTensor, *, alone: bool,
+        positions: Optional[KeyedJaggedTensor] = None,
     ) -> tuple[Optional[Rejection], Optional[KeyedJaggedTensor], Optional[Routed]]:
         """`normalise`, `check` and `route` a batch: (rejection, kjt, routed), one of the last two
         None when rejected. `alone` (a world of one, with no peer to tell) raises the
-        rejection as `InputError` at once; otherwise the exchange's header shares it first."""
+        rejection as `InputError` at once; otherwise the exchange's header shares it first.
+        `positions`: the batch with each id's position as its weight (float64), which the
+        returned kjt and routed ids carry instead of the weights (Note [learned per-sample
+        weights] in modular/routing/learned_weights.py)."""
         # Note [a batch's shapes]
         rejection = check_shapes(features, module=self.module, features=self.features)
         kjt, routed = None, None
         if rejection is None:
             rejection, kjt = self.normalise(features)
-        if rejection is None:
+        if rejection is None and positions is not None:
+            rejection = self.check(kjt)
+            if rejection is None:
+                keys = tuple(positions.keys())  # checked with `features`
+                kjt = positions if keys == self.features else permute(positions, self._permutations[keys])
+                routed = self.route(kjt)
+        elif rejection is None:
             rejection, routed = self.check_and_route(kjt)
         if alone and rejection is not None:
             raise InputError(rejection.message)
@@ -285,8 +295,11 @@ class Router(BatchChecks):
         """Copies each id into its routes, shifted to the shard's first row, ordered by route."""
         values = kjt.values().long().contiguous()
         lengths = kjt.lengths().long().contiguous()
-        # FP32 whatever the tables' dtype (Note [per-sample weights of low-precision tables]).
-        weights = kjt.weights().float().contiguous() if self.is_weighted else None
+        # FP32 whatever the tables' dtype (Note [per-sample weights of low-precision tables]);
+        # float64 are positions (Note [learned per-sample weights]), which the checks never pass.
+        weights = kjt.weights() if self.is_weighted else None
+        if weights is not None:
+            weights = (weights if weights.dtype is torch.float64 else weights.float()).contiguous()
         batch = kjt.stride()
         nf = len(self.features)
         if self.num_routes == 0:  # data-parallel only

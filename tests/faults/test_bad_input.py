@@ -1,7 +1,7 @@
 """Bad batches the id/feature/weight tests of tests/modular/test_shard_errors.py do not cover.
 
 One rank feeds a batch with a wrong dtype, lengths that disagree with the values, weights that
-disagree with the ids or require grad, or no samples at all, in module order or with its features
+disagree with the ids or require grad on it only, or no samples at all, in module order or with its features
 shuffled (the shuffle runs fbgemm's permutation, which trusts lengths and values: before the
 structure check it corrupted the heap).
 That rank gets the detailed error, its peers an error naming it, and the next good batch is right.
@@ -80,10 +80,11 @@ def _bad_batch(problem: str, shuffled: bool) -> str:
     return message
 
 
+# Note [learned per-sample weights]: weights that require grad on some ranks only
 LEARNABLE_WEIGHTS = (
-    r"per-sample weights for module '' require grad, but a sharded module does not back-propagate "
-    r"into its per-sample weights \(only into its tables\), so their gradient would be lost: pass "
-    r"weights that do not require grad \(weights\.detach\(\)\)"
+    r"per-sample weights for module '' require grad on ranks \[1\] but not on ranks \[0\]: in a "
+    r"step, every rank's weights must require grad \(learned, e.g. by a PositionWeightedModule\) "
+    r"or none's \(pass weights\.detach\(\) on every rank\)"
 )
 # problem -> (the victim's message, what its peers are told)
 OWN_AND_PEER = {
@@ -96,7 +97,6 @@ OWN_AND_PEER = {
     "ids_on_meta": (r"module '' is on cpu but its ids are on meta and its lengths on cpu; move the batch with kjt\.to\('cpu'\)", "a batch on another device than the module"),
     "weights_on_meta": (r"module '' is on cpu but its ids are on cpu and its lengths on cpu, its per-sample weights on meta; move the batch", "a batch on another device than the module"),
     "too_few_weights": (r"module '': (\d+) per-sample weights for (\d+) ids; a batch with weights needs one weight per id", "bad per-sample weights"),
-    "weights_require_grad": (LEARNABLE_WEIGHTS, "bad per-sample weights"),
 }
 
 
@@ -116,9 +116,10 @@ def test_bad_batch_on_one_rank_names_the_problem_there_and_stops_its_peers(probl
 
 
 def _learnable_weights_under_every_plan() -> dict[str, str]:
-    """Weights that require grad on rank VICTIM, under every sharding type, with dense kernels and
-    fused ones (fbgemm's, at width 8): the forward raises on every rank from input dist, so no
-    lookup ran, and the next good batch is right."""
+    """Weights that require grad on rank VICTIM only, under every sharding type, with dense
+    kernels and fused ones (fbgemm's, at width 8): the forward raises on every rank from input
+    dist, so no lookup ran, and the next good batch is right. (Weights that require grad on
+    every rank train: tests/modular/pooled/test_learned_weights.py.)"""
     rank, world = dist.get_rank(), dist.get_world_size()
     messages = {}
     for kernel in ("dense", "fused"):
@@ -148,30 +149,10 @@ def _learnable_weights_under_every_plan() -> dict[str, str]:
 
 
 @pytest.mark.timeout(120)
-def test_learnable_weights_are_refused_on_every_rank_under_every_plan_and_kernel() -> None:
-    # The unsharded EBC back-propagates into per-sample weights; sharded, their gradient was lost
-    # (weights.grad stayed None) and data-parallel tables corrupted memory in fbgemm's backward.
+def test_weights_that_require_grad_on_one_rank_only_are_refused_on_every_rank_under_every_plan_and_kernel() -> None:
+    # Their gradients would travel in a collective of backward that the other rank never runs.
     messages = run_on_ranks(2, _learnable_weights_under_every_plan, timeout=TIMEOUT_S)
-    assert len(messages[VICTIM]) == 2 * len(CASES), messages[VICTIM]
-    for where, message in messages[VICTIM].items():
-        assert re.search(LEARNABLE_WEIGHTS, message), (where, message)
-    for where, message in messages[1 - VICTIM].items():
-        assert message.startswith(f"rank {VICTIM} rejected its batch for module '' (bad per-sample weights)"), (where, message)
-
-
-def _every_rank_empty() -> list[int]:
-    ref = make_ebc(False)
-    ebc = modular.shard(copy.deepcopy(ref), plan_for("mixed", ref, dist.get_world_size()))
-    batch = make_batch(ref, seed=0)
-    empty = KeyedJaggedTensor(keys=batch.keys(), values=batch.values()[:0], lengths=batch.lengths()[:0], stride=0)
-    out = ebc(empty).values()
-    out.sum().backward()
-    return list(out.shape)
-
-
-@pytest.mark.timeout(120)
-def test_an_empty_batch_on_every_rank_gives_empty_outputs() -> None:
-    # torchrec's EBC takes no empty batch; a sharded one does (Note [a batch size per rank]): an
-    # epoch may end with no samples left for some ranks, or for all of them. Before, it was
-    # refused ("got an empty batch (batch size 0) on this rank").
-    assert run_on_ranks(2, _every_rank_empty, timeout=TIMEOUT_S) == [[0, 34], [0, 34]]
+    for rank in range(2):
+        assert len(messages[rank]) == 2 * len(CASES), messages[rank]
+        for where, message in messages[rank].items():
+            assert re.fullmatch(LEARNABLE_WEIGHTS, message), (rank, where, message)

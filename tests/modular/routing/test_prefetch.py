@@ -111,8 +111,9 @@ def test_prefetched_bad_batch_raises_at_its_forward_on_every_rank() -> None:
 
 
 def _prefetched_misuse() -> list[str]:
-    """Rank 1 prefetches a batch whose weights require grad: it raises at its forward on every
-    rank (the background input dist runs the same checks), and the module still works
+    """Rank 1 prefetches a batch whose weights require grad, rank 0 one whose weights do not:
+    it raises at its forward on every rank (the background input dist runs the same agreement,
+    Note [learned per-sample weights]), and the module still works
     afterwards. Then rank 1 prefetches an empty batch, which is not refused (Note [a batch size
     per rank]): rank 1's output has 0 rows, the other's its batch's."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -146,13 +147,11 @@ def _prefetched_misuse() -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_prefetched_learnable_weights_raise_on_every_rank_and_an_empty_batch_runs() -> None:
+def test_prefetched_weights_learning_on_one_rank_raise_on_every_rank_and_an_empty_batch_runs() -> None:
     messages = run_on_ranks(2, _prefetched_misuse, timeout=TIMEOUT_S)
-    (learnable,) = messages[1]
-    assert "per-sample weights for module '' require grad" in learnable and "weights.detach()" in learnable, learnable
-    assert messages[0] == [
-        "rank 1 rejected its batch for module '' (bad per-sample weights); this rank stops too so that no rank hangs. See rank 1's error for the details",
-    ], messages[0]
+    assert messages[0] == messages[1] == [
+        "per-sample weights for module '' require grad on ranks [1] but not on ranks [0]: in a step, every rank's weights must require grad (learned, e.g. by a PositionWeightedModule) or none's (pass weights.detach() on every rank)",
+    ], messages
 
 
 def _armed_until_the_module_waits() -> int:

@@ -330,11 +330,12 @@ def test_weights_that_learn_on_some_ranks_only_are_refused_on_every_rank() -> No
 # -- torchrec's TestSparseNN, its fp_ebc's position weights learned --------------------------------
 
 
-def _test_sparse_nn(variable_batch_size: bool, fused: Optional[str]) -> float:
+def _test_sparse_nn(variable_batch_size: bool, fused: Optional[str], turn: int = 0) -> float:
     """torchrec's TestSparseNN (an EBC, a feature-processed EBC whose PositionWeightedModuleCollection
     learns, a weighted EBC; each table under another sharding type) with its `ModelInput.generate`
     batches under `apply_ddp`, 3 steps against the one-process model on every rank's batch with
-    the mean of the ranks' losses; the largest difference of any parameter after them."""
+    the mean of the ranks' losses; the largest difference of any parameter after them. `turn`
+    rotates the sharding types over the tables, so that turns 0-4 put every table under each."""
     from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -349,7 +350,7 @@ def _test_sparse_nn(variable_batch_size: bool, fused: Optional[str]) -> float:
     kinds = ("table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise")
     def placement(i: int, name: str) -> TablePlacement:
         cfg = EmbeddingBagConfig(name=name, num_embeddings=10, embedding_dim=8, feature_names=[name])
-        return placements_for(kinds[i % 5], EmbeddingBagCollection(tables=[cfg], device=torch.device("meta")), world)[name]
+        return placements_for(kinds[(i + turn) % 5], EmbeddingBagCollection(tables=[cfg], device=torch.device("meta")), world)[name]
 
     plan = ShardingPlan(world_size=world, modules={
         "sparse.ebc": {f"f{i}": placement(i, f"f{i}") for i in (0, 2, 4)},
@@ -377,13 +378,16 @@ def _test_sparse_nn(variable_batch_size: bool, fused: Optional[str]) -> float:
     worst = 0.0
     for name, p in model.named_parameters():
         got = full_value(p)
-        _close(got, refs[name].detach(), f"TestSparseNN {variable_batch_size=} {fused=}: {name}, rank {rank}/{world}")
+        _close(got, refs[name].detach(), f"TestSparseNN {variable_batch_size=} {fused=} {turn=}: {name}, rank {rank}/{world}")
         worst = max(worst, float((got - refs[name].detach()).abs().max()))
     return worst
 
 
 def _test_sparse_nns() -> list[float]:
-    return [_test_sparse_nn(False, None), _test_sparse_nn(True, "exact_sgd")]
+    # Five turns: every table under every sharding type; unfused and fused, ModelInput's batches
+    # with and without variable_batch_size, in each combination.
+    combos = [(False, None), (True, "exact_sgd"), (False, "exact_sgd"), (True, None), (True, "exact_sgd")]
+    return [_test_sparse_nn(v, f, turn) for turn, (v, f) in enumerate(combos)]
 
 
 @pytest.mark.timeout(300)

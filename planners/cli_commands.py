@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from planners.api import plan_with_stats
+from planners.calibration import Calibration
 from planners.cli_settings import (
     Priced, module_for, price, settings_record, topology_for, workload_for,
 )  # fmt: skip
@@ -25,6 +28,8 @@ from planners.report import (
     tables_csv, why_lines,
 )  # fmt: skip
 from planners.stats import PlanStats, TableStats, format_seconds, plural, time_unit
+from planners.types import PlanError
+
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     tables = load_tables(args.tables)
@@ -79,6 +84,7 @@ def _print_one(p: Priced, args: argparse.Namespace) -> None:
         data = {"plan": p.path, "overrides": p.overrides, "stats": stats.to_dict(),
                 "settings": {k: v for k, v in p.settings.items() if k != "tables"}}  # fmt: skip
         data["stats"]["tables"] = [t.to_dict() for t in picked]
+        data["constants"] = stats.topology.constants  # which constants priced it
         print(json.dumps(data, indent=2))
         return
     if args.format == "csv":
@@ -172,6 +178,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             print(f"override ({p.path}): {line}")
     for line in setting_differences((a, b), (one.settings, two.settings)):
         print(line)
+    for line in dict.fromkeys(s.topology.constants for s in (a, b)):  # which constants priced them
+        print(line)
     print(f"{'':<22} {names[0]:>{width}} {names[1]:>{width}}")
     for label, fn in rows:
         print(f"{label:<22} {fn(a):>{width}} {fn(b):>{width}}")
@@ -210,6 +218,31 @@ def _cmd_replan(args: argparse.Namespace) -> int:
 
 
 # what `python -m planners COMMAND` runs, in the order the help lists them
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """Runs modular's measurement in its own process (the planner never imports modular)."""
+    import subprocess
+
+    if args.world_size < 2 or args.threads_per_rank < 1:
+        raise PlanError(f"calibrate needs --world-size >= 2 and --threads-per-rank >= 1, got "
+                        f"{args.world_size} and {args.threads_per_rank}")  # fmt: skip
+    command = [sys.executable, "-m", "modular.measure", "--out", args.out,
+               "--world-size", str(args.world_size), "--threads-per-rank", str(args.threads_per_rank)]  # fmt: skip
+    # modular beside this planners package (a checkout), or installed with it
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run(command + (["--quick"] if args.quick else []), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    lines = [line for line in run.stdout.splitlines() if "is_fx_tracing" not in line]
+    print("\n".join(lines))
+    if run.returncode:
+        raise PlanError(f"calibrate failed (exit {run.returncode}); its output is above")
+    Calibration.load(args.out)  # what it wrote reads back
+    print(f"wrote {args.out}: use it with --topology {args.out}, or "
+          f"planners.Topology.from_file({args.out!r})")  # fmt: skip
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare, "replan": _cmd_replan,
+    "calibrate": _cmd_calibrate,
 }  # fmt: skip

@@ -88,6 +88,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    help="bytes/s per rank inside a host (default 450e9, NVLink)")
     g.add_argument("--cross-host-bandwidth", type=_bandwidth,
                    help="bytes/s per rank across hosts (default 50e9, 400 Gb/s NIC)")
+    g.add_argument("--topology", metavar="FILE",
+                   help="price with the constants `python -m planners calibrate --out FILE` "
+                        "measured on the machine the job runs on (default: an H100 cluster's "
+                        "bandwidths); recorded in the plan file")  # fmt: skip
     g.add_argument("--optimizer", type=_optimizer, metavar="OPT",
                    help="embedding optimizer: sgd, rowwise_adagrad (default), adagrad, adam, "
                         "partial_rowwise_adam, lamb, partial_rowwise_lamb, or "
@@ -146,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,show,compare,replan}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{plan,show,compare,replan,calibrate}")  # fmt: skip
     p = sub.add_parser("plan", help="plan TABLES and print where each table went and what it costs",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("tables", metavar="TABLES", help="table file (.yaml, .json or .csv)")
@@ -189,5 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--constraints", metavar="C", help="constraints (default: as recorded)")
     r.add_argument("-o", "--output", metavar="PLAN", help="write the new plan JSON here")
     _add_cluster_flags(r, required=False)
+    k = sub.add_parser("calibrate", help="measure this machine as a job's ranks run it and write "
+                                         "a topology file for --topology (docs/planner.md)")
+    k.add_argument("--out", required=True, metavar="FILE", help="the topology file to write (JSON)")
+    k.add_argument("--world-size", type=int, default=2,
+                   help="rank processes to measure with, as the job runs them (default 2)")
+    k.add_argument("--threads-per-rank", type=int, default=1,
+                   help="threads of each rank (default 1, as torchrun sets OMP_NUM_THREADS)")
+    k.add_argument("--quick", action="store_true",
+                   help="fewer sizes and steps (~10 s instead of ~40 s): rougher constants")
     return parser
 

@@ -33,6 +33,10 @@ def topology_for(world: int, per_host: int | None, args: argparse.Namespace,
         value = recorded.get(name) if value is None else value
         if value is not None:
             kwargs[name] = value
+    # Note [calibrated prices] in planners/calibration.py: a measured file, given or recorded
+    path = getattr(args, "topology", None) or recorded.get("topology_file")
+    if path:
+        return Topology.from_file(path, world, ranks_per_host=per_host, **kwargs)
     return Topology(world, ranks_per_host=per_host, **kwargs)
 
 
@@ -89,6 +93,7 @@ def settings_record(tables: tuple[Table, ...], tables_path: str,
         "comm_dtype": comm, "module": module, "torchrec_compatible": torchrec,
         **{name: getattr(topology, name) for name in _SETTINGS},
         "world_size": topology.world_size, "ranks_per_host": topology.ranks_per_host,
+        **({"topology_file": topology.calibration.path} if topology.calibration else {}),
         "tables_path": tables_path, "tables_digest": tables_digest(tables),
         "tables": [t.to_dict() for t in tables],
         "constraints": {name: constraint_record(c) for name, c in constraints.items()},

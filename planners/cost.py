@@ -228,6 +228,8 @@ class CostModel:
         """
         topo = self.topology
         world, host = topo.world_size, int(topo.ranks_per_host or 1)
+        if topo.calibration is not None:  # measured per peer (Note [calibrated prices])
+            return (world - 1) / topo.calibration.all_to_all_bandwidth
         return (host - 1) / topo.intra_host_bandwidth + (world - host) / topo.cross_host_bandwidth
 
     @property
@@ -326,6 +328,7 @@ class CostModel:
                                     ShardingType.DATA_PARALLEL) else t.dim  # fmt: skip
         fwd = ids_in * cols * t.elem + bags_out * out_cols * OUTPUT_BYTES
         bwd = bags_out * out_cols * OUTPUT_BYTES + ids_in * (2 * cols * t.elem + 2 * state)
+        base_bytes = fwd + bwd  # the kernel's own work, before what the kinds below add
         weights, states = rows * cols * t.elem + zero, rows * state + zero
         # Note [what a rank holds]: unfused, the dense kernel's gradient buffer (every kind).
         gradients = weights if not self.optimizer.fused else zero
@@ -355,7 +358,7 @@ class CostModel:
             bwd = bwd + piece * bwd
             buffers = buffers + piece * rows * STAT_BYTES
             memory = memory + piece * rows * STAT_BYTES
-            bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
+            bw = self._piece_bandwidth
             stat_exchange = piece * merged * ids_in * STAT_BYTES / bw + zero
         floats = column_stat_floats(self.optimizer, self.column_wise_statistic)
         if kind is ShardingType.COLUMN_WISE and floats and not self.exact_column_statistic:
@@ -367,7 +370,7 @@ class CostModel:
             # never more than the ids).
             piece = (k > 1).astype(np.float64)
             touched = t.rows * -np.expm1(-merged * ids_in / t.rows)
-            bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
+            bw = self._piece_bandwidth
             stat_exchange = piece * touched * floats * STAT_BYTES / bw + zero
         if kind is ShardingType.DATA_PARALLEL:
             # Dense gradient: each id writes a gradient row; after the all-reduce the optimizer
@@ -378,7 +381,16 @@ class CostModel:
             # keep gather buffers (Note [what a rank holds]).
             buffers = self.gather_buffer_bytes(t, cols) + zero
             memory = memory + buffers
-            if world > 1:
+            cal = topo.calibration
+            if world > 1 and cal is not None and self.optimizer.fused:
+                # Note [calibrated prices]: a fused copy gathers each rank's touched rows (int64
+                # id + fp32 gradient row) from the others (Note [fused data-parallel copies])
+                touched = t.rows * -np.expm1(-ids_in / t.rows)
+                gathered = (world - 1) * touched * (ROW_ID_BYTES + cols * OUTPUT_BYTES)
+                grad_sync = cal.all_to_all_latency + gathered / cal.all_to_all_bandwidth + zero
+            elif world > 1 and cal is not None:  # measured (Note [calibrated prices])
+                grad_sync = rows * cols * t.elem / cal.all_reduce_bandwidth + zero
+            elif world > 1:
                 ring_bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
                 grad_sync = 2 * (world - 1) / world * rows * cols * t.elem / ring_bw + zero
         else:
@@ -412,9 +424,55 @@ class CostModel:
                 bwd = bwd + peers * (bags_out * out_cols * OUTPUT_BYTES + ids_in * 2 * cols * t.elem)
             else:
                 bwd = bwd + peers * bwd
-        lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
+        if topo.calibration is None:
+            lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
+        else:
+            lookup = self._measured_lookup(kind, t, rows, cols, ids_in, bags_out * out_cols,
+                                           fwd + bwd, base_bytes) + zero  # fmt: skip
         return ShardCost(lookup, input_dist, output_dist, grad_sync, stat_exchange, memory + zero,
                          replica_sync, weights, states, gradients, buffers)
+
+    @property
+    def _piece_bandwidth(self) -> float:
+        """Bytes/s between a table's column pieces (the row-statistic exchange)."""
+        topo = self.topology
+        if topo.calibration is not None:
+            return topo.calibration.all_to_all_bandwidth
+        multi_host = topo.world_size > int(topo.ranks_per_host or 1)
+        return topo.cross_host_bandwidth if multi_host else topo.intra_host_bandwidth
+
+    def family(self, cols: np.ndarray) -> np.ndarray:
+        """The kernel family each width takes (`planners.calibration.FAMILIES` index): fbgemm's
+        fused kernels 0, the torch emulation 1 (the Adam family; widths not a multiple of 4),
+        the dense kernel 2 (unfused)."""
+        cols = np.asarray(cols)
+        if not self.optimizer.fused:
+            return np.full(np.shape(cols), 2)
+        return self.emulated_copies(cols).astype(np.int64)
+
+    def _measured_lookup(self, kind: ShardingType, t: TableArrays, rows, cols, ids_in, bag_columns,
+                         work: np.ndarray, base: np.ndarray) -> np.ndarray:  # fmt: skip
+        """Note [calibrated prices]: the lookup at the measured rate of the shard's kernel family;
+        what a kind adds beyond one pass (a column piece's second backward, the other replica
+        groups' batches) scales it as it scales the bytes, and a data-parallel copy's
+        whole-table step (the bytes beyond the ids' rows) streams at the measured copy rate."""
+        cal = self.topology.calibration
+        assert cal is not None
+        family = self.family(cols)
+        row_bytes = cols * t.elem
+        seconds = np.zeros(np.broadcast(rows, cols, t.rows).shape)
+        for f, name in enumerate(("fused", "emulated", "dense")):
+            rate = cal.kernels[name]
+            here = rate.seconds(ids_in, row_bytes, bag_columns, rows * row_bytes)
+            seconds = np.where(family == f, here, seconds)
+        if kind is ShardingType.DATA_PARALLEL and self.optimizer.fused:
+            # a fused copy updates the rows that the global batch touched (a sparse step, priced
+            # within its own ids' rate), no whole-table step
+            return seconds
+        if kind is ShardingType.DATA_PARALLEL:
+            whole = np.maximum(work - base, 0.0)  # the whole-table step of a data-parallel copy
+            return seconds + whole / cal.stream_bandwidth
+        return seconds * np.where(base > 0, work / np.maximum(base, 1e-30), 1.0)
 
     def emulated_copies(self, cols: np.ndarray) -> np.ndarray:
         """Whether a fused data-parallel copy of this width takes the torch emulation, which

@@ -90,6 +90,44 @@ def evaluate(
     return comp, mem, held, per_table, parts_mem  # type: ignore[return-value]
 
 
+def fixed_seconds(plan: ShardingPlan, table_set: TableSet, topology: Topology,
+                  batch_size: int) -> list[float]:  # fmt: skip
+    """Each rank's fixed cost of a step under calibrated prices (Note [calibrated prices] in
+    planners/calibration.py): the measured fixed part, `kernel_fixed` for each kind of shard
+    beyond the first that the rank holds, one all-reduce's latency where any table is
+    data-parallel, and its own batch's routing and arrival (the same on every rank: each sends
+    its batch's ids to every piece and receives every table's columns). All 0 uncalibrated."""
+    cal, world = topology.calibration, topology.world_size
+    if cal is None:
+        return [0.0] * world
+    kinds: list[set[ShardingType]] = [set() for _ in range(world)]
+    sent = columns = 0.0
+    for fqn, table in table_set:
+        placement = plan.placement(fqn, table.name)
+        kind = placement.sharding_type
+        if kind is ShardingType.DATA_PARALLEL:
+            for r in range(world):
+                kinds[r].add(kind)
+            continue
+        shards = placement.shards(num_embeddings=table.num_embeddings,
+                                  embedding_dim=table.embedding_dim, world_size=world)  # fmt: skip
+        for s in shards:
+            kinds[s.rank].add(kind)
+        ids = sum(p * f for p, f in zip(table.pooling_factors, table.batch_fractions))
+        bags = ids if table.sequence else sum(table.batch_fractions)
+        copies = len(shards) if kind is ShardingType.COLUMN_WISE else 1
+        partial = len(shards) if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
+        sent += batch_size * ids * copies
+        columns += batch_size * bags * table.embedding_dim * partial
+    data_parallel = any(ShardingType.DATA_PARALLEL in k for k in kinds)
+    own_batch = cal.sent_id * sent + cal.received_column * columns
+    return [
+        cal.step_fixed + cal.kernel_fixed * max(len(k) - 1, 0) + own_batch
+        + (cal.all_reduce_latency if data_parallel else 0.0)
+        for k in kinds
+    ]
+
+
 def _name(entry: tuple[str, Table]) -> tuple[str, str]:
     return entry[0], entry[1].name
 
@@ -154,6 +192,7 @@ def stats_for(
     topology = model.topology
     check_placements(plan, table_set, topology)
     comp, mem, held, per_table, parts_mem = evaluate(plan, table_set, model)
+    fixed = fixed_seconds(plan, table_set, topology, model.batch_size)
     ranks = tuple(
         RankStats(
             rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
@@ -162,6 +201,7 @@ def stats_for(
             tables=tuple(sorted(held[r], key=lambda x: (-x[1], x[0]))),
             stat_exchange=float(comp[r, 4]), replica_sync=float(comp[r, 5]),
             **{a: float(parts_mem[r, p]) for p, (a, _, _) in enumerate(MEMORY_PARTS)},
+            fixed=fixed[r],
         )
         for r in range(topology.world_size)
     )  # fmt: skip
@@ -170,6 +210,8 @@ def stats_for(
                    plan.placement(fqn, t.name).sharding_type, tuple(shards))
         for (fqn, t), shards in zip(table_set, per_table)
     )  # fmt: skip
+    # every rank pays at least the smallest fixed cost, so the bound does too
+    bound = bound + min(fixed) if topology.calibration is not None else bound
     return PlanStats(ranks, bound, topology, model.batch_size, model.optimizer, len(table_set),
                      plan_seconds, column_wise_statistic=model.column_wise_statistic,
                      tables=tables,

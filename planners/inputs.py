@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 # The optimizer, statistic and dtype vocabularies live beside the record of them a plan carries
 # (planners/assumptions.py); they are re-exported here, where the planner's inputs are.
+from planners.calibration import Calibration
 from planners.assumptions import ColumnWiseStatistic, DataType, Optimizer
 from planners.types import PlanError, ShardingType
 
@@ -222,6 +223,28 @@ class Topology:
     intra_host_bandwidth: float = 450e9  # NVLink 4, per direction per GPU
     cross_host_bandwidth: float = 50e9  # one 400 Gb/s NIC per GPU
     reserved_fraction: float = 0.1
+    # Measured constants (`python -m planners calibrate`, Note [calibrated prices] in
+    # planners/calibration.py); None prices with the bandwidths above.
+    calibration: Calibration | None = None
+
+    @classmethod
+    def from_file(cls, path: str, world_size: int | None = None, **kwargs: Any) -> "Topology":
+        """The topology a `python -m planners calibrate --out FILE` run measured: its world size
+        (or `world_size`), priced with its measured constants; other fields as for `Topology`.
+
+            topology = planners.Topology.from_file("this_machine.json", device_memory="20GiB")
+        """
+        calibration = Calibration.load(path)
+        world = calibration.world_size if world_size is None else world_size
+        return cls(world, calibration=calibration, **kwargs)
+
+    @property
+    def constants(self) -> str:
+        """Which constants price a step: one line for reports."""
+        if self.calibration is None:
+            return ("priced with the default constants (an H100 cluster: HBM3, NVLink 4, 400 Gb/s "
+                    "NICs); measure this machine with `python -m planners calibrate --out FILE`")
+        return self.calibration.describe()
 
     def __post_init__(self) -> None:
         _positive_int(self.world_size, "world_size")

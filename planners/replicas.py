@@ -146,5 +146,6 @@ def group_topology(topology: Topology, replicas: int, replica_sync: ReplicaSync 
                    device_memory_bandwidth=topology.device_memory_bandwidth,
                    intra_host_bandwidth=topology.intra_host_bandwidth,
                    cross_host_bandwidth=topology.cross_host_bandwidth,
-                   reserved_fraction=topology.reserved_fraction)  # fmt: skip
+                   reserved_fraction=topology.reserved_fraction,
+                   calibration=topology.calibration)  # fmt: skip
     return sub, Replicas(replicas, group, host, sync)

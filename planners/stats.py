@@ -61,6 +61,9 @@ class RankStats:
     optimizer_state: float = 0.0  # fused state, or the torch optimizer's (unfused)
     gradients: float = 0.0  # unfused: the dense kernels' gradient buffers
     buffers: float = 0.0  # kept by kernels: emulated copies' gather buffers, scratch statistics
+    # Calibrated only (Note [calibrated prices] in planners/calibration.py): the step's fixed
+    # cost on this rank (Python, checks, collectives' latencies, kernel calls); 0 by default.
+    fixed: float = 0.0
 
     @property
     def held(self) -> float:
@@ -76,7 +79,7 @@ class RankStats:
     @property
     def cost(self) -> float:
         return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
-                + self.stat_exchange + self.replica_sync)  # fmt: skip
+                + self.stat_exchange + self.replica_sync + self.fixed)  # fmt: skip
 
     def __repr__(self) -> str:
         return (f"RankStats(rank={self.rank}, cost={format_seconds(self.cost)}, memory="
@@ -268,6 +271,8 @@ class PlanStats:
             f"({format_bytes(self.topology.device_memory)} device, "
             f"{100 * self.topology.reserved_fraction:.0f}% reserved)",
         ]
+        if self.topology.calibration is not None:  # Note [calibrated prices]
+            lines.append(self.topology.calibration.describe())
         defaults = _defaults_used(self.topology)
         if defaults:
             lines.append(f"H100 defaults in effect (give your own for other hardware, e.g. a CPU "
@@ -293,6 +298,8 @@ class PlanStats:
         shown_parts = [(a, h, d) for a, h, d in COMPONENTS
                        if a in ("lookup", "input_dist", "output_dist")
                        or any(getattr(r, a) for r in self.ranks)]  # fmt: skip
+        if any(r.fixed for r in self.ranks):  # calibrated (Note [calibrated prices])
+            shown_parts.append(("fixed", "fixed", "measured fixed cost and the rank's own batch"))
         head = (f"{'rank':>5} {'memory':>10} {'use%':>5} {'cost ' + unit:>9} "
                 + " ".join(f"{h:>8}" for _, h, _ in shown_parts) + f" {'shards':>6}")  # fmt: skip
         rows = [head]
@@ -342,6 +349,7 @@ class PlanStats:
             "replica_sync": None if self.replicas is None else self.replicas.sync.value,
             "ranks": [
                 {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
+                 "fixed_s": r.fixed,
                  **{c: getattr(r, c) for c in _COMPONENTS},
                  **{a: getattr(r, a) for a, _, _ in MEMORY_PARTS}, "batch": r.batch,
                  "tables": [n for n, _ in r.tables]}
@@ -362,4 +370,7 @@ _DEFAULTS = (
 
 
 def _defaults_used(topology: Topology) -> list[str]:
-    return [text for name, text, value in _DEFAULTS if getattr(topology, name) == value]
+    """The H100 defaults a plan was priced with; calibrated, only the memory's size can be."""
+    names = ("device_memory",) if topology.calibration is not None else None
+    return [text for name, text, value in _DEFAULTS
+            if getattr(topology, name) == value and (names is None or name in names)]  # fmt: skip

@@ -1,0 +1,375 @@
+"""Measures this machine as a job's ranks run it, for the planner (Note [calibrated prices] in
+planners/calibration.py): `python -m planners calibrate` runs this module in its own process,
+since the planner never imports modular (plans are data; modular applies them, and here
+measures its own kernels).
+
+    python -m modular.measure --out this_machine.json --world-size 2 --threads-per-rank 1
+
+One process per rank over the backend a job would use (gloo; NCCL is not measured yet), each
+with the job's threads, all measuring at once as a job's ranks share the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import time
+from typing import Callable
+
+from planners.calibration import FAMILIES, Calibration, KernelRate
+
+__all__ = ["calibrate", "main"]
+
+ROWS = 50_000  # rows of a probe's tables: larger than the caches (3 to 25 MiB)
+A2A_BYTES = (256, 1 << 20, 8 << 20)  # to each peer: up to a step's bags
+ALL_REDUCE_BYTES = (1024, 4 << 20, 16 << 20)
+OPTIMIZER = {"fused": "exact_rowwise_adagrad", "emulated": "adam"}  # "dense": torch SGD
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_seconds(step: Callable[[int], None], n: int, warmup: int = 3) -> float:
+    for i in range(warmup):
+        step(i)
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _slowest(seconds: float) -> float:
+    """The slowest rank's figure (a step waits for it)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _model(tables: list[tuple[str, int, int]], family: str, placements: dict, world: int, group):
+    """An EBC of `tables` (name, rows, dim) sharded by `placements` on `group`, and its step."""
+    import torch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    import modular
+    from planners.types import ShardingPlan
+
+    torch.manual_seed(0)  # every rank's copy alike
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[n])
+        for n, r, d in tables
+    ])  # fmt: skip
+    model = torch.nn.ModuleDict({"ebc": ebc})
+    opt = None
+    if family in OPTIMIZER:
+        opt = modular.fuse_optimizer(model, OPTIMIZER[family], lr=0.01)
+    modular.shard(model, ShardingPlan(world_size=world, modules={"ebc": placements}), process_group=group)
+    if opt is None:
+        opt = torch.optim.SGD(modular.local_parameters(model), lr=0.01)
+
+    def step(kjt) -> None:
+        opt.zero_grad()
+        model["ebc"](kjt).values().sum().backward()
+        opt.step()
+
+    return step
+
+
+def _batches(names: list[str], rows: int, bags: int, pooling: int, seed: int, n: int = 4) -> list:
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.full((len(names) * bags,), pooling, dtype=torch.int64)
+    return [
+        KeyedJaggedTensor(keys=names, values=torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                          lengths=lengths, stride=bags)
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def _collectives(world: int, quick: bool, say: Callable[[str], None]) -> tuple[float, ...]:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    n = 5 if quick else 15
+
+    def fit(sizes, seconds) -> tuple[float, float]:
+        slope, intercept = np.polyfit(np.array(sizes, dtype=float), np.array(seconds), 1)
+        return max(float(intercept), 0.0), 1.0 / max(float(slope), 1e-15)
+
+    a2a = []
+    for b in A2A_BYTES:
+        x = torch.zeros(world * b // 4)
+        y = torch.empty_like(x)
+        a2a.append(_slowest(_median_seconds(lambda i: dist.all_to_all_single(y, x), n)))
+    a2a_lat, a2a_bw = fit(A2A_BYTES, a2a)
+    ar = []
+    for b in ALL_REDUCE_BYTES:
+        x = torch.zeros(b // 4)
+        ar.append(_slowest(_median_seconds(lambda i: dist.all_reduce(x), n)))
+    ar_lat, ar_bw = fit(ALL_REDUCE_BYTES, ar)
+    big = torch.ones(16 << 20)  # 64 MiB
+    out = torch.empty_like(big)
+    stream = 2 * big.numel() * 4 / _slowest(_median_seconds(lambda i: out.copy_(big), n))
+    say(f"  all_to_all_single: {a2a_lat * 1e6:.0f} us + bytes per peer / {a2a_bw / 1e9:.2f} GB/s")
+    say(f"  all_reduce: {ar_lat * 1e6:.0f} us + bytes / {ar_bw / 1e9:.2f} GB/s; stream copy {stream / 1e9:.1f} GB/s")
+    return a2a_lat, a2a_bw, ar_lat, ar_bw, stream
+
+
+def _fixed(rank: int, world: int, quick: bool) -> tuple[float, float]:
+    """A step of a tiny row-wise table on every rank; and what a second kind of shard (a
+    data-parallel copy beside it) adds."""
+    import torch.distributed as dist
+
+    from planners.types import ShardingType, TablePlacement
+
+    every = tuple(range(world))
+    n = 10 if quick else 30
+    one = _model([("a", 64, 8)], "fused", {"a": TablePlacement(ShardingType.ROW_WISE, ranks=every)}, world, None)
+    kjts = _batches(["a"], 64, 8, 2, seed=rank)
+    dist.barrier()
+    step_fixed = _slowest(_median_seconds(lambda i: one(kjts[i % 4]), n))
+    two = _model([("a", 64, 8), ("b", 64, 8)], "fused", {
+        "a": TablePlacement(ShardingType.ROW_WISE, ranks=every),
+        "b": TablePlacement(ShardingType.DATA_PARALLEL),
+    }, world, None)  # fmt: skip
+    kjts2 = _batches(["a", "b"], 64, 8, 2, seed=rank)
+    dist.barrier()
+    both = _slowest(_median_seconds(lambda i: two(kjts2[i % 4]), n))
+    return step_fixed, max(both - step_fixed, 0.0)
+
+
+# Probe steps: (family, kind, tables per rank, rows, dim, ids per bag, bags). Each family's
+# rates are fitted on its own probes, the fixed part and the routing per id on all of them.
+PROBES = (
+    ("fused", "tw", 1, ROWS, 16, 4, 512), ("fused", "tw", 1, ROWS, 128, 16, 1024),
+    ("fused", "rw", 2, ROWS, 64, 8, 1024), ("fused", "cw", 2, ROWS, 64, 4, 2048),
+    ("fused", "rw", 1, ROWS, 32, 1, 4096), ("fused", "tw", 2, ROWS, 64, 32, 256),
+    ("fused", "dp", 2, ROWS, 32, 8, 1024), ("fused", "tw", 1, ROWS, 32, 2, 64),
+    ("emulated", "tw", 1, ROWS, 64, 8, 1024), ("emulated", "rw", 2, ROWS, 16, 16, 512),
+    ("emulated", "tw", 1, ROWS, 128, 2, 2048), ("emulated", "rw", 1, ROWS, 128, 8, 512),
+    ("dense", "tw", 1, ROWS, 64, 8, 1024), ("dense", "tw", 1, 4 * ROWS, 64, 8, 1024),
+    ("dense", "rw", 2, ROWS, 16, 16, 512), ("dense", "tw", 1, ROWS, 128, 2, 2048),
+)  # fmt: skip
+PLANNER_OPTIMIZER = {"fused": "rowwise_adagrad", "emulated": "adam", "dense": "unfused_sgd"}
+
+
+def _probe_plan(kind: str, tables: int, world: int) -> dict:
+    from planners.types import ShardingType, TablePlacement
+
+    every = tuple(range(world))
+    full = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel"}
+    return {f"t{i}": TablePlacement(ShardingType.TABLE_WISE, ranks=(i % world,)) if kind == "tw"
+            else TablePlacement(ShardingType.DATA_PARALLEL) if kind == "dp"
+            else TablePlacement(ShardingType.parse(full[kind]), ranks=every)
+            for i in range(tables)}  # fmt: skip
+
+
+def _features(family: str, kind: str, n: int, rows: int, dim: int, pooling: int, bags: int,
+              world: int, comm: Calibration) -> tuple[list[float], float]:  # fmt: skip
+    """A probe's slowest rank as the cost model sees it: the seconds each unknown constant
+    multiplies (one at a time set to 1, the rest 0), and the seconds of the measured wire."""
+    import dataclasses
+
+    import planners
+    from planners.evaluate import fixed_seconds
+    from planners.types import ShardingPlan
+
+    names = [f"t{i}" for i in range(n)]
+    tables = [planners.Table(t, rows, dim, features=(t,), pooling_factor=pooling) for t in names]
+    plan = ShardingPlan(world_size=world, modules={"": _probe_plan(kind, n, world)})
+    zero = KernelRate(0.0, 0.0, 0.0)
+    quiet = dataclasses.replace(comm, kernels={f: zero for f in FAMILIES}, step_fixed=0.0,
+                                kernel_fixed=0.0, sent_id=0.0, received_column=0.0)  # fmt: skip
+    fast = dataclasses.replace(quiet, all_to_all_bandwidth=1e30, all_reduce_bandwidth=1e30,
+                               all_to_all_latency=0.0, all_reduce_latency=0.0)  # fmt: skip
+
+    def slowest(cal: Calibration) -> float:
+        stats = planners.plan_stats(plan, tables, planners.Topology(world, calibration=cal),
+                                    batch_size=bags, optimizer=PLANNER_OPTIMIZER[family])  # fmt: skip
+        return max(r.cost for r in stats.ranks)
+
+    units = (KernelRate(1.0, 0.0, 0.0), KernelRate(0.0, 1.0, 0.0), KernelRate(0.0, 0.0, 1.0),
+             KernelRate(0.0, 0.0, 0.0, 1.0))  # fmt: skip
+    per_rate = [slowest(dataclasses.replace(fast, kernels={**fast.kernels, family: u})) for u in units]
+    sent = max(fixed_seconds(plan, [("", t) for t in tables],
+                             planners.Topology(world, calibration=dataclasses.replace(fast, sent_id=1.0)),
+                             bags))  # fmt: skip
+    kinds = max(fixed_seconds(plan, [("", t) for t in tables],
+                              planners.Topology(world, calibration=dataclasses.replace(fast, kernel_fixed=1.0)),
+                              bags))  # fmt: skip
+    return [1.0, sent, *per_rate, kinds], slowest(quiet)
+
+
+def _nonnegative_lstsq(a, y):
+    """Least squares with every coefficient >= 0: refit without the columns that came out
+    negative until none does (an active-set shortcut, enough for a dozen columns)."""
+    import numpy as np
+
+    keep = np.ones(a.shape[1], dtype=bool)
+    while True:
+        coef = np.zeros(a.shape[1])
+        coef[keep], *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (coef >= 0).all() or not keep.any():
+            return coef
+        keep &= coef > 0
+
+
+def _step_rates(rank: int, world: int, quick: bool, comm: Calibration,
+                say: Callable[[str], None]) -> Calibration:  # fmt: skip
+    """Times each probe step at this world size (all ranks together) and fits the fixed part,
+    the routing per id sent and each family's rates on them (Note [calibrated prices])."""
+    import dataclasses
+
+    import numpy as np
+    import torch.distributed as dist
+
+    kernel_fixed = comm.kernel_fixed
+    columns: list[str] = ["step_fixed", "sent_id"] + [f"{f}.{k}" for f in FAMILIES for k in
+                                                      ("per_id", "per_id_byte", "per_bag_column", "per_table_byte")]  # fmt: skip
+    a, y = [], []
+    for family, kind, per_rank, rows, dim, pooling, bags in PROBES:
+        n = per_rank * (world if kind == "tw" else 1)
+        names = [f"t{i}" for i in range(n)]
+        step = _model([(t, rows, dim) for t in names], family, _probe_plan(kind, n, world), world, None)
+        kjts = _batches(names, rows, bags, pooling, seed=rank)
+        dist.barrier()
+        measured = _slowest(_median_seconds(lambda i: step(kjts[i % len(kjts)]), 6 if quick else 20))
+        del step
+        features, wire = _features(family, kind, n, rows, dim, pooling, bags, world, comm)
+        row = [0.0] * len(columns)
+        row[0], row[1] = features[0], features[1]
+        at = 2 + 4 * FAMILIES.index(family)
+        row[at: at + 4] = features[2:6]
+        a.append(row)
+        y.append(measured - wire - kernel_fixed * features[6])
+        say(f"  probe {family} {kind} {n} x {rows:_} x {dim}, {bags} x {pooling} ids: {measured * 1e3:.1f} ms")
+    coef = _nonnegative_lstsq(np.array(a), np.array(y))
+    c = dict(zip(columns, (float(x) for x in coef)))
+    kernels = {f: KernelRate(c[f"{f}.per_id"], c[f"{f}.per_id_byte"], c[f"{f}.per_bag_column"],
+                             c[f"{f}.per_table_byte"]) for f in FAMILIES}  # fmt: skip
+    for f in FAMILIES:
+        say(f"  {f}: {kernels[f]}")
+    return dataclasses.replace(comm, kernels=kernels, step_fixed=c["step_fixed"], sent_id=c["sent_id"])
+
+
+def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    import torch.distributed as dist
+
+    import warnings
+
+    warnings.filterwarnings("ignore")  # ShardedTensor's FutureWarnings: the progress lines matter
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    messages: list[str] = []
+
+    def say(line: str) -> None:
+        if rank == 0:
+            queue.put(("say", line))
+
+    try:
+        say(f"calibrate: world {world}, {threads} thread(s) per rank, gloo; collectives")
+        a2a_lat, a2a_bw, ar_lat, ar_bw, stream = _collectives(world, quick, say)
+        _, kernel_fixed = _fixed(rank, world, quick)
+        zero = KernelRate(0.0, 0.0, 0.0)
+        comm = Calibration(kernels={f: zero for f in FAMILIES}, all_to_all_latency=a2a_lat,
+                           all_to_all_bandwidth=a2a_bw, all_reduce_latency=ar_lat,
+                           all_reduce_bandwidth=ar_bw, stream_bandwidth=stream, step_fixed=0.0,
+                           kernel_fixed=kernel_fixed, world_size=world, threads_per_rank=threads,
+                           backend="gloo", device="cpu")  # fmt: skip
+        say(f"calibrate: {len(PROBES)} probe steps (~{'15' if quick else '40'} s)")
+        fitted = _step_rates(rank, world, quick, comm, say)
+        say(f"  fixed: {fitted.step_fixed * 1e3:.2f} ms a step, {kernel_fixed * 1e3:.2f} ms per further "
+            f"kind of shard, {fitted.sent_id * 1e9:.1f} ns per id sent")
+        if rank == 0:
+            import fbgemm_gpu  # noqa: F401  (its version, when it has one)
+            import torchrec
+
+            queue.put(("done", dict(
+                kernels=fitted.kernels, all_to_all_latency=a2a_lat, all_to_all_bandwidth=a2a_bw,
+                all_reduce_latency=ar_lat, all_reduce_bandwidth=ar_bw, stream_bandwidth=stream,
+                step_fixed=fitted.step_fixed, kernel_fixed=kernel_fixed, sent_id=fitted.sent_id,
+                world_size=world,
+                threads_per_rank=threads, backend="gloo", device="cpu",
+                host=platform.node(), measured_at=time.time(),
+                versions={"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
+                          "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
+                          "cpus": str(os.cpu_count())},
+            )))  # fmt: skip
+        dist.barrier()
+    except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises it)
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+        del messages
+
+
+def calibrate(world_size: int = 2, threads_per_rank: int = 1, *, quick: bool = False,
+              say: Callable[[str], None] = print, timeout: float = 900.0) -> Calibration:  # fmt: skip
+    """Measures this machine with `world_size` rank processes of `threads_per_rank` threads."""
+    import multiprocessing as mp
+
+    if world_size < 2:
+        raise ValueError(f"calibrate needs a world size of at least 2 (its collectives), got {world_size}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, threads_per_rank, port, quick, queue))
+             for r in range(world_size)]  # fmt: skip
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    result = None
+    try:
+        while result is None:
+            try:
+                kind, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:  # queue.Empty
+                raise TimeoutError(f"calibrate: no result in {timeout:.0f} s") from None
+            if kind == "say":
+                say(payload)
+            elif kind == "error":
+                raise RuntimeError(f"calibrate failed on {payload}")
+            else:
+                result = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return Calibration(**result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m modular.measure", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", required=True)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    calibration = calibrate(args.world_size, args.threads_per_rank, quick=args.quick,
+                            say=lambda line: print(line, flush=True))  # fmt: skip
+    calibration.save(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""What `python -m planners calibrate` measured on a machine, and its file (pure Python).
+
+    topology = planners.Topology.from_file("h.json")   # the measured constants, priced with
+    python -m planners plan tables.json --topology h.json ...
+
+Note [calibrated prices]
+Without a file the planner prices a step with the H100 constants of `Topology` (bandwidths of
+HBM, NVLink and the NIC): a bound that no kernel reaches. `calibrate` measures the machine as
+the job's ranks run it (one process per rank over the job's backend, its threads per rank) and
+the cost model then prices each part of a step with what was measured:
+- lookup: modular's own kernels, one table at a time (world of one per rank, all ranks at once,
+  as they share the machine in a step), fitted per kernel family as
+      t = per_id * n + per_id_byte * n * d * e + per_bag_column * b * d
+  for n ids, b bags and d columns of e bytes (`KernelRate`): random row reads and updates cost
+  more than a streaming copy, which is what the H100 constants assume;
+- the all-to-alls (input and output dist) and the all-reduce of data-parallel gradients:
+  `seconds = latency + bytes / bandwidth`, per peer for all_to_all_single;
+- a fused data-parallel copy gathers the touched rows' gradients (Note [fused data-parallel
+  copies] in modular/fused/deferred.py) and updates them for the global batch, where the H100
+  model prices an all-reduce of the whole table: calibrated, it is priced as modular runs it;
+- what a step costs beyond the kernels and the wire: a fixed part (Python, checks, the
+  collectives' latencies, a kernel call), `kernel_fixed` for each further kind of shard a rank
+  holds (each runs its own kernels), one all-reduce's latency for data-parallel tables, and
+  the rank's own batch: routing per id it sends and arrival per pooled column it receives.
+  These are fitted on probe steps of modular at the job's world size, as what the parts above
+  leave unexplained. They go into each rank's `fixed` (`RankStats.fixed`): the search places
+  tables with the per-table parts, and the step's prediction adds them.
+The file records the machine and the date; the CLI prints both with every priced plan, and
+old files are not refused (a warning past `STALE_DAYS`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from planners.types import PlanError
+
+__all__ = ["Calibration", "CalibrationError", "KernelRate", "FAMILIES", "SCHEMA", "STALE_DAYS"]
+
+SCHEMA = "modular-topology/1"
+STALE_DAYS = 30
+# Kernel families, as modular chooses them (modular/fused/choice.py): fbgemm's fused CPU/GPU
+# kernels (SGD, Adagrad, row-wise Adagrad), the exact torch emulation (the Adam family, widths
+# fbgemm cannot take), and the dense kernel that a torch optimizer steps (unfused).
+FAMILIES = ("fused", "emulated", "dense")
+
+
+class CalibrationError(PlanError):
+    """A topology file that cannot be read: the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    """Seconds of one kernel family's forward + backward (+ update) for n ids of d columns of e
+    bytes into b bags, in a shard of R rows: per_id * n + per_id_byte * n*d*e + per_bag_column *
+    b*d + per_table_byte * R*d*e (the last is the dense kernel's: its torch optimizer steps
+    over the whole gradient buffer, Note [dense gradient buffer] in modular/kernels/dense.py)."""
+
+    per_id: float
+    per_id_byte: float
+    per_bag_column: float
+    per_table_byte: float = 0.0
+
+    def seconds(self, ids: Any, row_bytes: Any, bag_columns: Any, table_bytes: Any) -> Any:
+        return (self.per_id * ids + self.per_id_byte * ids * row_bytes
+                + self.per_bag_column * bag_columns + self.per_table_byte * table_bytes)  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)  # its rates are a dict: compared and hashed by identity
+class Calibration:
+    """The constants one `calibrate` run measured (seconds, bytes/second)."""
+
+    kernels: Mapping[str, KernelRate]  # by family (`FAMILIES`)
+    all_to_all_latency: float  # one all_to_all_single
+    all_to_all_bandwidth: float  # bytes/s from each peer
+    all_reduce_latency: float
+    all_reduce_bandwidth: float  # bytes/s of the reduced tensor (ring: 2 (W-1)/W of it moves)
+    stream_bandwidth: float  # a streaming read + write (a data-parallel table's whole-table step)
+    step_fixed: float  # a step of a tiny table on every rank
+    kernel_fixed: float  # one more kernel call
+    world_size: int
+    threads_per_rank: int
+    backend: str
+    device: str
+    # What a rank spends on its own batch beyond the kernels and the wire, fitted on probe steps
+    # at the job's world size: routing (checks, bucketing, permutations) per id it sends (an id
+    # sent to k column pieces counts k times), and arrival per pooled column it receives.
+    sent_id: float = 0.0
+    received_column: float = 0.0
+    host: str = ""
+    measured_at: float = 0.0  # seconds since the epoch
+    versions: Mapping[str, str] = field(default_factory=dict)
+    path: str = ""  # where it was read from ("" if not from a file)
+
+    def __post_init__(self) -> None:
+        missing = [f for f in FAMILIES if f not in self.kernels]
+        if missing:
+            raise CalibrationError(f"{self._where}kernel rates for {missing} are missing")
+        for name in ("all_to_all_bandwidth", "all_reduce_bandwidth", "stream_bandwidth"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise CalibrationError(f"{self._where}{name} must be a positive number, got {value!r}")
+        for name in ("all_to_all_latency", "all_reduce_latency", "step_fixed", "kernel_fixed",
+                     "sent_id", "received_column"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise CalibrationError(f"{self._where}{name} must be a number >= 0, got {value!r}")
+
+    @property
+    def _where(self) -> str:
+        return f"topology file {self.path}: " if self.path else ""
+
+    def age_days(self, now: float | None = None) -> float:
+        return ((time.time() if now is None else now) - self.measured_at) / 86400
+
+    def describe(self, now: float | None = None) -> str:
+        """One line for the CLI: which constants a plan was priced with, and how old they are."""
+        age = self.age_days(now)
+        when = f"{age * 24:.1f} hours" if age < 2 else f"{age:.0f} days"
+        line = (f"priced with calibrated constants from {self.path or 'a calibration'} "
+                f"(measured on {self.host or 'an unnamed host'}, {self.backend}, world "
+                f"{self.world_size}, {self.threads_per_rank} thread(s) per rank, {when} ago)")  # fmt: skip
+        if age > STALE_DAYS:
+            line += f"; it is over {STALE_DAYS} days old: run `python -m planners calibrate` again"
+        return line
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("path")
+        return {"schema": SCHEMA, **d}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_json(cls, data: Any, path: str = "") -> "Calibration":
+        where = f"topology file {path}: " if path else ""
+        if not isinstance(data, dict):
+            raise CalibrationError(f"{where}expected a JSON object written by `python -m planners calibrate`")
+        schema = data.get("schema")
+        if schema != SCHEMA:
+            raise CalibrationError(
+                f"{where}schema {schema!r} is not {SCHEMA!r}: write it again with "
+                "`python -m planners calibrate --out FILE`"
+            )
+        fields = {k: v for k, v in data.items() if k != "schema"}
+        try:
+            kernels = {name: KernelRate(**rate) for name, rate in fields.pop("kernels").items()}
+            return cls(kernels=kernels, path=path, **fields)
+        except CalibrationError:
+            raise
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CalibrationError(f"{where}missing or unexpected field ({e})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise CalibrationError(f"topology file {p}: cannot read it ({e.strerror})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CalibrationError(f"topology file {p}: not JSON (line {e.lineno}: {e.msg})") from None
+        return cls.from_json(data, str(p))

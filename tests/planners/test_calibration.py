@@ -1,0 +1,151 @@
+"""Issue 51, time: `python -m planners calibrate`'s topology file (planners/calibration.py) and
+how the cost model prices with it (Note [calibrated prices]). The measuring itself runs once, in
+--quick mode, at world 2; the rest is pure Python on hand-written constants."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import planners
+from planners.__main__ import main
+from planners.calibration import Calibration, CalibrationError, KernelRate
+from planners.types import ShardingPlan, ShardingType, TablePlacement
+
+RATES = {
+    "fused": KernelRate(per_id=10e-9, per_id_byte=0.2e-9, per_bag_column=1e-9),
+    "emulated": KernelRate(per_id=50e-9, per_id_byte=1e-9, per_bag_column=2e-9),
+    "dense": KernelRate(per_id=30e-9, per_id_byte=0.5e-9, per_bag_column=1e-9, per_table_byte=0.1e-9),
+}
+
+
+def _calibration(**changes) -> Calibration:
+    fields = dict(kernels=RATES, all_to_all_latency=200e-6, all_to_all_bandwidth=1e9,
+                  all_reduce_latency=300e-6, all_reduce_bandwidth=1e9, stream_bandwidth=20e9,
+                  step_fixed=3e-3, kernel_fixed=1e-3, sent_id=5e-9, received_column=0.0,
+                  world_size=2, threads_per_rank=1, backend="gloo", device="cpu", host="h",
+                  measured_at=1.0e9)  # fmt: skip
+    return Calibration(**{**fields, **changes})
+
+
+def _tables() -> list[planners.Table]:
+    return [planners.Table(f"t{i}", 10_000, 64, features=(f"f{i}",), pooling_factor=10) for i in range(4)]
+
+
+def _tw_plan() -> ShardingPlan:
+    return ShardingPlan(world_size=2, modules={"": {
+        f"t{i}": TablePlacement(ShardingType.TABLE_WISE, ranks=(i % 2,)) for i in range(4)}})  # fmt: skip
+
+
+def test_a_topology_file_round_trips_and_reaches_the_topology(tmp_path: Path) -> None:
+    path = tmp_path / "h.json"
+    _calibration().save(path)
+    topology = planners.Topology.from_file(str(path))
+    got = topology.calibration
+    assert topology.world_size == 2 and got is not None and got.path == str(path)
+    assert got.kernels == RATES and got.step_fixed == 3e-3 and got.host == "h"
+    assert planners.Topology.from_file(str(path), 4, device_memory="20GiB").world_size == 4
+    assert "calibrated constants from" in topology.constants and "measured on h" in topology.constants
+    assert "over 30 days old" in topology.constants  # measured in 2001
+    assert planners.Topology(2).calibration is None and "default constants" in planners.Topology(2).constants
+
+
+@pytest.mark.parametrize("mangle,words", [
+    (lambda d: {**d, "schema": "other/9"}, "schema 'other/9'"),
+    (lambda d: {k: v for k, v in d.items() if k != "step_fixed"}, "missing or unexpected field"),
+    (lambda d: {**d, "all_to_all_bandwidth": 0}, "all_to_all_bandwidth must be a positive number"),
+    (lambda d: {**d, "kernels": {"fused": d["kernels"]["fused"]}}, "kernel rates for ['emulated', 'dense'] are missing"),
+    (lambda d: [d], "expected a JSON object"),
+])  # fmt: skip
+def test_a_bad_topology_file_names_the_file_and_what_is_wrong(tmp_path: Path, mangle, words) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(mangle(_calibration().to_json())))
+    with pytest.raises(CalibrationError) as e:
+        planners.Topology.from_file(str(path))
+    assert str(path) in str(e.value) and words in str(e.value)
+    path.write_text("{not json")
+    with pytest.raises(CalibrationError, match="not JSON"):
+        Calibration.load(path)
+
+
+def test_calibrated_prices_are_the_measured_rates_plus_the_fixed_part() -> None:
+    """A table-wise rank's lookup is its kernel family's rate on the ids it receives, the dists
+    move bytes at the measured all-to-all bandwidth, and `fixed` is the fixed part plus the
+    rank's own batch's routing: worked out by hand for one rank."""
+    cal = _calibration()
+    topology = planners.Topology(2, calibration=cal)
+    stats = planners.plan_stats(_tw_plan(), _tables(), topology, batch_size=100, optimizer="sgd")
+    r0 = stats.ranks[0]
+    ids = 2 * 100 * 10  # both ranks' batches of one table, 10 ids per bag
+    lookup = 2 * RATES["fused"].seconds(ids, 64 * 4, 2 * 100 * 64, 0)  # two tables on rank 0
+    assert r0.lookup == pytest.approx(lookup, rel=1e-9)
+    assert r0.input_dist == pytest.approx(2 * 100 * 10 * 4 / 1e9, rel=1e-9)  # int32 ids from 1 peer
+    assert r0.output_dist == pytest.approx(2 * 2 * 100 * 64 * 4 / 1e9, rel=1e-9)  # bags out, grads in
+    own_batch = 5e-9 * 100 * 10 * 4  # each of its batch's ids sent once
+    assert r0.fixed == pytest.approx(3e-3 + own_batch, rel=1e-9)
+    assert r0.cost == pytest.approx(r0.lookup + r0.input_dist + r0.output_dist + r0.fixed)
+    # Another family, and the dense kernel's whole-table step
+    dense = planners.plan_stats(_tw_plan(), _tables(), topology, batch_size=100, optimizer="unfused_sgd")
+    want = 2 * RATES["dense"].seconds(ids, 64 * 4, 2 * 100 * 64, 10_000 * 64 * 4)
+    assert dense.ranks[0].lookup == pytest.approx(want, rel=1e-9)
+
+
+def test_fixed_costs_count_kinds_of_shards_and_data_parallel_tables() -> None:
+    topology = planners.Topology(2, calibration=_calibration(sent_id=0.0))
+    mixed = ShardingPlan(world_size=2, modules={"": {
+        "t0": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,)),
+        "t1": TablePlacement(ShardingType.ROW_WISE, ranks=(0, 1)),
+        "t2": TablePlacement(ShardingType.DATA_PARALLEL),
+        "t3": TablePlacement(ShardingType.TABLE_WISE, ranks=(1,)),
+    }})  # fmt: skip
+    stats = planners.plan_stats(mixed, _tables(), topology, batch_size=100)
+    # rank 0: table-wise, row-wise, data-parallel = 2 further kinds; rank 1 the same
+    assert [r.fixed for r in stats.ranks] == pytest.approx([3e-3 + 2e-3 + 300e-6] * 2)
+    assert stats.lower_bound >= min(r.fixed for r in stats.ranks)
+
+
+def test_uncalibrated_prices_do_not_change() -> None:
+    plain = planners.plan_stats(_tw_plan(), _tables(), planners.Topology(2), batch_size=100)
+    assert all(r.fixed == 0 for r in plain.ranks)
+    lookup = 2 * (2000 * 64 * 4 + 200 * 64 * 4 + 200 * 64 * 4 + 2000 * (2 * 64 * 4 + 2 * 4)) / 3.35e12
+    assert plain.ranks[0].lookup == pytest.approx(lookup, rel=1e-9)
+
+
+def test_the_cli_prices_with_a_topology_file_and_records_it(tmp_path: Path, capsys) -> None:
+    topo = tmp_path / "h.json"
+    _calibration(measured_at=__import__("time").time() - 7200).save(topo)
+    tables = tmp_path / "t.yaml"
+    tables.write_text("- {name: a, num_embeddings: 1000, embedding_dim: 16, pooling_factor: 3}\n"
+                      "- {name: b, num_embeddings: 5000, embedding_dim: 32, pooling_factor: 1}\n")
+    plan = tmp_path / "p.json"
+    assert main(["plan", str(tables), "--world-size", "2", "--batch-size", "64", "--topology", str(topo),
+                 "-o", str(plan)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"priced with calibrated constants from {topo}" in out and "2.0 hours ago" in out
+    assert "fixed" in out  # the per-rank column
+    assert main(["show", str(plan)]) == 0  # the file is recorded in the plan
+    assert f"calibrated constants from {topo}" in capsys.readouterr().out
+    assert main(["compare", str(plan), str(plan), "--topology", str(topo)]) == 0
+    assert "calibrated constants" in capsys.readouterr().out
+    assert main(["show", str(plan), "--format", "json"]) == 0
+    assert "calibrated" in json.loads(capsys.readouterr().out)["constants"]
+    assert main(["plan", str(tables), "--world-size", "2", "--batch-size", "64"]) == 0
+    assert "H100 defaults in effect" in capsys.readouterr().out
+    topo.write_text("[]")
+    assert main(["show", str(plan)]) == 2
+    assert str(topo) in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_measures_this_machine_and_writes_a_file_plan_reads(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "h.json"
+    assert main(["calibrate", "--out", str(out), "--world-size", "2", "--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert "probe steps" in printed and f"wrote {out}" in printed
+    cal = planners.Topology.from_file(str(out)).calibration
+    assert cal is not None and cal.world_size == 2 and cal.backend == "gloo"
+    assert cal.step_fixed > 0 and all(math.isfinite(cal.kernels[f].per_id_byte) for f in cal.kernels)
+    assert cal.all_to_all_bandwidth > 1e6 and cal.stream_bandwidth > cal.all_to_all_bandwidth

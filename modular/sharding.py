@@ -23,6 +23,7 @@ from modular.agreed_options import (
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.describe import log_built
 from modular.errors import ShardingError
+from modular.managed_collisions import check_not_managed
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.table_dtypes import check_table_dtypes
 from modular.dtype_options import DtypeOption, per_module
@@ -197,6 +198,7 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, nn.Mo
         names_of.setdefault(id(m), []).append(name)
     targets = []
     for fqn in sorted(plan.modules):
+        check_not_managed(model, fqn)  # Note [managed collisions are not sharded yet]
         module = found.get(fqn)
         if module is None:
             try:

@@ -38,6 +38,13 @@ def _is_ec(module: Any) -> bool:
     )
 
 
+def _is_collision_collection(module: Any) -> bool:
+    """torchrec's ManagedCollisionCollection: it lists its tables' configs (`embedding_configs()`)
+    but holds no table; the tables are its managed-collision module's inner collection
+    (modular's Note [managed collisions are not sharded yet])."""
+    return hasattr(module, "_managed_collision_modules")
+
+
 def _is_config(item: Any) -> bool:
     # A torchrec EmbeddingBagConfig (or anything shaped like one), duck-typed like `_is_ebc`.
     return not isinstance(item, Table) and all(
@@ -101,7 +108,9 @@ def tables_from_model(
         tables = tables_from_model(model, pooling_factors={"user_history": 40.0})
 
     The model may live on `meta`, and may be an EBC itself (its FQN is ""): only the EBC
-    configs are read. Pooling factors are not in the configs, so each feature gets
+    configs are read. A managed-collision module's tables are found under its inner
+    collection's FQN ("mc._embedding_module", `zch_size` rows each); its
+    ManagedCollisionCollection holds none and is skipped. Pooling factors are not in the configs, so each feature gets
     `pooling_factors[feature]` or 1.0; a key that is no feature of the model raises PlanError
     (a typo would otherwise price the feature at 1.0).
     """
@@ -109,7 +118,7 @@ def tables_from_model(
     found: dict[str, tuple[Table, ...]] = {}
     for fqn, module in model.named_modules():
         inside_found = any(not f or fqn.startswith(f + ".") for f in found)  # an EBC's children
-        if not _is_ebc(module) or (fqn and inside_found):
+        if not _is_ebc(module) or (fqn and inside_found) or _is_collision_collection(module):
             continue
         weighted = bool(module.is_weighted()) if callable(getattr(module, "is_weighted", None)) else False
         sequence = _is_ec(module)

@@ -1,28 +1,49 @@
-"""torchrec's managed-collision modules meet a plan (issue 46).
+"""torchrec's managed-collision modules under a plan (issue 46).
 
-Note [managed collisions are not sharded yet]
+Note [managed collisions over the global batch]
 torchrec's `ManagedCollisionEmbeddingBagCollection` / `ManagedCollisionEmbeddingCollection` remap
 raw ids into `zch_size` slots with a `ManagedCollisionCollection` (its MCH modules keep the
-sorted raw ids, counts and access times), then look the slots up in an inner EBC/EC
-(`_embedding_module`). Sharding only the inner collection is silently wrong: each rank's
-collision module would remap its own rank's batch, so after a few steps one raw id maps to
-different rows on different ranks, and training goes on. Until the collision state itself is
-sharded (one remap of the global batch, the same on every rank), `shard` refuses a plan that
-names the inner collection or the collision collection, on every rank (the check reads only the
-model and the plan, which every rank holds alike), naming both modules and what to do. The
-planner plans the inner collection's tables (`zch_size` rows each) under the inner
-collection's FQN, and skips the collision collection, which holds no table.
+sorted raw ids, counts and access times, and evict every `eviction_interval` calls), then look
+the slots up in an inner EBC/EC (`_embedding_module`). Sharding only the inner collection is
+silently wrong: each rank's collision module would remap its own rank's batch, so after a few
+steps one raw id maps to different rows on different ranks.
+
+So when a plan shards an MC module's inner collection, `shard` also makes its collision
+collection remap the *global* batch: each call all-gathers every rank's raw ids (the ranks'
+batches in rank order, as the unsharded reference sees them), runs torchrec's own remap on them,
+identically on every rank, and keeps this rank's slice of the remapped ids for the sharded
+inner collection. Every rank's collision state therefore stays equal to the unsharded module's
+fed the global batch, step by step: its remapped ids, its evictions (whose rows, like the
+unsharded module's, keep their values), the outputs, the gradients and the trained weights, on
+every plan of the table and at any world size, since nothing in it depends on either. The state
+keeps torchrec's keys (the collection's class gains only this forward), so checkpoints,
+`export` and `load_unsharded` see the unsharded module's. (torchrec keeps the eviction history
+in non-persistent buffers sized at the first training call, so a resumed run continues as
+torchrec's module resumed from its state_dict, not as one that never stopped.)
+
+What it costs, and what is left: the collision state is replicated, not split across ranks
+(every rank holds all of it, and every rank remaps the global batch: its work and the gather's
+bytes grow with the world size); issue 46 asks for it split. Checks on the global batch are the
+same on every rank, so a bad id (negative, or past the table's `input_hash_size`) raises the
+same `InputError` everywhere before any state changes. A plan naming the collision collection
+itself is refused: it holds no table.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular.errors import ShardingError
+from modular.errors import InputError, ShardingError
 
-__all__ = ["check_not_managed"]
+__all__ = ["check_not_managed", "managed_owner", "remap_globally"]
+
+_GLOBAL_CLASSES: dict[type, type] = {}
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[str, Optional[nn.Module], str]:
@@ -34,24 +55,155 @@ def _owner(model: nn.Module, fqn: str) -> tuple[str, Optional[nn.Module], str]:
     return parent, owner, name
 
 
+def managed_owner(model: nn.Module, fqn: str) -> Optional[tuple[str, nn.Module]]:
+    """(FQN, module) of the managed-collision module whose inner collection is `fqn`, if any."""
+    parent, owner, name = _owner(model, fqn)
+    if owner is not None and hasattr(owner, "_managed_collision_collection") and name == "_embedding_module":
+        return parent, owner
+    return None
+
+
 def check_not_managed(model: nn.Module, fqn: str) -> None:
-    """Raises ShardingError when the plan's module `fqn` belongs to a managed-collision module
-    (Note [managed collisions are not sharded yet])."""
+    """Raises ShardingError when the plan's module `fqn` is a managed-collision module's collision
+    collection (Note [managed collisions over the global batch])."""
     parent, owner, name = _owner(model, fqn)
     if owner is None or not hasattr(owner, "_managed_collision_collection"):
         return
-    if name not in ("_embedding_module", "_managed_collision_collection"):
+    if name != "_managed_collision_collection":
         return
-    kind = type(owner).__name__
     tables = f"{parent}._embedding_module" if parent else "_embedding_module"
-    remap = f"{parent}._managed_collision_collection" if parent else "_managed_collision_collection"
     raise ShardingError(
-        f"the plan names module {fqn!r}, part of the {kind} {parent!r}: its tables "
-        f"({tables!r}) are looked up with ids that its collision module ({remap!r}) remaps. "
-        "modular does not shard managed-collision modules yet, and sharding the tables alone "
-        "would be silently wrong: each rank's collision module would remap only its own batch, "
-        "so one raw id would map to different rows on different ranks (an unsharded copy per "
-        "rank under DDP diverges the same way). For now hash the raw ids into a plain "
-        "EmbeddingBagCollection (ids % num_embeddings) and shard that, or train this module "
-        "in one process (docs/troubleshooting.md, 'Managed-collision modules')"
+        f"the plan names module {fqn!r}, the collision collection of the "
+        f"{type(owner).__name__} {parent!r}: it holds no table. Plan the tables of its inner "
+        f"collection {tables!r} (planners.plan(model, ...) does); modular then remaps the "
+        f"global batch with {fqn!r} on every rank, so a raw id maps to the same row everywhere"
     )
+
+
+def remap_globally(owner: nn.Module, group: Optional[ProcessGroup]) -> None:
+    """Makes `owner`'s collision collection remap the global batch (Note [managed collisions
+    over the global batch]); its state and keys stay torchrec's."""
+    mcc = owner._managed_collision_collection
+    cls = type(mcc)
+    if getattr(cls, "_modular_global", False):
+        mcc._modular_group = group
+        return
+    if cls not in _GLOBAL_CLASSES:
+        _GLOBAL_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "forward": _global_forward, "_modular_global": True, "__module__": cls.__module__,
+        })  # fmt: skip
+    mcc.__class__ = _GLOBAL_CLASSES[cls]
+    mcc._modular_group = group
+
+
+def _global_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
+    group = self._modular_group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    whole, strides = _gather(features, group, world)
+    _check_ids(self, whole, strides)
+    remapped = super(type(self), self).forward(whole, mutate_miss_lengths=mutate_miss_lengths)
+    return _slice(remapped, strides, rank)
+
+
+def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTensor, list[int]]:
+    """Every rank's batch, concatenated feature by feature in rank order; and the ranks' batch
+    sizes. A rank whose batch has a batch size per feature (VBE) makes every rank raise."""
+    keys = kjt.keys()
+    variable = kjt.variable_stride_per_key()
+    weights = kjt.weights_or_none()
+    stride = 0 if variable else kjt.stride()
+    lengths = kjt.lengths().long()
+    values = kjt.values().long()
+    head = torch.tensor([stride, values.numel(), int(variable), int(weights is not None)], dtype=torch.int64)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head, group=group)
+    meta = torch.stack(heads).tolist()
+    if any(m[2] for m in meta):
+        bad = [r for r, m in enumerate(meta) if m[2]]
+        raise InputError(
+            f"managed-collision features {list(keys)}: ranks {bad} passed a batch with a batch "
+            "size per feature (variable_stride_per_key), which a managed-collision module under "
+            "modular does not take yet: pass one batch size for every feature"
+        )
+    if len({m[3] for m in meta}) > 1:
+        raise InputError(f"managed-collision features {list(keys)}: some ranks pass per-sample "
+                         "weights and others do not; pass them on every rank or on none")
+    n_keys = len(keys)
+    longest = max(n_keys * m[0] + m[1] * (2 if m[3] else 1) for m in meta)
+    mine = [lengths, values]
+    if weights is not None:
+        mine.append(weights.float().view(torch.int32).long())
+    payload = torch.cat(mine)
+    payload = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
+    payloads = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(payloads, payload, group=group)
+    per_key_lengths: list[list[torch.Tensor]] = [[] for _ in keys]
+    per_key_values: list[list[torch.Tensor]] = [[] for _ in keys]
+    per_key_weights: list[list[torch.Tensor]] = [[] for _ in keys]
+    for (b, n, _, has_weights), p in zip(meta, payloads):
+        lens = p[: n_keys * b].view(n_keys, b)
+        vals = p[n_keys * b: n_keys * b + n]
+        wts = p[n_keys * b + n: n_keys * b + 2 * n].int().view(torch.float32) if has_weights else None
+        ends = lens.sum(1).cumsum(0).tolist()
+        for k in range(n_keys):
+            start = ends[k - 1] if k else 0
+            per_key_lengths[k].append(lens[k])
+            per_key_values[k].append(vals[start: ends[k]])
+            if wts is not None:
+                per_key_weights[k].append(wts[start: ends[k]])
+    whole = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([v for vs in per_key_values for v in vs]).to(kjt.values().dtype),
+        lengths=torch.cat([v for vs in per_key_lengths for v in vs]).to(kjt.lengths().dtype),
+        weights=torch.cat([v for vs in per_key_weights for v in vs]) if weights is not None else None,
+        stride=sum(m[0] for m in meta),
+    )  # fmt: skip
+    return whole, [m[0] for m in meta]
+
+
+def _check_ids(mcc: nn.Module, whole: KeyedJaggedTensor, strides: list[int]) -> None:
+    """Raises InputError, the same on every rank (it reads the global batch), for an id that is
+    negative or past its table's `input_hash_size`, before the remap changes any state."""
+    modules = mcc._managed_collision_modules
+    tables = getattr(mcc, "_feature_to_table", {})
+    for key in whole.keys():
+        module = modules[tables[key]] if key in tables else None
+        bound = getattr(module, "_input_hash_size", None)
+        values = whole[key].values()
+        if values.numel() == 0:
+            continue
+        low, high = int(values.min()), int(values.max())
+        if low >= 0 and (bound is None or high < bound):
+            continue
+        lengths = whole[key].lengths()
+        bad = (values < 0) | (values >= bound if bound is not None else torch.zeros_like(values, dtype=torch.bool))
+        sample = int(torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[bad.nonzero()[0, 0]])
+        edges = torch.tensor(strides).cumsum(0)
+        rank = int((edges <= sample).sum())
+        raise InputError(
+            f"managed-collision feature {key!r}: rank {rank}'s batch has id "
+            f"{int(values[bad][0])}, outside [0, input_hash_size={bound}) of table "
+            f"{tables.get(key, key)!r}; hash raw ids into that range before the model"
+        )
+
+
+def _slice(kjt: KeyedJaggedTensor, strides: list[int], rank: int) -> KeyedJaggedTensor:
+    """This rank's rows of the global batch's remapped features."""
+    before, mine = sum(strides[:rank]), strides[rank]
+    total = sum(strides)
+    lengths = kjt.lengths().view(len(kjt.keys()), total)
+    key_ends = lengths.sum(1).cumsum(0).tolist()
+    weights = kjt.weights_or_none()
+    out_lengths, out_values, out_weights = [], [], []
+    for k in range(len(kjt.keys())):
+        key_start = key_ends[k - 1] if k else 0
+        start = key_start + int(lengths[k, :before].sum())
+        count = int(lengths[k, before: before + mine].sum())
+        out_lengths.append(lengths[k, before: before + mine])
+        out_values.append(kjt.values()[start: start + count])
+        if weights is not None:
+            out_weights.append(weights[start: start + count])
+    return KeyedJaggedTensor(
+        keys=kjt.keys(), values=torch.cat(out_values), lengths=torch.cat(out_lengths),
+        weights=torch.cat(out_weights) if weights is not None else None, stride=mine,
+    )  # fmt: skip

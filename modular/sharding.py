@@ -23,7 +23,7 @@ from modular.agreed_options import (
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.describe import log_built
 from modular.errors import ShardingError
-from modular.managed_collisions import check_not_managed
+from modular.managed_collisions import check_not_managed, managed_owner, remap_globally
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.table_dtypes import check_table_dtypes
 from modular.dtype_options import DtypeOption, per_module
@@ -160,8 +160,11 @@ def shard(
         built.append((fqn, ebc, sharded))
     # Swapped in only once all are built: a failure above leaves the model as it was.
     for fqn, ebc, sharded in built:
+        owner = managed_owner(model, fqn)
         retire_tables(ebc, fqn)
         lifecycle.replace_module(model, fqn, sharded)
+        if owner is not None:  # Note [managed collisions over the global batch]
+            remap_globally(owner[1], process_group)
         log_built(fqn, sharded)  # at INFO on logger "modular" (modular/describe.py)
     return model
 
@@ -198,7 +201,7 @@ def _find_targets(model: nn.Module, plan: ShardingPlan) -> list[tuple[str, nn.Mo
         names_of.setdefault(id(m), []).append(name)
     targets = []
     for fqn in sorted(plan.modules):
-        check_not_managed(model, fqn)  # Note [managed collisions are not sharded yet]
+        check_not_managed(model, fqn)  # Note [managed collisions over the global batch]
         module = found.get(fqn)
         if module is None:
             try:

@@ -41,7 +41,7 @@ def _is_ec(module: Any) -> bool:
 def _is_collision_collection(module: Any) -> bool:
     """torchrec's ManagedCollisionCollection: it lists its tables' configs (`embedding_configs()`)
     but holds no table; the tables are its managed-collision module's inner collection
-    (modular's Note [managed collisions are not sharded yet])."""
+    (modular's Note [managed collisions over the global batch])."""
     return hasattr(module, "_managed_collision_modules")
 
 

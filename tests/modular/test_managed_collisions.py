@@ -256,3 +256,71 @@ def test_a_checkpoint_moves_the_collision_state_from_world_2_to_world_3_and_trai
     path = str(tmp_path / "ckpt")
     run_on_ranks(2, _save, path, timeout=120)
     run_on_ranks(3, _resume, path, timeout=120)
+
+
+# -- the EmbeddingCollection kind -------------------------------------------------------------------
+
+
+def _ec_model() -> nn.Module:
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+
+    torch.manual_seed(0)
+    tables = [EmbeddingConfig(name="t_raw", num_embeddings=ZCH, embedding_dim=8, feature_names=["f_raw", "f_raw2"])]
+    mcc = ManagedCollisionCollection(
+        managed_collision_modules={"t_raw": MCHManagedCollisionModule(
+            zch_size=ZCH, device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
+            eviction_interval=2, input_hash_size=HASH)},
+        embedding_configs=tables,
+    )  # fmt: skip
+    model = nn.Module()
+    model.mc = ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables=tables), mcc,
+                                                   return_remapped_features=True)  # fmt: skip
+    return model
+
+
+def _train_ec(kind: str) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = _ec_model()
+    model = copy.deepcopy(ref)
+    every = tuple(range(world))
+    placement = {"row_wise": TablePlacement(ShardingType.ROW_WISE, ranks=every),
+                 "table_wise": TablePlacement(ShardingType.TABLE_WISE, ranks=(world - 1,)),
+                 "column_wise": TablePlacement(ShardingType.COLUMN_WISE, ranks=every)}[kind]  # fmt: skip
+    modular.shard(model, ShardingPlan(world_size=world, modules={"mc._embedding_module": {"t_raw": placement}}))
+    params = list(modular.local_parameters(model))
+    opt = torch.optim.SGD(params, lr=LR) if params else None
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(10):
+        batches = [_raw_batch(step, r) for r in range(world)]
+        strides = [b.stride() for b in batches]
+        before = sum(strides[:rank])
+        out, remapped = model.mc(batches[rank])
+        ref_out, ref_remapped = ref.mc(global_batch(batches))
+        loss, ref_loss = 0.0, 0.0
+        for key in ("f_raw", "f_raw2"):
+            lengths = ref_remapped[key].lengths()
+            start, count = int(lengths[:before].sum()), int(lengths[before: before + strides[rank]].sum())
+            assert torch.equal(remapped[key].values(), ref_remapped[key].values()[start: start + count]), f"{kind} step {step}: {key}"
+            torch.testing.assert_close(out[key].values(), ref_out[key].values()[start: start + count], rtol=1e-4, atol=1e-5)
+            w = torch.randn(ref_out[key].values().shape, generator=torch.Generator().manual_seed(step))
+            loss = loss + (out[key].values() * w[start: start + count]).sum()
+            ref_loss = ref_loss + (ref_out[key].values() * w).sum() / world
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            if o is not None:
+                o.step()
+                o.zero_grad()
+    got = full_value(model.mc._embedding_module.embeddings["t_raw"].weight)
+    torch.testing.assert_close(got, ref.mc._embedding_module.embeddings["t_raw"].weight.detach(), rtol=1e-4, atol=1e-5)
+
+
+def _ecs() -> None:
+    for kind in ("row_wise", "table_wise", "column_wise"):
+        _train_ec(kind)
+
+
+def test_a_sharded_mc_embedding_collection_trains_as_the_unsharded_module() -> None:
+    run_on_ranks(2, _ecs, timeout=120)

@@ -39,7 +39,8 @@ class TieredKernel:
         if device.type != "cpu":
             raise NotImplementedError("tiered tables run on CPU only so far (Note [tiered tables])")
         self.sizes, self.tables, self.stores = list(sizes), list(tables), list(stores)
-        self.inner = FusedKernel(group, [(c, cols) for c, (_, cols) in zip(cache_rows, sizes)], device, config)
+        cached = [(c, cols) for c, (_, cols) in zip(cache_rows, sizes)]
+        self.inner = FusedKernel(group, cached, device, config)
         self.ftm = torch.tensor(group.feature_table_map, dtype=torch.int64)
         self.maps = [SlotMap(t, r, c, policy) for t, (r, _), c in zip(tables, sizes, cache_rows)]
         self.stats = [TierStats(cache_rows=c) for c in cache_rows]
@@ -51,7 +52,8 @@ class TieredKernel:
 
     def _move(self, t: int, ids: torch.Tensor, *, step: bool) -> torch.Tensor:
         moves = self.maps[t].assign(ids, step=step)
-        weights, states, store, stats = self.inner.views[t].data, self._state(t), self.stores[t], self.stats[t]
+        weights, states = self.inner.views[t].data, self._state(t)
+        store, stats = self.stores[t], self.stats[t]
         cols = weights.shape[1]
         if moves.evict_ids.numel():
             order = torch.argsort(moves.evict_ids)
@@ -72,7 +74,9 @@ class TieredKernel:
             stats.misses += ids.numel() - moves.hits
         return moves.slots
 
-    def _renumber(self, indices: torch.Tensor, offsets: torch.Tensor, *, step: bool) -> torch.Tensor:
+    def _renumber(
+        self, indices: torch.Tensor, offsets: torch.Tensor, *, step: bool
+    ) -> torch.Tensor:
         features = self.ftm.numel()
         bags = (offsets.numel() - 1) // features
         lengths = offsets[1:] - offsets[:-1]
@@ -88,7 +92,9 @@ class TieredKernel:
         """Brings the rows of a coming batch into the caches; its step then misses none."""
         self._renumber(indices, offsets, step=False)
 
-    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         return self.inner(self._renumber(indices, offsets, step=True), offsets, weights)
 
     def flush(self) -> None:

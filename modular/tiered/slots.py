@@ -26,7 +26,7 @@ class Moves:
 class SlotMap:
     def __init__(self, table: str, rows: int, cache_rows: int, policy: str) -> None:
         if policy not in ("lru", "lfu"):
-            raise ValueError(f'table {table!r}: cache_policy must be "lru" or "lfu", got {policy!r}')
+            raise ValueError(f'table {table!r}: cache_policy is "lru" or "lfu", not {policy!r}')
         self.table, self.rows, self.cache_rows, self.policy = table, rows, cache_rows, policy
         self.slot_of = torch.full((rows,), -1, dtype=torch.int64)
         self.id_of = torch.full((cache_rows,), -1, dtype=torch.int64)

@@ -33,8 +33,8 @@ def check_tiers(plan, fqns: list[str], device: torch.device, tier_dir: Optional[
     named = ", ".join(tables)
     if device.type == "cpu" and tier_dir is None:
         raise ShardingError(
-            f"the plan puts tables {named} on a tier (cache_load_factor), whose rows CPU ranks keep "
-            "in files: pass modular.shard(..., tier_dir=DIR), a directory on local disk"
+            f"the plan puts tables {named} on a tier (cache_load_factor), whose rows CPU ranks "
+            "keep in files: pass modular.shard(..., tier_dir=DIR), a directory on local disk"
         )
     raise ShardingError(
         f"the plan puts tables {named} on a tier (cache_load_factor), which modular.shard does not "

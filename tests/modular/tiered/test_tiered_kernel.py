@@ -32,7 +32,7 @@ def _batch(gen: torch.Generator, bag: int):
     return ids, offsets
 
 
-def _run(optimizer: str, factor: float, policy: str, prefetch: bool, tmp_path):
+def _run(optimizer: str, factor: float, policy: str, prefetch: bool, tmp_path, weighted=False):
     config = FusedConfig(FusedOptimizerKind.parse(optimizer), {"lr": 0.05, "eps": 1e-3})
     sizes = list(zip(ROWS, COLS))
     dev = torch.device("cpu")
@@ -53,13 +53,18 @@ def _run(optimizer: str, factor: float, policy: str, prefetch: bool, tmp_path):
     for i in range(STEPS):
         ids, offsets = batches[i]
         grad = torch.randn(BAGS, sum(COLS[t] for t in FTM), generator=gen)
-        a, b = ref(ids, offsets, None), tier(ids, offsets, None)
+        w = torch.rand(ids.numel(), generator=gen) if weighted else None
+        a, b = ref(ids, offsets, w), tier(ids, offsets, w)
         assert torch.equal(a, b), f"step {i}: outputs differ"
         (a * grad).sum().backward()
         (b * grad).sum().backward()
         if prefetch:
             tier.prefetch(*batches[i + 1])
-        step_misses.append(sum(s["misses"] for s in tier.take_stats().values()))
+        stats = tier.take_stats()
+        step_misses.append(sum(s["misses"] for s in stats.values()))
+        if not prefetch:  # rows move only for misses: one read each, dirty ones written back
+            assert [s["rows_fetched"] for s in stats.values()] == [s["misses"] for s in stats.values()]
+        assert [s["cache_rows"] for s in stats.values()] == cache
     tier.flush()
     for t, store in enumerate(stores):
         state = torch.cat([s.view(ROWS[t], -1) for s in ref.states[t].values()] or [torch.zeros(ROWS[t], 0)], 1)
@@ -73,6 +78,10 @@ def _run(optimizer: str, factor: float, policy: str, prefetch: bool, tmp_path):
 @pytest.mark.parametrize("factor", [0.01, 0.1, 1.0])
 def test_tiered_equals_resident(optimizer, factor, tmp_path):
     _run(optimizer, factor, "lru", False, tmp_path)
+
+
+def test_weighted_ids(tmp_path):
+    _run("rowwise_adagrad", 0.01, "lfu", False, tmp_path, weighted=True)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])

@@ -36,6 +36,7 @@ from modular.replica_sync import sync_replicas
 from modular.resharding import reshard
 from modular.sharding import shard, sharded_modules
 from modular.full_tables import unshard
+from modular.tiered.tier_stats import tier_stats
 
 __all__ = [
     "CheckpointError",
@@ -61,6 +62,7 @@ __all__ = [
     "shard",
     "sharded_modules",
     "sync_replicas",
+    "tier_stats",
     "unshard",
 ]
 

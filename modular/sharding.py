@@ -23,6 +23,7 @@ from modular.agreed_options import (
 from modular.comm import all_gather_bytes, collective_device, raise_shared_failure
 from modular.describe import log_built
 from modular.errors import ShardingError
+from modular.tiered.tier_plan import check_tiers
 from modular.managed_collisions import check_not_managed, managed_owner, remap_globally
 from modular.fused.state import fused_state, load_unsharded_fused_state
 from modular.kernels.table_dtypes import check_table_dtypes
@@ -50,6 +51,7 @@ def shard(
     output_dtype: DtypeOption = None,
     comm_dtype: DtypeOption = None,
     tensor_type: str = "sharded_tensor",
+    tier_dir: Optional[str] = None,
 ) -> nn.Module:
     """Shards the EmbeddingBagCollections and EmbeddingCollections named in `plan`, in place, and
     returns `model`.
@@ -85,6 +87,9 @@ def shard(
     laid out like it) a DTensor instead of a ShardedTensor, with the same FQNs and values (Note
     [table tensor types]).
 
+    `tier_dir`: where CPU ranks keep the backing files of tiered tables (a plan's
+    `cache_load_factor`, Note [tiered tables] in modular/tiered/__init__.py).
+
     `mesh`: a 1D DeviceMesh is its process group; a 2D one with dims ("replicate", "shard")
     shards the tables within each "shard" group by `plan` (`plan.world_size ==
     mesh["shard"].size()`) and replicates that layout across the "replicate" groups; input and
@@ -118,6 +123,7 @@ def shard(
         if plan.world_size != world:
             raise ShardingError(groups.shard_size_message(plan.world_size, world))
         targets = _find_targets(model, plan)
+        check_tiers(plan, [fqn for fqn, _ in targets], device, tier_dir)  # Note [tiered tables]
         resolved = {fqn: resolve_placements(fqn, ebc, plan, world, device) for fqn, ebc in targets}
         fqns = [fqn for fqn, _ in targets]
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)

@@ -198,14 +198,16 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
     if outcome.placements is None:
         raise explain_no_plan(table_set, candidates, cons, model, base, outcome.unplaced)
     modules: dict[str, dict[str, TablePlacement]] = {}
-    for (fqn, table), p in zip(table_set, outcome.placements):
+    for (fqn, table), p, con in zip(table_set, outcome.placements, cons):
         sizes = None
         if p.kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.COLUMN_WISE):
             total = table.embedding_dim if p.kind is ShardingType.COLUMN_WISE else table.num_embeddings
             # explicit sizes only where they differ from the default even split, so that a plan
             # reads short and survives a round trip through TorchRec unchanged
             sizes = None if p.sizes == even_split(total, len(p.sizes)) else p.sizes
-        modules.setdefault(fqn, {})[table.name] = TablePlacement(p.kind, p.ranks, sizes)
+        tier = {} if con is None or con.cache_load_factor is None else {
+            "cache_load_factor": con.cache_load_factor, "cache_policy": con.cache_policy}
+        modules.setdefault(fqn, {})[table.name] = TablePlacement(p.kind, p.ranks, sizes, **tier)
     result = ShardingPlan(topology.world_size, modules, ranks_per_host=topology.ranks_per_host,
                           priced_for=options.priced_for)  # fmt: skip
     seconds = time.perf_counter() - start

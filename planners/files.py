@@ -40,7 +40,9 @@ __all__ = [
 
 _TABLE_FIELDS = ("name", "num_embeddings", "embedding_dim", "features", "pooling_factor",
                  "dtype", "weighted", "sequence", "batch_fraction")  # fmt: skip
-_CONSTRAINT_FIELDS = ("sharding_types", "ranks", "min_shards", "max_shards")
+_CONSTRAINT_FIELDS = (
+    "sharding_types", "ranks", "min_shards", "max_shards", "cache_load_factor", "cache_policy",
+)
 
 
 class FileFormatError(PlanError):
@@ -343,6 +345,8 @@ def _constraints(data: Any, node: Any, path: str, tables: tuple[Table, ...] | No
                 ranks=tuple(_int(r, "ranks") for r in _list(record.get("ranks", []))),
                 min_shards=_int(record.get("min_shards", 1), "min_shards"),
                 max_shards=None if max_shards is None else _int(max_shards, "max_shards"),
+                cache_load_factor=record.get("cache_load_factor"),
+                cache_policy=str(record.get("cache_policy", "lru")),
             )
             bad = [r for r in out[str(name)].ranks if world_size is not None and r >= world_size]
             if bad:
@@ -370,6 +374,9 @@ def constraint_record(c: TableConstraint) -> dict[str, Any]:
         out["min_shards"] = c.min_shards
     if c.max_shards is not None:
         out["max_shards"] = c.max_shards
+    if c.cache_load_factor is not None:
+        out["cache_load_factor"] = c.cache_load_factor
+        out["cache_policy"] = c.cache_policy
     return out
 
 

@@ -293,12 +293,17 @@ class TableConstraint:
     `sharding_types` lists the allowed types (empty: all). `ranks` pins the table: its shards go
     only to these ranks (data-parallel is then not allowed unless `ranks` is every rank).
     `min_shards`/`max_shards` bound the shard count of table-, row- and column-wise placements.
+    `cache_load_factor` (0 < f <= 1) puts the table's shards on a slower tier with a cache of that
+    fraction of each shard's rows, replaced by `cache_policy` ("lru" or "lfu"; Note [tiered
+    tables] in modular/tiered/__init__.py).
     """
 
     sharding_types: tuple[ShardingType, ...] = ()
     ranks: tuple[int, ...] = ()
     min_shards: int = 1
     max_shards: int | None = None
+    cache_load_factor: float | None = None
+    cache_policy: str = "lru"
 
     def __post_init__(self) -> None:
         types_ = self.sharding_types
@@ -318,6 +323,13 @@ class TableConstraint:
                 raise PlanError(
                     f"max_shards {self.max_shards} is below min_shards {self.min_shards}"
                 )
+        factor = self.cache_load_factor
+        if factor is not None:
+            _positive_float(factor, "cache_load_factor")
+            if factor > 1:
+                raise PlanError(f"cache_load_factor must be at most 1, got {factor!r}")
+        if self.cache_policy not in ("lru", "lfu"):
+            raise PlanError(f'cache_policy must be "lru" or "lfu", got {self.cache_policy!r}')
 
     def allows(self, kind: ShardingType) -> bool:
         return not self.sharding_types or kind in self.sharding_types

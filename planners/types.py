@@ -136,11 +136,15 @@ class TablePlacement:
     everywhere); TABLE_WISE takes exactly one; ROW_WISE and COLUMN_WISE default to all ranks when
     `ranks` is empty; TABLE_ROW_WISE needs ranks of one host. `sizes` optionally fixes the shard
     boundaries: rows per shard for ROW_WISE / TABLE_ROW_WISE, columns per shard for COLUMN_WISE.
+    `cache_load_factor` (with `cache_policy`) puts the shards on a slower tier behind a cache of
+    that fraction of each shard's rows (Note [tiered tables] in modular/tiered/__init__.py).
     """
 
     sharding_type: ShardingType
     ranks: tuple[int, ...] = ()
     sizes: tuple[int, ...] | None = None
+    cache_load_factor: float | None = None
+    cache_policy: str = "lru"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sharding_type", ShardingType.parse(self.sharding_type))
@@ -174,6 +178,13 @@ class TablePlacement:
                 )
             if any(s <= 0 for s in self.sizes):
                 raise PlanError(f"{kind.value} shard sizes must be positive, got {self.sizes}")
+        factor = self.cache_load_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1
+        ):
+            raise PlanError(f"cache_load_factor must be in (0, 1], got {factor!r}")
+        if self.cache_policy not in ("lru", "lfu"):
+            raise PlanError(f'cache_policy must be "lru" or "lfu", got {self.cache_policy!r}')
 
     def __repr__(self) -> str:
         sizes = f", sizes={self.sizes}" if self.sizes is not None else ""
@@ -246,13 +257,16 @@ class TablePlacement:
         out: dict[str, Any] = {"sharding_type": self.sharding_type.value, "ranks": list(self.ranks)}
         if self.sizes is not None:
             out["sizes"] = list(self.sizes)
+        if self.cache_load_factor is not None:
+            out["cache_load_factor"] = self.cache_load_factor
+            out["cache_policy"] = self.cache_policy
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TablePlacement:
         if not isinstance(data, Mapping) or "sharding_type" not in data:
             raise PlanError(f"a table placement needs a 'sharding_type', got {data!r}")
-        unknown = set(data) - {"sharding_type", "ranks", "sizes"}
+        unknown = set(data) - {"sharding_type", "ranks", "sizes", "cache_load_factor", "cache_policy"}
         if unknown:
             raise PlanError(f"unknown fields {sorted(unknown)} in table placement {dict(data)!r}")
         # The constructor checks and converts ranks and sizes (a JSON null or number in either
@@ -261,6 +275,8 @@ class TablePlacement:
             ShardingType.parse(data["sharding_type"]),
             ranks=data.get("ranks", ()),
             sizes=data.get("sizes"),
+            cache_load_factor=data.get("cache_load_factor"),
+            cache_policy=data.get("cache_policy", "lru"),
         )
 
 

@@ -144,3 +144,30 @@ def test_the_split_state_is_torchrecs_on_the_global_batch_step_by_step_at_worlds
             for table, n in counts.items():
                 intervals = (steps - steps // 5) // specs[table][1]  # eval steps do not evict
                 assert 2 * n >= intervals, f"world {world} {specs}: {table} evicted in {n} of ~{intervals} intervals"
+
+
+def _fallback() -> str:
+    """A collision module modular cannot split exactly (a threshold filter, experimental in
+    torchrec) stays torchrec's, replicated, and still remaps the global batch."""
+    from torchrec.modules.mc_modules import dynamic_threshold_filter
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = _model({"t_a": ("lfu", 1, 30), "t_b": ("lru", 1, 20)})
+    ref.mc._managed_collision_collection._managed_collision_modules["t_a"]._eviction_policy = LFU_EvictionPolicy(
+        threshold_filtering_func=lambda counts: dynamic_threshold_filter(counts, threshold_skew_multiplier=0.5))
+    model = copy.deepcopy(ref)
+    modular.shard(model, ShardingPlan(world_size=world, modules={
+        "mc._embedding_module": placements_for("table_wise", model.mc._embedding_module, world)}))  # fmt: skip
+    modules = model.mc._managed_collision_collection._managed_collision_modules
+    assert type(modules["t_a"]) is MCHManagedCollisionModule and type(modules["t_b"]) is MCHManagedCollisionModule
+    for step in range(6):
+        batches = [_batch(step, r) for r in range(world)]
+        _, remapped = model.mc(batches[rank])
+        _, ref_remapped = ref.mc(global_batch(batches))
+        want = _slice(ref_remapped, [b.stride() for b in batches], rank)
+        assert all(torch.equal(remapped[k].values(), want[k]) for k in want), f"step {step}"
+    return type(modules["t_a"]).__name__
+
+
+def test_a_collision_module_that_cannot_be_split_stays_replicated_and_exact() -> None:
+    assert run_on_ranks(2, _fallback, timeout=120) == ["MCHManagedCollisionModule"] * 2

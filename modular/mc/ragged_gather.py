@@ -12,14 +12,11 @@ from modular.comm import all_gather
 __all__ = ["gather_rows"]
 
 
-def gather_rows(rows: torch.Tensor, *, group: Optional[ProcessGroup], world: int, what: str) -> list[torch.Tensor]:
-    """Every rank's (n_r, width) int64 `rows`, in rank order: two collectives (counts, then the
-    rows padded to the longest)."""
-    width = rows.shape[1]
-    counts = all_gather(torch.tensor([rows.shape[0]], dtype=torch.int64), group=group, world=world,
-                        what=f"{what} (counts)").view(-1).tolist()  # fmt: skip
-    longest = max(max(counts), 1)  # gloo wants a non-empty piece
-    padded = torch.zeros(longest, width, dtype=torch.int64)
+def gather_rows(rows: torch.Tensor, *, bound: int, group: Optional[ProcessGroup], world: int, what: str) -> torch.Tensor:
+    """Every rank's (n_r, width) int64 `rows`, concatenated in rank order: one all_gather, each
+    rank's rows padded to `bound` (at least every n_r, known on every rank) with rows whose first
+    column is -1, dropped on arrival (a real row's first column is never negative)."""
+    padded = torch.full((max(bound, 1), rows.shape[1]), -1, dtype=torch.int64)  # gloo: a non-empty piece
     padded[: rows.shape[0]] = rows
-    out = all_gather(padded, group=group, world=world, what=what)
-    return [out[r, : counts[r]] for r in range(world)]
+    out = all_gather(padded, group=group, world=world, what=what).view(-1, rows.shape[1])
+    return out[out[:, 0] >= 0]

@@ -29,8 +29,16 @@ that is either this rank's or small and gathered:
   descending sort; each rank scores its entries with torchrec's own ops and sends its `n`
   lowest; every rank runs `decide` (modular/mc/eviction.py) on those and the new ids and gets
   torchrec's evicted slots and their new ids, paired as torchrec pairs them.
-- remap: each rank gathers the ranks' unique ids, looks up those its slots hold, and an
-  all_reduce (max) gives every rank each id's slot.
+- remap: after an eviction whose history kept the whole batch, every rank already holds the
+  slot of each of the interval's ids (the match's all_reduce carries slots, the decision
+  patches them); otherwise each rank gathers the ranks' unique ids, looks up those its slots
+  hold, and an all_reduce (max) gives every rank each id's slot.
+What it costs per table and call: the collection's id check gathers every rank's id count per
+feature with it (one small all_gather for the whole collection, which also sizes every later
+gather, so each is one collective); a call that evicts adds three collectives (the interval's
+unique ids, the match, the lowest entries) and needs no remap lookup; any other call, two. Per
+interval each rank does O(its slots) work: a selection (`kthvalue`) for its lowest entries
+and a merge for the new ids, not a sort.
 Collective bytes scale with the global batch, not the table; state per rank is its share of
 torchrec's, plus the interval's history of its own ids. Like torchrec's unsharded module, an
 evicted slot's embedding row and optimizer state stay as they were (`evict()` still reports
@@ -81,6 +89,11 @@ class ShardedMCHModule(nn.Module):
         self._sentinel = {name: torch.zeros((), dtype=torch.int64) for name in _METADATA}
         self._history_size, self._history_offset = -1, 0
         self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, their iterations)
+        self._history_counts = torch.zeros(self._world, dtype=torch.int64)  # ids each rank kept
+        self._lengths: Optional[torch.Tensor] = None  # this call's id counts, per rank and feature
+        self._interval_slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._whole_batch_kept = False
+        self._most_slots = -(-usable // self._world)
         if not meta:
             self._load_whole(source._mch_sorted_raw_ids, source._mch_remapped_ids_mapping,
                              {k: v for k, v in source._mch_metadata.items()}, where="the module as sharded")  # fmt: skip
@@ -113,7 +126,7 @@ class ShardedMCHModule(nn.Module):
               write_weights: Optional[torch.Tensor] = None) -> dict[str, JaggedTensor]:  # fmt: skip
         out = {}
         for name, feature in features.items():
-            out[name] = JaggedTensor(values=self._slots_of(feature.values()), lengths=feature.lengths(),
+            out[name] = JaggedTensor(values=self._slots_of(feature), lengths=feature.lengths(),
                                      offsets=feature.offsets(), weights=feature.weights_or_none())  # fmt: skip
         return out
 
@@ -139,20 +152,33 @@ class ShardedMCHModule(nn.Module):
 
     # -- the history and the eviction (Note [sharded managed collisions]) -------------------------
 
+    def _per_rank_lengths(self, feature: JaggedTensor) -> torch.Tensor:
+        """(world, features of the table): every rank's id count per feature in this call; the
+        collection hands them over from its id check's gather (Note [sharded managed
+        collisions]), else one all_gather here."""
+        lengths, self._lengths = self._lengths, None
+        if lengths is None:  # the collection passes lengths per key as the weights
+            per_key = feature.weights().to(torch.int64).view(-1)
+            lengths = all_gather(per_key, group=self._group, world=self._world, what="managed-collision id counts")
+        return lengths
+
     def _record(self, feature: JaggedTensor) -> None:
-        """Keeps this rank's ids that torchrec's history buffer would keep of the global batch."""
-        per_key = feature.weights().to(torch.int64).view(-1)  # the collection passes lengths per key
-        table = all_gather(per_key, group=self._group, world=self._world, what="managed-collision id counts")
+        """Keeps this rank's ids that torchrec's history buffer would keep of the global batch,
+        and how many every rank kept."""
+        table = self._per_rank_lengths(feature)
+        self._lengths = table  # the remap of this call reads them too
         if self._history_size == -1:
             self._history_size = int(int(table.sum()) * self._eviction_interval * 1.25)
         free = self._history_size - self._history_offset
         totals = table.sum(0)
-        starts = totals.cumsum(0) - totals + table[: self._rank].sum(0)  # my ids' first global place
-        keep = (free - starts).clamp(min=0).minimum(per_key).tolist()
+        starts = totals.cumsum(0) - totals + table.cumsum(0) - table  # each rank's first global place
+        keep = (free - starts).clamp(min=0).minimum(table)  # (world, features)
         values = feature.values().to(torch.int64)
-        pieces = [chunk[:k] for chunk, k in zip(torch.split(values, per_key.tolist()), keep)]
+        pieces = [chunk[:k] for chunk, k in zip(torch.split(values, table[self._rank].tolist()), keep[self._rank].tolist())]
         kept = torch.cat(pieces) if pieces else values[:0]
         self._history.append((kept, torch.full_like(kept, self._current_iter)))
+        self._history_counts = self._history_counts + keep.sum(1)
+        self._whole_batch_kept = bool((keep == table).all())
         self._history_offset += min(int(totals.sum()), free)
 
     def _coalesce_and_evict(self) -> None:
@@ -160,35 +186,41 @@ class ShardedMCHModule(nn.Module):
         iters = torch.cat([i for _, i in self._history]) if self._history else ids
         unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         access = torch.zeros_like(counts).scatter_reduce_(0, inverse, iters, reduce="amax", include_self=False)
-        rows = gather_rows(torch.stack([unique, counts, access], 1), group=self._group, world=self._world,
-                           what="a managed-collision interval's unique ids")  # fmt: skip
-        rows = torch.cat(rows)
+        rows = gather_rows(torch.stack([unique, counts, access], 1), bound=int(self._history_counts.max()),
+                           group=self._group, world=self._world, what="a managed-collision interval's unique ids")  # fmt: skip
         unique, inverse = torch.unique(rows[:, 0], return_inverse=True)
         counts = torch.zeros_like(unique).scatter_add_(0, inverse, rows[:, 1])
         access = torch.zeros_like(unique).scatter_reduce_(0, inverse, rows[:, 2], reduce="amax", include_self=False)
         self._history, self._history_offset = [], 0
+        self._history_counts = torch.zeros(self._world, dtype=torch.int64)
         self._update_and_evict(unique, counts, access)
 
     def _update_and_evict(self, unique: torch.Tensor, counts: torch.Tensor, access: torch.Tensor) -> None:
         by_count = torch.argsort(counts, descending=True, stable=True)
         ids, counts, access = unique[by_count], counts[by_count], access[by_count]
         pos = self._shard.find(ids)
-        held = (pos >= 0).to(torch.int64)
-        all_reduce(held, group=self._group, what="a managed-collision match", op=dist.ReduceOp.MAX)
+        slots = torch.where(pos >= 0, self._shard.slots[pos.clamp(min=0)], -1) if pos.numel() else pos
+        all_reduce(slots, group=self._group, what="a managed-collision match", op=dist.ReduceOp.MAX)
         mine = pos >= 0
         self._shard.update_matched(pos[mine], counts[mine], access[mine])
         self._sentinel["counts"].fill_(MAX)
         self._sentinel["last_access_iter"].fill_(self._current_iter)
-        new = held == 0
+        new = slots < 0
         new_ids, new_counts, new_access = ids[new], counts[new], access[new]
         scores = self._shard.scores(self._current_iter)
         lowest = self._shard.lowest(new_ids.numel(), scores)
-        mine_rows = torch.stack([as_bits(scores[lowest]), self._shard.raw[lowest], self._shard.slots[lowest]], 1)
-        rows = torch.cat(gather_rows(mine_rows, group=self._group, world=self._world,
-                                     what="a managed-collision table's lowest entries"))  # fmt: skip
+        mine_rows = torch.stack([self._shard.slots[lowest], self._shard.raw[lowest], as_bits(scores[lowest])], 1)
+        rows = gather_rows(mine_rows, bound=min(new_ids.numel(), self._most_slots), group=self._group,
+                           world=self._world, what="a managed-collision table's lowest entries")  # fmt: skip
         new_scores = self._scoring.scores(self._current_iter, new_counts, new_access)
-        evicted, selected = decide(from_bits(rows[:, 0], scores), rows[:, 1], rows[:, 2], new_scores)
-        self._shard.assign(evicted, new_ids[selected], new_counts[selected], new_access[selected])
+        evicted, selected = decide(from_bits(rows[:, 2], scores), rows[:, 1], rows[:, 0], new_scores)
+        self._shard.assign(evicted, new_ids[selected], new_counts[selected], new_access[selected], lowest)
+        # every id of the interval's slot after the eviction, the same on every rank: the remap
+        # of this call reads it when the history kept the whole batch
+        slots[torch.isin(slots, evicted)] = -1
+        slots[new.nonzero().view(-1)[selected]] = evicted
+        by_id = torch.argsort(ids)
+        self._interval_slots = (ids[by_id], slots[by_id])
         evicted = evicted + self._output_global_offset
         if self._evicted:
             self._evicted_emb_indices = torch.unique(torch.cat([self._evicted_emb_indices, evicted]))
@@ -196,16 +228,23 @@ class ShardedMCHModule(nn.Module):
             self._evicted_emb_indices = evicted
         self._evicted = True
 
-    def _slots_of(self, values: torch.Tensor) -> torch.Tensor:
-        unique = torch.unique(values)
-        gathered = gather_rows(unique.view(-1, 1).to(torch.int64), group=self._group, world=self._world,
-                               what="a managed-collision batch's unique ids")  # fmt: skip
-        start = sum(g.shape[0] for g in gathered[: self._rank])
-        slots = self._shard.slots_of(torch.cat(gathered).view(-1))
-        all_reduce(slots, group=self._group, what="a managed-collision remap", op=dist.ReduceOp.MAX)
-        mine = slots[start: start + unique.numel()]
-        out = mine[torch.searchsorted(unique, values)] if values.numel() else values.clone()
-        out = torch.where(out >= 0, out, self._zch_size - 1) + self._output_global_offset
+    def _slots_of(self, feature: JaggedTensor) -> torch.Tensor:
+        values = feature.values()
+        known, self._interval_slots = self._interval_slots, None
+        lengths, self._lengths = self._lengths, None
+        if known is not None and self._whole_batch_kept:  # every id of the batch is in `known`
+            ids, slots = known
+            mine = slots[torch.searchsorted(ids, values)] if values.numel() else values.clone()
+        else:
+            if lengths is None:
+                lengths = self._per_rank_lengths(feature)
+            unique = torch.unique(values).to(torch.int64)
+            ids = torch.unique(gather_rows(unique.view(-1, 1), bound=int(lengths.sum(1).max()), group=self._group,
+                                           world=self._world, what="a managed-collision batch's unique ids"))  # fmt: skip
+            slots = self._shard.slots_of(ids)
+            all_reduce(slots, group=self._group, what="a managed-collision remap", op=dist.ReduceOp.MAX)
+            mine = slots[torch.searchsorted(ids, values)] if values.numel() else values.clone()
+        out = torch.where(mine >= 0, mine, self._zch_size - 1) + self._output_global_offset
         return out.to(values.dtype)
 
     # torchrec's names for the state, for code that reaches it by attribute (DCP's FQN walk):
@@ -240,6 +279,7 @@ class ShardedMCHModule(nn.Module):
         """A module sharded mid-interval keeps what it recorded (on rank 0, counted once)."""
         self._history_size = source._input_history_buffer_size
         self._history_offset = source._current_history_buffer_offset
+        self._history_counts[0] = self._history_offset  # rank 0 holds it
         if self._history_offset and self._rank == 0:
             ids = source._history_accumulator[: self._history_offset].clone()
             iters = source._history_metadata.get("last_access_iter")
@@ -252,8 +292,8 @@ class ShardedMCHModule(nn.Module):
     def _whole(self) -> dict[str, torch.Tensor]:
         shard, names = self._shard, self._metadata_names()
         columns = [shard.raw, shard.slots] + [getattr(shard, "counts" if n == "counts" else "access") for n in names]
-        rows = torch.cat(gather_rows(torch.stack(columns, 1), group=self._group, world=self._world,
-                                     what="a managed-collision table's state"))  # fmt: skip
+        rows = gather_rows(torch.stack(columns, 1), bound=self._most_slots, group=self._group, world=self._world,
+                           what="a managed-collision table's state")  # fmt: skip
         by_slot = torch.argsort(rows[:, 1], stable=True)
         rows = rows[by_slot[torch.argsort(rows[by_slot, 0], stable=True)]]
         sentinel = torch.tensor([[MAX, self._zch_size - 1] + [int(self._sentinel[n]) for n in names]])

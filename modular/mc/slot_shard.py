@@ -66,24 +66,45 @@ class SlotShard:
 
     def lowest(self, n: int, scores: torch.Tensor) -> torch.Tensor:
         """Positions of this rank's `n` lowest entries in torchrec's order (score descending,
-        then sorted position), the lowest last."""
-        ranked = torch.argsort(scores, descending=True, stable=True)
-        return ranked[ranked.numel() - min(n, ranked.numel()):]
+        then sorted position), in no particular order. O(entries): a selection, not a sort."""
+        k = min(n, scores.numel())
+        if k == scores.numel():
+            return torch.arange(k)
+        if k == 0:
+            return torch.empty(0, dtype=torch.int64)
+        kth = torch.kthvalue(scores, k).values
+        below = (scores < kth).nonzero().view(-1)
+        tied = (scores == kth).nonzero().view(-1)  # ascending positions: the last rank lowest
+        return torch.cat([below, tied[tied.numel() - (k - below.numel()):]])
 
-    def assign(self, slots: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, access: torch.Tensor) -> None:
-        """New ids take the evicted `slots` (those of [lo, hi)) with their interval metadata."""
+    def assign(self, slots: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, access: torch.Tensor,
+               candidates: torch.Tensor) -> None:  # fmt: skip
+        """New ids take the evicted `slots` (those of [lo, hi), among this rank's `candidates`
+        positions) with their interval metadata; the entries stay sorted (a merge, not a sort)."""
         mine = (slots >= self.lo) & (slots < self.hi)
         if not bool(mine.any()):
             return
-        where = torch.full((self.hi - self.lo,), -1, dtype=torch.int64)
-        where[self.slots - self.lo] = torch.arange(self.slots.numel())
-        pos = where[slots[mine] - self.lo]
-        self.raw[pos] = ids[mine]
-        if self.counts is not None:
-            self.counts[pos] = counts[mine]
-        if self.access is not None:
-            self.access[pos] = access[mine]
-        self._resort()
+        by_slot = torch.argsort(self.slots[candidates])
+        where = candidates[by_slot]
+        evicted = where[torch.searchsorted(self.slots[where], slots[mine])]
+        new_ids = ids[mine]
+        order = torch.argsort(new_ids)
+        new = [new_ids[order], slots[mine][order], counts[mine][order], access[mine][order]]
+        keep = torch.ones(self.raw.numel(), dtype=torch.bool)
+        keep[evicted] = False
+        kept_raw = self.raw[keep]
+        # Raw ids are distinct between the two (a new id was held by no slot), so each side's
+        # place is its index plus the count of the other side's smaller ids.
+        at_new = torch.searchsorted(kept_raw, new[0]) + torch.arange(new[0].numel())
+        at_kept = torch.searchsorted(new[0], kept_raw) + torch.arange(kept_raw.numel())
+        for name, fresh in zip(("raw", "slots", "counts", "access"), new):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            merged = torch.empty_like(old)
+            merged[at_kept] = old[keep]
+            merged[at_new] = fresh.to(old.dtype)
+            setattr(self, name, merged)
 
     def held(self) -> int:
         """How many of this rank's slots hold a raw id."""

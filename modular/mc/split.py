@@ -57,15 +57,20 @@ def split_collisions(mcc: nn.Module, group: Optional[ProcessGroup]) -> None:
 
 
 def _checked_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
-    check_ids(self, features, self._modular_group)
+    lengths = check_ids(self, features, self._modular_group)
+    keys = features.keys()
+    for table, module in self._managed_collision_modules.items():
+        # each table's id counts per rank, in the order torchrec hands it its features
+        module._lengths = lengths[:, [keys.index(f) for f in self._table_to_features[table]]]
     return ManagedCollisionCollection.forward(self, features, mutate_miss_lengths=mutate_miss_lengths)
 
 
-def check_ids(mcc: nn.Module, features: KeyedJaggedTensor, group: Optional[ProcessGroup]) -> None:
+def check_ids(mcc: nn.Module, features: KeyedJaggedTensor, group: Optional[ProcessGroup]) -> torch.Tensor:
     """Raises InputError on every rank, the same, when any rank's batch holds an id that is
     negative or past its table's `input_hash_size`: one small all_gather, before any state
     changes. The id named is the first bad one of the global batch (feature by feature, ranks in
-    order), as the unsharded module fed the global batch would see it."""
+    order), as the unsharded module fed the global batch would see it. Returns every rank's id
+    count per feature, (world, features), gathered with the check."""
     keys = features.keys()
     tables = mcc._feature_to_table
     first = torch.tensor([len(keys), 0, 0], dtype=torch.int64)  # (feature index, id, bound)
@@ -81,10 +86,11 @@ def check_ids(mcc: nn.Module, features: KeyedJaggedTensor, group: Optional[Proce
             first = torch.tensor([k, int(values[bad][0]), -1 if bound is None else bound], dtype=torch.int64)
             break
     world = dist.get_world_size(group)
-    found = all_gather(first, group=group, world=world, what="a check of managed-collision ids")
+    per_key = torch.tensor(features.length_per_key(), dtype=torch.int64)
+    found = all_gather(torch.cat([first, per_key]), group=group, world=world, what="a check of managed-collision ids")
     k = int(found[:, 0].min())
     if k == len(keys):
-        return
+        return found[:, 3:]
     rank = int((found[:, 0] == k).nonzero()[0, 0])
     value, bound = int(found[rank, 1]), int(found[rank, 2])
     raise InputError(

@@ -21,9 +21,11 @@ keeps torchrec's keys (the collection's class gains only this forward), so check
 in non-persistent buffers sized at the first training call, so a resumed run continues as
 torchrec's module resumed from its state_dict, not as one that never stopped.)
 
-What it costs, and what is left: the collision state is replicated, not split across ranks
-(every rank holds all of it, and every rank remaps the global batch: its work and the gather's
-bytes grow with the world size); issue 46 asks for it split. Checks on the global batch are the
+What it costs: the collision state is replicated, not split across ranks (every rank holds all
+of it, and every rank remaps the global batch: its work and the gather's bytes grow with the
+world size). So this is the fallback, for collision modules that modular cannot split exactly
+(not torchrec's MCH module, a threshold filter); torchrec's MCH modules get their state split
+(Note [sharded managed collisions] in modular/mc/sharded_mch.py). Checks on the global batch are the
 same on every rank, so a bad id (negative, or past the table's `input_hash_size`) raises the
 same `InputError` everywhere before any state changes. A plan naming the collision collection
 itself is refused: it holds no table.
@@ -31,6 +33,7 @@ itself is refused: it holds no table.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -40,6 +43,9 @@ from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.errors import InputError, ShardingError
+from modular.mc.split import split_collisions, why_not_split
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["check_not_managed", "managed_owner", "remap_globally"]
 
@@ -81,9 +87,16 @@ def check_not_managed(model: nn.Module, fqn: str) -> None:
 
 
 def remap_globally(owner: nn.Module, group: Optional[ProcessGroup]) -> None:
-    """Makes `owner`'s collision collection remap the global batch (Note [managed collisions
-    over the global batch]); its state and keys stay torchrec's."""
+    """Makes `owner`'s collision collection remap as torchrec's module on the global batch: with
+    its state split across ranks where it can (Note [sharded managed collisions]), else
+    replicated (Note [managed collisions over the global batch]); its keys stay torchrec's."""
     mcc = owner._managed_collision_collection
+    reason = why_not_split(mcc)
+    if reason is None and not getattr(type(mcc), "_modular_global", False):
+        split_collisions(mcc, group)
+        return
+    logger.info("managed collisions of %s: state replicated on every rank, not split: %s",
+                type(owner).__name__, reason)
     cls = type(mcc)
     if getattr(cls, "_modular_global", False):
         mcc._modular_group = group

@@ -118,7 +118,10 @@ def _train(world_kind: str, policy: str, interval: int, fused: bool) -> int:
     got = full_value(model.mc._embedding_module.embedding_bags["t_raw"].weight)
     torch.testing.assert_close(got, ref.mc._embedding_module.embedding_bags["t_raw"].weight.detach(),
                                rtol=1e-4, atol=1e-5, msg=lambda m: f"{label}: trained table: {m}")  # fmt: skip
-    # the collision state is the unsharded module's, under torchrec's keys
+    # the collision state is the unsharded module's, under torchrec's keys, split across ranks
+    # (Note [sharded managed collisions]): this rank holds only its slots
+    shard = model.mc._managed_collision_collection._managed_collision_modules["t_raw"]._shard
+    assert shard.raw.numel() <= -(-(ZCH - 1) // world), f"{label}: {shard.raw.numel()} slots held"
     mine = {k: v for k, v in model.mc._managed_collision_collection.state_dict().items()}
     theirs = ref.mc._managed_collision_collection.state_dict()
     assert mine.keys() == theirs.keys()

@@ -1,0 +1,322 @@
+"""torchrec's MCH managed-collision module with its collision state split across ranks.
+
+Note [sharded managed collisions]
+torchrec's `MCHManagedCollisionModule` keeps, for a table of `zch_size` slots, the raw ids it
+holds in sorted order (`_mch_sorted_raw_ids`), the slot of each (`_mch_remapped_ids_mapping`)
+and its policy's metadata per entry (`_mch_counts`, `_mch_last_access_iter`). Each training call
+appends the batch's ids to a history; every `eviction_interval` calls it coalesces the history
+(unique ids, counts, last access), adds the counts of ids it holds, scores all entries and the
+new ids together, keeps the top `zch_size`, and hands each evicted slot to a new id. Then (and
+in eval mode, only this) it remaps: a held id to its slot, any other id to slot `zch_size - 1`.
+The last sorted entry is never evicted (torchrec gives it the top score), so it is always the
+empty entry of slot `zch_size - 1`: the table holds `zch_size - 1` ids, and that slot is the
+miss slot.
+
+`ShardedMCHModule` replaces the torchrec module in its `ManagedCollisionCollection` (same
+FQN and state_dict keys) and keeps the `zch_size - 1` usable slots split by slot range: rank r
+holds slots [(zch-1)r/W, (zch-1)(r+1)/W) in a `SlotShard` (modular/mc/slot_shard.py), sorted as
+torchrec sorts its table. Nothing moves between ranks: a new id takes the evicted slot's place
+on the rank that holds that slot. It equals torchrec's module fed the global batch (every
+rank's batch in rank order) because every step of torchrec's algorithm is rebuilt from data
+that is either this rank's or small and gathered:
+- history: each rank keeps its own ids, cut where torchrec's history buffer (sized from the
+  first global batch) would cut the global batch, which per-feature counts gathered from every
+  rank locate; at the interval, each rank's unique ids, counts and last access are gathered and
+  merged, so every rank holds the interval's global unique ids (batch-sized, replicated).
+- matching: each rank finds the ids its slots hold and updates their metadata; an all_reduce
+  tells every rank which ids are new (in torchrec's frequency order).
+- eviction: torchrec drops the `n` lowest of (table entries, new ids) under a stable
+  descending sort; each rank scores its entries with torchrec's own ops and sends its `n`
+  lowest; every rank runs `decide` (modular/mc/eviction.py) on those and the new ids and gets
+  torchrec's evicted slots and their new ids, paired as torchrec pairs them.
+- remap: after an eviction whose history kept the whole batch, every rank already holds the
+  slot of each of the interval's ids (the match's all_reduce carries slots, the decision
+  patches them); otherwise each rank gathers the ranks' unique ids, looks up those its slots
+  hold, and an all_reduce (max) gives every rank each id's slot.
+What it costs per table and call: the collection's id check gathers every rank's id count per
+feature with it (one small all_gather for the whole collection, which also sizes every later
+gather, so each is one collective); a call that evicts adds three collectives (the interval's
+unique ids, the match, the lowest entries) and needs no remap lookup; any other call, two. Per
+interval each rank does O(its slots) work: a selection (`kthvalue`) for its lowest entries
+and a merge for the new ids, not a sort.
+Collective bytes scale with the global batch, not the table; state per rank is its share of
+torchrec's, plus the interval's history of its own ids. Like torchrec's unsharded module, an
+evicted slot's embedding row and optimizer state stay as they were (`evict()` still reports
+the slots). The state_dict gathers the whole table in torchrec's layout and a load keeps this
+rank's share, so checkpoints hold torchrec's keys and values at any world size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torchrec.modules.mc_modules import MCHManagedCollisionModule
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+from modular.comm import all_gather, all_reduce
+from modular.errors import CheckpointError
+from modular.mc.eviction import MAX, Scoring, as_bits, decide, from_bits
+from modular.mc.ragged_gather import gather_rows
+from modular.mc.slot_shard import SlotShard
+
+__all__ = ["ShardedMCHModule"]
+
+_METADATA = {"counts": "_mch_counts", "last_access_iter": "_mch_last_access_iter"}
+
+
+class ShardedMCHModule(nn.Module):
+    """A wrapper in place of one torchrec `MCHManagedCollisionModule`: this rank's share of its
+    collision state, remapping and evicting as torchrec's module on the global batch."""
+
+    def __init__(self, source: MCHManagedCollisionModule, scoring: Scoring, group: Optional[ProcessGroup]) -> None:
+        super().__init__()
+        self._group, self._world, self._rank = group, dist.get_world_size(group), dist.get_rank(group)
+        for name in ("_name", "_zch_size", "_input_hash_size", "_input_hash_func", "_eviction_interval",
+                     "_eviction_policy", "_output_global_offset", "_buckets", "_current_iter",
+                     "_last_eviction_iter", "_evicted", "_evicted_emb_indices"):  # fmt: skip
+            setattr(self, name, getattr(source, name))
+        self._scoring = scoring
+        meta = source._mch_sorted_raw_ids.is_meta
+        segments = torch.tensor([self._output_global_offset, self._output_global_offset + self._zch_size] + [-1] * 1023)
+        self.register_buffer("_output_segments_tensor", segments if meta else source._output_segments_tensor.clone())
+        self.register_buffer("_current_iter_tensor", torch.zeros(1, dtype=torch.int64) if meta else source._current_iter_tensor.clone())
+        usable = self._zch_size - 1
+        self._shard = SlotShard(usable * self._rank // self._world, usable * (self._rank + 1) // self._world, scoring)
+        self._sentinel = {name: torch.zeros((), dtype=torch.int64) for name in _METADATA}
+        self._history_size, self._history_offset = -1, 0
+        self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, their iterations)
+        self._history_counts = torch.zeros(self._world, dtype=torch.int64)  # ids each rank kept
+        self._lengths: Optional[torch.Tensor] = None  # this call's id counts, per rank and feature
+        self._interval_slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._whole_batch_kept = False
+        self._most_slots = -(-usable // self._world)
+        if not meta:
+            self._load_whole(source._mch_sorted_raw_ids, source._mch_remapped_ids_mapping,
+                             {k: v for k, v in source._mch_metadata.items()}, where="the module as sharded")  # fmt: skip
+            self._take_history(source)
+
+    # -- torchrec's interface -------------------------------------------------------------------
+
+    def forward(self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True) -> dict[str, JaggedTensor]:
+        return self.remap(self.profile(self.preprocess(features)))
+
+    def preprocess(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+        return MCHManagedCollisionModule.preprocess(self, features)
+
+    def profile(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+        if not self.training:
+            return features
+        if self._current_iter == -1:
+            self._current_iter = int(self._current_iter_tensor.item())
+            self._last_eviction_iter = self._current_iter
+        self._current_iter += 1
+        self._current_iter_tensor.data += 1
+        for feature in features.values():
+            self._record(feature)
+        if self._current_iter - self._last_eviction_iter == self._eviction_interval:
+            self._coalesce_and_evict()
+            self._last_eviction_iter = self._current_iter
+        return features
+
+    def remap(self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
+              write_weights: Optional[torch.Tensor] = None) -> dict[str, JaggedTensor]:  # fmt: skip
+        out = {}
+        for name, feature in features.items():
+            out[name] = JaggedTensor(values=self._slots_of(feature), lengths=feature.lengths(),
+                                     offsets=feature.offsets(), weights=feature.weights_or_none())  # fmt: skip
+        return out
+
+    def evict(self) -> Optional[torch.Tensor]:
+        if not self._evicted:
+            return None
+        self._evicted = False
+        return self._evicted_emb_indices
+
+    def open_slots(self) -> torch.Tensor:
+        held = torch.tensor([self._shard.held()], dtype=torch.int64)
+        all_reduce(held, group=self._group, what="a count of a managed-collision table's held ids")
+        return torch.tensor([self._zch_size - 1], dtype=torch.int64) - held
+
+    def output_size(self) -> int:
+        return self._zch_size
+
+    def buckets(self) -> int:
+        return self._buckets
+
+    def input_size(self) -> int:
+        return self._input_hash_size
+
+    # -- the history and the eviction (Note [sharded managed collisions]) -------------------------
+
+    def _per_rank_lengths(self, feature: JaggedTensor) -> torch.Tensor:
+        """(world, features of the table): every rank's id count per feature in this call; the
+        collection hands them over from its id check's gather (Note [sharded managed
+        collisions]), else one all_gather here."""
+        lengths, self._lengths = self._lengths, None
+        if lengths is None:  # the collection passes lengths per key as the weights
+            per_key = feature.weights().to(torch.int64).view(-1)
+            lengths = all_gather(per_key, group=self._group, world=self._world, what="managed-collision id counts")
+        return lengths
+
+    def _record(self, feature: JaggedTensor) -> None:
+        """Keeps this rank's ids that torchrec's history buffer would keep of the global batch,
+        and how many every rank kept."""
+        table = self._per_rank_lengths(feature)
+        self._lengths = table  # the remap of this call reads them too
+        if self._history_size == -1:
+            self._history_size = int(int(table.sum()) * self._eviction_interval * 1.25)
+        free = self._history_size - self._history_offset
+        totals = table.sum(0)
+        starts = totals.cumsum(0) - totals + table.cumsum(0) - table  # each rank's first global place
+        keep = (free - starts).clamp(min=0).minimum(table)  # (world, features)
+        values = feature.values().to(torch.int64)
+        pieces = [chunk[:k] for chunk, k in zip(torch.split(values, table[self._rank].tolist()), keep[self._rank].tolist())]
+        kept = torch.cat(pieces) if pieces else values[:0]
+        self._history.append((kept, torch.full_like(kept, self._current_iter)))
+        self._history_counts = self._history_counts + keep.sum(1)
+        self._whole_batch_kept = bool((keep == table).all())
+        self._history_offset += min(int(totals.sum()), free)
+
+    def _coalesce_and_evict(self) -> None:
+        ids = torch.cat([v for v, _ in self._history]) if self._history else torch.empty(0, dtype=torch.int64)
+        iters = torch.cat([i for _, i in self._history]) if self._history else ids
+        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        access = torch.zeros_like(counts).scatter_reduce_(0, inverse, iters, reduce="amax", include_self=False)
+        rows = gather_rows(torch.stack([unique, counts, access], 1), bound=int(self._history_counts.max()),
+                           group=self._group, world=self._world, what="a managed-collision interval's unique ids")  # fmt: skip
+        unique, inverse = torch.unique(rows[:, 0], return_inverse=True)
+        counts = torch.zeros_like(unique).scatter_add_(0, inverse, rows[:, 1])
+        access = torch.zeros_like(unique).scatter_reduce_(0, inverse, rows[:, 2], reduce="amax", include_self=False)
+        self._history, self._history_offset = [], 0
+        self._history_counts = torch.zeros(self._world, dtype=torch.int64)
+        self._update_and_evict(unique, counts, access)
+
+    def _update_and_evict(self, unique: torch.Tensor, counts: torch.Tensor, access: torch.Tensor) -> None:
+        by_count = torch.argsort(counts, descending=True, stable=True)
+        ids, counts, access = unique[by_count], counts[by_count], access[by_count]
+        pos = self._shard.find(ids)
+        slots = torch.where(pos >= 0, self._shard.slots[pos.clamp(min=0)], -1) if pos.numel() else pos
+        all_reduce(slots, group=self._group, what="a managed-collision match", op=dist.ReduceOp.MAX)
+        mine = pos >= 0
+        self._shard.update_matched(pos[mine], counts[mine], access[mine])
+        self._sentinel["counts"].fill_(MAX)
+        self._sentinel["last_access_iter"].fill_(self._current_iter)
+        new = slots < 0
+        new_ids, new_counts, new_access = ids[new], counts[new], access[new]
+        scores = self._shard.scores(self._current_iter)
+        lowest = self._shard.lowest(new_ids.numel(), scores)
+        mine_rows = torch.stack([self._shard.slots[lowest], self._shard.raw[lowest], as_bits(scores[lowest])], 1)
+        rows = gather_rows(mine_rows, bound=min(new_ids.numel(), self._most_slots), group=self._group,
+                           world=self._world, what="a managed-collision table's lowest entries")  # fmt: skip
+        new_scores = self._scoring.scores(self._current_iter, new_counts, new_access)
+        evicted, selected = decide(from_bits(rows[:, 2], scores), rows[:, 1], rows[:, 0], new_scores)
+        self._shard.assign(evicted, new_ids[selected], new_counts[selected], new_access[selected], lowest)
+        # every id of the interval's slot after the eviction, the same on every rank: the remap
+        # of this call reads it when the history kept the whole batch
+        slots[torch.isin(slots, evicted)] = -1
+        slots[new.nonzero().view(-1)[selected]] = evicted
+        by_id = torch.argsort(ids)
+        self._interval_slots = (ids[by_id], slots[by_id])
+        evicted = evicted + self._output_global_offset
+        if self._evicted:
+            self._evicted_emb_indices = torch.unique(torch.cat([self._evicted_emb_indices, evicted]))
+        else:
+            self._evicted_emb_indices = evicted
+        self._evicted = True
+
+    def _slots_of(self, feature: JaggedTensor) -> torch.Tensor:
+        values = feature.values()
+        known, self._interval_slots = self._interval_slots, None
+        lengths, self._lengths = self._lengths, None
+        if known is not None and self._whole_batch_kept:  # every id of the batch is in `known`
+            ids, slots = known
+            mine = slots[torch.searchsorted(ids, values)] if values.numel() else values.clone()
+        else:
+            if lengths is None:
+                lengths = self._per_rank_lengths(feature)
+            unique = torch.unique(values).to(torch.int64)
+            ids = torch.unique(gather_rows(unique.view(-1, 1), bound=int(lengths.sum(1).max()), group=self._group,
+                                           world=self._world, what="a managed-collision batch's unique ids"))  # fmt: skip
+            slots = self._shard.slots_of(ids)
+            all_reduce(slots, group=self._group, what="a managed-collision remap", op=dist.ReduceOp.MAX)
+            mine = slots[torch.searchsorted(ids, values)] if values.numel() else values.clone()
+        out = torch.where(mine >= 0, mine, self._zch_size - 1) + self._output_global_offset
+        return out.to(values.dtype)
+
+    # torchrec's names for the state, for code that reaches it by attribute (DCP's FQN walk):
+    # this rank's share of it, in sorted order; the state_dict holds the whole table.
+    _mch_sorted_raw_ids = property(lambda self: self._shard.raw)
+    _mch_remapped_ids_mapping = property(lambda self: self._shard.slots + self._output_global_offset)
+    _mch_counts = property(lambda self: self._shard.counts)
+    _mch_last_access_iter = property(lambda self: self._shard.access)
+
+    # -- the whole table, in torchrec's layout --------------------------------------------------
+
+    def _load_whole(self, raw: torch.Tensor, mapping: torch.Tensor, metadata: dict[str, torch.Tensor], *, where: str) -> None:
+        slots = mapping.to(torch.int64) - self._output_global_offset
+        last = self._zch_size - 1
+        sentinel = (slots == last).nonzero().view(-1)
+        if sentinel.numel() != 1 or int(raw[sentinel[0]]) != MAX or raw.numel() != self._zch_size:
+            raise CheckpointError(
+                f"managed-collision table {self._name!r} in {where}: slot {last} (the miss slot) "
+                f"must hold no raw id once, as torchrec's MCH module keeps it; the state holds "
+                f"{raw.numel()} entries for zch_size {self._zch_size}. Load a state that torchrec's "
+                "unsharded MCHManagedCollisionModule wrote"
+            )
+        s = int(sentinel[0])
+        for name in self._sentinel:
+            if name in metadata:
+                self._sentinel[name] = metadata[name][s].clone()
+        rest = torch.ones_like(slots, dtype=torch.bool)
+        rest[s] = False
+        self._shard.load(raw[rest], slots[rest], {k: v[rest] for k, v in metadata.items()})
+
+    def _take_history(self, source: MCHManagedCollisionModule) -> None:
+        """A module sharded mid-interval keeps what it recorded (on rank 0, counted once)."""
+        self._history_size = source._input_history_buffer_size
+        self._history_offset = source._current_history_buffer_offset
+        self._history_counts[0] = self._history_offset  # rank 0 holds it
+        if self._history_offset and self._rank == 0:
+            ids = source._history_accumulator[: self._history_offset].clone()
+            iters = source._history_metadata.get("last_access_iter")
+            iters = iters[: self._history_offset].clone() if iters is not None else torch.full_like(ids, self._current_iter)
+            self._history.append((ids, iters))
+
+    def _metadata_names(self) -> list[str]:
+        return [m.metadata_name for m in self._eviction_policy.metadata_info if m.is_mch_metadata]
+
+    def _whole(self) -> dict[str, torch.Tensor]:
+        shard, names = self._shard, self._metadata_names()
+        columns = [shard.raw, shard.slots] + [getattr(shard, "counts" if n == "counts" else "access") for n in names]
+        rows = gather_rows(torch.stack(columns, 1), bound=self._most_slots, group=self._group, world=self._world,
+                           what="a managed-collision table's state")  # fmt: skip
+        by_slot = torch.argsort(rows[:, 1], stable=True)
+        rows = rows[by_slot[torch.argsort(rows[by_slot, 0], stable=True)]]
+        sentinel = torch.tensor([[MAX, self._zch_size - 1] + [int(self._sentinel[n]) for n in names]])
+        rows = torch.cat([rows, sentinel])
+        out = {"_mch_sorted_raw_ids": rows[:, 0].contiguous(),
+               "_mch_remapped_ids_mapping": rows[:, 1] + self._output_global_offset}  # fmt: skip
+        for i, name in enumerate(names):
+            out[_METADATA[name]] = rows[:, 2 + i].contiguous()
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # collective
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, value in self._whole().items():
+            destination[prefix + key] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:  # fmt: skip
+        keys = ["_mch_sorted_raw_ids", "_mch_remapped_ids_mapping"] + [_METADATA[n] for n in self._metadata_names()]
+        absent = [prefix + k for k in keys if prefix + k not in state_dict]
+        missing_keys.extend(absent)
+        if not absent:
+            names = self._metadata_names()
+            self._load_whole(state_dict[prefix + keys[0]], state_dict[prefix + keys[1]],
+                             {n: state_dict[prefix + _METADATA[n]] for n in names}, where=f"the state_dict under {prefix!r}")  # fmt: skip
+        rest = {k: v for k, v in state_dict.items() if k[len(prefix):] not in keys or not k.startswith(prefix)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)

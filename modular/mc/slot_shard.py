@@ -1,0 +1,122 @@
+"""One rank's share of one managed-collision table's collision state: the slots [lo, hi).
+
+Kept as torchrec's `MCHManagedCollisionModule` keeps the whole table, in sorted raw-id order
+(an empty slot holds raw id int64-max; empty slots follow in slot order), with the slot of each
+entry and the policy's metadata beside it: the same bytes per slot as torchrec's, for 1/world of
+the slots (Note [sharded managed collisions] in modular/mc/sharded_mch.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from modular.mc.eviction import MAX, Scoring
+
+__all__ = ["SlotShard"]
+
+
+class SlotShard:
+    """The entries of slots [lo, hi) of one table, sorted by (raw id, slot)."""
+
+    def __init__(self, lo: int, hi: int, scoring: Scoring) -> None:
+        self.lo, self.hi, self.scoring = lo, hi, scoring
+        n = hi - lo
+        self.raw = torch.full((n,), MAX, dtype=torch.int64)
+        self.slots = torch.arange(lo, hi, dtype=torch.int64)
+        self.counts: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.counts else None
+        self.access: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.access else None
+
+    def load(self, raw: torch.Tensor, slots: torch.Tensor, metadata: dict[str, torch.Tensor]) -> None:
+        """Keeps the entries of [lo, hi) from the whole table's (any order)."""
+        mine = (slots >= self.lo) & (slots < self.hi)
+        if int(mine.sum()) != self.hi - self.lo:
+            raise ValueError(f"slots [{self.lo}, {self.hi}) hold {int(mine.sum())} entries, not {self.hi - self.lo}")
+        self.raw, self.slots = raw[mine].clone(), slots[mine].clone()
+        if self.counts is not None:
+            self.counts = metadata["counts"][mine].clone()
+        if self.access is not None:
+            self.access = metadata["last_access_iter"][mine].clone()
+        by_slot = torch.argsort(self.slots, stable=True)
+        self._permute(by_slot)
+        self._resort()
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's position here, or -1 where this rank's slots do not hold it."""
+        if self.raw.numel() == 0:
+            return torch.full_like(ids, -1)
+        pos = torch.searchsorted(self.raw, ids).clamp_(max=self.raw.numel() - 1)
+        return torch.where(self.raw[pos] == ids, pos, -1)
+
+    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's slot, or -1 where this rank's slots do not hold it."""
+        pos = self.find(ids)
+        return torch.where(pos >= 0, self.slots[pos.clamp(min=0)], -1) if pos.numel() else pos
+
+    def update_matched(self, pos: torch.Tensor, counts: torch.Tensor, access: torch.Tensor) -> None:
+        """torchrec's metadata update for ids the table holds: counts add, access is replaced."""
+        if self.counts is not None:
+            self.counts[pos] += counts
+        if self.access is not None:
+            self.access[pos] = access
+
+    def scores(self, current_iter: int) -> torch.Tensor:
+        return self.scoring.scores(current_iter, self.counts, self.access)
+
+    def lowest(self, n: int, scores: torch.Tensor) -> torch.Tensor:
+        """Positions of this rank's `n` lowest entries in torchrec's order (score descending,
+        then sorted position), in no particular order. O(entries): a selection, not a sort."""
+        k = min(n, scores.numel())
+        if k == scores.numel():
+            return torch.arange(k)
+        if k == 0:
+            return torch.empty(0, dtype=torch.int64)
+        kth = torch.kthvalue(scores, k).values
+        below = (scores < kth).nonzero().view(-1)
+        tied = (scores == kth).nonzero().view(-1)  # ascending positions: the last rank lowest
+        return torch.cat([below, tied[tied.numel() - (k - below.numel()):]])
+
+    def assign(self, slots: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, access: torch.Tensor,
+               candidates: torch.Tensor) -> None:  # fmt: skip
+        """New ids take the evicted `slots` (those of [lo, hi), among this rank's `candidates`
+        positions) with their interval metadata; the entries stay sorted (a merge, not a sort)."""
+        mine = (slots >= self.lo) & (slots < self.hi)
+        if not bool(mine.any()):
+            return
+        by_slot = torch.argsort(self.slots[candidates])
+        where = candidates[by_slot]
+        evicted = where[torch.searchsorted(self.slots[where], slots[mine])]
+        new_ids = ids[mine]
+        order = torch.argsort(new_ids)
+        new = [new_ids[order], slots[mine][order], counts[mine][order], access[mine][order]]
+        keep = torch.ones(self.raw.numel(), dtype=torch.bool)
+        keep[evicted] = False
+        kept_raw = self.raw[keep]
+        # Raw ids are distinct between the two (a new id was held by no slot), so each side's
+        # place is its index plus the count of the other side's smaller ids.
+        at_new = torch.searchsorted(kept_raw, new[0]) + torch.arange(new[0].numel())
+        at_kept = torch.searchsorted(new[0], kept_raw) + torch.arange(kept_raw.numel())
+        for name, fresh in zip(("raw", "slots", "counts", "access"), new):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            merged = torch.empty_like(old)
+            merged[at_kept] = old[keep]
+            merged[at_new] = fresh.to(old.dtype)
+            setattr(self, name, merged)
+
+    def held(self) -> int:
+        """How many of this rank's slots hold a raw id."""
+        return int((self.raw != MAX).sum())
+
+    def _resort(self) -> None:
+        # Stable: empty slots (raw int64-max) stay in slot order, as in torchrec's table.
+        self._permute(torch.argsort(self.raw, stable=True))
+
+    def _permute(self, order: torch.Tensor) -> None:
+        self.raw, self.slots = self.raw[order], self.slots[order]
+        if self.counts is not None:
+            self.counts = self.counts[order]
+        if self.access is not None:
+            self.access = self.access[order]

@@ -1,0 +1,100 @@
+"""Installs the split collision state in a managed-collision module's collection, and checks a
+batch's raw ids on every rank before any state changes (Note [sharded managed collisions] in
+modular/mc/sharded_mch.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from modular.comm import all_gather
+from modular.errors import InputError
+from modular.mc.eviction import scoring_for
+from modular.mc.sharded_mch import ShardedMCHModule
+
+__all__ = ["check_ids", "split_collisions", "why_not_split"]
+
+_SPLIT_CLASSES: dict[type, type] = {}
+
+
+def why_not_split(mcc: nn.Module) -> Optional[str]:
+    """None when every collision module of `mcc` can be split exactly; else the reason (the
+    collection then remaps the global batch on every rank, replicated)."""
+    for table, module in mcc._managed_collision_modules.items():
+        if type(module) is not MCHManagedCollisionModule:
+            return f"table {table!r}'s collision module is a {type(module).__name__}, not torchrec's MCHManagedCollisionModule"
+        scoring, reason = scoring_for(module._eviction_policy)
+        if scoring is None:
+            return f"table {table!r}: {reason}"
+        if module._output_global_offset != 0 or module._buckets != 1:
+            return f"table {table!r}'s collision module is already a shard of a table (output offset or buckets)"
+    return None
+
+
+def split_collisions(mcc: nn.Module, group: Optional[ProcessGroup]) -> None:
+    """Replaces each MCH module of `mcc` with a ShardedMCHModule holding this rank's share of its
+    state (FQNs and state_dict keys unchanged), and makes `mcc` check ids on every rank first."""
+    for table in list(mcc._managed_collision_modules):
+        module = mcc._managed_collision_modules[table]
+        scoring, _ = scoring_for(module._eviction_policy)
+        sharded = ShardedMCHModule(module, scoring, group)
+        sharded.train(module.training)
+        mcc._managed_collision_modules[table] = sharded
+    cls = type(mcc)
+    if not getattr(cls, "_modular_split", False):
+        if cls not in _SPLIT_CLASSES:
+            _SPLIT_CLASSES[cls] = type(cls.__name__, (cls,), {
+                "forward": _checked_forward, "_modular_split": True, "__module__": cls.__module__,
+            })  # fmt: skip
+        mcc.__class__ = _SPLIT_CLASSES[cls]
+    mcc._modular_group = group
+
+
+def _checked_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
+    lengths = check_ids(self, features, self._modular_group)
+    keys = features.keys()
+    for table, module in self._managed_collision_modules.items():
+        # each table's id counts per rank, in the order torchrec hands it its features
+        module._lengths = lengths[:, [keys.index(f) for f in self._table_to_features[table]]]
+    return ManagedCollisionCollection.forward(self, features, mutate_miss_lengths=mutate_miss_lengths)
+
+
+def check_ids(mcc: nn.Module, features: KeyedJaggedTensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Raises InputError on every rank, the same, when any rank's batch holds an id that is
+    negative or past its table's `input_hash_size`: one small all_gather, before any state
+    changes. The id named is the first bad one of the global batch (feature by feature, ranks in
+    order), as the unsharded module fed the global batch would see it. Returns every rank's id
+    count per feature, (world, features), gathered with the check."""
+    keys = features.keys()
+    tables = mcc._feature_to_table
+    first = torch.tensor([len(keys), 0, 0], dtype=torch.int64)  # (feature index, id, bound)
+    for k, (key, values) in enumerate(zip(keys, features.values().split(features.length_per_key()))):
+        module = mcc._managed_collision_modules[tables[key]] if key in tables else None
+        bound = getattr(module, "_input_hash_size", None)
+        if values.numel() == 0:
+            continue
+        bad = values < 0
+        if bound is not None:
+            bad |= values >= bound
+        if bool(bad.any()):
+            first = torch.tensor([k, int(values[bad][0]), -1 if bound is None else bound], dtype=torch.int64)
+            break
+    world = dist.get_world_size(group)
+    per_key = torch.tensor(features.length_per_key(), dtype=torch.int64)
+    found = all_gather(torch.cat([first, per_key]), group=group, world=world, what="a check of managed-collision ids")
+    k = int(found[:, 0].min())
+    if k == len(keys):
+        return found[:, 3:]
+    rank = int((found[:, 0] == k).nonzero()[0, 0])
+    value, bound = int(found[rank, 1]), int(found[rank, 2])
+    raise InputError(
+        f"managed-collision feature {keys[k]!r}: rank {rank}'s batch has id {value}, outside "
+        f"[0, input_hash_size={None if bound < 0 else bound}) of table {tables.get(keys[k], keys[k])!r}; "
+        "hash raw ids into that range before the model"
+    )

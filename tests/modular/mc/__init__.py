@@ -1,0 +1,1 @@
+"""Tests of modular/mc/, managed collisions with their state split across ranks."""

@@ -25,9 +25,9 @@ What it costs: the collision state is replicated, not split across ranks (every 
 of it, and every rank remaps the global batch: its work and the gather's bytes grow with the
 world size). So this is the fallback, for collision modules that modular cannot split exactly
 (not torchrec's MCH module, a threshold filter); torchrec's MCH modules get their state split
-(Note [sharded managed collisions] in modular/mc/sharded_mch.py). Checks on the global batch are the
-same on every rank, so a bad id (negative, or past the table's `input_hash_size`) raises the
-same `InputError` everywhere before any state changes. A plan naming the collision collection
+(Note [sharded managed collisions] in modular/mc/sharded_mch.py). Both paths check ids with the
+split path's `check_ids` (one small gather first), so a bad id (negative, or past the table's
+`input_hash_size`) raises the same `InputError` everywhere before any state changes. A plan naming the collision collection
 itself is refused: it holds no table.
 """
 
@@ -43,13 +43,13 @@ from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.errors import InputError, ShardingError
-from modular.mc.split import split_collisions, why_not_split
+from modular.comm import all_gather
+from modular.mc.split import check_ids, split_collisions, why_not_split, with_forward
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["check_not_managed", "managed_owner", "remap_globally"]
 
-_GLOBAL_CLASSES: dict[type, type] = {}
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[str, Optional[nn.Module], str]:
@@ -97,23 +97,15 @@ def remap_globally(owner: nn.Module, group: Optional[ProcessGroup]) -> None:
         return
     logger.info("managed collisions of %s: state replicated on every rank, not split: %s",
                 type(owner).__name__, reason)
-    cls = type(mcc)
-    if getattr(cls, "_modular_global", False):
-        mcc._modular_group = group
-        return
-    if cls not in _GLOBAL_CLASSES:
-        _GLOBAL_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": _global_forward, "_modular_global": True, "__module__": cls.__module__,
-        })  # fmt: skip
-    mcc.__class__ = _GLOBAL_CLASSES[cls]
+    with_forward(mcc, _global_forward, "_modular_global")
     mcc._modular_group = group
 
 
 def _global_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
     group = self._modular_group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_ids(self, features, group)  # the split path's check: the same error on every rank
     whole, strides = _gather(features, group, world)
-    _check_ids(self, whole, strides)
     remapped = super(type(self), self).forward(whole, mutate_miss_lengths=mutate_miss_lengths)
     return _slice(remapped, strides, rank)
 
@@ -128,9 +120,7 @@ def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTenso
     lengths = kjt.lengths().long()
     values = kjt.values().long()
     head = torch.tensor([stride, values.numel(), int(variable), int(weights is not None)], dtype=torch.int64)
-    heads = [torch.empty_like(head) for _ in range(world)]
-    dist.all_gather(heads, head, group=group)
-    meta = torch.stack(heads).tolist()
+    meta = all_gather(head, group=group, world=world, what="a gather of managed-collision batch sizes").tolist()
     if any(m[2] for m in meta):
         bad = [r for r, m in enumerate(meta) if m[2]]
         raise InputError(
@@ -142,14 +132,13 @@ def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTenso
         raise InputError(f"managed-collision features {list(keys)}: some ranks pass per-sample "
                          "weights and others do not; pass them on every rank or on none")
     n_keys = len(keys)
-    longest = max(n_keys * m[0] + m[1] * (2 if m[3] else 1) for m in meta)
+    longest = max(1, *(n_keys * m[0] + m[1] * (2 if m[3] else 1) for m in meta))  # gloo: non-empty
     mine = [lengths, values]
     if weights is not None:
         mine.append(weights.float().view(torch.int32).long())
     payload = torch.cat(mine)
     payload = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
-    payloads = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(payloads, payload, group=group)
+    payloads = all_gather(payload, group=group, world=world, what="a gather of managed-collision raw ids")
     per_key_lengths: list[list[torch.Tensor]] = [[] for _ in keys]
     per_key_values: list[list[torch.Tensor]] = [[] for _ in keys]
     per_key_weights: list[list[torch.Tensor]] = [[] for _ in keys]
@@ -172,32 +161,6 @@ def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTenso
         stride=sum(m[0] for m in meta),
     )  # fmt: skip
     return whole, [m[0] for m in meta]
-
-
-def _check_ids(mcc: nn.Module, whole: KeyedJaggedTensor, strides: list[int]) -> None:
-    """Raises InputError, the same on every rank (it reads the global batch), for an id that is
-    negative or past its table's `input_hash_size`, before the remap changes any state."""
-    modules = mcc._managed_collision_modules
-    tables = getattr(mcc, "_feature_to_table", {})
-    for key in whole.keys():
-        module = modules[tables[key]] if key in tables else None
-        bound = getattr(module, "_input_hash_size", None)
-        values = whole[key].values()
-        if values.numel() == 0:
-            continue
-        low, high = int(values.min()), int(values.max())
-        if low >= 0 and (bound is None or high < bound):
-            continue
-        lengths = whole[key].lengths()
-        bad = (values < 0) | (values >= bound if bound is not None else torch.zeros_like(values, dtype=torch.bool))
-        sample = int(torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[bad.nonzero()[0, 0]])
-        edges = torch.tensor(strides).cumsum(0)
-        rank = int((edges <= sample).sum())
-        raise InputError(
-            f"managed-collision feature {key!r}: rank {rank}'s batch has id "
-            f"{int(values[bad][0])}, outside [0, input_hash_size={bound}) of table "
-            f"{tables.get(key, key)!r}; hash raw ids into that range before the model"
-        )
 
 
 def _slice(kjt: KeyedJaggedTensor, strides: list[int], rank: int) -> KeyedJaggedTensor:

@@ -18,9 +18,9 @@ from modular.errors import InputError
 from modular.mc.eviction import scoring_for
 from modular.mc.sharded_mch import ShardedMCHModule
 
-__all__ = ["check_ids", "split_collisions", "why_not_split"]
+__all__ = ["check_ids", "split_collisions", "why_not_split", "with_forward"]
 
-_SPLIT_CLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, str], type] = {}
 
 
 def why_not_split(mcc: nn.Module) -> Optional[str]:
@@ -46,14 +46,23 @@ def split_collisions(mcc: nn.Module, group: Optional[ProcessGroup]) -> None:
         sharded = ShardedMCHModule(module, scoring, group)
         sharded.train(module.training)
         mcc._managed_collision_modules[table] = sharded
-    cls = type(mcc)
-    if not getattr(cls, "_modular_split", False):
-        if cls not in _SPLIT_CLASSES:
-            _SPLIT_CLASSES[cls] = type(cls.__name__, (cls,), {
-                "forward": _checked_forward, "_modular_split": True, "__module__": cls.__module__,
-            })  # fmt: skip
-        mcc.__class__ = _SPLIT_CLASSES[cls]
+    with_forward(mcc, _checked_forward, "_modular_split")
     mcc._modular_group = group
+
+
+def with_forward(module: nn.Module, forward, marker: str) -> None:
+    """Gives `module` a subclass of its class whose `forward` is `forward`, marked by the class
+    attribute `marker` (once: a module already marked keeps its class). The subclass keeps the
+    class's name and module, so state_dict keys and reprs stay torchrec's; one per (class,
+    marker), made on first use."""
+    cls = type(module)
+    if getattr(cls, marker, False):
+        return
+    if (cls, marker) not in _SUBCLASSES:
+        _SUBCLASSES[cls, marker] = type(cls.__name__, (cls,), {
+            "forward": forward, marker: True, "__module__": cls.__module__,
+        })  # fmt: skip
+    module.__class__ = _SUBCLASSES[cls, marker]
 
 
 def _checked_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:

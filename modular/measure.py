@@ -192,7 +192,7 @@ def _features(family: str, kind: str, n: int, rows: int, dim: int, pooling: int,
     plan = ShardingPlan(world_size=world, modules={"": _probe_plan(kind, n, world)})
     zero = KernelRate(0.0, 0.0, 0.0)
     quiet = dataclasses.replace(comm, kernels={f: zero for f in FAMILIES}, step_fixed=0.0,
-                                kernel_fixed=0.0, sent_id=0.0, received_column=0.0)  # fmt: skip
+                                kernel_fixed=0.0, sent_id=0.0)  # fmt: skip
     fast = dataclasses.replace(quiet, all_to_all_bandwidth=1e30, all_reduce_bandwidth=1e30,
                                all_to_all_latency=0.0, all_reduce_latency=0.0)  # fmt: skip
 

@@ -21,7 +21,7 @@ the cost model then prices each part of a step with what was measured:
 - what a step costs beyond the kernels and the wire: a fixed part (Python, checks, the
   collectives' latencies, a kernel call), `kernel_fixed` for each further kind of shard a rank
   holds (each runs its own kernels), one all-reduce's latency for data-parallel tables, and
-  the rank's own batch: routing per id it sends and arrival per pooled column it receives.
+  the rank's own batch: routing per id it sends.
   These are fitted on probe steps of modular at the job's world size, as what the parts above
   leave unexplained. They go into each rank's `fixed` (`RankStats.fixed`): the search places
   tables with the per-table parts, and the step's prediction adds them.
@@ -89,9 +89,8 @@ class Calibration:
     device: str
     # What a rank spends on its own batch beyond the kernels and the wire, fitted on probe steps
     # at the job's world size: routing (checks, bucketing, permutations) per id it sends (an id
-    # sent to k column pieces counts k times), and arrival per pooled column it receives.
+    # sent to k column pieces counts k times).
     sent_id: float = 0.0
-    received_column: float = 0.0
     host: str = ""
     measured_at: float = 0.0  # seconds since the epoch
     versions: Mapping[str, str] = field(default_factory=dict)
@@ -106,7 +105,7 @@ class Calibration:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise CalibrationError(f"{self._where}{name} must be a positive number, got {value!r}")
         for name in ("all_to_all_latency", "all_reduce_latency", "step_fixed", "kernel_fixed",
-                     "sent_id", "received_column"):
+                     "sent_id"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise CalibrationError(f"{self._where}{name} must be a number >= 0, got {value!r}")

@@ -95,13 +95,13 @@ def fixed_seconds(plan: ShardingPlan, table_set: TableSet, topology: Topology,
     """Each rank's fixed cost of a step under calibrated prices (Note [calibrated prices] in
     planners/calibration.py): the measured fixed part, `kernel_fixed` for each kind of shard
     beyond the first that the rank holds, one all-reduce's latency where any table is
-    data-parallel, and its own batch's routing and arrival (the same on every rank: each sends
-    its batch's ids to every piece and receives every table's columns). All 0 uncalibrated."""
+    data-parallel, and its own batch's routing (the same on every rank: each sends its batch's
+    ids to every piece that looks them up). All 0 uncalibrated."""
     cal, world = topology.calibration, topology.world_size
     if cal is None:
         return [0.0] * world
     kinds: list[set[ShardingType]] = [set() for _ in range(world)]
-    sent = columns = 0.0
+    sent = 0.0
     for fqn, table in table_set:
         placement = plan.placement(fqn, table.name)
         kind = placement.sharding_type
@@ -114,13 +114,10 @@ def fixed_seconds(plan: ShardingPlan, table_set: TableSet, topology: Topology,
         for s in shards:
             kinds[s.rank].add(kind)
         ids = sum(p * f for p, f in zip(table.pooling_factors, table.batch_fractions))
-        bags = ids if table.sequence else sum(table.batch_fractions)
         copies = len(shards) if kind is ShardingType.COLUMN_WISE else 1
-        partial = len(shards) if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
         sent += batch_size * ids * copies
-        columns += batch_size * bags * table.embedding_dim * partial
     data_parallel = any(ShardingType.DATA_PARALLEL in k for k in kinds)
-    own_batch = cal.sent_id * sent + cal.received_column * columns
+    own_batch = cal.sent_id * sent
     return [
         cal.step_fixed + cal.kernel_fixed * max(len(k) - 1, 0) + own_batch
         + (cal.all_reduce_latency if data_parallel else 0.0)

@@ -25,7 +25,7 @@ RATES = {
 def _calibration(**changes) -> Calibration:
     fields = dict(kernels=RATES, all_to_all_latency=200e-6, all_to_all_bandwidth=1e9,
                   all_reduce_latency=300e-6, all_reduce_bandwidth=1e9, stream_bandwidth=20e9,
-                  step_fixed=3e-3, kernel_fixed=1e-3, sent_id=5e-9, received_column=0.0,
+                  step_fixed=3e-3, kernel_fixed=1e-3, sent_id=5e-9,
                   world_size=2, threads_per_rank=1, backend="gloo", device="cpu", host="h",
                   measured_at=1.0e9)  # fmt: skip
     return Calibration(**{**fields, **changes})

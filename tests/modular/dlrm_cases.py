@@ -88,15 +88,15 @@ class Batch(NamedTuple):
     labels: torch.Tensor
 
 
-def dlrm_batch(step: int, rank: int) -> Batch:
+def dlrm_batch(step: int, rank: int, size: int = DLRM_BATCH) -> Batch:
     g = torch.Generator().manual_seed(1000 * step + rank)
     rows = {f"f_{c.name[2:]}": c.num_embeddings for c in dlrm_tables()}
-    lengths = [torch.randint(0, 4, (DLRM_BATCH,), generator=g) for _ in DLRM_FEATURES]
+    lengths = [torch.randint(0, 4, (size,), generator=g) for _ in DLRM_FEATURES]
     values = [torch.randint(0, rows[f], (int(n.sum()),), generator=g) for f, n in zip(DLRM_FEATURES, lengths)]
     return Batch(
-        dense=torch.randn(DLRM_BATCH, DLRM_DENSE_IN, generator=g),
+        dense=torch.randn(size, DLRM_DENSE_IN, generator=g),
         sparse=KeyedJaggedTensor(keys=list(DLRM_FEATURES), values=torch.cat(values), lengths=torch.cat(lengths)),
-        labels=torch.randint(0, 2, (DLRM_BATCH,), generator=g).float(),
+        labels=torch.randint(0, 2, (size,), generator=g).float(),
     )
 
 

@@ -15,29 +15,12 @@ import torch.nn.functional as F
 import modular
 from tests.dist import run_on_ranks
 from tests.modular.compare import ATOL, assert_weights_match
-from tests.modular.dlrm_cases import (
-    DLRM_DENSE_IN, DLRM_FEATURES, DLRM_LR, MLP, Batch, build_dlrm, dlrm_tables, global_dlrm_batch,
-    mixed_plan,
-)
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from tests.modular.dlrm_cases import DLRM_LR, MLP, Batch, build_dlrm, dlrm_batch, global_dlrm_batch, mixed_plan
 
 TIMEOUT = 120.0
 STEPS = 4
 # Batch sizes per step and rank: unequal everywhere, and rank 1 has none in step 2.
 SIZES = ((3, 6, 2), (5, 1, 4), (2, 0, 7), (4, 7, 1))
-
-
-def _batch(step: int, rank: int) -> Batch:
-    size = SIZES[step][rank]
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    rows = {f"f_{c.name[2:]}": c.num_embeddings for c in dlrm_tables()}
-    lengths = [torch.randint(0, 4, (size,), generator=g) for _ in DLRM_FEATURES]
-    values = [torch.randint(0, rows[f], (int(n.sum()),), generator=g) for f, n in zip(DLRM_FEATURES, lengths)]
-    return Batch(
-        dense=torch.randn(size, DLRM_DENSE_IN, generator=g),
-        sparse=KeyedJaggedTensor(keys=list(DLRM_FEATURES), values=torch.cat(values), lengths=torch.cat(lengths)),
-        labels=torch.randint(0, 2, (size,), generator=g).float(),
-    )
 
 
 def _rank_loss(model, batch: Batch) -> torch.Tensor:
@@ -58,7 +41,7 @@ def _train(wrapper: str) -> list[tuple[float, float]]:
     ref_opt = torch.optim.SGD(s.ref.parameters(), lr=DLRM_LR)
     curve = []
     for step in range(STEPS):
-        batches = [_batch(step, r) for r in range(world)]
+        batches = [dlrm_batch(step, r, SIZES[step][r]) for r in range(world)]
         loss = _rank_loss(s.forward, batches[rank])
         loss.backward()
         # The reference: one forward over the global batch, its per-sample losses averaged

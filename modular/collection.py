@@ -45,6 +45,7 @@ from modular.routing.variable_batch import (
 from modular.tables.forms import TensorType
 from modular.tables.layout import RankLayout
 from modular.tables.weights import check_widths_off_cpu
+from modular.tiered.module_hooks import watch_tiers, with_row_prefetch
 
 __all__ = ["CollectionOptions", "EAGER_REASON", "ShardedCollection", "ShardedCollectionModule"]
 
@@ -138,7 +139,8 @@ class ShardedCollection:
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         if self.prefetcher is None:
-            self.prefetcher = Prefetcher(self.input_dist, self.make_exchange, at=self.at)
+            dist = with_row_prefetch(self.input_dist, self.shards.kernels)  # Note [tiered prefetch]
+            self.prefetcher = Prefetcher(dist, self.make_exchange, at=self.at)
         self.prefetcher.start(features)
 
     def make_exchange(self, group: Optional[ProcessGroup]) -> IdsExchange:
@@ -292,6 +294,8 @@ class ShardedCollectionModule(nn.Module):
         self._sharded = sharded
         tables = nn.ModuleDict(sharded.build_tables(self.kind.weights_source(source)))
         setattr(self, self.kind.tables_attr, tables)
+        if any(k.group.tiered for k in sharded.shards.kernels):  # Note [tiered tables]
+            watch_tiers(self, sharded.shards.sync_tiers)
 
     @classmethod
     def unsharded(

@@ -25,6 +25,7 @@ from modular.tables.init import init_shards
 from modular.tables.replicas import copy_from_first_replica
 from modular.tables.layout import KernelGroup, RankLayout, kernel_groups
 from modular.tables.weights import ShardedTable, table_weight
+from modular.tiered.kernel import TieredKernel
 
 __all__ = ["LocalShards", "ShardFill"]
 
@@ -97,12 +98,21 @@ class LocalShards:
         return kernel
 
     def views(self) -> dict[tuple[str, int], torch.Tensor]:
-        """Every local shard's weights, by (table, shard index)."""
+        """Every local shard's weights, by (table, shard index); a tiered shard's are its
+        store's, made current (Note [tiered tables])."""
+        self.sync_tiers()
         views = {}
         for k in (*self.kernels, *self.local_kernels):
             for key, view in zip(k.group.shards, k.views):
                 views[key] = view
         return views
+
+    def sync_tiers(self) -> None:
+        """Writes the tiered kernels' dirty cached rows back and empties their caches, so that
+        their stores (the tables' weights and fused state) can be read and written."""
+        for k in self.kernels:
+            if isinstance(k, TieredKernel):
+                k.sync()
 
     def build_tables(
         self,

@@ -123,8 +123,12 @@ def shard(
         if plan.world_size != world:
             raise ShardingError(groups.shard_size_message(plan.world_size, world))
         targets = _find_targets(model, plan)
-        check_tiers(plan, [fqn for fqn, _ in targets], device, tier_dir)  # Note [tiered tables]
         resolved = {fqn: resolve_placements(fqn, ebc, plan, world, device) for fqn, ebc in targets}
+        check_tiers(  # Note [tiered tables]
+            plan, targets, resolved, device, tier_dir, fused_of=_fused_of,
+            read_tables=lambda fqn, m: kind_of(m).read_tables(m, fqn),
+            replicated=groups.replicas is not None,
+        )  # fmt: skip
         fqns = [fqn for fqn, _ in targets]
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)
         wires = per_module(comm_dtype, fqns, "comm_dtype", None)
@@ -154,7 +158,7 @@ def shard(
         kind = kind_of(ebc)
         at = RankLayout.build(
             kind.read_tables(ebc, fqn), placements, shards, module=fqn, group=process_group,
-            device=device, local=False, replicas=groups.replicas,
+            device=device, local=False, replicas=groups.replicas, tier_dir=tier_dir,
         )  # fmt: skip
         sharded = sharded_class(kind)(
             ebc, at, fused=fused, output_dtype=outputs[fqn], comm_dtype=wires[fqn],

@@ -29,6 +29,8 @@ from modular.fused.emulated import EmulatedFusedKernel
 from modular.fused.fbgemm import FusedKernel
 from modular.fused.moments import MomentUpdates
 from modular.tables.layout import KernelGroup, RankLayout
+from modular.tiered.build import tiered_kernel
+from modular.tiered.kernel import TieredKernel
 from planners.types import ShardingType
 
 __all__ = ["FusedTables"]
@@ -68,6 +70,10 @@ class FusedTables:
         """The fused kernel `choice` names (`choose_kernel`) for one kernel group."""
         device, config = self.at.device, self.config
         kernel: Kernel
+        if group.tiered:  # Note [tiered tables]; `shard` refused tiers on any other kernel
+            if choice.kernel is not KernelKind.FBGEMM or choice.across_replicas:
+                raise AssertionError(f"a tiered kernel group got {choice}")
+            return tiered_kernel(group, sizes, at=self.at, config=config, steps=self.steps)
         if choice.kernel is KernelKind.FBGEMM:
             return FusedKernel(group, sizes, device, config, steps=self.steps)
         if choice.kernel is KernelKind.ADAM:
@@ -125,9 +131,12 @@ class FusedTables:
             )
 
     def states(self) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
-        """Every local shard's optimizer state, keyed by (table, shard index)."""
+        """Every local shard's optimizer state, keyed by (table, shard index); a tiered shard's
+        is its store's, made current (Note [tiered tables])."""
         out = {}
         for k in (*self.kernels, *self.local_kernels):
+            if isinstance(k, TieredKernel):
+                k.sync()
             for key, st in zip(k.group.shards, k.states):
                 out[key] = st
         return out

@@ -58,8 +58,11 @@ def _weight_grads(
         width = route.shard.num_cols
         lo, hi = cuts[r], cuts[r + 1]
         if hi > lo:
-            table = kernel.views[kernel.group.feature_table_map[i]]
-            rows = torch.Tensor.detach(table).index_select(0, values[lo:hi].long()).float()
+            t = kernel.group.feature_table_map[i]
+            if hasattr(kernel, "cached_rows"):  # a tier's rows are in its cache (Note [tiered tables])
+                rows = kernel.cached_rows(t, values[lo:hi]).float()
+            else:
+                rows = torch.Tensor.detach(kernel.views[t]).index_select(0, values[lo:hi].long()).float()
             bag = bag_of[lo:hi]
             g = grad[bag - r * bags, col:col + width]
             out[lo:hi] = (rows * g).sum(1)

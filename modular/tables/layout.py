@@ -78,6 +78,7 @@ class Route:
     pooling: Pooling  # the kernel's pooling (SUM for row-split MEAN tables, divided on arrival)
     column_piece: bool = False  # one of several column-wise shards of its table
     dtype: torch.dtype = torch.float32  # its table's weights' dtype: one kernel holds one dtype
+    tiered: bool = False  # on a tier: kernel groups of its own (Note [tiered tables])
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Layout:
     features: tuple[str, ...]  # the KJT keys the EBC consumes, in first-use order
     outputs: tuple[Output, ...]
     # global, ordered by (destination rank, pooling, dtype, odd width, column piece, sequence
-    # width, table, shard, output): see build_layout and kernel_groups
+    # width, tier, table, shard, output): see build_layout and kernel_groups
     routes: tuple[Route, ...]
     local: tuple[Route, ...]  # data-parallel lookups, done on every rank from its own batch
 
@@ -191,6 +192,7 @@ def build_layout(
                 pooling=pooling,
                 column_piece=column_piece,
                 dtype=tables[t].dtype,
+                tiered=getattr(placements[t], "cache_load_factor", None) is not None,
             )
             if kind is ShardingType.DATA_PARALLEL:
                 if spec.rank == rank:
@@ -209,7 +211,8 @@ def build_layout(
     routes.sort(
         key=lambda r: (
             r.shard.rank, pooling_order[r.pooling], _dtype_order(r), _odd_width(r),
-            r.column_piece, _nobag_width(r), first_output[r.table], r.shard_index, r.output,
+            r.column_piece, _nobag_width(r), r.tiered, first_output[r.table], r.shard_index,
+            r.output,
         )
     )  # fmt: skip
     local.sort(
@@ -241,6 +244,8 @@ class KernelGroup:
     @property
     def dim(self) -> int:
         return sum(r.shard.num_cols for r in self.routes)
+
+    tiered = property(lambda self: self.routes[0].tiered, doc="Note [tiered tables]")
 
 
 def _dtype_order(route: Route) -> int:
@@ -292,6 +297,7 @@ def kernel_groups(routes: tuple[Route, ...]) -> tuple[KernelGroup, ...]:
             and _odd_width(routes[end]) == _odd_width(head)
             and routes[end].column_piece == head.column_piece
             and _nobag_width(routes[end]) == _nobag_width(head)
+            and routes[end].tiered == head.tiered
         ):
             end += 1
         members = routes[start:end]
@@ -333,6 +339,7 @@ class RankLayout:
     local: bool  # a one-process module that never communicates (`unsharded`)
     # The replica axis of a 2D layout (modular/tables/replicas.py); None in 1D.
     replicas: Optional[Replicas] = None
+    tier_dir: Optional[str] = None  # where tiered shards' files go (Note [tiered tables])
 
     @classmethod
     def build(
@@ -346,6 +353,7 @@ class RankLayout:
         device: torch.device,
         local: bool,
         replicas: Optional[Replicas] = None,
+        tier_dir: Optional[str] = None,
     ) -> RankLayout:
         """The layout of `tables` under `placements` / `shards`, seen from this rank of `group`
         (a `local` module is a world of one that never communicates)."""
@@ -360,7 +368,7 @@ class RankLayout:
         )
         return cls(
             layout=layout, module=module, rank=rank, world=world, group=group, device=device,
-            local=local, replicas=replicas,
+            local=local, replicas=replicas, tier_dir=tier_dir,
         )  # fmt: skip
 
     @classmethod

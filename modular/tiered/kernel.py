@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -32,82 +34,136 @@ class TierStats:
 
 
 class TieredKernel:
-    """`FusedKernel` on caches of `cache_rows[t]` slots per kernel table; `stores[t]` hold all
-    rows and state (filled by the caller). `tables[t]` names each for errors and stats."""
+    """`FusedKernel` on caches of `cache_rows[t]` slots per kernel table over `stores[t]`, which
+    hold every row and its state. `views` and `states` are the stores' (what the module's table
+    weights and the fused optimizer's state alias); `sync` makes them current. `tables[t]` names
+    each kernel table for errors and stats."""
 
-    def __init__(self, group, sizes, device, config, *, tables, cache_rows, stores, policy) -> None:
+    def __init__(
+        self, group, sizes, device, config, *, tables: list[str], cache_rows: list[int],
+        stores: list[RowStore], policies: list[str], steps=None,
+    ) -> None:  # fmt: skip
         if device.type != "cpu":
             raise NotImplementedError("tiered tables run on CPU only so far (Note [tiered tables])")
-        self.sizes, self.tables, self.stores = list(sizes), list(tables), list(stores)
-        cached = [(c, cols) for c, (_, cols) in zip(cache_rows, sizes)]
-        self.inner = FusedKernel(group, cached, device, config)
-        self.ftm = torch.tensor(group.feature_table_map, dtype=torch.int64)
-        self.maps = [SlotMap(t, r, c, policy) for t, (r, _), c in zip(tables, sizes, cache_rows)]
+        self.group, self.sizes, self.config, self.device = group, list(sizes), config, device
+        self.tables, self.stores, self._steps = list(tables), list(stores), steps
+        self.views = [torch.nn.Parameter(s.weights, requires_grad=False) for s in stores]
+        self.states = [dict(s.states) for s in stores]
+        self.maps = [SlotMap(t, r, c, p) for t, (r, _), c, p in zip(tables, sizes, cache_rows, policies)]
         self.stats = [TierStats(cache_rows=c) for c in cache_rows]
-        self.state_names = config.optimizer.state_names()
+        self.ftm = torch.tensor(group.feature_table_map, dtype=torch.int64)
+        self.inner = self._cache(cache_rows)
+        self.nobag = self.inner.nobag
+        # A background prefetch (Note [tiered prefetch]) against `sync` from the caller's thread.
+        self._lock = threading.Lock()
 
-    def _state(self, t: int) -> list[torch.Tensor]:
-        """Table t's state tensors as (cache_rows, width) views."""
-        return [s.view(s.shape[0], -1) for s in self.inner.states[t].values()]
+    def _cache(self, cache_rows: list[int]) -> FusedKernel:
+        sizes = [(c, cols) for c, (_, cols) in zip(cache_rows, self.sizes)]
+        return FusedKernel(self.group, sizes, self.device, self.config, steps=self._steps)
 
-    def _move(self, t: int, ids: torch.Tensor, *, step: bool) -> torch.Tensor:
+    def _grow(self, t: int, need: int) -> None:
+        """Table t's cache takes `need` slots at least: a step's distinct rows must all be in
+        it at once. Rebuilt larger, the cached rows and state copied as they are (slots keep
+        their numbers); only ever from a forward, never while a backward updates the cache."""
+        old = self.inner
+        rows = [m.cache_rows for m in self.maps]
+        rows[t] = max(need, math.ceil(rows[t] * 1.25))
+        warnings.warn(
+            f"tiered table {self.tables[t]!r}: a step looks up {need} distinct rows of a shard "
+            f"whose cache has {self.maps[t].cache_rows} slots; the cache grows to {rows[t]} slots "
+            "(raise its cache_load_factor to start there)",
+            stacklevel=4,
+        )
+        self.inner = self._cache(rows)
+        for u, m in enumerate(self.maps):
+            n = m.cache_rows
+            self.inner.views[u].data[:n] = old.views[u].data
+            for name, x in self.inner.states[u].items():
+                x[:n] = old.states[u][name]
+        self.maps[t].grow(rows[t])
+        self.stats[t].cache_rows = rows[t]
+
+    def _cached(self, t: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Table t's cache: weights and state, as `.data` so that filling a slot does not bump
+        the version of the tensors fbgemm's forward saved for its backward (a prefetch writes
+        other slots between a step's forward and backward: Note [tiered prefetch])."""
+        return self.inner.views[t].data, {n: x.data for n, x in self.inner.states[t].items()}
+
+    def _move(self, t: int, ids: torch.Tensor, *, step: bool) -> Optional[torch.Tensor]:
+        if step and ids.numel() > self.maps[t].cache_rows:
+            self._grow(t, ids.numel())
         moves = self.maps[t].assign(ids, step=step)
-        weights, states = self.inner.views[t].data, self._state(t)
+        if moves is None:  # a prefetch that does not fit: its step reads the rows itself
+            return None
+        cache, states = self._cached(t)
         store, stats = self.stores[t], self.stats[t]
-        cols = weights.shape[1]
         if moves.evict_ids.numel():
             order = torch.argsort(moves.evict_ids)
             s = moves.evict_slots[order]
-            store.write(moves.evict_ids[order], torch.cat([weights[s], *(x[s] for x in states)], 1))
+            store.write(moves.evict_ids[order], cache[s], {n: x[s] for n, x in states.items()})
             stats.rows_written_back += moves.evict_ids.numel()
         if moves.load_ids.numel():
             order = torch.argsort(moves.load_ids)
-            s, records = moves.load_slots[order], store.read(moves.load_ids[order])
-            weights[s] = records[:, :cols].to(weights.dtype)
-            at = cols
-            for x in states:
-                x[s] = records[:, at : at + x.shape[1]]
-                at += x.shape[1]
+            s = moves.load_slots[order]
+            rows, loaded = store.read(moves.load_ids[order])
+            cache[s] = rows.to(cache.dtype)
+            for name, x in states.items():
+                x[s] = loaded[name]
             stats.rows_fetched += moves.load_ids.numel()
         if step:
             stats.hits += moves.hits
             stats.misses += ids.numel() - moves.hits
         return moves.slots
 
-    def _renumber(
-        self, indices: torch.Tensor, offsets: torch.Tensor, *, step: bool
-    ) -> torch.Tensor:
-        features = self.ftm.numel()
-        bags = (offsets.numel() - 1) // features
+    def _tables_of(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Each id's kernel table (every route holds the same number of bags)."""
+        bags = (offsets.numel() - 1) // self.ftm.numel()
         lengths = offsets[1:] - offsets[:-1]
-        table_of = self.ftm.repeat_interleave(bags).repeat_interleave(lengths)
+        return self.ftm.repeat_interleave(bags).repeat_interleave(lengths)
+
+    def _renumber(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        table_of = self._tables_of(offsets)
         out = torch.empty_like(indices)
-        for t in range(len(self.maps)):
-            mask = table_of == t
-            ids, inverse = torch.unique(indices[mask].long(), return_inverse=True)
-            out[mask] = self._move(t, ids, step=step)[inverse].to(indices.dtype)
+        with self._lock:
+            for t in range(len(self.maps)):
+                mask = table_of == t
+                ids, inverse = torch.unique(indices[mask].long(), return_inverse=True)
+                out[mask] = self._move(t, ids, step=True)[inverse].to(indices.dtype)
         return out
 
+    def prefetch_rows(self, ids: list[torch.Tensor]) -> None:
+        """Brings rows `ids[t]` of each kernel table (a coming step's) into the cache, beside
+        the current step's; a table whose free slots cannot take them is left to its step."""
+        with self._lock:
+            for t, rows in enumerate(ids):
+                self._move(t, torch.unique(rows.long()), step=False)
+
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Brings the rows of a coming batch into the caches; its step then misses none."""
-        self._renumber(indices, offsets, step=False)
+        """`prefetch_rows` for a coming lookup of this kernel."""
+        table_of = self._tables_of(offsets)
+        self.prefetch_rows([indices[table_of == t] for t in range(len(self.maps))])
 
     def __call__(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        return self.inner(self._renumber(indices, offsets, step=True), offsets, weights)
+        slots = self._renumber(indices, offsets)  # may grow a cache: a new `inner`
+        return self.inner(slots, offsets, weights)
 
-    def flush(self) -> None:
-        """Writes every dirty cached row back (before reading the store as a whole)."""
-        for t, m in enumerate(self.maps):
-            slots = torch.nonzero(m.dirty & (m.id_of >= 0)).flatten()
-            ids = m.id_of[slots]
-            order = torch.argsort(ids)
-            slots, ids = slots[order], ids[order]
-            w = self.inner.views[t].data
-            self.stores[t].write(ids, torch.cat([w[slots], *(x[slots] for x in self._state(t))], 1))
-            self.stats[t].rows_written_back += ids.numel()
-            m.dirty[slots] = False
+    def cached_rows(self, t: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of kernel table t as the current step looks them up (all cached)."""
+        return self.inner.views[t].data[self.maps[t].slot_of[ids.long()]]
+
+    def sync(self) -> None:
+        """Writes every dirty cached row back and empties the caches: the stores (`views`,
+        `states`) are then current, and what is written into them is what the next lookups
+        read."""
+        with self._lock:
+            for t, m in enumerate(self.maps):
+                ids, slots = m.dirty_rows()
+                cache, states = self._cached(t)
+                self.stores[t].write(ids, cache[slots], {n: x[slots] for n, x in states.items()})
+                self.stats[t].rows_written_back += ids.numel()
+                m.clear()
 
     def take_stats(self) -> dict[str, dict[str, int]]:
         out = {t: dataclasses.asdict(s) for t, s in zip(self.tables, self.stats)}

@@ -1,10 +1,11 @@
 """Which cache slot holds which row of a tiered shard, with LRU or LFU replacement (Note [tiered
 tables] in modular/tiered/__init__.py). Bookkeeping: 8 bytes per row of the shard (`slot_of`)
-and 25 bytes per slot (id, use clock, use count, dirty and pinned flags)."""
+and 27 bytes per slot (row, use clock, use count, dirty, pinned and prefetched flags)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -27,42 +28,53 @@ class SlotMap:
     def __init__(self, table: str, rows: int, cache_rows: int, policy: str) -> None:
         if policy not in ("lru", "lfu"):
             raise ValueError(f'table {table!r}: cache_policy is "lru" or "lfu", not {policy!r}')
-        self.table, self.rows, self.cache_rows, self.policy = table, rows, cache_rows, policy
+        self.table, self.rows, self.policy = table, rows, policy
         self.slot_of = torch.full((rows,), -1, dtype=torch.int64)
         self.id_of = torch.full((cache_rows,), -1, dtype=torch.int64)
         self.used = torch.zeros(cache_rows, dtype=torch.int64)  # clock of the last use
         self.count = torch.zeros(cache_rows, dtype=torch.int64)  # uses since loaded (LFU)
         self.dirty = torch.zeros(cache_rows, dtype=torch.bool)
         self.pinned = torch.zeros(cache_rows, dtype=torch.bool)  # a step's rows until its update
+        self.ahead = torch.zeros(cache_rows, dtype=torch.bool)  # prefetched, not yet looked up
         self.clock = 0
 
-    def assign(self, ids: torch.Tensor, *, step: bool) -> Moves:
-        """Slots for the unique `ids`; `step`: a lookup whose update follows (its rows become
-        dirty and stay pinned until the next step), else a prefetch (pinned, added to the pins)."""
-        from modular.errors import InputError
+    @property
+    def cache_rows(self) -> int:
+        return self.id_of.numel()
 
-        if ids.numel() > self.cache_rows:
-            raise InputError(
-                f"table {self.table!r}: a step looks up {ids.numel()} distinct rows of a shard "
-                f"whose cache has {self.cache_rows} slots; raise its cache_load_factor"
-            )
+    def grow(self, cache_rows: int) -> None:
+        """More slots (free), for a step that looks up more distinct rows than there are."""
+        more = cache_rows - self.cache_rows
+        self.id_of = torch.cat([self.id_of, torch.full((more,), -1, dtype=torch.int64)])
+        for name in ("used", "count", "dirty", "pinned", "ahead"):
+            old = getattr(self, name)
+            setattr(self, name, torch.cat([old, torch.zeros(more, dtype=old.dtype)]))
+
+    def assign(self, ids: torch.Tensor, *, step: bool) -> Optional[Moves]:
+        """Slots for the unique `ids`. `step`: a lookup whose update follows: its rows become
+        dirty and stay pinned until the next step (the caller has made room for all of them),
+        and prefetched rows stay unless they leave no room. Else a prefetch: its rows are kept
+        ahead (until a step looks them up) beside the current step's, or None (nothing changed)
+        where the other slots cannot take its missing rows."""
         slots = self.slot_of[ids]
         hit = slots >= 0
         missing = ids[~hit]
         n = missing.numel()
-        keep = self.pinned.clone() if not step else torch.zeros_like(self.pinned)
+        keep = torch.zeros_like(self.pinned) if step else self.pinned | self.ahead
         keep[slots[hit]] = True
+        if step and n <= self.cache_rows - int((keep | self.ahead).sum()):
+            keep |= self.ahead
+        elif step:  # more distinct rows than the slots beside the prefetched ones
+            self.ahead.zero_()
+        if n > self.cache_rows - int(keep.sum()):
+            if step:  # a bug: the caller grows the cache first
+                raise AssertionError(f"table {self.table!r}: {ids.numel()} ids, {self.cache_rows} slots")
+            return None
         if n:
             key = self.used.clone() if self.policy == "lru" else self.count * (1 << 40) + self.used
             key[self.id_of < 0] = -1  # free slots first
             key[keep] = torch.iinfo(torch.int64).max
             victims = torch.topk(key, n, largest=False, sorted=True).indices
-            if bool(keep[victims].any()):
-                raise InputError(
-                    f"table {self.table!r}: the prefetched and current steps look up more distinct "
-                    f"rows than the shard's cache has slots ({self.cache_rows}); raise its "
-                    "cache_load_factor"
-                )
             old = self.id_of[victims]
             gone = (old >= 0) & self.dirty[victims]
             evict_ids, evict_slots = old[gone], victims[gone]
@@ -80,5 +92,25 @@ class SlotMap:
         if step:
             self.dirty[slots] = True
             self.pinned.zero_()
-        self.pinned[slots] = True
+            self.pinned[slots] = True
+            self.ahead[slots] = False
+        else:
+            self.ahead[slots] = True
         return Moves(slots, int(hit.sum()), evict_ids, evict_slots, missing, victims)
+
+    def dirty_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) of the dirty cached rows, by row."""
+        slots = torch.nonzero(self.dirty & (self.id_of >= 0)).flatten()
+        ids = self.id_of[slots]
+        order = torch.argsort(ids)
+        return ids[order], slots[order]
+
+    def clear(self) -> None:
+        """Forgets every cached row (after they were written back): the next lookups read the
+        store, which someone may have written."""
+        self.slot_of[self.id_of[self.id_of >= 0]] = -1
+        self.id_of.fill_(-1)
+        self.dirty.zero_()
+        self.pinned.zero_()
+        self.ahead.zero_()
+        self.count.zero_()

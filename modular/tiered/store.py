@@ -3,42 +3,58 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 import torch
 
 __all__ = ["RowStore"]
 
-_CHUNK_ROWS = 65536  # rows per chunk when a store is filled: never the whole shard in memory
-
 
 class RowStore:
-    """All rows of one shard and their optimizer state, in a float32 file `path`: one record of
-    `cols + state_width` floats per row (the row's weights, then its state)."""
+    """All rows of one shard and their fused optimizer state, in float32 files on local disk:
+    `<prefix>.weight.npy` (rows, cols) and one `<prefix>.<state>.npy` per state, its shape in
+    `state_shapes` ((rows,) for a per-row statistic, (rows, cols) per element). The files are
+    mapped into memory (numpy memmaps): `weights` and `states` are tensors over them, which the
+    module's table weight and the fused optimizer's state alias, so that reading or writing them
+    goes through the page cache, never an anonymous copy of the shard. A row and its state move
+    together (`read`, `write`). The files (and their directory,
+    once empty) are removed when the store is collected."""
 
-    def __init__(self, path: str, rows: int, cols: int, state_width: int) -> None:
-        self.path, self.rows, self.cols, self.state_width = path, rows, cols, state_width
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.records = np.lib.format.open_memmap(
-            path, mode="w+", dtype=np.float32, shape=(rows, cols + state_width)
-        )
+    def __init__(
+        self, prefix: str, rows: int, cols: int, state_shapes: dict[str, tuple[int, ...]]
+    ) -> None:
+        self.prefix, self.rows, self.cols = prefix, rows, cols
+        os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+        self.paths: list[str] = []
+        self.weights = self._file("weight", (rows, cols))
+        self.states = {name: self._file(name, shape) for name, shape in state_shapes.items()}
+        weakref.finalize(self, _remove, list(self.paths))
 
-    def fill(self, weights: torch.Tensor, state: torch.Tensor | None) -> None:
-        """Writes initial rows (and state, (rows, state_width)) chunk by chunk."""
-        for lo in range(0, self.rows, _CHUNK_ROWS):
-            hi = min(lo + _CHUNK_ROWS, self.rows)
-            self.records[lo:hi, : self.cols] = weights[lo:hi].detach().float().cpu().numpy()
-            if self.state_width:
-                self.records[lo:hi, self.cols :] = state[lo:hi].float().cpu().numpy()
+    def _file(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        path = f"{self.prefix}.{name}.npy"
+        self.paths.append(path)
+        # A new file of zeros (sparse on disk until written): fbgemm's fused states start at 0.
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+        return torch.from_numpy(array)
 
-    def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """The records of `ids` (sorted reads: the file is read in order)."""
-        return torch.from_numpy(np.ascontiguousarray(self.records[ids.numpy()]))
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rows `ids` (sorted, so that the files are read in order) and their state."""
+        return self.weights[ids], {name: s[ids] for name, s in self.states.items()}
 
-    def write(self, ids: torch.Tensor, records: torch.Tensor) -> None:
-        self.records[ids.numpy()] = records.numpy()
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        self.weights[ids] = rows.to(self.weights.dtype)
+        for name, s in self.states.items():
+            s[ids] = states[name]
 
-    def chunks(self, chunk_rows: int = _CHUNK_ROWS):
-        """(first row, records) in bounded chunks, for saving without the whole shard."""
-        for lo in range(0, self.rows, chunk_rows):
-            yield lo, torch.from_numpy(np.array(self.records[lo : min(lo + chunk_rows, self.rows)]))
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:  # already gone (the directory was cleaned up first)
+            pass
+    try:  # the directory `tiered_kernel` made, once its last store is gone
+        os.rmdir(os.path.dirname(paths[0]))
+    except OSError:
+        pass

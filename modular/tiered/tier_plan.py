@@ -3,13 +3,19 @@ modular/tiered/__init__.py)."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from modular.errors import ShardingError
+from modular.fused.choice import emulation_reason
+from planners.types import ShardingType
 
 __all__ = ["check_tiers", "tiered_tables"]
+
+_RESIDENT = 'drop cache_load_factor from its constraints to train it resident'
 
 
 def tiered_tables(plan, fqns: list[str]) -> list[str]:
@@ -22,11 +28,16 @@ def tiered_tables(plan, fqns: list[str]) -> list[str]:
     ]
 
 
-def check_tiers(plan, fqns: list[str], device: torch.device, tier_dir: Optional[str]) -> None:
-    """Raises ShardingError (inside `shard`'s agreement, so on every rank) naming the tiered
-    tables: without `tier_dir` on CPU; and, until the tiered kernel is built by `shard`, always
-    (docs/tiered_tables.md, "Not done yet") rather than train them resident behind the user's
-    back."""
+def check_tiers(
+    plan, targets: list[tuple[str, object]], resolved: dict, device: torch.device,
+    tier_dir: Optional[str], *, fused_of, read_tables, replicated: bool,
+) -> None:  # fmt: skip
+    """Raises ShardingError (inside `shard`'s agreement, so on every rank) naming a tiered table
+    that cannot be built as planned: without `tier_dir` on CPU, off CPU, unfused, under an
+    optimizer or a kernel that the tier does not wrap (fbgemm's fused CPU kernels only),
+    data-parallel, in a 2D layout, or not FP32. `resolved[fqn]` is (placements, shards);
+    `fused_of(module)` its FusedConfig or None; `read_tables(fqn, module)` its TableInfos."""
+    fqns = [fqn for fqn, _ in targets]
     tables = tiered_tables(plan, fqns)
     if not tables:
         return
@@ -36,7 +47,61 @@ def check_tiers(plan, fqns: list[str], device: torch.device, tier_dir: Optional[
             f"the plan puts tables {named} on a tier (cache_load_factor), whose rows CPU ranks "
             "keep in files: pass modular.shard(..., tier_dir=DIR), a directory on local disk"
         )
-    raise ShardingError(
-        f"the plan puts tables {named} on a tier (cache_load_factor), which modular.shard does not "
-        "build yet (docs/tiered_tables.md); drop cache_load_factor from their constraints"
-    )
+    if device.type == "cpu":
+        _check_dir(tier_dir)
+    if device.type != "cpu":
+        raise ShardingError(
+            f"the plan puts tables {named} on a tier (cache_load_factor), which modular builds on "
+            f"CPU ranks only so far (docs/tiered_tables.md), not on {device.type}"
+        )
+    if replicated:
+        raise ShardingError(
+            f"the plan puts tables {named} on a tier (cache_load_factor), which a 2D layout does "
+            "not take yet (docs/tiered_tables.md): shard over one group"
+        )
+    for fqn, module in targets:
+        placements, shards = resolved[fqn]
+        infos = {t.name: t for t in read_tables(fqn, module)}
+        for name, p in sorted(placements.items()):
+            if getattr(p, "cache_load_factor", None) is None:
+                continue
+            _check_table(f"{fqn}.{name}" if fqn else name, p, shards[name], infos[name], fused_of(module))
+
+
+def _check_dir(tier_dir: str) -> None:
+    """`tier_dir` exists (made if missing) and takes files, on this rank."""
+    try:
+        os.makedirs(tier_dir, exist_ok=True)
+        if not os.access(tier_dir, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise ShardingError(
+            f"tier_dir {tier_dir!r} cannot hold the tiered tables' files on rank {rank}: {e}; "
+            "pass a writable directory on local disk"
+        ) from e
+
+
+def _check_table(table: str, placement, shards, info, fused) -> None:
+    def refuse(why: str) -> None:
+        raise ShardingError(f"tiered table {table!r}: {why} (docs/tiered_tables.md); {_RESIDENT}")
+
+    if fused is None:
+        refuse("its rows and their update live in the cache, so it trains with a fused optimizer: "
+               "call modular.fuse_optimizer(model, ...) before shard")  # fmt: skip
+    if placement.sharding_type is ShardingType.DATA_PARALLEL:
+        refuse("a data-parallel table is a copy on every rank, not shards a tier can hold")
+    if info.dtype != torch.float32:
+        refuse(f"tiers hold FP32 tables so far, not {info.dtype}")
+    emulated = emulation_reason(
+        device_type="cpu", optimizer=fused.optimizer, weight_decay=fused.weight_decay,
+        widths=tuple(s.num_cols for s in shards), deferred=None,
+    )  # fmt: skip
+    if emulated is not None:
+        refuse(f"the tier wraps fbgemm's fused CPU kernels (exact_sgd, exact_adagrad, "
+               f"exact_rowwise_adagrad), and this table would take the torch emulation: {emulated}")  # fmt: skip
+    pieces = placement.sharding_type is ShardingType.COLUMN_WISE and len(shards) > 1
+    if pieces and fused.optimizer.whole_row_statistics() and not fused.per_shard_rows:
+        refuse(f"its column pieces share whole rows' statistic under {fused.optimizer.value}, "
+               "which the tier does not wrap yet; pass column_wise_statistic='per_shard' to "
+               "fuse_optimizer, or plan it table-wise or row-wise")  # fmt: skip

@@ -370,6 +370,7 @@ class ShardedCollectionModule(nn.Module):
     output_dtype = property(lambda self: self._sharded.options.output_dtype)
     comm_dtype = property(lambda self: self._sharded.options.comm_dtype)
     tensor_type = property(lambda self: self._sharded.options.tensor_type)
+    tier_dir = property(lambda self: self._sharded.at.tier_dir, doc="Note [tiered tables]")
 
     # What tests and benchmarks inspect: this rank's kernels and its prefetcher.
     _kernels = property(lambda self: self._sharded.shards.kernels)

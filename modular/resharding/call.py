@@ -8,6 +8,7 @@ import warnings
 import weakref
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -30,13 +31,14 @@ from modular.sharding import agree_on_plan, resolve_placements
 from modular.tables.layout import RankLayout
 from modular.tables.replicas import Replicas
 from modular.tables.weights import check_widths_off_cpu
+from modular.tiered.tier_plan import check_tiers
 from planners.types import ShardingPlan
 
 __all__ = ["reshard"]
 
 
 @labelled(RESHARD)  # Note [profiler labels] in modular/profiling.py
-def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
+def reshard(model: nn.Module, plan: ShardingPlan, *, tier_dir: Optional[str] = None) -> nn.Module:
     """Moves the sharded EBCs and EmbeddingCollections that `plan` names to its placements, in
     memory and in place, and returns `model`. Call it on every rank with the same plan, between
     training steps, at the world size the model was sharded on (in 2D, `shard(..., mesh=mesh)`,
@@ -60,6 +62,10 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     Adagrad's, does not move); a `FusedOptimizer` keeps working. A batch prefetched for a
     rebuilt module (`modular.prefetch`) is dropped: the next forward runs its input dist under
     the new layout.
+
+    Tables the plan puts on a tier (`cache_load_factor`, Note [tiered tables]) move in and out
+    of their stores like any shard; their files go under `tier_dir`, by default the one the
+    model was sharded with.
 
     Off CPU the old shards of the kernels a rank rebuilds can be copied to host memory and freed
     on the device before the new ones are built, and given their bytes back if the reshard
@@ -85,14 +91,14 @@ def reshard(model: nn.Module, plan: ShardingPlan) -> nn.Module:
         raise ShardingError(f"plan must be a planners.ShardingPlan, got {type(plan).__name__}")
     if not dist.is_initialized():
         raise ShardingError("modular.reshard needs the process group the model was sharded on")
-    moves, names, group, agreement = _agreed_moves(model, plan)
+    moves, names, group, agreement = _agreed_moves(model, plan, tier_dir)
     if moves:
         _move(model, moves, names, group, agreement)
     return model
 
 
 def _agreed_moves(
-    model: nn.Module, plan: ShardingPlan
+    model: nn.Module, plan: ShardingPlan, tier_dir: Optional[str]
 ) -> tuple[list[ModuleMove], dict[int, list[str]], Optional[ProcessGroup], Optional[ProcessGroup]]:
     """The moves of the modules `plan` changes, once every rank agreed on it (collective), with
     the names each moving module is registered under (by move index), their (shard) group and
@@ -121,11 +127,19 @@ def _agreed_moves(
             replica_sync="exact" if replicas is None else replicas.sync.value,
             call="modular.reshard", stacklevel=4,  # past the label's wrapper
         )  # fmt: skip
+        resolved = {fqn: resolve_placements(fqn, m, plan, world, m.device) for fqn, m in targets}
+        tier_dir = tier_dir or next((m.tier_dir for _, m in targets if m.tier_dir), None)
+        check_tiers(  # Note [tiered tables]
+            plan, targets, resolved, targets[0][1].device if targets else torch.device("cpu"),
+            tier_dir, fused_of=lambda m: m.fused, read_tables=lambda fqn, m: m.kind.read_tables(m, fqn),
+            replicated=replicas is not None,
+        )  # fmt: skip
         for fqn, module in targets:
-            placements, shards = resolve_placements(fqn, module, plan, world, module.device)
+            placements, shards = resolved[fqn]
             at = RankLayout.build(
                 module.kind.read_tables(module, fqn), placements, shards, module=fqn,
                 group=group, device=module.device, local=False, replicas=replicas,
+                tier_dir=tier_dir,
             )  # fmt: skip
             if module.device.type != "cpu":  # what the build would refuse, refused before moving
                 check_widths_off_cpu(at.layout, fqn, module.device)

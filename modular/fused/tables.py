@@ -71,7 +71,7 @@ class FusedTables:
         device, config = self.at.device, self.config
         kernel: Kernel
         if group.tiered:  # Note [tiered tables]; `shard` refused tiers on any other kernel
-            if choice.kernel is not KernelKind.FBGEMM or choice.across_replicas:
+            if choice.kernel not in (KernelKind.FBGEMM, KernelKind.ADAM) or choice.across_replicas:
                 raise AssertionError(f"a tiered kernel group got {choice}")
             return tiered_kernel(group, sizes, at=self.at, config=config, steps=self.steps)
         if choice.kernel is KernelKind.FBGEMM:
@@ -119,7 +119,8 @@ class FusedTables:
         """The Adam family's end of backward (Note [fused Adam and LAMB]): its emulated kernels'
         updates, and on a rank holding no piece of its column-wise tables, their exchanges."""
         every = (*self.kernels, *self.local_kernels)
-        kernels = [k for k in every if isinstance(k, AdamFusedKernel)]
+        # a tiered kernel's cache kernel, through the tiered one (Note [tiered tables])
+        kernels = [k for k in every if isinstance(getattr(k, "inner", k), AdamFusedKernel)]
         if kernels or (self.column_rowwise and not self.at.local):
             copies = {id(k) for k in self.local_kernels} if self.at.world > 1 else set()
             moments = MomentUpdates(

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from modular.fused.adam import AdamFusedKernel
 from modular.fused.fbgemm import FusedKernel
 from modular.tiered.slots import SlotMap
 from modular.tiered.store import RowStore
@@ -57,9 +58,19 @@ class TieredKernel:
         # A background prefetch (Note [tiered prefetch]) against `sync` from the caller's thread.
         self._lock = threading.Lock()
 
-    def _cache(self, cache_rows: list[int]) -> FusedKernel:
+    def _cache(self, cache_rows: list[int]):
+        """The kernel over the caches: fbgemm's fused TBE, or the Adam family's emulation
+        (Note [fused Adam and LAMB]), whose end-of-backward update reaches it through this
+        kernel (`__getattr__`), so that a grown cache is the one updated."""
         sizes = [(c, cols) for c, (_, cols) in zip(cache_rows, self.sizes)]
+        if self.config.optimizer.adam_family():
+            return AdamFusedKernel(self.group, sizes, self.device, self.config, steps=self._steps)
         return FusedKernel(self.group, sizes, self.device, self.config, steps=self._steps)
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not built yet
+            raise AttributeError(name)
+        return getattr(self.inner, name)  # the cache kernel's update and its pending gradients
 
     def _grow(self, t: int, need: int) -> None:
         """Table t's cache takes `need` slots at least: a step's distinct rows must all be in

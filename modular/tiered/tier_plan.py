@@ -97,11 +97,12 @@ def _check_table(table: str, placement, shards, info, fused) -> None:
         device_type="cpu", optimizer=fused.optimizer, weight_decay=fused.weight_decay,
         widths=tuple(s.num_cols for s in shards), deferred=None,
     )  # fmt: skip
-    if emulated is not None:
+    if emulated is not None and not fused.optimizer.adam_family():  # the Adam family's is wrapped
         refuse(f"the tier wraps fbgemm's fused CPU kernels (exact_sgd, exact_adagrad, "
-               f"exact_rowwise_adagrad), and this table would take the torch emulation: {emulated}")  # fmt: skip
+               f"exact_rowwise_adagrad) and the Adam family's, and this table would take the "
+               f"torch emulation of {fused.optimizer.value}: {emulated}")  # fmt: skip
     pieces = placement.sharding_type is ShardingType.COLUMN_WISE and len(shards) > 1
     if pieces and fused.optimizer.whole_row_statistics() and not fused.per_shard_rows:
+        per_shard = "pass column_wise_statistic='per_shard' to fuse_optimizer, or " if fused.optimizer.rowwise() else ""
         refuse(f"its column pieces share whole rows' statistic under {fused.optimizer.value}, "
-               "which the tier does not wrap yet; pass column_wise_statistic='per_shard' to "
-               "fuse_optimizer, or plan it table-wise or row-wise")  # fmt: skip
+               f"which the tier does not wrap yet; {per_shard}plan it table-wise or row-wise")  # fmt: skip

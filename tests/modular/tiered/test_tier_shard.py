@@ -40,7 +40,7 @@ RW, TW, DP, CW = (ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.D
 @pytest.mark.parametrize("with_dir, optimizer, kind, cols, says", [
     (False, "exact_sgd", RW, 8, r"tables t_sum on a tier .* pass modular\.shard\(\.\.\., tier_dir=DIR\)"),
     (True, None, RW, 8, r"tiered table 't_sum': .* trains with a fused optimizer: call modular\.fuse_optimizer"),
-    (True, "adam", TW, 8, r"tiered table 't_sum': the tier wraps fbgemm's fused CPU kernels .* adam on CPU"),
+    (True, "lamb", CW, 8, r"tiered table 't_sum': its column pieces share whole rows' statistic under lamb, .*; plan it table-wise"),
     (True, "exact_sgd", TW, 6, r"tiered table 't_sum': .* shard width 6 is not a multiple of 4"),
     (True, "exact_sgd", DP, 8, r"tiered table 't_sum': a data-parallel table is a copy on every rank"),
     (True, "exact_rowwise_adagrad", CW, 8, r"tiered table 't_sum': its column pieces share whole rows' statistic"),

@@ -142,6 +142,10 @@ CASES = [
     Case("twrw", "exact_rowwise_adagrad", 1.0),
     Case("rw", "exact_rowwise_adagrad", 0.05, prefetch=True),
     Case("cw", "exact_sgd", 0.05, "lfu", prefetch=True, resident=("t_b",)),
+    Case("rw", "adam", 0.02),
+    Case("tw", "partial_rowwise_adam", 0.1, "lfu"),
+    Case("twrw", "lamb", 0.05, prefetch=True),
+    Case("cw", "partial_rowwise_lamb", 0.05, resident=("t_c",)),
 ]
 
 

@@ -12,13 +12,15 @@ __all__ = ["tier_stats"]
 
 
 def tier_stats(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Per tiered table of `model`: cache_rows, hits, misses, rows_fetched, rows_written_back since
-    the last call (empty when no table is tiered)."""
+    """Per tiered table of `model` (this rank's shards of it, summed): cache_rows, hits, misses,
+    rows_fetched, rows_written_back since the last call (empty when no table is tiered)."""
     out: dict[str, dict[str, int]] = {}
     for fqn, module in sharded_modules(model):
-        fused = getattr(getattr(module, "shards", None), "fused_tables", None)
-        for kernel in getattr(fused, "kernels", ()):
+        fused = module.fused_tables
+        for kernel in () if fused is None else fused.kernels:
             if isinstance(kernel, TieredKernel):
                 for table, counts in kernel.take_stats().items():
-                    out[f"{fqn}.{table}" if fqn else table] = counts
+                    mine = out.setdefault(f"{fqn}.{table}" if fqn else table, dict.fromkeys(counts, 0))
+                    for key, n in counts.items():  # a rank's shards of one table, summed
+                        mine[key] += n
     return out

@@ -96,14 +96,17 @@ def _compare(case: Case, tier_dir: str) -> dict:
     resident, ropt = _build(case, world, None)
     tiered, topt = _build(case, world, os.path.join(tier_dir, f"w{world}"))
     misses, fetched, stats = [], 0, {}
+    batches = [batch(step, rank) for step in range(STEPS)]  # a prefetched KJT is used as is
     if case.prefetch:
-        modular.prefetch(tiered, batch(0, rank))
+        modular.prefetch(tiered, batches[0])
     for step in range(STEPS):
-        kjt = batch(step, rank)
+        kjt = batches[step]
         if case.prefetch and step + 1 < STEPS:
-            modular.prefetch(tiered, batch(step + 1, rank))
-        a = resident(kjt if not case.prefetch else batch(step, rank)).values()
+            modular.prefetch(tiered, batches[step + 1])
+        a = resident(batch(step, rank)).values()
         b = tiered(kjt).values()
+        if case.prefetch:
+            assert id(kjt) not in tiered._prefetcher._pending, "the step did not take its prefetch"
         assert torch.equal(a, b), f"{case} step {step}: outputs differ"
         stats = modular.tier_stats(tiered)
         misses.append(sum(s["misses"] for s in stats.values()))
@@ -125,8 +128,7 @@ def _compare(case: Case, tier_dir: str) -> dict:
         for key in rstate[name]:
             pairs = zip(_locals(rstate[name][key]), _locals(tstate[name][key]))
             assert all(torch.equal(u, v) for u, v in pairs), f"{case} {name} state {key} differs"
-    tiered_tables = {t for t in stats}
-    return {"misses": misses, "fetched": fetched, "tables": sorted(tiered_tables)}
+    return {"misses": misses, "fetched": fetched, "tables": sorted(stats)}
 
 
 def _cases(cases: list[Case], tier_dir: str) -> list[dict]:
@@ -150,10 +152,17 @@ CASES = [
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_tiered_training_equals_resident(world, tmp_path):
     results = run_on_ranks(world, _cases, CASES, str(tmp_path), timeout=280)
-    for case, got in zip(CASES, results[0]):
+    for case in CASES:  # every table this rank holds a tiered shard of, counted
+        held = set().union(*(r[CASES.index(case)]["tables"] for r in results))
+        assert held == {n for n, *_ in TABLES} - set(case.resident), (case, held)
+    for case, *ranks in zip(CASES, *results):
+        fetched = sum(got["fetched"] for got in ranks)
+        assert fetched > 0, case  # rows came from the stores
         if case.prefetch:  # the first batch was prefetched before any step: nothing missed
-            assert sum(got["misses"]) == 0, (case, got)
+            assert all(sum(got["misses"]) == 0 for got in ranks), (case, ranks)
+        elif case.factor < 1:
+            assert sum(sum(got["misses"]) for got in ranks) > 0, case
     assert not os.listdir(tmp_path / f"w{world}"), "the stores' files outlive their models"

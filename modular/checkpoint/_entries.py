@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from modular.kinds import KINDS
 from modular.tables.forms import global_size, is_sharded, laid_out_like, local_pieces
+from modular.tiered.store import file_backed_like
 
 MODEL = "model."
 OPTIM = "optim."
@@ -171,14 +172,18 @@ def like_sharded(
 def empty_like(value: Any, dtype: Optional[torch.dtype] = None) -> Any:
     """A fresh buffer with the layout of `value`, for DCP to read into."""
     if is_sharded(value):
-        tensors = [
-            torch.empty(p.sizes, dtype=dtype or p.tensor.dtype, device=p.tensor.device)
-            for p in local_pieces(value)
-        ]
+        tensors = [_fresh(p.tensor, p.sizes, dtype or p.tensor.dtype) for p in local_pieces(value)]
         return like_sharded(value, tensors, dtype)
     if isinstance(value, torch.Tensor):  # an FSDP2 DTensor stays a DTensor
         return torch.empty_like(value.detach(), dtype=dtype)
     return value  # a non-tensor entry: DCP replaces it
+
+
+def _fresh(like: torch.Tensor, sizes, dtype: torch.dtype) -> torch.Tensor:
+    """An empty buffer for one local piece; a tiered shard's in a file beside its store (Note
+    [tiered tables]), so that a load never holds a whole tiered shard in memory."""
+    backed = file_backed_like(like, tuple(sizes), dtype)
+    return backed if backed is not None else torch.empty(sizes, dtype=dtype, device=like.device)
 
 
 def dtype_problem(owner: str, saved: torch.dtype, live: torch.dtype, source: str) -> Optional[str]:

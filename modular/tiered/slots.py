@@ -1,5 +1,5 @@
 """Which cache slot holds which row of a tiered shard, with LRU or LFU replacement (Note [tiered
-tables] in modular/tiered/__init__.py). Bookkeeping: 8 bytes per row of the shard (`slot_of`)
+tables] in modular/tiered/__init__.py). Bookkeeping: 4 bytes per row of the shard (`slot_of`)
 and 27 bytes per slot (row, use clock, use count, dirty, pinned and prefetched flags)."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class SlotMap:
         if policy not in ("lru", "lfu"):
             raise ValueError(f'table {table!r}: cache_policy is "lru" or "lfu", not {policy!r}')
         self.table, self.rows, self.policy = table, rows, policy
-        self.slot_of = torch.full((rows,), -1, dtype=torch.int64)
+        # int32: a cache has fewer than 2**31 slots; 4 bytes for every row of the shard
+        self.slot_of = torch.full((rows,), -1, dtype=torch.int32)
         self.id_of = torch.full((cache_rows,), -1, dtype=torch.int64)
         self.used = torch.zeros(cache_rows, dtype=torch.int64)  # clock of the last use
         self.count = torch.zeros(cache_rows, dtype=torch.int64)  # uses since loaded (LFU)
@@ -79,7 +80,7 @@ class SlotMap:
             gone = (old >= 0) & self.dirty[victims]
             evict_ids, evict_slots = old[gone], victims[gone]
             self.slot_of[old[old >= 0]] = -1
-            self.slot_of[missing] = victims
+            self.slot_of[missing] = victims.to(torch.int32)
             self.id_of[victims] = missing
             self.count[victims] = 0
             self.dirty[victims] = False

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import weakref
 
 import numpy as np
 import torch
 
-__all__ = ["RowStore"]
+__all__ = ["RowStore", "file_backed_like"]
+
+# The directory of each store tensor, by its data pointer, while its store lives.
+_DIRECTORIES: dict[int, str] = {}
 
 
 class RowStore:
@@ -36,7 +40,10 @@ class RowStore:
         self.paths.append(path)
         # A new file of zeros (sparse on disk until written): fbgemm's fused states start at 0.
         array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
-        return torch.from_numpy(array)
+        tensor = torch.from_numpy(array)
+        _DIRECTORIES[tensor.data_ptr()] = os.path.dirname(path) or "."
+        weakref.finalize(self, _DIRECTORIES.pop, tensor.data_ptr(), None)
+        return tensor
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The rows `ids` (sorted, so that the files are read in order) and their state."""
@@ -58,3 +65,19 @@ def _remove(paths: list[str]) -> None:
         os.rmdir(os.path.dirname(paths[0]))
     except OSError:
         pass
+
+
+def file_backed_like(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype):
+    """A new FP32 tensor of `shape` in a file beside `like`'s, where `like` is a store's tensor
+    (None otherwise): what a checkpoint load stages a tiered shard in, instead of anonymous
+    memory of the shard's size. The file is unlinked at once; its pages go with the tensor."""
+    directory = _DIRECTORIES.get(like.data_ptr())
+    if directory is None or dtype != torch.float32:
+        return None
+    fd, path = tempfile.mkstemp(prefix="staging.", suffix=".npy", dir=directory)
+    os.close(fd)
+    try:
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=tuple(shape))
+    finally:
+        os.remove(path)
+    return torch.from_numpy(array)

@@ -4,6 +4,8 @@ from 1% to 100% of the rows, LRU and LFU, with and without prefetch; one process
 
 from __future__ import annotations
 
+import gc
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -102,3 +104,34 @@ def test_step_larger_than_cache_grows_it(tmp_path):
     with pytest.warns(UserWarning, match="tiered table 'a': a step looks up .* the cache grows"):
         _, cache, grown = _run("rowwise_adagrad", 0.005, "lru", False, tmp_path)
     assert cache[0] == 4 and grown[0] > 4, (cache, grown)
+
+
+def _mapping_of(tensor: torch.Tensor) -> str:
+    """The line of /proc/self/maps whose range holds `tensor`'s data."""
+    ptr = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return line.strip()
+    return ""
+
+
+def test_stores_and_load_staging_are_files_not_anonymous_memory(tmp_path):
+    """A store's tensors are mapped from its files, and a checkpoint load stages a tiered
+    shard in a file beside them (unlinked at once), so neither holds the shard in anonymous
+    memory; an ordinary tensor gets no file."""
+    from modular.checkpoint._entries import _fresh
+    from modular.tiered.store import file_backed_like
+
+    store = RowStore(str(tmp_path / "s"), 5000, 16, {"row_sum": (5000,)})
+    assert str(tmp_path / "s.weight.npy") in _mapping_of(store.weights)
+    staged = _fresh(store.weights, (5000, 16), torch.float32)
+    line = _mapping_of(staged)
+    assert "staging." in line and "(deleted)" in line, line
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith("staging.")]
+    assert file_backed_like(torch.zeros(5000, 16), (5000, 16), torch.float32) is None
+    paths = list(store.paths)
+    del store
+    gc.collect()
+    assert not any(os.path.exists(p) for p in paths)

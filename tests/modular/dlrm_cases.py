@@ -144,6 +144,7 @@ def build_dlrm(
     plan: ShardingPlan,
     wrap: Callable[[nn.Module], nn.Module],
     before_shard: Callable[[nn.Module], object] | None = None,
+    tier_dir: str | None = None,
 ) -> DLRMSetup:
     """A seeded DLRM and its reference copy; the copy's tables sharded by `plan`, then `wrap`ped.
     `before_shard` runs on the copy first (e.g. `modular.fuse_optimizer`, which must precede
@@ -153,7 +154,7 @@ def build_dlrm(
     model = copy.deepcopy(ref)
     if before_shard is not None:
         before_shard(model)
-    modular.shard(model, plan)
+    modular.shard(model, plan, tier_dir=tier_dir)
     wrapped = wrap(model)
     return DLRMSetup(model=model, forward=wrapped, ref=ref)
 

@@ -18,6 +18,8 @@ from planners.files import FileFormatError
 from planners.inputs import (
     ColumnWiseStatistic,
     DataType,
+    EvictionPolicy,
+    ManagedCollision,
     Optimizer,
     Table,
     TableConstraint,
@@ -45,7 +47,9 @@ __all__ = [
     "ColumnWiseStatistic",
     "CostModel",
     "DataType",
+    "EvictionPolicy",
     "FileFormatError",
+    "ManagedCollision",
     "NoPlanError",
     "Optimizer",
     "PlanAssumptions",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
 from planners.cost import CostModel, TableArrays
+from planners.mc_cost import collision_price
 from planners.explain import before_candidates, before_search, explain_no_plan
 from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology
 from planners.model_tables import TablesLike, as_table_set, match_constraints
@@ -183,7 +184,8 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
                       comm_dtype=options.comm_dtype, replicas=layout)  # fmt: skip
     cons = match_constraints(table_set, options.constraints, topology.world_size)
     plain = [t for _, t in table_set]
-    base = model.batch_buffer_bytes(TableArrays.of(plain))
+    # the batch, and managed-collision tables' state (Note [pricing managed collisions])
+    base = model.batch_buffer_bytes(TableArrays.of(plain)) + collision_price(plain, model).reserve
     # What no search can overcome fails here, before it (docs/planner.md, "When no plan fits").
     early = before_candidates(table_set, cons, model, base)
     if early is not None:

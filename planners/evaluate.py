@@ -20,6 +20,7 @@ from planners.inputs import (
 from planners.model_tables import (
     TableSet, TablesLike, as_table_set, display_name, match_constraints,
 )  # fmt: skip
+from planners.mc_cost import collision_price
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
 from planners.types import ShardingPlan, ShardingType
@@ -169,7 +170,8 @@ def plan_stats(
                       comm_dtype=comm_dtype, replicas=layout)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)
     plain = [t for _, t in table_set]
-    capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))
+    capacity = (topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))
+                - collision_price(plain, model).reserve)
     candidates = enumerate_candidates(plain, model, cons, capacity, torchrec=torchrec_compatible)
     bound = lower_bound(candidates, topology.world_size)
     return stats_for(plan, table_set, model, bound, plan_seconds,
@@ -190,6 +192,10 @@ def stats_for(
     check_placements(plan, table_set, topology)
     comp, mem, held, per_table, parts_mem = evaluate(plan, table_set, model)
     fixed = fixed_seconds(plan, table_set, topology, model.batch_size)
+    # managed-collision tables: the same on every rank, whatever the plan (Note [pricing
+    # managed collisions] in planners/mc_cost.py)
+    collision = collision_price([t for _, t in table_set], model)
+    mem = mem + collision.state + collision.batch
     ranks = tuple(
         RankStats(
             rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
@@ -198,22 +204,24 @@ def stats_for(
             tables=tuple(sorted(held[r], key=lambda x: (-x[1], x[0]))),
             stat_exchange=float(comp[r, 4]), replica_sync=float(comp[r, 5]),
             **{a: float(parts_mem[r, p]) for p, (a, _, _) in enumerate(MEMORY_PARTS)},
-            fixed=fixed[r],
+            fixed=fixed[r], collision_state=float(collision.state[r]), remap=collision.remap,
         )
         for r in range(topology.world_size)
     )  # fmt: skip
     tables = tuple(
         TableStats(display_name(fqn, t.name), t.num_embeddings, t.embedding_dim,
-                   plan.placement(fqn, t.name).sharding_type, tuple(shards))
+                   plan.placement(fqn, t.name).sharding_type, tuple(shards),
+                   managed_collision=t.managed_collision)
         for (fqn, t), shards in zip(table_set, per_table)
     )  # fmt: skip
     # every rank pays at least the smallest fixed cost, so the bound does too
     bound = bound + min(fixed) if topology.calibration is not None else bound
+    bound += collision.remap  # every rank remaps
     return PlanStats(ranks, bound, topology, model.batch_size, model.optimizer, len(table_set),
                      plan_seconds, column_wise_statistic=model.column_wise_statistic,
                      tables=tables,
                      num_sequence_tables=sum(t.sequence for _, t in table_set),
                      comm_dtype=model.comm_dtype,
                      torchrec_compatible=torchrec_compatible,
-                     replicas=model.replicas)  # fmt: skip
+                     replicas=model.replicas, remap_bytes=collision.received)  # fmt: skip
 

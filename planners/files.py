@@ -1,10 +1,12 @@
 """Reading tables, constraints and plans from files, with one-line errors that say where.
 
 Tables: a YAML or JSON list of records (or {"tables": [...]}) with the fields of `Table`, or a
-CSV file with those fields as columns (lists such as features are ';'-separated in CSV):
+CSV file with those fields as columns (lists such as features are ';'-separated in CSV; a
+`managed_collision` cell is the zch_size):
 
     - {name: t_user, num_embeddings: 10000000, embedding_dim: 128, features: [user_id]}
     - {name: t_geo, num_embeddings: 50000, embedding_dim: 64, batch_fraction: 0.125}
+    - {name: t_raw, num_embeddings: 100000, embedding_dim: 64, managed_collision: {zch_size: 100000}}
 
     name,num_embeddings,embedding_dim,features,pooling_factor,dtype,weighted
     t_user,10000000,128,user_id,1.0,fp32,false
@@ -29,7 +31,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from planners.inputs import DataType, Table, TableConstraint
+from planners.inputs import DataType, ManagedCollision, Table, TableConstraint
 from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingPlan
 
@@ -39,7 +41,7 @@ __all__ = [
 ]  # fmt: skip
 
 _TABLE_FIELDS = ("name", "num_embeddings", "embedding_dim", "features", "pooling_factor",
-                 "dtype", "weighted", "sequence", "batch_fraction")  # fmt: skip
+                 "dtype", "weighted", "sequence", "batch_fraction", "managed_collision")  # fmt: skip
 _CONSTRAINT_FIELDS = (
     "sharding_types", "ranks", "min_shards", "max_shards", "cache_load_factor", "cache_policy",
 )
@@ -207,6 +209,10 @@ def table_from_record(record: Mapping[str, Any]) -> Table:
     if record.get("batch_fraction") not in (None, ""):
         bf = [_float(v, "batch_fraction") for v in _list(record["batch_fraction"])]
         kwargs["batch_fraction"] = bf[0] if len(bf) == 1 else tuple(bf)
+    mc = record.get("managed_collision")
+    if mc not in (None, ""):
+        kwargs["managed_collision"] = ManagedCollision.of(
+            mc if isinstance(mc, Mapping) else _int(mc, "managed_collision"))
     return Table(**kwargs)
 
 

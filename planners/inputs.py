@@ -8,20 +8,23 @@ one 400 Gb/s NIC per GPU); docs/planner.md says where each number comes from.
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 # The optimizer, statistic and dtype vocabularies live beside the record of them a plan carries
 # (planners/assumptions.py); they are re-exported here, where the planner's inputs are.
 from planners.calibration import Calibration
-from planners.assumptions import ColumnWiseStatistic, DataType, Optimizer
+from planners.assumptions import ColumnWiseStatistic, DataType, Optimizer, _parse_member
 from planners.types import PlanError, ShardingType
 
 __all__ = [
     "ColumnWiseStatistic",
     "DataType",
+    "EvictionPolicy",
+    "ManagedCollision",
     "Optimizer",
     "Table",
     "TableConstraint",
@@ -85,6 +88,60 @@ def _positive_float(value: Any, what: str) -> float:
     return float(value)
 
 
+class EvictionPolicy(enum.Enum):
+    """torchrec's MCH eviction policies, by the metadata each keeps per slot (an int64 each)."""
+
+    LRU = "lru"  # last access
+    LFU = "lfu"  # counts
+    DISTANCE_LFU = "distance_lfu"  # counts and last access
+
+    @property
+    def metadata_columns(self) -> int:
+        return 2 if self is EvictionPolicy.DISTANCE_LFU else 1
+
+    @classmethod
+    def parse(cls, value: str | EvictionPolicy) -> EvictionPolicy:
+        return _parse_member(cls, value, "eviction policy")
+
+
+@dataclass(frozen=True)
+class ManagedCollision:
+    """A table behind torchrec's managed-collision module (`MCHManagedCollisionModule`): its
+    features are raw ids, remapped into `zch_size` slots (the table's rows) every step.
+
+        Table("t_user", 1_000_000, 64, managed_collision=ManagedCollision(1_000_000))
+
+    The planner prices its collision state (split by slot range over every rank) and the remap
+    (planners/mc_cost.py); `tables_from_model` reads all three from the model.
+    """
+
+    zch_size: int
+    eviction_interval: int = 1
+    eviction_policy: EvictionPolicy = EvictionPolicy.DISTANCE_LFU
+
+    def __post_init__(self) -> None:
+        _positive_int(self.zch_size, "managed_collision: zch_size")
+        _positive_int(self.eviction_interval, "managed_collision: eviction_interval")
+        object.__setattr__(self, "eviction_policy", EvictionPolicy.parse(self.eviction_policy))
+
+    @classmethod
+    def of(cls, value: ManagedCollision | Mapping[str, Any] | int) -> ManagedCollision:
+        """From a record's value: a zch_size, or a mapping of these fields."""
+        if isinstance(value, ManagedCollision):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - {"zch_size", "eviction_interval", "eviction_policy"})
+            if unknown:
+                raise PlanError(f"managed_collision has no field {unknown[0]!r}; its fields are "
+                                "zch_size, eviction_interval, eviction_policy")  # fmt: skip
+            return cls(**value)
+        return cls(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"zch_size": self.zch_size, "eviction_interval": self.eviction_interval,
+                "eviction_policy": self.eviction_policy.value}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Table:
     """One embedding table as the planner sees it.
@@ -100,7 +157,9 @@ class Table:
     features or one per feature, in (0, 1]) is a feature's average bags per sample: a
     request-level feature deduplicated over 8 candidates of a request has 0.125 (a
     variable-batch KJT, Note [variable batch per feature] in modular/routing/variable_batch.py);
-    lookups and both all-to-alls are priced at that many bags.
+    lookups and both all-to-alls are priced at that many bags. A `managed_collision` table
+    takes raw ids remapped into its `num_embeddings` slots (`ManagedCollision`, whose
+    `zch_size` is the row count, as torchrec requires).
     """
 
     name: str
@@ -112,6 +171,7 @@ class Table:
     weighted: bool = False
     sequence: bool = False
     batch_fraction: float | tuple[float, ...] = 1.0
+    managed_collision: ManagedCollision | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -150,6 +210,15 @@ class Table:
                 f"{where}: a sequence table (an EmbeddingCollection's) takes one bag per sample "
                 "(torchrec's EmbeddingCollection has no variable batch); drop batch_fraction"
             )
+        if self.managed_collision is not None:
+            mc = ManagedCollision.of(self.managed_collision)
+            object.__setattr__(self, "managed_collision", mc)
+            if mc.zch_size != self.num_embeddings:
+                raise PlanError(
+                    f"{where}: managed_collision zch_size {mc.zch_size:_} must equal "
+                    f"num_embeddings {self.num_embeddings:_} (torchrec's ManagedCollisionCollection "
+                    "requires a table of zch_size rows)"
+                )
 
     @property
     def pooling_factors(self) -> tuple[float, ...]:
@@ -177,6 +246,8 @@ class Table:
             "weighted": self.weighted,
             **({"sequence": True} if self.sequence else {}),
             **_fraction_entry(self.batch_fractions),
+            **({"managed_collision": self.managed_collision.to_dict()}
+               if self.managed_collision is not None else {}),  # fmt: skip
         }
 
 

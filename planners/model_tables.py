@@ -11,9 +11,10 @@ Everything is flattened to `TableSet`, an ordered tuple of (module FQN, Table); 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Sequence, Union
 
-from planners.inputs import DataType, Table, TableConstraint
+from planners.inputs import DataType, EvictionPolicy, ManagedCollision, Table, TableConstraint
 from planners.types import PlanError
 
 __all__ = [
@@ -43,6 +44,32 @@ def _is_collision_collection(module: Any) -> bool:
     but holds no table; the tables are its managed-collision module's inner collection
     (modular's Note [managed collisions over the global batch])."""
     return hasattr(module, "_managed_collision_modules")
+
+
+# torchrec's MCH eviction policies by class name (duck-typed, like the rest of this file)
+_POLICIES = {"LRU_EvictionPolicy": EvictionPolicy.LRU, "LFU_EvictionPolicy": EvictionPolicy.LFU,
+             "DistanceLFU_EvictionPolicy": EvictionPolicy.DISTANCE_LFU}  # fmt: skip
+
+
+def _collision_modules(model: Any) -> dict[str, Any]:
+    """{inner collection's FQN: its ManagedCollisionCollection's modules by table name} for
+    every managed-collision EBC/EC of `model` (`<fqn>._embedding_module`)."""
+    out = {}
+    for fqn, module in model.named_modules():
+        mcc = getattr(module, "_managed_collision_collection", None)
+        if mcc is not None and _is_collision_collection(mcc) and hasattr(module, "_embedding_module"):
+            out[f"{fqn}._embedding_module" if fqn else "_embedding_module"] = mcc._managed_collision_modules
+    return out
+
+
+def _managed_collision(module: Any) -> ManagedCollision:
+    """What the planner prices of one table's collision module: its `zch_size`, eviction
+    interval and policy; a module that is not torchrec's MCH (or a policy of another class)
+    is priced as DistanceLFU every call, the most state and work."""
+    policy = _POLICIES.get(type(getattr(module, "_eviction_policy", None)).__name__, EvictionPolicy.DISTANCE_LFU)
+    return ManagedCollision(zch_size=int(module.output_size()),
+                            eviction_interval=int(getattr(module, "_eviction_interval", 1) or 1),
+                            eviction_policy=policy)  # fmt: skip
 
 
 def _is_config(item: Any) -> bool:
@@ -110,12 +137,14 @@ def tables_from_model(
     The model may live on `meta`, and may be an EBC itself (its FQN is ""): only the EBC
     configs are read. A managed-collision module's tables are found under its inner
     collection's FQN ("mc._embedding_module", `zch_size` rows each); its
-    ManagedCollisionCollection holds none and is skipped. Pooling factors are not in the configs, so each feature gets
+    ManagedCollisionCollection holds none and is skipped; each such table carries its
+    `ManagedCollision` (zch_size, eviction interval and policy), which the planner prices. Pooling factors are not in the configs, so each feature gets
     `pooling_factors[feature]` or 1.0; a key that is no feature of the model raises PlanError
     (a typo would otherwise price the feature at 1.0).
     """
     pooling_factors = dict(pooling_factors or {})
     found: dict[str, tuple[Table, ...]] = {}
+    collisions = _collision_modules(model)
     for fqn, module in model.named_modules():
         inside_found = any(not f or fqn.startswith(f + ".") for f in found)  # an EBC's children
         if not _is_ebc(module) or (fqn and inside_found) or _is_collision_collection(module):
@@ -123,7 +152,11 @@ def tables_from_model(
         weighted = bool(module.is_weighted()) if callable(getattr(module, "is_weighted", None)) else False
         sequence = _is_ec(module)
         configs = module.embedding_configs() if sequence else module.embedding_bag_configs()
-        found[fqn] = tuple(_table_of(c, pooling_factors, weighted, sequence) for c in configs)
+        tables = tuple(_table_of(c, pooling_factors, weighted, sequence) for c in configs)
+        if fqn in collisions:  # zch_size is the row count (torchrec checks it)
+            tables = tuple(replace(t, managed_collision=_managed_collision(collisions[fqn][t.name]))
+                           for t in tables)  # fmt: skip
+        found[fqn] = tables
     if not found:
         raise PlanError(
             f"{type(model).__name__} has no EmbeddingBagCollection or EmbeddingCollection (no "

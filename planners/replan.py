@@ -47,6 +47,7 @@ import numpy as np
 
 from planners.api import plan_with_stats
 from planners.cost import CostModel, TableArrays
+from planners.mc_cost import collision_price
 from planners.inputs import (
     ColumnWiseStatistic, DataType, Optimizer, Table, TableConstraint, Topology, format_bytes,
 )  # fmt: skip
@@ -262,7 +263,7 @@ def replan(
                       comm_dtype=comm_dtype)  # fmt: skip
     mover = lambda t, a, b: move_bytes(t, a, b, world, optimizer, statistic)[0].sum()  # noqa: E731
     cost = [0 if a == b else int(mover(t, a, b)) for t, a, b in zip(plain, old, fresh)]
-    base = model.batch_buffer_bytes(TableArrays.of(plain), wire=False)
+    base = model.batch_buffer_bytes(TableArrays.of(plain), wire=False) + collision_price(plain, model).reserve
     old_top = max(sum((table_load(model, t, p)[0] for t, p in zip(plain, old)), np.zeros(world)))
     fresh_top = fresh_result.stats.max_cost
     steps: list[tuple[int, float, float, str]] = []

@@ -14,6 +14,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from planners.cost import CostModel, TableArrays
+from planners.mc_cost import collision_price
 from planners.inputs import Table, TableConstraint, format_bytes
 from planners.model_tables import match_constraints
 from planners.options import Candidates, enumerate_candidates
@@ -75,7 +76,8 @@ def pick_tables(stats: PlanStats, names: Sequence[str] | None, sort: str = "orde
 
 
 def format_tables(stats: PlanStats, tables: Sequence[TableStats]) -> str:
-    """The per-table view: one line per table, largest shard's memory and cost."""
+    """The per-table view: one line per table, largest shard's memory and cost; where any is a
+    managed-collision table, a last column gives each one's zch_size."""
     world = len(stats.ranks)
     unit, scale = time_unit(max((t.max_cost for t in tables), default=stats.max_cost))
     name_w = max([5] + [len(t.name) for t in tables])
@@ -86,7 +88,11 @@ def format_tables(stats: PlanStats, tables: Sequence[TableStats]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows_)) if rows_ else len(h)
               for i, h in enumerate(head)]
     widths[0] = max(widths[0], name_w)
-    left = (True, True, True, True, False, False, False)
+    left = (True, True, True, True, False, False, False, False)
+    if any(t.managed_collision is not None for t in tables):
+        head += ("zch_size",)
+        rows_ = [r + (f"{t.zch_size:_}" if t.zch_size is not None else "-",) for r, t in zip(rows_, tables)]
+        widths.append(max(len(r[-1]) for r in rows_ + [head]))
 
     def line(cells: Sequence[str]) -> str:
         return " ".join(c.ljust(w) if l else c.rjust(w)
@@ -100,13 +106,16 @@ def tables_csv(stats: PlanStats, tables: Sequence[TableStats]) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     parts = ("lookup", "input_dist", "output_dist", "grad_sync", "stat_exchange")
+    mc = any(t.managed_collision is not None for t in tables)  # a zch_size column where any
     w.writerow(("table", "sharding_type", "rank", "row_offset", "num_rows", "col_offset",
-                "num_cols", "memory_bytes", "cost_s", *(p + "_s" for p in parts)))  # fmt: skip
+                "num_cols", "memory_bytes", "cost_s", *(p + "_s" for p in parts))
+               + (("zch_size",) if mc else ()))  # fmt: skip
     for t in tables:
         for s in t.shards:
             w.writerow((t.name, t.sharding_type.value, s.rank, s.row_offset, s.num_rows,
                         s.col_offset, s.num_cols, f"{s.memory:.0f}", f"{s.cost:.9g}",
-                        *(f"{getattr(s, p):.9g}" for p in parts)))  # fmt: skip
+                        *(f"{getattr(s, p):.9g}" for p in parts))
+                       + ((t.zch_size or "",) if mc else ()))  # fmt: skip
     return out.getvalue()
 
 
@@ -207,7 +216,8 @@ def why_lines(stats: PlanStats, tables: Sequence[Table], name: str,
     cons = match_constraints(table_set, constraints, stats.topology.world_size)
     i = next(j for j, t in enumerate(tables) if name in (t.name, stats.tables[j].name))
     chosen = stats.tables[i]
-    room = stats.topology.capacity - model.batch_buffer_bytes(TableArrays.of(list(tables)))
+    room = (stats.topology.capacity - model.batch_buffer_bytes(TableArrays.of(list(tables)))
+            - collision_price(list(tables), model).reserve)
     c = enumerate_candidates([tables[i]], model, [cons[i]], room,
                              torchrec=stats.torchrec_compatible)  # fmt: skip
     slowest = stats.max_cost

@@ -43,6 +43,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from planners.cost import CostModel, TableArrays
+from planners.mc_cost import collision_price
 from planners.inputs import Table, TableConstraint
 from planners.options import Candidates, column_unit, select
 from planners.prices import ShardPrices
@@ -352,7 +353,8 @@ def search(
             pins.append(mask)
     arrays = TableArrays.of(tables)
     p = Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
-                model.batch_buffer_bytes(arrays), ShardPrices(model, arrays))  # fmt: skip
+                model.batch_buffer_bytes(arrays) + collision_price(tables, model).reserve,
+                ShardPrices(model, arrays))  # fmt: skip
     best: tuple[float, tuple[Placement, ...]] | None = None
     first_unplaced: tuple[int, ...] = ()
     seen: set[bytes] = set()

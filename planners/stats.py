@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planners.cost import COMPONENTS
-from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, Topology, format_bytes
+from planners.inputs import (
+    ColumnWiseStatistic, DataType, ManagedCollision, Optimizer, Topology, format_bytes,
+)  # fmt: skip
 from planners.options import lower_bound
 from planners.replicas import Replicas
 from planners.types import PlanError, ShardingType
@@ -64,12 +66,17 @@ class RankStats:
     # Calibrated only (Note [calibrated prices] in planners/calibration.py): the step's fixed
     # cost on this rank (Python, checks, collectives' latencies, kernel calls); 0 by default.
     fixed: float = 0.0
+    # Managed-collision tables (Note [pricing managed collisions] in planners/mc_cost.py): this
+    # rank's share of their collision state and its ids' history, kept across steps; and the
+    # seconds of the remap's collectives and work, the same on every rank.
+    collision_state: float = 0.0
+    remap: float = 0.0
 
     @property
     def held(self) -> float:
         """Bytes the model keeps across steps: weights + optimizer state + gradients + buffers
-        (what tests/modular/test_memory_prices.py measures)."""
-        return self.weights + self.optimizer_state + self.gradients + self.buffers
+        (what tests/modular/test_memory_prices.py measures) + collision state."""
+        return self.weights + self.optimizer_state + self.gradients + self.buffers + self.collision_state
 
     @property
     def batch(self) -> float:
@@ -79,7 +86,7 @@ class RankStats:
     @property
     def cost(self) -> float:
         return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
-                + self.stat_exchange + self.replica_sync + self.fixed)  # fmt: skip
+                + self.stat_exchange + self.replica_sync + self.fixed + self.remap)  # fmt: skip
 
     def __repr__(self) -> str:
         return (f"RankStats(rank={self.rank}, cost={format_seconds(self.cost)}, memory="
@@ -121,6 +128,12 @@ class TableStats:
     embedding_dim: int
     sharding_type: ShardingType
     shards: tuple[ShardStats, ...]
+    # raw ids remapped into `zch_size` slots by torchrec's MCH module; None for a plain table
+    managed_collision: ManagedCollision | None = field(default=None, kw_only=True)
+
+    @property
+    def zch_size(self) -> int | None:
+        return None if self.managed_collision is None else self.managed_collision.zch_size
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -162,7 +175,7 @@ class TableStats:
             "table": self.name, "num_embeddings": self.num_embeddings,
             "embedding_dim": self.embedding_dim, "sharding_type": self.sharding_type.value,
             "ranks": list(self.ranks), "sizes": list(self.sizes), "max_cost_s": self.max_cost,
-            "total_cost_s": self.total_cost, "memory": self.memory,
+            "total_cost_s": self.total_cost, "memory": self.memory, "zch_size": self.zch_size,
             "shards": [
                 {"rank": s.rank, "row_offset": s.row_offset, "num_rows": s.num_rows,
                  "col_offset": s.col_offset, "num_cols": s.num_cols, "memory": s.memory,
@@ -200,6 +213,8 @@ class PlanStats:
     torchrec_compatible: bool = field(default=False, kw_only=True)
     # 2D: these ranks are one shard group of `replicas` (planners/replicas.py); None is 1D
     replicas: Replicas | None = field(default=None, kw_only=True)
+    # bytes each rank receives per step to remap managed-collision tables' raw ids
+    remap_bytes: float = field(default=0.0, kw_only=True)
 
     @property
     def max_cost(self) -> float:
@@ -285,6 +300,14 @@ class PlanStats:
             lines.insert(1, f"2D: {rep.count} replica groups of {g} ranks ({rep.count * g} in all, "
                             f"{rep.ranks_per_host} per host), global batch "
                             f"{rep.count * g * self.batch_size}; replica sync {sync}")
+        mc = [t for t in self.tables if t.managed_collision is not None]
+        if mc:  # Note [pricing managed collisions]
+            rank = max(self.ranks, key=lambda r: r.collision_state)
+            lines.append(f"managed collisions: {plural(len(mc), 'table')} (zch_size "
+                         f"{', '.join(f'{t.zch_size:_}' for t in mc[:4])}{', ...' if len(mc) > 4 else ''}); "
+                         f"collision state up to {format_bytes(rank.collision_state)} per rank; remap "
+                         f"{format_seconds(rank.remap)} per step, {format_bytes(self.remap_bytes)} "
+                         "received per rank")  # fmt: skip
         if self.over_capacity:
             lines.append(f"OVER CAPACITY on ranks {list(self.over_capacity)}")
         if self.plan_seconds is not None:
@@ -300,11 +323,15 @@ class PlanStats:
                        or any(getattr(r, a) for r in self.ranks)]  # fmt: skip
         if any(r.fixed for r in self.ranks):  # calibrated (Note [calibrated prices])
             shown_parts.append(("fixed", "fixed", "measured fixed cost and the rank's own batch"))
+        if any(r.remap for r in self.ranks):  # Note [pricing managed collisions]
+            shown_parts.append(("remap", "mc-remap", "managed-collision remap: raw ids to slots"))
+        memory_parts = MEMORY_PARTS + ((("collision_state", "", "mc-state"),)
+                                       if any(r.collision_state for r in self.ranks) else ())  # fmt: skip
         head = (f"{'rank':>5} {'memory':>10} {'use%':>5} {'cost ' + unit:>9} "
                 + " ".join(f"{h:>8}" for _, h, _ in shown_parts) + f" {'shards':>6}")  # fmt: skip
         rows = [head]
         shown = self.ranks if max_rows is None else self.ranks[:max_rows]
-        mem_rows = [f"{'rank':>5} " + " ".join(f"{h:>10}" for _, _, h in MEMORY_PARTS)
+        mem_rows = [f"{'rank':>5} " + " ".join(f"{h:>10}" for _, _, h in memory_parts)
                     + f" {'batch':>10}"]  # fmt: skip
         for r in shown:
             rows.append(
@@ -314,7 +341,7 @@ class PlanStats:
                 + f" {len(r.tables):>6}"
             )
             mem_rows.append(f"{r.rank:>5} " + " ".join(
-                f"{format_bytes(getattr(r, a)):>10}" for a, _, _ in MEMORY_PARTS)
+                f"{format_bytes(getattr(r, a)):>10}" for a, _, _ in memory_parts)
                 + f" {format_bytes(r.batch):>10}")  # fmt: skip
         if len(shown) < len(self.ranks):
             more = f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}"
@@ -323,7 +350,8 @@ class PlanStats:
         rows.extend(f"  {h}: {d}" for _, h, d in shown_parts[1:])
         rows.extend(mem_rows)  # no blank line: views split the output at blank lines
         rows.append("  memory by part: weights, optimizer state, gradients (unfused), buffers "
-                    "kept by kernels; batch: ids, pooled outputs, wire copies")  # fmt: skip
+                    "kept by kernels" + (", managed-collision state" if len(memory_parts) > 4 else "")
+                    + "; batch: ids, pooled outputs, wire copies")  # fmt: skip
         return "\n".join(rows)
 
     def format(self, max_rows: int | None = None) -> str:
@@ -349,7 +377,7 @@ class PlanStats:
             "replica_sync": None if self.replicas is None else self.replicas.sync.value,
             "ranks": [
                 {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
-                 "fixed_s": r.fixed,
+                 "fixed_s": r.fixed, "remap_s": r.remap, "collision_state": r.collision_state,
                  **{c: getattr(r, c) for c in _COMPONENTS},
                  **{a: getattr(r, a) for a, _, _ in MEMORY_PARTS}, "batch": r.batch,
                  "tables": [n for n, _ in r.tables]}

@@ -1,0 +1,102 @@
+"""Pricing managed-collision tables: the collision state each rank keeps, and the remap's
+collectives and work per step (docs/planner.md, "Managed-collision tables").
+
+Note [pricing managed collisions]
+A table behind torchrec's MCH module (`Table.managed_collision`) is planned and placed like any
+table of `zch_size` rows; its raw ids are remapped to slots before the input dist, by a
+collision state that modular splits by slot range over every rank of the world, whatever the
+table's placement (Note [sharded managed collisions] in modular/mc/sharded_mch.py). So what it
+adds is the same on every rank and does not depend on the plan: the search reserves the memory
+as it reserves the batch's, and `plan_stats` adds both parts to every rank (and the time to the
+lower bound). With S = zch_size - 1 usable slots, W ranks, n = B * P ids per rank per step of
+the table's features (P as in the cost model), I = eviction_interval and m = 1 (LRU, LFU) or 2
+(DistanceLFU) metadata columns:
+- collision state, kept: rank r's slots (S(r+1)//W - Sr//W of them) x (16 + 8m) bytes (raw id,
+  slot and metadata, int64 each), plus the interval's history of its own ids, I * n * 16 bytes
+  (id and iteration);
+- remap buffers, per step: the global batch's unique ids, gathered with counts and last access
+  at an interval (24 bytes) and their slots (8), W * n * 32 bytes (ids taken as unique: skewed
+  ids need less);
+- collectives, per step: each rank's unique ids gathered (8 bytes per id from each peer) and
+  their slots all-reduced (a ring's two passes, 16), and once per interval the counts and last
+  access with the ids (16 more) and each rank's lowest entries (24 bytes for each of at most
+  min(W n, ceil(S / W))), priced per byte from each peer as the input dist is (`alpha`), plus
+  the measured latencies of those collectives when calibrated;
+- work: sorting the gathered ids and finding them among the rank's slots,
+  W n * 8 * (log2(W n) + log2(S / W)) bytes, and at an interval scoring, selecting and merging
+  the rank's entries, 4 passes over them, at the memory bandwidth (the calibrated streaming
+  rate when calibrated; the split state lives on CPU, so a CPU calibration prices it right).
+The remapped ids then take the table's input dist, priced by its placement like any table's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from planners.cost import ID_BYTES, CostModel, TableArrays
+from planners.inputs import Table
+
+__all__ = ["CollisionPrice", "collision_price"]
+
+SLOT_BYTES = 2 * ID_BYTES  # a slot's raw id and its slot number, int64
+HISTORY_BYTES = 2 * ID_BYTES  # an id of the interval's history and its iteration
+GATHERED_BYTES = 4 * ID_BYTES  # per id of the global batch: (id, count, access) rows and its slot
+REMAP_BYTES = 3 * ID_BYTES  # per id from each peer, every step: the gather (8), the all-reduce (16)
+INTERVAL_BYTES = 2 * ID_BYTES  # per id from each peer, per interval: counts and last access
+LOWEST_BYTES = 3 * ID_BYTES  # per lowest entry: slot, raw id, score
+PASSES = 4  # an interval's passes over a rank's entries: score, select, merge (read + write)
+
+
+class CollisionPrice(NamedTuple):
+    """What a model's managed-collision tables add to each rank, whatever the plan."""
+
+    state: np.ndarray  # bytes each rank keeps: its slots' entries and its ids' history
+    batch: float  # bytes of the step's remap buffers, on every rank
+    remap: float  # seconds per step on every rank: collectives and work
+    received: float  # bytes each rank receives per step for the remap
+
+    @property
+    def reserve(self) -> float:
+        """Bytes to keep free on every rank before placing shards (the largest rank's)."""
+        return float(self.state.max(initial=0.0)) + self.batch
+
+
+def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice:
+    """Note [pricing managed collisions] for the `managed_collision` tables among `tables`
+    (all zero when there are none).
+
+        price = collision_price(tables, CostModel(topology, batch_size=4096))
+        price.state[r], price.remap, price.received
+    """
+    topo = model.topology
+    world = topo.world_size
+    mc = [t for t in tables if t.managed_collision is not None]
+    state, batch, seconds, received, work = np.zeros(world), 0.0, 0.0, 0.0, 0.0
+    if not mc:
+        return CollisionPrice(state, 0.0, 0.0, 0.0)
+    ranks = np.arange(world + 1)
+    cal = topo.calibration
+    for t, ids in zip(mc, TableArrays.of(mc).ids.tolist()):
+        spec = t.managed_collision
+        assert spec is not None
+        usable, interval = spec.zch_size - 1, spec.eviction_interval
+        n = model.batch_size * ids
+        bounds = usable * ranks // world
+        state += np.diff(bounds) * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns)
+        state += interval * n * HISTORY_BYTES
+        batch += world * n * GATHERED_BYTES
+        lowest = min(world * n, math.ceil(usable / world))
+        per_peer = n * REMAP_BYTES + (n * INTERVAL_BYTES + lowest * LOWEST_BYTES) / interval
+        if world > 1:
+            seconds += per_peer * model.alpha
+            received += (world - 1) * per_peer
+            if cal is not None:  # Note [calibrated prices]: each collective's latency
+                seconds += cal.all_to_all_latency * (1 + 1 / interval) + cal.all_reduce_latency
+        gathered, mine = max(world * n, 2.0), max(usable / world, 2.0)
+        work += gathered * ID_BYTES * (math.log2(gathered) + math.log2(mine))
+        work += PASSES * mine * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns) / interval
+    bandwidth = topo.device_memory_bandwidth if cal is None else cal.stream_bandwidth
+    return CollisionPrice(state, batch, seconds + work / bandwidth, received)

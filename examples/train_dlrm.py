@@ -11,6 +11,7 @@
     python examples/train_dlrm.py --world-size 2 --optimizer adam --lr 0.01  # or lamb, ...
     python examples/train_dlrm.py --world-size 2 --rebalance-every 50 \
         --drift-feature f_cat_3 --drift-pooling 20 --drift-at 100  # replan + reshard as it drifts
+    python examples/train_dlrm.py --world-size 2 --raw-ids     # 64-bit ids: MC tables vs hashing
 
 One training setup, in the order Note [order of sharding calls] (modular/compose/fsdp.py) asks for:
 tables -> `planners.plan` for this world size -> DLRM with its EBC on `meta` ->
@@ -25,6 +26,8 @@ With `--rebalance-every N` the run measures the pooling factors every N steps, a
 `modular.reshard`s to it when the slowest rank gets faster by more than `--rebalance-threshold`
 (examples/rebalance.py, Note [rebalancing while training]); `--drift-feature` makes one feature's
 bags longer from step `--drift-at` on, so that there is something to rebalance.
+`--raw-ids` trains on 64-bit raw ids instead, with torchrec's managed-collision tables and then
+with the ids hashed modulo the same rows, and reports both AUCs (examples/raw_ids.py).
 
 # Note [stopping on Ctrl-C]
 Ctrl-C reaches every rank (a terminal signals the whole process group; torchrun forwards it). A
@@ -76,6 +79,7 @@ from examples.dlrm import (
 )
 from examples.parent_death import end_with_parent
 from examples.ports import free_port
+from examples.raw_ids import train_raw_ids
 from examples.rebalance import PoolingMeter, Rebalance, RebalanceSettings, planned_pooling, rebalance
 
 ROWS_CAP = 20_000
@@ -143,6 +147,8 @@ class TrainConfig:
     drift_feature: Optional[str] = None
     drift_pooling: int = 1
     drift_at: int = 0
+    # 64-bit raw ids: managed-collision tables against hashing, by AUC (examples/raw_ids.py)
+    raw_ids: bool = False
 
     @property
     def rebalance(self) -> RebalanceSettings:
@@ -161,6 +167,14 @@ class TrainConfig:
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir (where the last run saved)")
         self.rebalance  # noqa: B018  its checks, now rather than at the first rebalance
+        if self.raw_ids:
+            other = [flag for flag, on in (("--data", self.data), ("--checkpoint-dir", self.checkpoint_dir),
+                     ("--export", self.export), ("--rebalance-every", self.rebalance_every),
+                     ("--drift-feature", self.drift_feature), ("--compile", self.compile),
+                     ("--fp16", self.fp16), ("--fp16-comms", self.fp16_comms)) if on]  # fmt: skip
+            if other:
+                raise ValueError(f"--raw-ids trains its own raw-id model on its own stream; drop "
+                                 f"{', '.join(other)}")  # fmt: skip
         if self.drift_feature is not None:
             features = [c.feature_names[0] for c in table_configs()]
             if self.drift_feature not in features:
@@ -554,6 +568,9 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
                         "--drift-at on (e.g. f_cat_3)")  # fmt: skip
     p.add_argument("--drift-pooling", type=int, default=d.drift_pooling, help="ids per bag after the drift")
     p.add_argument("--drift-at", type=int, default=d.drift_at, help="the step the drift starts at")
+    p.add_argument("--raw-ids", action="store_true",
+                   help="64-bit raw ids: train managed-collision tables, then the ids hashed "
+                        "modulo the same rows, and report both AUCs")  # fmt: skip
     a = p.parse_args(argv)
     config = TrainConfig(
         steps=a.steps, batch_size=a.batch_size, optimizer=a.optimizer, lr=a.lr,
@@ -566,7 +583,7 @@ def parse_args(argv: Sequence[str]) -> tuple[TrainConfig, int]:
         fp16=a.fp16, fp16_comms=a.fp16_comms,
         rebalance_every=a.rebalance_every, rebalance_budget=a.rebalance_budget,
         rebalance_threshold=a.rebalance_threshold, drift_feature=a.drift_feature,
-        drift_pooling=a.drift_pooling, drift_at=a.drift_at,
+        drift_pooling=a.drift_pooling, drift_at=a.drift_at, raw_ids=a.raw_ids,
     )  # fmt: skip
     return config, a.world_size
 
@@ -594,6 +611,9 @@ def run_rank(config: TrainConfig) -> int:
         backend, timeout=timedelta(seconds=config.collective_timeout), device_id=device_id
     )
     try:
+        if config.raw_ids:
+            train_raw_ids(config)
+            return 0
         result = train(config)
         return 130 if result.interrupted else 0
     except KeyboardInterrupt:  # a third Ctrl-C (Note [stopping on Ctrl-C])

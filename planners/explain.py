@@ -9,6 +9,7 @@ import numpy as np
 
 from planners.cost import CostModel
 from planners.inputs import DataType, Optimizer, TableConstraint, format_bytes
+from planners.mc_cost import collision_price
 from planners.model_tables import TableSet, display_name
 from planners.options import Candidates
 from planners.stats import plural
@@ -59,6 +60,14 @@ def _where(model: CostModel) -> str:
             f"device memory, {100 * topo.reserved_fraction:.0f}% reserved)")  # fmt: skip
 
 
+def _buffers(table_set: TableSet) -> str:
+    """What the memory reserved on every rank holds: the batch buffers, and the managed-collision
+    tables' state (Note [pricing managed collisions] in planners/mc_cost.py) where there are any."""
+    if any(t.managed_collision is not None for _, t in table_set):
+        return "batch buffers and managed-collision state"
+    return "batch buffers"
+
+
 def before_candidates(
     table_set: TableSet,
     constraints: Sequence[TableConstraint | None],
@@ -77,15 +86,20 @@ def before_candidates(
     # linearly with the batch, so the largest batch whose buffers leave some room is
     # ceil(cap / per_sample) - 1; at batch size 1 there is no smaller batch to suggest.
     if room <= 0:
-        per_sample = base_memory / batch
-        most = math.ceil(cap / per_sample) - 1
-        if most >= 1:
+        # the managed-collision slots do not shrink with the batch (Note [pricing managed collisions])
+        slots = float(collision_price([t for _, t in table_set], model).slots.max(initial=0.0))
+        per_sample = (base_memory - slots) / batch
+        most = math.ceil((cap - slots) / per_sample) - 1
+        if slots >= cap:
+            way = (f"the managed-collision tables' slots alone take {format_bytes(slots)} per "
+                   "rank; more ranks (they split over every rank) or smaller zch_size")  # fmt: skip
+        elif most >= 1:
             way = f"use a batch size of at most {most} (buffers {format_bytes(per_sample)} per sample)"
         else:
             way = (f"even one sample's buffers ({format_bytes(per_sample)}) do not fit, so no "
                    "batch size helps; fewer or narrower tables")  # fmt: skip
         return NoPlanError(
-            f"no plan fits: the batch buffers of {plural(len(table_set), 'table')} at batch size "
+            f"no plan fits: the {_buffers(table_set)} of {plural(len(table_set), 'table')} at batch size "
             f"{batch} need {format_bytes(base_memory)} per rank but {where}; {way}, or devices "
             "with more memory",
             names,
@@ -104,8 +118,8 @@ def before_candidates(
         return NoPlanError(
             f"no plan fits: the tables need {format_bytes(foot.sum())} of weights and optimizer "
             f"state ({model.optimizer.value}) but {world} ranks have {format_bytes(world * room)} "
-            f"for them ({format_bytes(room)} each after {format_bytes(base_memory)} of batch "
-            f"buffers), {format_bytes(foot.sum() - world * room)} short; largest: {biggest}; "
+            f"for them ({format_bytes(room)} each after {format_bytes(base_memory)} of "
+            f"{_buffers(table_set)}), {format_bytes(foot.sum() - world * room)} short; largest: {biggest}; "
             f"ways out: {'; '.join(ways)}",
             [names[i] for i in big],
         )
@@ -137,7 +151,7 @@ def before_search(
             lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
         return NoPlanError(
             f"no plan fits: {plural(len(order), 'table')} cannot fit on any rank; {where}, of which "
-            f"{format_bytes(base_memory)} holds the batch buffers:\n" + "\n".join(lines),
+            f"{format_bytes(base_memory)} holds the {_buffers(table_set)}:\n" + "\n".join(lines),
             [names[i] for i in order],
         )
 
@@ -158,7 +172,7 @@ def before_search(
             f"no plan fits: {plural(len(only_dp), 'table')} may only be data_parallel, which "
             f"keeps a whole copy (weights, optimizer state, dense gradient) on every rank: "
             f"{format_bytes(copies)} per rank, but {where} and {format_bytes(base_memory)} of "
-            "it holds the batch buffers; more ranks do not help: allow table_wise or row_wise "
+            f"it holds the {_buffers(table_set)}; more ranks do not help: allow table_wise or row_wise "
             "for some of them, or devices with more memory:\n" + "\n".join(lines),
             [names[i] for i in order],
         )
@@ -179,7 +193,7 @@ def before_search(
             f"no plan fits: {plural(len(members), 'table')} pinned to {_ranks_text(ranks)} need "
             f"{format_bytes(need)} of weights and optimizer state, but {held} "
             f"{format_bytes(have)} for them ({format_bytes(room)} each after "
-            f"{format_bytes(base_memory)} of batch buffers), {format_bytes(need - have)} short; "
+            f"{format_bytes(base_memory)} of {_buffers(table_set)}), {format_bytes(need - have)} short; "
             f"ways out: pin them to at least {math.ceil(need / room)} ranks, unpin some of "
             "them, or fp16 weights (half the bytes):\n" + "\n".join(lines),
             [names[i] for i in order],

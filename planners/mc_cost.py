@@ -53,15 +53,21 @@ PASSES = 4  # an interval's passes over a rank's entries: score, select, merge (
 class CollisionPrice(NamedTuple):
     """What a model's managed-collision tables add to each rank, whatever the plan."""
 
-    state: np.ndarray  # bytes each rank keeps: its slots' entries and its ids' history
+    slots: np.ndarray  # bytes of each rank's slots' entries (not scaling with the batch)
+    history: float  # bytes of each rank's ids over the interval
     batch: float  # bytes of the step's remap buffers, on every rank
     remap: float  # seconds per step on every rank: collectives and work
     received: float  # bytes each rank receives per step for the remap
 
     @property
+    def state(self) -> np.ndarray:
+        """Bytes each rank keeps across steps: its slots' entries and its ids' history."""
+        return self.slots + self.history
+
+    @property
     def reserve(self) -> float:
         """Bytes to keep free on every rank before placing shards (the largest rank's)."""
-        return float(self.state.max(initial=0.0)) + self.batch
+        return float(self.slots.max(initial=0.0)) + self.history + self.batch
 
 
 def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice:
@@ -74,9 +80,9 @@ def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice
     topo = model.topology
     world = topo.world_size
     mc = [t for t in tables if t.managed_collision is not None]
-    state, batch, seconds, received, work = np.zeros(world), 0.0, 0.0, 0.0, 0.0
+    slots, history, batch, seconds, received, work = np.zeros(world), 0.0, 0.0, 0.0, 0.0, 0.0
     if not mc:
-        return CollisionPrice(state, 0.0, 0.0, 0.0)
+        return CollisionPrice(slots, 0.0, 0.0, 0.0, 0.0)
     ranks = np.arange(world + 1)
     cal = topo.calibration
     for t, ids in zip(mc, TableArrays.of(mc).ids.tolist()):
@@ -85,8 +91,8 @@ def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice
         usable, interval = spec.zch_size - 1, spec.eviction_interval
         n = model.batch_size * ids
         bounds = usable * ranks // world
-        state += np.diff(bounds) * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns)
-        state += interval * n * HISTORY_BYTES
+        slots += np.diff(bounds) * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns)
+        history += interval * n * HISTORY_BYTES
         batch += world * n * GATHERED_BYTES
         lowest = min(world * n, math.ceil(usable / world))
         per_peer = n * REMAP_BYTES + (n * INTERVAL_BYTES + lowest * LOWEST_BYTES) / interval
@@ -99,4 +105,4 @@ def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice
         work += gathered * ID_BYTES * (math.log2(gathered) + math.log2(mine))
         work += PASSES * mine * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns) / interval
     bandwidth = topo.device_memory_bandwidth if cal is None else cal.stream_bandwidth
-    return CollisionPrice(state, batch, seconds + work / bandwidth, received)
+    return CollisionPrice(slots, history, batch, seconds + work / bandwidth, received)

@@ -172,3 +172,22 @@ def test_cli_per_table_view_shows_zch_size(tmp_path, capsys):
     assert main(["show", plan_path, "--format", "csv"]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert {r["table"]: r["zch_size"] for r in rows} == {"t_raw": "100000", "t_item": ""}
+
+
+def test_calibrated_remap_is_the_measured_latencies_bytes_and_streaming():
+    """Note [calibrated prices]: per step, one gather's and one all-reduce's latency (the
+    gather again once per interval), the bytes at the measured all-to-all rate, and the work
+    at the measured streaming rate."""
+    from tests.planners.test_calibration import _calibration
+
+    spec = ManagedCollision(10_001, eviction_interval=2, eviction_policy="lfu")
+    tables = [Table("t_raw", 10_001, 16, pooling_factor=3.0, managed_collision=spec)]
+    topology = Topology(2, calibration=_calibration())
+    stats = planners.plan_with_stats(tables, topology, batch_size=BATCH).stats
+    n, usable = BATCH * 3.0, 10_000
+    per_peer = 24 * n + (16 * n + 24 * min(2 * n, usable / 2)) / 2
+    latency = 200e-6 * (1 + 1 / 2) + 300e-6
+    work = 2 * n * 8 * (math.log2(2 * n) + math.log2(usable / 2)) + 4 * usable / 2 * (16 + 8) / 2
+    want = per_peer / 1e9 + latency + work / 20e9
+    assert stats.ranks[0].remap == pytest.approx(want)
+    assert stats.remap_bytes == pytest.approx(per_peer)

@@ -133,7 +133,8 @@ class RawIdResult:
     hashed_rate: float
 
 
-def _run(managed: bool, config, stream: RawIdStream, say: Callable[..., None]) -> tuple[float, tuple[float, ...], float]:
+def _run(managed: bool, config, stream: RawIdStream,
+         say: Callable[..., None]) -> tuple[float, tuple[float, ...], float]:  # fmt: skip
     """Plans, shards, trains and evaluates one mode; collective. (AUC, losses, examples/s)."""
     import time
 

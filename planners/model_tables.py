@@ -136,11 +136,11 @@ def tables_from_model(
 
     The model may live on `meta`, and may be an EBC itself (its FQN is ""): only the EBC
     configs are read. A managed-collision module's tables are found under its inner
-    collection's FQN ("mc._embedding_module", `zch_size` rows each); its
-    ManagedCollisionCollection holds none and is skipped; each such table carries its
-    `ManagedCollision` (zch_size, eviction interval and policy), which the planner prices. Pooling factors are not in the configs, so each feature gets
-    `pooling_factors[feature]` or 1.0; a key that is no feature of the model raises PlanError
-    (a typo would otherwise price the feature at 1.0).
+    collection's FQN ("mc._embedding_module", `zch_size` rows each), each carrying its
+    `ManagedCollision` (zch_size, eviction interval and policy), which the planner prices; its
+    ManagedCollisionCollection holds none and is skipped. Pooling factors are not in the
+    configs, so each feature gets `pooling_factors[feature]` or 1.0; a key that is no feature
+    of the model raises PlanError (a typo would otherwise price the feature at 1.0).
     """
     pooling_factors = dict(pooling_factors or {})
     found: dict[str, tuple[Table, ...]] = {}

@@ -64,7 +64,8 @@ def test_script_compares_managed_collisions_with_hashing_by_auc(tmp_path: Path) 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"still running after 300 s (load {os.getloadavg()})\n{stdout[-3000:]}{stderr[-3000:]}") from None
+        raise AssertionError(f"still running after 300 s (load {os.getloadavg()})\n"
+                             f"{stdout[-3000:]}{stderr[-3000:]}") from None
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{stdout[-3000:]}{stderr[-3000:]}"
     assert "managed collisions: 4 tables (zch_size 1_000" in stdout  # the planner priced them
     found = re.findall(r"^raw ids: AUC (\S+) with managed collisions, (\S+) hashing modulo 1_000 rows", stdout, re.M)

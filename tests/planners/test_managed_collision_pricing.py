@@ -35,7 +35,8 @@ class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         raw = [EmbeddingBagConfig(name="t_user", num_embeddings=1_001, embedding_dim=16, feature_names=["user"]),
-               EmbeddingBagConfig(name="t_item", num_embeddings=301, embedding_dim=8, feature_names=["item", "item2"])]  # fmt: skip
+               EmbeddingBagConfig(name="t_item", num_embeddings=301, embedding_dim=8,
+                                  feature_names=["item", "item2"])]  # fmt: skip
         mch = {
             "t_user": MCHManagedCollisionModule(zch_size=1_001, device=torch.device("cpu"),
                                                 eviction_policy=LRU_EvictionPolicy(), eviction_interval=3),

@@ -48,8 +48,8 @@ def _held() -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[
     for name, module in modules.items():
         assert isinstance(module, ShardedMCHModule)
         shard = module._shard
-        slots[name] = float(sum(t.numel() * t.element_size()
-                                for t in (shard.raw, shard.slots, shard.counts, shard.access) if t is not None))  # fmt: skip
+        kept = [t for t in (shard.raw, shard.slots, shard.counts, shard.access) if t is not None]
+        slots[name] = float(sum(t.numel() * t.element_size() for t in kept))
         history[name] = float(sum(ids.numel() * 8 + iters.numel() * 8 for ids, iters in module._history))
     return priced_slots, slots, priced_history, history
 

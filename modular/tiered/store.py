@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import weakref
@@ -40,6 +41,9 @@ class RowStore:
         self.paths.append(path)
         # A new file of zeros (sparse on disk until written): fbgemm's fused states start at 0.
         array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+        # A cache miss reads one row: without this, each page fault reads ahead 128 KiB or more
+        # around it (measured: 224 GB read from disk before 20 steps of a 36 GiB DLRM).
+        array._mmap.madvise(mmap.MADV_RANDOM)
         tensor = torch.from_numpy(array)
         _DIRECTORIES[tensor.data_ptr()] = os.path.dirname(path) or "."
         weakref.finalize(self, _DIRECTORIES.pop, tensor.data_ptr(), None)

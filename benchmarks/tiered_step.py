@@ -118,9 +118,11 @@ def _step(model, opts, batch, next_batch=None):
         o.zero_grad()
 
 
-def _belady(trace: list[np.ndarray], capacity: int) -> float:
-    """Belady's hit rate over a trace of per-step distinct ids with `capacity` slots: evict the
-    id used furthest in the future. A step's ids all need slots (a step's distinct ids fit)."""
+def _belady(trace: list[np.ndarray], capacity: int, skip: int) -> tuple[int, int]:
+    """Belady's hits and accesses over a trace of per-step distinct ids with `capacity` slots
+    (evict the id used furthest in the future), counted from step `skip` on: the steps before
+    warm the cache, as they warmed the measured one."""
+    counted_from = sum(x.size for x in trace[:skip])
     flat = np.concatenate(trace) if trace else np.zeros(0, np.int64)
     nxt = np.full(flat.size, np.iinfo(np.int64).max, dtype=np.int64)
     last: dict[int, int] = {}
@@ -134,7 +136,7 @@ def _belady(trace: list[np.ndarray], capacity: int) -> float:
     for i in range(flat.size):
         v = int(flat[i])
         if v in cached:
-            hits += 1
+            hits += i >= counted_from
         elif len(cached) >= capacity:
             while True:
                 neg, victim = heapq.heappop(heap)
@@ -143,7 +145,7 @@ def _belady(trace: list[np.ndarray], capacity: int) -> float:
                     break
         cached[v] = int(nxt[i])
         heapq.heappush(heap, (-int(nxt[i]), v))
-    return hits / max(1, flat.size)
+    return hits, flat.size - counted_from
 
 
 def _worker(rank: int, args, rendezvous: Rendezvous, queue) -> None:
@@ -202,9 +204,8 @@ def _worker(rank: int, args, rendezvous: Rendezvous, queue) -> None:
     anon = status_kib("RssAnon") * 1024 - resident_bytes  # the end, less the resident tables
     belady = None
     if rank == 0:
-        measured = [(kernels[k].maps[t].cache_rows, trace[(k, t)][args.warmup:]) for (k, t) in trace]
-        belady = sum(_belady(tr, c) * sum(x.size for x in tr) for c, tr in measured) / max(
-            1, sum(x.size for _, tr in measured for x in tr))
+        counts = [_belady(trace[(k, t)], kernels[k].maps[t].cache_rows, args.warmup) for (k, t) in trace]
+        belady = sum(h for h, _ in counts) / max(1, sum(n for _, n in counts))
     queue.put((rank, times, built, (base, alone, anon), caches, 1 - moved / max(1, looked), belady))
     del tiered, resident
     dist.destroy_process_group()

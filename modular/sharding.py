@@ -127,7 +127,7 @@ def shard(
         check_tiers(  # Note [tiered tables]
             plan, targets, resolved, device, tier_dir, fused_of=_fused_of,
             read_tables=lambda fqn, m: kind_of(m).read_tables(m, fqn),
-            replicated=groups.replicas is not None,
+            replicated=groups.replicas is not None, rank=dist.get_rank(process_group),
         )  # fmt: skip
         fqns = [fqn for fqn, _ in targets]
         outputs = per_module(output_dtype, fqns, "output_dtype", torch.float32)

@@ -132,7 +132,7 @@ def _agreed_moves(
         check_tiers(  # Note [tiered tables]
             plan, targets, resolved, targets[0][1].device if targets else torch.device("cpu"),
             tier_dir, fused_of=lambda m: m.fused, read_tables=lambda fqn, m: m.kind.read_tables(m, fqn),
-            replicated=replicas is not None,
+            replicated=replicas is not None, rank=dist.get_rank(group),
         )  # fmt: skip
         for fqn, module in targets:
             placements, shards = resolved[fqn]

@@ -4,6 +4,7 @@ modular/tiered/__init__.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ def tiered_tables(plan, fqns: list[str]) -> list[str]:
 
 def check_tiers(
     plan, targets: list[tuple[str, object]], resolved: dict, device: torch.device,
-    tier_dir: Optional[str], *, fused_of, read_tables, replicated: bool,
+    tier_dir: Optional[str], *, fused_of, read_tables, replicated: bool, rank: int,
 ) -> None:  # fmt: skip
     """Raises ShardingError (inside `shard`'s agreement, so on every rank) naming a tiered table
     that cannot be built as planned: without `tier_dir` on CPU, off CPU, unfused, under an
@@ -59,13 +60,27 @@ def check_tiers(
             f"the plan puts tables {named} on a tier (cache_load_factor), which a 2D layout does "
             "not take yet (docs/tiered_tables.md): shard over one group"
         )
+    needed = 0  # bytes of this rank's stores
     for fqn, module in targets:
         placements, shards = resolved[fqn]
         infos = {t.name: t for t in read_tables(fqn, module)}
         for name, p in sorted(placements.items()):
             if getattr(p, "cache_load_factor", None) is None:
                 continue
-            _check_table(f"{fqn}.{name}" if fqn else name, p, shards[name], infos[name], fused_of(module))
+            fused = fused_of(module)
+            _check_table(f"{fqn}.{name}" if fqn else name, p, shards[name], infos[name], fused)
+            kind = fused.optimizer
+            for spec in shards[name]:
+                if spec.rank == rank:
+                    per_row = spec.num_cols + sum(1 if kind.row_state(n) else spec.num_cols for n in kind.state_names())
+                    needed += 4 * spec.num_rows * per_row
+    free = shutil.disk_usage(tier_dir).free
+    if needed > free:
+        raise ShardingError(
+            f"tier_dir {tier_dir!r} on rank {rank} has {free / 2**30:.1f} GiB free, and this rank's "
+            f"tiered shards ({named}) need {needed / 2**30:.1f} GiB of files there (weights and "
+            "fused state, 4 bytes a value); free space, or pass another tier_dir"
+        )
 
 
 def _check_dir(tier_dir: str) -> None:

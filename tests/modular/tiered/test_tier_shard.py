@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -71,3 +72,23 @@ def test_placement_cache_fields_round_trip():
     assert "cache_load_factor" not in TablePlacement(ShardingType.TABLE_WISE, (1,)).to_dict()
     with pytest.raises(modular.PlanError, match="cache_load_factor"):
         TablePlacement(ShardingType.TABLE_WISE, (1,), cache_load_factor=2.0)
+
+
+def _shard_huge(tier_dir) -> None:
+    world = dist.get_world_size()
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="t_huge", num_embeddings=2**40, embedding_dim=8, feature_names=["f"]),
+    ], device=torch.device("meta"))  # fmt: skip
+    modular.fuse_optimizer(ebc, "exact_sgd", lr=0.1)
+    placements = {"t_huge": TablePlacement(RW, tuple(range(world)), cache_load_factor=1e-6)}
+    modular.shard(ebc, ShardingPlan(world_size=world, modules={"": placements}), tier_dir=tier_dir)
+
+
+@pytest.mark.timeout(120)
+def test_tier_dir_without_room_for_the_stores_refused_on_every_rank(tmp_path):
+    """Files that would not fit the disk are refused before one is made (a full disk under a
+    mapped file is a SIGBUS at the step that writes it), naming the directory and both sizes."""
+    messages = expect_errors_on_all_ranks(2, _shard_huge, str(tmp_path), timeout=60)
+    assert all(re.search(r"tier_dir .* on rank \d has [\d.]+ GiB free, and this rank's tiered shards "
+                         r"\(t_huge\) need 16384\.0 GiB", m) for m in messages), messages
+    assert not list(tmp_path.iterdir())

@@ -32,6 +32,8 @@ class TierStats:
     misses: int = 0  # ids missing at a step's lookup (prefetched rows are hits)
     rows_fetched: int = 0  # rows read from the store, by steps and prefetches
     rows_written_back: int = 0
+    bytes_fetched: int = 0  # what those rows and their optimizer state took between the tiers
+    bytes_written_back: int = 0
 
 
 class TieredKernel:
@@ -127,6 +129,7 @@ class TieredKernel:
             s = moves.evict_slots[order]
             store.write(moves.evict_ids[order], cache[s], {n: x[s] for n, x in states.items()})
             stats.rows_written_back += moves.evict_ids.numel()
+            stats.bytes_written_back += moves.evict_ids.numel() * store.row_bytes
         if moves.load_ids.numel():
             order = torch.argsort(moves.load_ids)
             s = moves.load_slots[order]
@@ -135,6 +138,7 @@ class TieredKernel:
             for name, x in states.items():
                 x[s] = loaded[name]
             stats.rows_fetched += moves.load_ids.numel()
+            stats.bytes_fetched += moves.load_ids.numel() * store.row_bytes
         if looked_up is not None:
             stats.hits += moves.hits
             stats.misses += looked_up - moves.hits
@@ -188,6 +192,7 @@ class TieredKernel:
                 cache, states = self._cached(t)
                 self.stores[t].write(ids, cache[slots], {n: x[slots] for n, x in states.items()})
                 self.stats[t].rows_written_back += ids.numel()
+                self.stats[t].bytes_written_back += ids.numel() * self.stores[t].row_bytes
                 m.clear()
 
     def take_stats(self) -> dict[str, dict[str, int]]:

@@ -37,6 +37,8 @@ class RowStore:
         self._maps: list[tuple[mmap.mmap, int, int]] = []  # (mapping, data offset, row bytes)
         self.weights = self._file("weight", (rows, cols))
         self.states = {name: self._file(name, shape) for name, shape in state_shapes.items()}
+        # bytes of one row and its state, as they move between the tiers
+        self.row_bytes = 4 * (cols + sum(int(np.prod(s[1:], dtype=np.int64)) for s in state_shapes.values()))
         weakref.finalize(self, _remove, list(self.paths))
 
     def _file(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -13,7 +13,8 @@ __all__ = ["tier_stats"]
 
 def tier_stats(model: nn.Module) -> dict[str, dict[str, int]]:
     """Per tiered table of `model` (this rank's shards of it, summed): cache_rows, hits, misses,
-    rows_fetched, rows_written_back since the last call (empty when no table is tiered)."""
+    rows_fetched, rows_written_back, bytes_fetched, bytes_written_back since the last call
+    (empty when no table is tiered; docs/tiered_tables.md)."""
     out: dict[str, dict[str, int]] = {}
     for fqn, module in sharded_modules(model):
         fused = module.fused_tables

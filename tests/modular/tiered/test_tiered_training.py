@@ -111,8 +111,13 @@ def _compare(case: Case, tier_dir: str) -> dict:
         stats = modular.tier_stats(tiered)
         misses.append(sum(s["misses"] for s in stats.values()))
         fetched += sum(s["rows_fetched"] for s in stats.values())
-        if not case.prefetch:  # a row moves only for a miss
-            for table, s in stats.items():
+        widths = {n: d for n, _, d, _ in TABLES}
+        for table, s in stats.items():  # a row moves with its state: (cols + state) x 4 bytes
+            cols = widths[table] if case.plan != "cw" or table != "t_c" else widths[table] // world
+            state = {"exact_sgd": 0, "exact_adagrad": cols, "exact_rowwise_adagrad": 1, "adam": 2 * cols,
+                     "lamb": 2 * cols}.get(case.optimizer, cols + 1)  # partial_rowwise: cols + 1
+            assert s["bytes_fetched"] == s["rows_fetched"] * 4 * (cols + state), (table, s)
+            if not case.prefetch:  # a row moves only for a miss
                 assert s["rows_fetched"] == s["misses"], (table, s)
         target = torch.randn(a.shape, generator=torch.Generator().manual_seed(step))
         (a * target).sum().backward()

@@ -51,3 +51,28 @@ def _reshard(tier_dir: str) -> None:
 def test_reshard_in_and_out_of_tiers(tmp_path):
     run_on_ranks(2, _reshard, str(tmp_path), timeout=180)
     assert not os.listdir(tmp_path), "stores outlive their models"
+
+
+def _unshard(tier_dir: str) -> None:
+    """`modular.unshard` reads a tiered table through its stores (dirty cached rows first) and
+    writes an edit back into them, which the next lookup reads, as on a resident model."""
+    tiered, topt = _model("rw", True, tier_dir)
+    resident, ropt = _model("rw", False, tier_dir)
+    _train(tiered, topt, 0, 2), _train(resident, ropt, 0, 2)
+    name = "embedding_bags.t_a.weight"
+    with modular.unshard(resident, writeback=False) as full:
+        expected = full[name].clone()
+    for model in (tiered, resident):
+        with modular.unshard(model) as full:
+            assert torch.equal(full[name], expected)
+            full[name][:100] += 1.0  # rows the next batches look up (their ids are skewed low)
+    a, b = _train(resident, ropt, 2, 2), _train(tiered, topt, 2, 2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the edit reached one model only"
+    del tiered, resident, topt, ropt
+    gc.collect()
+
+
+@pytest.mark.timeout(200)
+def test_unshard_reads_and_writes_the_stores(tmp_path):
+    run_on_ranks(2, _unshard, str(tmp_path), timeout=180)
+    assert not os.listdir(tmp_path)

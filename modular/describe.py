@@ -41,7 +41,7 @@ def describe_built(fqn: str, module: Any) -> str:
     for (table, _), view in module.local_shard_views().items():
         weights[table] = weights.get(table, 0) + view.numel() * view.element_size()
     tables = [
-        f"{t.name} ({p.sharding_type.value}, {weights[t.name]:,} bytes)"
+        f"{t.name} ({p.sharding_type.value}, {weights[t.name]:,} bytes{_tier(p)})"
         for t, p in zip(layout.tables, layout.placements)
         if t.name in weights
     ]
@@ -64,6 +64,14 @@ def describe_built(fqn: str, module: Any) -> str:
         f"{len(layout.tables)} tables have shards here: {', '.join(tables) or 'none'}; {held}; "
         f"kernels: {', '.join(kernels) or 'none'}"
     )
+
+
+def _tier(placement) -> str:
+    """Where a tiered table's bytes are (Note [tiered tables] in modular/tiered/__init__.py)."""
+    factor = getattr(placement, "cache_load_factor", None)
+    if factor is None:
+        return ""
+    return f" in files under tier_dir, an {placement.cache_policy.upper()} cache of {factor:g} of its rows"
 
 
 def logs_kernel_choice(choose: _Choose) -> _Choose:

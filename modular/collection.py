@@ -302,8 +302,9 @@ class ShardedCollectionModule(nn.Module):
         cls, source: nn.Module, *, module: str, fused: Optional[FusedConfig] = None
     ) -> ShardedCollectionModule:
         """A single-process stand-in for the torchrec collection `source` (every table local, no
-        communication), with its weights: what `fuse_optimizer` makes of a materialised
-        collection, which `modular.shard` accepts."""
+        communication), with its weights: what a materialised collection marked by
+        `fuse_optimizer` becomes when used before any `shard` (Note [fusing at shard]), which
+        `modular.shard` accepts."""
         device = next(iter(source.parameters())).device
         tables = cls.kind.read_tables(source, module)
         return cls(source, RankLayout.one_process(tables, module=module, device=device), fused=fused)

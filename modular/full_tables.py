@@ -42,6 +42,7 @@ from modular.collection import ShardedCollectionModule
 from modular.comm import broadcast, collective_device, recv, send
 from modular.errors import ShardingError
 from modular.sharded_types import tables_name
+from modular.optim import fuse_marked
 from modular.sharding import sharded_modules
 from planners.types import ShardingType, ShardSpec
 
@@ -76,6 +77,7 @@ def unshard(
     Changing a table's shape, or an exception inside the block on any rank, raises on every rank
     and writes nothing back (Note [agreeing on unshard]).
     """
+    fuse_marked(model)  # a one-process model's fused tables (Note [fusing at shard])
     modules = list(sharded_modules(model))
     if not modules:
         raise ShardingError(

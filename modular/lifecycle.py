@@ -23,12 +23,14 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
-    "Retired", "pending_fuse", "replace_module", "replaced_table", "retire", "retired_count",
-    "set_pending_fuse",
+    "Retired", "any_pending_fuse", "clear_pending_fuse", "pending_fuse", "place_of", "replace_module", "replaced_table", "retire",
+    "retired_count", "set_pending_fuse",
 ]
 
-# torchrec EBC on meta -> the FusedConfig `fuse_optimizer` gave it.
+# torchrec collection -> the FusedConfig `fuse_optimizer` gave it (Note [fusing at shard]).
 _PENDING_FUSE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# module `replace_module` took out of a model -> (weak reference to the model, its FQN there).
+_PLACE: weakref.WeakKeyDictionary[nn.Module, tuple[Any, str]] = weakref.WeakKeyDictionary()
 # tensor `shard` (or `reshard`) replaced -> which table it was and which call replaced it, for the
 # optimizer hook's message.
 _RETIRED = WeakIdKeyDictionary()
@@ -38,8 +40,18 @@ _RETIRE_CALLS = 0
 
 
 def set_pending_fuse(ebc: nn.Module, config: Any) -> None:
-    """Records that `ebc` (a torchrec EBC on meta) is to be built fused with `config`."""
+    """Records that `ebc` (a torchrec collection) is to be built fused with `config` (Note
+    [fusing at shard] in modular/optim.py)."""
     _PENDING_FUSE[ebc] = config
+
+
+def clear_pending_fuse(ebc: nn.Module) -> None:
+    _PENDING_FUSE.pop(ebc, None)
+
+
+def any_pending_fuse() -> bool:
+    """Whether any collection is marked and not yet built (one check a step when none is)."""
+    return len(_PENDING_FUSE) > 0
 
 
 def pending_fuse(ebc: nn.Module) -> Optional[Any]:
@@ -86,5 +98,13 @@ def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
         model.__dict__.update(new.__dict__)
         return model
     parent, _, name = fqn.rpartition(".")
+    _PLACE[model.get_submodule(fqn)] = (weakref.ref(model), fqn)
     setattr(model.get_submodule(parent), name, new)
     return new
+
+
+def place_of(module: nn.Module) -> Optional[tuple[Any, str]]:
+    """(a weak reference to the model, the FQN) where `replace_module` took `module` out, or
+    None: `model.get_submodule(fqn)` is what stands there now (a FusedOptimizer made on a
+    collection that `shard` later replaced inside a larger model finds the sharded one)."""
+    return _PLACE.get(module)

@@ -6,6 +6,8 @@ is in modular/fused/; Note [fused tables] in modular/fused/choice.py says what i
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -15,6 +17,7 @@ from modular import lifecycle
 from modular.errors import ShardingError
 from modular.fused.config import ColumnWiseStatistic, FusedConfig, FusedOptimizerKind
 from modular.fused.state import check_fused_state, fused_state, load_fused_state
+from modular.kernels.table_dtypes import check_table_dtypes
 from modular.sharded_types import SHARDED_COLLECTIONS, kind_of, sharded_class, tables_name
 from modular.sharding import sharded_modules
 from modular.tables.deprecation import quietly
@@ -41,10 +44,12 @@ def fuse_optimizer(
         opt.step()               # a no-op for the tables; kept so loops look the same
 
     Call it before `modular.shard` (Note [order of sharding calls] in modular/compose/fsdp.py;
-    on a sharded model it raises `ShardingError`). An EBC on `meta` is not materialised: it is
-    marked, and `modular.shard` builds its shards fused directly, so each rank only ever allocates
-    its own shards. A materialised EBC becomes a one-process fused module, which `modular.shard`
-    then cuts into fused shards (optimizer state included); the model is also usable unsharded.
+    on a sharded model it raises `ShardingError`). It marks each collection, and `modular.shard`
+    builds its shards fused directly, so each rank only ever allocates its own shards (Note
+    [fusing at shard]). A materialised collection used before any `shard` (its forward, or this
+    optimizer's state, step or load) is fused then, in place, as a one-process fused module, which
+    `modular.shard` later cuts into fused shards (optimizer state included): the model is also
+    usable unsharded.
 
     `optimizer`: "exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", or fbgemm's Adam family
     "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb" (`betas` are theirs; Note
@@ -134,12 +139,74 @@ def fuse_optimizer(
         stochastic_rounding=bool(stochastic_rounding),
     )
     for name, m in targets:
-        if _on_meta(m):
-            lifecycle.set_pending_fuse(m, config)  # fused when modular.shard builds its shards
-            continue
-        local = sharded_class(kind_of(m)).unsharded(m, module=name, fused=config)
-        lifecycle.replace_module(model, name, local)
+        if not _on_meta(m):  # what building it would refuse, refused now
+            device = next(iter(m.parameters())).device
+            check_table_dtypes(kind_of(m).read_tables(m, name), name, device)
+    for name, m in targets:  # fused when modular.shard builds its shards (Note [fusing at shard])
+        lifecycle.set_pending_fuse(m, config)
+        if not _on_meta(m):  # or, used before any shard, fused then
+            m.forward = _FuseThenForward(m, name)
     return FusedOptimizer(model, config)
+
+
+class _FuseThenForward:
+    """The `forward` of a materialised collection that `fuse_optimizer` marked: the first call
+    fuses it in place, then runs its fused forward.
+
+    # Note [fusing at shard]
+    `fuse_optimizer` fuses nothing: it marks each collection, and `modular.shard` builds each
+    rank's shards fused, straight from the collection's weights (on meta: from its init_fn). A
+    materialised model fused at once would hold a fused copy of every table on every rank beside
+    the model's own until `shard` swapped it in: measured, a rank's peak memory grew by 1.9-2.5x
+    what the plan prices it for (issue 51). A marked collection that is used before any `shard`
+    (a one-process model: its forward, or the FusedOptimizer's state, step or load) is fused
+    then, in place, as a one-process fused module (`fuse_now`); `shard` then cuts that one.
+    `modular.local_parameters` leaves a marked collection's tables out, as it leaves out fused
+    ones: a dense optimizer never holds them."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self._module, self._name = weakref.ref(module), name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        fuse_now(module, self._name)
+        return module(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Optional[_FuseThenForward]:
+        """A copy of a marked module (`copy.deepcopy(model)`) is marked alike: the copy is in
+        `memo` while its attributes are copied."""
+        original = self._module()
+        copy_ = memo.get(id(original)) if original is not None else None
+        if copy_ is None:
+            return None
+        config = lifecycle.pending_fuse(original)
+        if config is not None:
+            lifecycle.set_pending_fuse(copy_, copy.deepcopy(config, memo))
+        return _FuseThenForward(copy_, self._name)
+
+
+def fuse_now(module: nn.Module, name: str) -> None:
+    """Fuses a collection `fuse_optimizer` marked, in place, as a one-process fused module
+    (Note [fusing at shard]); nothing for one that is not marked."""
+    config = lifecycle.pending_fuse(module)
+    if config is None or _is_sharded(module) or _on_meta(module):
+        return
+    module.__dict__.pop("forward", None)
+    local = sharded_class(kind_of(module)).unsharded(module, module=name, fused=config)
+    lifecycle.clear_pending_fuse(module)
+    lifecycle.replace_module(module, "", local)
+
+
+def fuse_marked(model: nn.Module) -> None:
+    """`fuse_now` on every collection of `model` that `fuse_optimizer` marked and no `shard`
+    built yet: what a one-process model's FusedOptimizer, prefetch, unshard and checkpoints need
+    first. Free once nothing is marked (`shard` clears the marks of what it built), as on every
+    step of a sharded model."""
+    if not lifecycle.any_pending_fuse():
+        return
+    for name, m in list(model.named_modules()):
+        if kind_of(m) is not None and lifecycle.pending_fuse(m) is not None:
+            fuse_now(m, name)
 
 
 def _is_sharded(m: nn.Module) -> bool:
@@ -159,7 +226,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": []}], defaults)
         self.param_groups = [config.param_group]
         config.param_group.setdefault("params", [])
-        self._model = model
+        self._model: Optional[nn.Module] = model
+        self._place: Optional[tuple[Any, str]] = None  # see _current_model
         self._config = config
 
     @property
@@ -171,8 +239,28 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The row statistic of column-cut tables under row-wise Adagrad (`fuse_optimizer`)."""
         return self._config.column_wise_statistic
 
+    def _current_model(self) -> nn.Module:
+        """The model this optimizer was made for, or what stands in its place in a larger
+        model once `shard` replaced it; held weakly then, so that neither the replaced module
+        nor later ones stay alive through this optimizer."""
+        if self._model is not None:
+            place = lifecycle.place_of(self._model)
+            if place is None:
+                return self._model
+            self._model, self._place = None, place
+        root, fqn = self._place
+        model = root()
+        if model is None:
+            raise ShardingError(
+                f"the model whose module {fqn!r} this FusedOptimizer was made for is gone; make "
+                "the optimizer on the model you train"
+            )
+        return model.get_submodule(fqn)
+
     def _fused_modules(self):
-        return [(fqn, m) for fqn, m in sharded_modules(self._model) if m.fused is not None]
+        model = self._current_model()  # a collection `shard` replaced: what is in its place
+        fuse_marked(model)  # a one-process model's, fused at its first use (Note [fusing at shard])
+        return [(fqn, m) for fqn, m in sharded_modules(model) if m.fused is not None]
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """The tables were updated in backward; this only runs `closure` if given."""

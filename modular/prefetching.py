@@ -16,6 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.agreed_options import disagreement, settings_that_differ
 from modular.errors import InputError, ShardingError
+from modular.optim import fuse_marked
 from modular.sharding import sharded_modules
 
 __all__ = ["prefetch"]
@@ -49,6 +50,7 @@ def prefetch(
     [agreeing on what to prefetch]). Later calls with that `modules=` run no collective."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"prefetch takes a KeyedJaggedTensor, got {type(features).__name__}")
+    fuse_marked(model)  # a one-process model's fused tables (Note [fusing at shard])
     found = dict(sharded_modules(model))
     if not found:
         raise ValueError(

@@ -171,6 +171,7 @@ def shard(
     # Swapped in only once all are built: a failure above leaves the model as it was.
     for fqn, ebc, sharded in built:
         owner = managed_owner(model, fqn)
+        lifecycle.clear_pending_fuse(ebc)  # built fused (Note [fusing at shard])
         retire_tables(ebc, fqn)
         lifecycle.replace_module(model, fqn, sharded)
         if owner is not None:  # Note [managed collisions over the global batch]

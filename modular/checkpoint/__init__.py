@@ -46,6 +46,7 @@ from modular.checkpoint._together import agree_on_load, failed, save_collective
 from modular.checkpoint._staging import check_loaded, stage
 from modular.checkpoint._entries import MODEL, model_state, optimizer_parts, optimizer_state
 from modular.errors import CheckpointError
+from modular.optim import fuse_marked
 from modular.profiling import CHECKPOINT_LOAD, CHECKPOINT_SAVE, labelled
 from modular.tables.deprecation import quietly
 
@@ -76,6 +77,7 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     average rather than that group's copy.
     """
     path = Path(path)
+    fuse_marked(model)  # a one-process model's fused tables (Note [fusing at shard])
     rank, world = dist.get_rank(), dist.get_world_size()
     state, error = None, None
     try:  # a rank that cannot describe its state must not leave the others in a collective
@@ -157,6 +159,7 @@ def load(
     the same `path` (the same checkpoint, on a file system they share) and `convert_dtypes`:
     where one differs, every rank raises `CheckpointError` naming it (Note [a load's options]).
     """
+    fuse_marked(model)  # a one-process model's fused tables (Note [fusing at shard])
     rank, world = dist.get_rank(), dist.get_world_size()
     error, manifest = None, None
     try:

@@ -27,6 +27,7 @@ from modular.errors import CheckpointError
 from modular.checkpoint._apply import load_all_or_nothing
 from modular.checkpoint._one_writer import state_prefix
 from modular.checkpoint._entries import describe, dtype_problem, global_shape
+from modular.optim import fuse_marked
 from modular.sharding import sharded_modules
 from modular.tables.deprecation import quietly
 from modular.tables.forms import dtype_of, global_pieces, global_size, is_sharded, local_pieces
@@ -42,6 +43,7 @@ def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:
     in 2D]); anything else raises `CheckpointError` on every rank before a shard is sent. See
     Note [export memory].
     """
+    fuse_marked(model)  # a one-process model's fused tables (Note [fusing at shard])
     _check_destination(model, rank)
     me = dist.get_rank()
     out: Optional[dict[str, Any]] = {} if me == rank else None
@@ -150,6 +152,7 @@ def load_unsharded(
     without `assign` is fine); if it raises on any rank, every rank puts its weights back and
     raises `CheckpointError` (Note [all or nothing]).
     """
+    fuse_marked(model)  # a one-process model's fused tables (Note [fusing at shard])
     live = get_model_state_dict(model)
     source, error = _read_unsharded(state_dict_or_path, live, convert_dtypes)
     agree(error)

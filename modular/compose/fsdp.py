@@ -7,8 +7,9 @@
 
 # Note [order of sharding calls]
 Each call changes the model in place and returns it. `fuse_optimizer` comes first: it only marks
-an EBC on meta, so `shard` builds each rank's shards fused directly (fusing an already sharded
-module would hold its shards twice while its kernels are swapped, so it is refused). `shard` runs
+each collection, so `shard` builds each rank's shards fused directly (Note [fusing at shard] in
+modular/optim.py; fusing an already sharded module would hold its shards twice while its kernels
+are swapped, so it is refused). `shard` runs
 before the dense wrappers: FSDP and DDP must be told which parameters to leave alone, and only
 once the tables are `ShardedTensor`s and self-reducing data-parallel copies can those be found
 (`ignored_params`). FSDP then replaces the dense parameters by DTensors, so the optimizer is

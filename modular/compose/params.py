@@ -72,6 +72,9 @@ def local_parameters(model: nn.Module) -> list[torch.Tensor]:
         if m.fused is not None
         for p in m.parameters()
     }
+    fused |= {  # marked by fuse_optimizer, fused when sharded or first used (Note [fusing at shard])
+        id(p) for m in model.modules() if lifecycle.pending_fuse(m) is not None for p in m.parameters()
+    }
     out = []
     for _, p in model.named_parameters():
         if id(p) in fused:

@@ -56,13 +56,19 @@ def test_fuse_optimizer_accepts_the_planners_spelling() -> None:
         modular.fuse_optimizer(_Model("meta"), "sgd_momentum", lr=0.1)
 
 
-def test_fusing_a_materialised_model_replaces_its_ebc_in_place_and_keeps_names() -> None:
+def test_fusing_a_materialised_model_marks_it_and_its_first_use_fuses_it_in_place() -> None:
+    """Note [fusing at shard]: `fuse_optimizer` copies nothing; the model's first use before
+    any `shard` fuses its EBC in place (the same object), keeping names and weights."""
     torch.manual_seed(0)
     model = _Model("cpu")
-    weight = model.ebc.embedding_bags["t"].weight.detach().clone()
+    ebc = model.ebc
+    weight = ebc.embedding_bags["t"].weight.detach().clone()
     names = [n for n, _ in model.named_parameters()]
     modular.fuse_optimizer(model, "exact_sgd", lr=0.1)
-    assert isinstance(model.ebc, modular.ShardedEmbeddingBagCollection) and model.ebc.is_local
+    assert type(model.ebc) is EmbeddingBagCollection and modular.local_parameters(model) == list(model.mlp.parameters())
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    model.ebc(kjt)
+    assert model.ebc is ebc and isinstance(ebc, modular.ShardedEmbeddingBagCollection) and ebc.is_local
     assert [n for n, _ in model.named_parameters()] == names
     assert torch.equal(model.ebc.embedding_bags["t"].weight, weight)
 

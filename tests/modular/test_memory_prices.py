@@ -14,57 +14,16 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 import planners
+from benchmarks._memory_configs import (
+    BATCH, CONFIGS, DTYPES as _DTYPES, POOLING, TORCH_OPTIMIZERS, WORLD, plan_and_stats as _plan_and_stats,
+)
 from tests.dist import run_on_ranks
-
-WORLD, BATCH, POOLING = 2, 64, 4
-TORCH_OPTIMIZERS = {"unfused_sgd": lambda p: torch.optim.SGD(p, lr=0.1),
-                    "unfused_adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
-                    "unfused_adam": lambda p: torch.optim.Adam(p, lr=0.01)}  # fmt: skip
-# (optimizer, [(rows, dim, dtype, sharding type, shards)]), each table its own feature.
-CONFIGS = {
-    "rowwise_tw_rw": ("rowwise_adagrad", [(4000, 32, "fp32", "table_wise", 1),
-                                          (6000, 16, "fp32", "row_wise", 2)]),
-    "sgd_dp": ("sgd", [(3000, 32, "fp32", "data_parallel", 1),
-                       (2000, 16, "fp32", "table_wise", 1)]),
-    "adam_dp_twrw": ("adam", [(3000, 32, "fp32", "data_parallel", 1),
-                              (5000, 16, "fp32", "table_row_wise", 2)]),
-    "rowwise_cw_mixed": ("rowwise_adagrad", [(4000, 64, "fp32", "column_wise", 2),
-                                             (3000, 32, "fp32", "column_wise", 2)]),
-    "adagrad_fp16": ("adagrad", [(5000, 32, "fp16", "row_wise", 2),
-                                 (2000, 16, "fp16", "data_parallel", 1)]),
-    "unfused_sgd": ("unfused_sgd", [(4000, 32, "fp32", "table_wise", 1),
-                                    (3000, 16, "fp32", "data_parallel", 1)]),
-    "unfused_adagrad_fp16": ("unfused_adagrad", [(5000, 32, "fp16", "row_wise", 2),
-                                                 (2000, 32, "fp16", "column_wise", 2)]),
-    "unfused_adam": ("unfused_adam", [(3000, 32, "fp32", "data_parallel", 1),
-                                      (4000, 16, "fp32", "row_wise", 2)]),
-}
-_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
-
-
-def _tables(name: str) -> list[planners.Table]:
-    return [planners.Table(f"t{i}", rows, dim, features=(f"f{i}",), pooling_factor=POOLING,
-                           dtype=dtype)
-            for i, (rows, dim, dtype, _, _) in enumerate(CONFIGS[name][1])]  # fmt: skip
-
-
-def _plan_and_stats(name: str) -> tuple[planners.ShardingPlan, planners.PlanStats]:
-    optimizer, specs = CONFIGS[name]
-    tables = _tables(name)
-    cons = {t.name: planners.TableConstraint(sharding_types=(kind,), min_shards=k, max_shards=k)
-            if kind != "data_parallel" else planners.TableConstraint(sharding_types=(kind,))
-            for t, (_, _, _, kind, k) in zip(tables, specs)}  # fmt: skip
-    topology = planners.Topology(WORLD, device_memory="1GiB")
-    plan = planners.plan(tables, topology, batch_size=BATCH, optimizer=optimizer, constraints=cons)
-    stats = planners.plan_stats(plan, tables, topology, batch_size=BATCH, optimizer=optimizer,
-                                constraints=cons)  # fmt: skip
-    return plan, stats
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -1,0 +1,105 @@
+"""Issue 51's peak-RSS check: each rank's peak RSS growth over `fuse_optimizer` + `shard` + one
+step, against the planner's predicted total for that rank (`plan_stats(...).ranks[r].memory`).
+
+    python benchmarks/rss_growth.py                 # tables x100 the suite's: 40-200 MB a config
+    python benchmarks/rss_growth.py --scale 1000    # 0.4-2 GB a config
+
+The configurations are benchmarks/_memory_configs.py's (tests/modular/test_memory_prices.py's) (fused and unfused optimizers,
+every sharding kind, FP32 and FP16), their row counts times `--scale`, each on 2 fresh gloo
+ranks: a materialised EBC is built, the RSS read (VmRSS), the peak reset (/proc/self/clear_refs),
+then `fuse_optimizer` (fused configurations) + `shard` + one step on uniform ids (+ the torch
+optimizer's step, unfused), and the peak (VmHWM) read. Target (issue 51): within +-15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import sys
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from benchmarks._common import init_ranks, status_kib  # noqa: E402
+from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
+
+
+def _configs(scale: int) -> dict:
+    from benchmarks import _memory_configs as configs
+
+    return {k: (o, [(r * scale, d, dt, kind, n) for r, d, dt, kind, n in specs])
+            for k, (o, specs) in configs.CONFIGS.items()}  # fmt: skip
+
+
+def _worker(rank: int, name: str, scale: int, rendezvous: Rendezvous, queue) -> None:
+    import modular
+    import planners
+    from benchmarks import _memory_configs as configs
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    init_ranks(rank, configs.WORLD, store=rendezvous.store())
+    configs.CONFIGS = _configs(scale)
+    plan, stats = configs.plan_and_stats(name)
+    optimizer, specs = configs.CONFIGS[name]
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"],
+                           data_type=configs.DTYPES[dtype])
+        for i, (rows, dim, dtype, _, _) in enumerate(specs)])  # fmt: skip
+    gc.collect()
+    before = status_kib("VmRSS") * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := the RSS now
+    unfused = optimizer in configs.TORCH_OPTIMIZERS
+    if not unfused:
+        modular.fuse_optimizer(ebc, planners.Optimizer.parse(optimizer).fused_name, lr=0.01)
+    modular.shard(ebc, plan)
+    opt = configs.TORCH_OPTIMIZERS[optimizer](modular.local_parameters(ebc)) if unfused else None
+    gen = torch.Generator().manual_seed(1000 * rank + 7)
+    keys = [f"f{i}" for i in range(len(specs))]
+    ids = [torch.randint(0, rows, (configs.BATCH * configs.POOLING,), generator=gen) for rows, *_ in specs]
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(ids),
+                                              lengths=torch.full((configs.BATCH * len(keys),), configs.POOLING))  # fmt: skip
+    ebc(kjt).values().sum().backward()
+    if opt is not None:
+        opt.step()
+    queue.put((rank, optimizer, status_kib("VmHWM") * 1024 - before, stats.ranks[rank].memory))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", type=int, default=100, help="row counts times the suite's")
+    args = p.parse_args()
+    print(f"## Peak RSS growth over fuse_optimizer + shard + one step against the predicted total, "
+          f"tables x{args.scale}, 2 gloo ranks ({os.cpu_count()} cores), "
+          f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
+    print("| config | optimizer | rank | predicted MiB | peak growth MiB | ratio |\n|---|---|---|---:|---:|---:|")
+    ratios = []
+    ctx = mp.get_context("spawn")
+    for name in _configs(args.scale):
+        queue = ctx.Queue()
+        with hosted_rendezvous() as rendezvous:  # fresh ranks for each configuration
+            mp.start_processes(_worker, args=(name, args.scale, rendezvous, queue), nprocs=2, join=True,
+                               start_method="spawn")  # fmt: skip
+        for rank, optimizer, growth, predicted in sorted(queue.get() for _ in range(2)):
+            ratios.append(growth / predicted)
+            print(f"| {name} | {optimizer} | {rank} | {predicted / 2**20:.1f} | {growth / 2**20:.1f} | "
+                  f"{growth / predicted:.2f} |")  # fmt: skip
+    within = sum(abs(r - 1) <= 0.15 for r in ratios)
+    print(f"\n{within} of {len(ratios)} within +-15% (target: all)")
+
+
+if __name__ == "__main__":
+    main()

@@ -218,3 +218,18 @@ def check_device_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None
         p.error(f"--device cuda --world-size {a.world_size}: this machine has "
                 f"{torch.cuda.device_count()} CUDA device(s); NCCL needs one per rank "
                 "(--cuda-backend gloo shares them)")  # fmt: skip
+
+
+def run_ranks(worker: Callable, args: tuple, world_size: int) -> list:
+    """`worker(rank, *args, rendezvous, queue)` on `world_size` spawned ranks, each putting one
+    result on `queue` whose first item is its rank; the results in rank order."""
+    import torch.multiprocessing as mp
+
+    from benchmarks._rendezvous import hosted_rendezvous
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with hosted_rendezvous() as rendezvous:
+        mp.start_processes(worker, args=(*args, rendezvous, queue), nprocs=world_size, join=True,
+                           start_method="spawn")  # fmt: skip
+    return sorted((queue.get() for _ in range(world_size)), key=lambda r: r[0])

@@ -33,10 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks._common import init_ranks, max_over_ranks, time_block  # noqa: E402
-from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
+from benchmarks._common import init_ranks, max_over_ranks, run_ranks, time_block  # noqa: E402
+from benchmarks._rendezvous import Rendezvous  # noqa: E402
 
 LR, EPS = 0.05, 1e-8
 CONTENDERS = ("mc", "plain", "torchrec")
@@ -173,12 +172,7 @@ def main() -> None:
           f"{args.pooling} ids, row-wise, fused row-wise Adagrad, {args.world_size} gloo ranks on CPU "
           f"({os.cpu_count()} cores), batch {args.batch_size} per rank, Zipf ids with churn "
           f"{args.churn}/step, {datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with hosted_rendezvous() as rendezvous:
-        mp.start_processes(_worker, args=(args, rendezvous, queue), nprocs=args.world_size,
-                           join=True, start_method="spawn")  # fmt: skip
-    results = sorted((queue.get() for _ in range(args.world_size)), key=lambda r: r[0])
+    results = run_ranks(_worker, (args,), args.world_size)
     _, blocks, skipped = results[0]
     print("| contender | median step ms (block medians min - max) |\n|---|---:|")
     for name in CONTENDERS:

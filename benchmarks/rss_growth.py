@@ -25,10 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks._common import init_ranks, status_kib  # noqa: E402
-from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
+from benchmarks._common import init_ranks, run_ranks, status_kib  # noqa: E402
+from benchmarks._rendezvous import Rendezvous  # noqa: E402
 
 
 def _configs(scale: int) -> dict:
@@ -87,13 +86,8 @@ def main() -> None:
           f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
     print("| config | optimizer | rank | predicted MiB | peak growth MiB | ratio |\n|---|---|---|---:|---:|---:|")
     ratios = []
-    ctx = mp.get_context("spawn")
-    for name in _configs(args.scale):
-        queue = ctx.Queue()
-        with hosted_rendezvous() as rendezvous:  # fresh ranks for each configuration
-            mp.start_processes(_worker, args=(name, args.scale, rendezvous, queue), nprocs=2, join=True,
-                               start_method="spawn")  # fmt: skip
-        for rank, optimizer, growth, predicted in sorted(queue.get() for _ in range(2)):
+    for name in _configs(args.scale):  # fresh ranks for each configuration
+        for rank, optimizer, growth, predicted in run_ranks(_worker, (name, args.scale), 2):
             ratios.append(growth / predicted)
             print(f"| {name} | {optimizer} | {rank} | {predicted / 2**20:.1f} | {growth / 2**20:.1f} | "
                   f"{growth / predicted:.2f} |")  # fmt: skip

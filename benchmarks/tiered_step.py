@@ -42,10 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks._common import init_ranks, max_over_ranks, status_kib  # noqa: E402
-from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
+from benchmarks._common import init_ranks, max_over_ranks, run_ranks, status_kib  # noqa: E402
+from benchmarks._rendezvous import Rendezvous  # noqa: E402
 
 LR, EPS, DENSE = 0.05, 1e-8, 13
 
@@ -243,12 +242,7 @@ def main() -> None:
           f"({os.cpu_count()} cores), prefetch on, {datetime.date.today().isoformat()}, "
           f"torch {torch.__version__}\n")  # fmt: skip
     try:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        with hosted_rendezvous() as rendezvous:
-            mp.start_processes(_worker, args=(args, rendezvous, queue), nprocs=args.world_size,
-                               join=True, start_method="spawn")  # fmt: skip
-        results = sorted((queue.get() for _ in range(args.world_size)), key=lambda r: r[0])
+        results = run_ranks(_worker, (args,), args.world_size)
     finally:
         shutil.rmtree(args.dir if owned else os.path.join(args.dir), ignore_errors=True)
     times = results[0][1]

@@ -34,10 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks._common import init_ranks, max_over_ranks, time_block  # noqa: E402
-from benchmarks._rendezvous import Rendezvous, hosted_rendezvous  # noqa: E402
+from benchmarks._common import init_ranks, max_over_ranks, run_ranks, time_block  # noqa: E402
+from benchmarks._rendezvous import Rendezvous  # noqa: E402
 
 LR, EPS = 0.05, 1e-8
 CONTENDERS = ("vbe", "expanded", "torchrec")
@@ -195,12 +194,7 @@ def main() -> None:
           f"{args.world_size} gloo ranks on CPU ({os.cpu_count()} cores), batch "
           f"{args.batch_size} per rank, ~{args.pooling} ids per bag, "
           f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with hosted_rendezvous() as rendezvous:
-        mp.start_processes(_worker, args=(args, rendezvous, queue), nprocs=args.world_size,
-                           join=True, start_method="spawn")  # fmt: skip
-    results = sorted((queue.get() for _ in range(args.world_size)), key=lambda r: r[0])
+    results = run_ranks(_worker, (args,), args.world_size)
     _, blocks, _, skipped, _ = results[0]
     print("| contender | median step ms (block medians min - max) | CPU ms / step, per rank "
           "| output-dist floats / step, per rank |")

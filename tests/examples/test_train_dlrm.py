@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import modular
 
 from tests.dist import run_on_ranks
+from tests.examples.script_run import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(batch_size=64, eval_batches=1, progress=False)
@@ -123,25 +123,7 @@ def test_script_self_launches_two_ranks_on_the_criteo_sample(tmp_path: Path) -> 
         "--steps", "4", "--checkpoint-dir", str(tmp_path), "--no-progress",
         "--collective-timeout", "60",  # a rank left alone in a collective fails, naming it
     ]  # fmt: skip
-    # The run costs ~12 CPU-seconds over three processes (the launcher and two ranks, each
-    # importing torch) and the launcher pins each rank to one core: ~20 s on 2 idle cores, but
-    # 65 s at load 15 and over 120 s at load 16-20 (measured). A hang is caught by the collective
-    # timeout above; this one only bounds a slow machine. Its own session, so that a timeout kills
-    # the ranks too and does not leave them running (and loading the machine) behind the test.
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env=dict(os.environ, PYTHONWARNINGS="ignore"), start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(
-            f"train_dlrm.py --world-size 2 still running after 300 s (load {os.getloadavg()}); "
-            f"killed it and its ranks.\n--- stdout:\n{stdout[-3000:]}\n--- stderr:\n{stderr[-3000:]}"
-        ) from None
-    assert proc.returncode == 0, f"exit status {proc.returncode}\n{stdout[-3000:]}{stderr[-3000:]}"
+    stdout = run_script(command, tmp_path)
     final = [line for line in stdout.splitlines() if line.startswith("final: ")]
     assert len(final) == 1, stdout  # rank 0 alone prints
     assert "AUC" in final[0] and "examples/s" in final[0]

@@ -6,16 +6,15 @@ The script runs as a user runs it (self-launched gloo ranks); the stream's check
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.examples.script_run import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,20 +52,7 @@ def test_script_compares_managed_collisions_with_hashing_by_auc(tmp_path: Path) 
         "--steps", "25", "--batch-size", "64", "--eval-batches", "4", "--no-progress",
         "--collective-timeout", "60",
     ]  # fmt: skip
-    # ~12 s on 2 idle cores (two runs of 25 steps and the ranks' imports); bounded for a loaded
-    # machine, in its own session so that a timeout kills the ranks too.
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env=dict(os.environ, PYTHONWARNINGS="ignore"), start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"still running after 300 s (load {os.getloadavg()})\n"
-                             f"{stdout[-3000:]}{stderr[-3000:]}") from None
-    assert proc.returncode == 0, f"exit status {proc.returncode}\n{stdout[-3000:]}{stderr[-3000:]}"
+    stdout = run_script(command, tmp_path)
     assert "managed collisions: 4 tables (zch_size 1_000" in stdout  # the planner priced them
     found = re.findall(r"^raw ids: AUC (\S+) with managed collisions, (\S+) hashing modulo 1_000 rows", stdout, re.M)
     assert len(found) == 1, stdout  # rank 0 alone prints

@@ -7,7 +7,7 @@ it with `python -m pytest tests/gpu`.
 
 One process, no process group: two one-process fused EBCs on the GPU from the same weights, one
 on fbgemm's kernels (widths 8, 16, 32: whole tables take them on CUDA) and one forced onto the
-emulation (`FusedTables._emulates` patched to say yes), plus the written-out reference
+emulation (`choose_kernel` patched to choose it), plus the written-out reference
 (tests/modular/adam_reference.py), trained on the same batches for 5 steps with weight decay,
 per kind: weights, both moments and the step count must agree (1e-5, the GPU's atomic sums
 reorder additions). FP16 tables with stochastic_rounding=False: fbgemm rounds each new row to
@@ -24,7 +24,9 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import modular
-from modular.fused.tables import FusedTables
+from modular import local_shards
+from modular.fused.choice import KernelChoice, KernelKind
+from modular.optim import fuse_now
 from modular.fused.adam import AdamFusedKernel
 from modular.fused.fbgemm import FusedKernel
 from tests.modular.adam_reference import (
@@ -51,12 +53,14 @@ def _ebc(data_type: DataType = DataType.FP32) -> EmbeddingBagCollection:
 def _fused(source: EmbeddingBagCollection, kind: str, emulate: bool, monkeypatch) -> tuple:
     ebc = copy.deepcopy(source)
     with monkeypatch.context() as m:
-        if emulate:
-            m.setattr(FusedTables, "_emulates", lambda self, widths, deferred: True)
+        if emulate:  # every kernel group takes the emulation (Note [fused tables])
+            forced = KernelChoice(KernelKind.ADAM, "forced by the test")
+            m.setattr(local_shards, "choose_kernel", lambda facts: forced)
         opt = modular.fuse_optimizer(
             ebc, kind, lr=ADAM_LR, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=DECAY,
             stochastic_rounding=False,
         )  # fmt: skip
+        fuse_now(ebc, "")  # built here, under the patch (Note [fusing at shard])
     kernels = {type(k) for k in ebc._local_kernels}  # one process: every table is local
     assert kernels == ({AdamFusedKernel} if emulate else {FusedKernel}), (kind, emulate, kernels)
     return ebc, opt

@@ -218,7 +218,8 @@ def table_weight(
         meta = ShardMetadata(
             shard_offsets=[spec.row_offset, spec.col_offset],
             shard_sizes=[spec.num_rows, spec.num_cols],
-            placement=f"rank:{global_rank}/{at.device}",
+            # the shard's own device: a tiered shard on a GPU rank lives in host memory
+            placement=f"rank:{global_rank}/{views[(table.name, j)].device}",
         )
         local.append(Shard(tensor=views[(table.name, j)], metadata=meta))
     with quiet_sharded_tensor():

@@ -46,15 +46,13 @@ class TieredKernel:
         self, group, sizes, device, config, *, tables: list[str], cache_rows: list[int],
         stores: list[RowStore], policies: list[str], steps=None,
     ) -> None:  # fmt: skip
-        if device.type != "cpu":
-            raise NotImplementedError("tiered tables run on CPU only so far (Note [tiered tables])")
         self.group, self.sizes, self.config, self.device = group, list(sizes), config, device
         self.tables, self.stores, self._steps = list(tables), list(stores), steps
         self.views = [torch.nn.Parameter(s.weights, requires_grad=False) for s in stores]
         self.states = [dict(s.states) for s in stores]
         self.maps = [SlotMap(t, r, c, p) for t, (r, _), c, p in zip(tables, sizes, cache_rows, policies)]
         self.stats = [TierStats(cache_rows=c) for c in cache_rows]
-        self.ftm = torch.tensor(group.feature_table_map, dtype=torch.int64)
+        self.ftm = torch.tensor(group.feature_table_map, dtype=torch.int64, device=device)
         self.inner = self._cache(cache_rows)
         self.nobag = self.inner.nobag
         # A background prefetch (Note [tiered prefetch]) against `sync` from the caller's thread.
@@ -110,6 +108,7 @@ class TieredKernel:
             for t, u in enumerate(ids):
                 if u.numel() > self.maps[t].cache_rows:
                     self._grow(t, u.numel())
+        ids = [u.cpu() for u in ids]  # the slot maps live on the host, as the stores do
         moves = [m.assign(u, step=step) for m, u in zip(self.maps, ids)]
         for t, mv in enumerate(moves):
             if mv is not None and mv.load_ids.numel():
@@ -117,7 +116,7 @@ class TieredKernel:
         for t, (mv, u) in enumerate(zip(moves, ids)):
             if mv is not None:
                 self._apply(t, mv, u.numel() if step else None)
-        return [None if mv is None else mv.slots for mv in moves]
+        return [None if mv is None else mv.slots.to(self.device) for mv in moves]
 
     def _apply(self, t: int, moves, looked_up: Optional[int]) -> None:
         """Writes table t's evicted dirty rows back, reads its missing rows in; `looked_up`: a
@@ -126,17 +125,17 @@ class TieredKernel:
         store, stats = self.stores[t], self.stats[t]
         if moves.evict_ids.numel():
             order = torch.argsort(moves.evict_ids)
-            s = moves.evict_slots[order]
-            store.write(moves.evict_ids[order], cache[s], {n: x[s] for n, x in states.items()})
+            s = moves.evict_slots[order].to(self.device)
+            store.write(moves.evict_ids[order], cache[s].cpu(), {n: x[s].cpu() for n, x in states.items()})
             stats.rows_written_back += moves.evict_ids.numel()
             stats.bytes_written_back += moves.evict_ids.numel() * store.row_bytes
         if moves.load_ids.numel():
             order = torch.argsort(moves.load_ids)
-            s = moves.load_slots[order]
+            s = moves.load_slots[order].to(self.device)
             rows, loaded = store.read(moves.load_ids[order])
-            cache[s] = rows.to(cache.dtype)
+            cache[s] = rows.to(self.device, cache.dtype, non_blocking=True)
             for name, x in states.items():
-                x[s] = loaded[name]
+                x[s] = loaded[name].to(self.device, non_blocking=True)
             stats.rows_fetched += moves.load_ids.numel()
             stats.bytes_fetched += moves.load_ids.numel() * store.row_bytes
         if looked_up is not None:
@@ -180,7 +179,8 @@ class TieredKernel:
 
     def cached_rows(self, t: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of kernel table t as the current step looks them up (all cached)."""
-        return self.inner.views[t].data[self.maps[t].slot_of[ids.long()]]
+        slots = self.maps[t].slot_of[ids.long().cpu()].to(self.device)
+        return self.inner.views[t].data[slots]
 
     def sync(self) -> None:
         """Writes every dirty cached row back and empties the caches: the stores (`views`,
@@ -190,7 +190,8 @@ class TieredKernel:
             for t, m in enumerate(self.maps):
                 ids, slots = m.dirty_rows()
                 cache, states = self._cached(t)
-                self.stores[t].write(ids, cache[slots], {n: x[slots] for n, x in states.items()})
+                slots = slots.to(self.device)
+                self.stores[t].write(ids, cache[slots].cpu(), {n: x[slots].cpu() for n, x in states.items()})
                 self.stats[t].rows_written_back += ids.numel()
                 self.stats[t].bytes_written_back += ids.numel() * self.stores[t].row_bytes
                 m.clear()

@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["RowStore", "file_backed_like"]
+__all__ = ["HostStore", "RowStore", "file_backed_like"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -76,6 +76,29 @@ class RowStore:
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The rows `ids` (sorted, so that the files are read in order) and their state."""
+        return self.weights[ids], {name: s[ids] for name, s in self.states.items()}
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        self.weights[ids] = rows.to(self.weights.dtype)
+        for name, s in self.states.items():
+            s[ids] = states[name]
+
+
+class HostStore:
+    """A GPU rank's backing store of one tiered shard: its rows and their optimizer state in
+    pinned host memory (`RowStore`'s interface; Note [tiered tables])."""
+
+    def __init__(self, rows: int, cols: int, state_shapes: dict[str, tuple[int, ...]]) -> None:
+        pinned = torch.cuda.is_available()
+        self.rows, self.cols = rows, cols
+        self.weights = torch.zeros((rows, cols), pin_memory=pinned)
+        self.states = {name: torch.zeros(shape, pin_memory=pinned) for name, shape in state_shapes.items()}
+        self.row_bytes = 4 * (cols + sum(int(np.prod(s[1:], dtype=np.int64)) for s in state_shapes.values()))
+
+    def will_need(self, ids: torch.Tensor) -> None:
+        """Nothing to ask for: host memory is read at once."""
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.weights[ids], {name: s[ids] for name, s in self.states.items()}
 
     def write(self, ids: torch.Tensor, rows: torch.Tensor, states: dict[str, torch.Tensor]) -> None:

@@ -17,6 +17,9 @@ from planners.types import ShardingType
 __all__ = ["check_tiers", "tiered_tables"]
 
 _RESIDENT = 'drop cache_load_factor from its constraints to train it resident'
+# Turns on the tier on CUDA ranks (a GPU cache over pinned host memory): written, not yet run on
+# a GPU (tests/gpu/test_cuda_tiered.py, `scripts/gpu/run.sh tiered`).
+CUDA_TIERS = "MODULAR_CUDA_TIERS"
 
 
 def tiered_tables(plan, fqns: list[str]) -> list[str]:
@@ -50,10 +53,12 @@ def check_tiers(
         )
     if device.type == "cpu":
         _check_dir(tier_dir)
-    if device.type != "cpu":
+    if device.type != "cpu" and not (device.type == "cuda" and os.environ.get(CUDA_TIERS) == "1"):
         raise ShardingError(
             f"the plan puts tables {named} on a tier (cache_load_factor), which modular builds on "
-            f"CPU ranks only so far (docs/tiered_tables.md), not on {device.type}"
+            f"CPU ranks only so far (docs/tiered_tables.md), not on {device.type}; the CUDA path "
+            f"(a GPU cache over host memory) is written but has not run on a GPU: {CUDA_TIERS}=1 "
+            "turns it on (scripts/gpu/run.sh tiered)"
         )
     if replicated:
         raise ShardingError(
@@ -68,12 +73,14 @@ def check_tiers(
             if getattr(p, "cache_load_factor", None) is None:
                 continue
             fused = fused_of(module)
-            _check_table(f"{fqn}.{name}" if fqn else name, p, shards[name], infos[name], fused)
+            _check_table(f"{fqn}.{name}" if fqn else name, p, shards[name], infos[name], fused, device.type)
             kind = fused.optimizer
             for spec in shards[name]:
                 if spec.rank == rank:
                     per_row = spec.num_cols + sum(1 if kind.row_state(n) else spec.num_cols for n in kind.state_names())
                     needed += 4 * spec.num_rows * per_row
+    if device.type != "cpu":  # host memory, not files
+        return
     free = shutil.disk_usage(tier_dir).free
     if needed > free:
         raise ShardingError(
@@ -97,7 +104,7 @@ def _check_dir(tier_dir: str) -> None:
         ) from e
 
 
-def _check_table(table: str, placement, shards, info, fused) -> None:
+def _check_table(table: str, placement, shards, info, fused, device_type: str) -> None:
     def refuse(why: str) -> None:
         raise ShardingError(f"tiered table {table!r}: {why} (docs/tiered_tables.md); {_RESIDENT}")
 
@@ -109,7 +116,7 @@ def _check_table(table: str, placement, shards, info, fused) -> None:
     if info.dtype != torch.float32:
         refuse(f"tiers hold FP32 tables so far, not {info.dtype}")
     emulated = emulation_reason(
-        device_type="cpu", optimizer=fused.optimizer, weight_decay=fused.weight_decay,
+        device_type=device_type, optimizer=fused.optimizer, weight_decay=fused.weight_decay,
         widths=tuple(s.num_cols for s in shards), deferred=None,
     )  # fmt: skip
     if emulated is not None and not fused.optimizer.adam_family():  # the Adam family's is wrapped

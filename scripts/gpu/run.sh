@@ -2,7 +2,7 @@
 # On the GPU machine, from the repo root, after scripts/gpu/pack.sh here (carry .gpu/):
 #
 #   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~25 min)
-#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard (several: a list)
+#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard | tiered (several: a list)
 #
 # A lent device gives a session ~15 minutes in all and 10 per command, so run the part an issue
 # needs, one command per part. Figures go to $OUT (default /tmp/gpu-out), which the device tool
@@ -21,6 +21,10 @@
 #            4 x 1M x 64 FP32, dense and fused, one and all tables moved, staging on and off side
 #            by side (peak allocated growth against the bound, time to host against the
 #            all-to-alls), ~4 min (an estimate: never run)
+#   tiered   issue 47: tiered tables with a GPU cache over pinned host memory (MODULAR_CUDA_TIERS=1
+#            turns the path on): tests/gpu/test_cuda_tiered.py (parity with the same tables
+#            resident on the GPU, worlds 1 and 2, prefetched steps missing nothing), ~2 min (an
+#            estimate: never run); then docs/tiered_tables.md says whether to turn it on
 source scripts/gpu/setup.sh || exit 1
 export PYTHONWARNINGS=ignore
 OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
@@ -60,11 +64,16 @@ reshard() {
         --methods reshard --stage on off | tee "$OUT/reshard_gloo2.txt"
 }
 
+tiered() {
+    MODULAR_CUDA_TIERS=1 python3 -m pytest tests/gpu/test_cuda_tiered.py -q -s -rfE -p no:cacheprovider \
+        --timeout=300 | tee "$OUT/tests_gpu_tiered.txt"
+}
+
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard)
+[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard tiered)
 for part in "${parts[@]}"; do
     case "$part" in
-        tests|example|speed|fp16|reshard) echo "== $part" && "$part" ;;
-        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard)" >&2; exit 2 ;;
+        tests|example|speed|fp16|reshard|tiered) echo "== $part" && "$part" ;;
+        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard, tiered)" >&2; exit 2 ;;
     esac
 done

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from planners.types import PlanError
 
 __all__ = ["Calibration", "CalibrationError", "KernelRate", "FAMILIES", "SCHEMA", "STALE_DAYS"]
@@ -109,6 +111,24 @@ class Calibration:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise CalibrationError(f"{self._where}{name} must be a number >= 0, got {value!r}")
+
+    def lookup_seconds(self, family: Any, data_parallel: bool, fused: bool, rows: Any,
+                       row_bytes: Any, ids: Any, bag_columns: Any, work: Any, base: Any) -> Any:  # fmt: skip
+        """A shard's lookup at the measured rate of its kernel family (`FAMILIES` index per
+        entry, planners/cost.py's `CostModel.family`); what a kind adds beyond one pass (a column
+        piece's second backward, the other replica groups' batches: `work` over `base` bytes)
+        scales it as it scales the bytes, and an unfused data-parallel copy's whole-table step
+        (the bytes beyond the ids' rows) streams at the measured copy rate. A fused copy updates
+        the rows the global batch touched, a sparse step priced within its own ids' rate."""
+        seconds = 0.0 * rows * row_bytes
+        for f, name in enumerate(FAMILIES):
+            here = self.kernels[name].seconds(ids, row_bytes, bag_columns, rows * row_bytes)
+            seconds = np.where(family == f, here, seconds)
+        if data_parallel and fused:
+            return seconds
+        if data_parallel:
+            return seconds + np.maximum(work - base, 0.0) / self.stream_bandwidth
+        return seconds * np.where(base > 0, work / np.maximum(base, 1e-30), 1.0)
 
     @property
     def _where(self) -> str:

@@ -49,8 +49,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+# The column pieces' statistics live in planners/column_pieces.py; re-exported here.
+from planners.column_pieces import STAT_BYTES, column_scratch_bytes, column_stat_floats
 from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, Table, Topology
 from planners.replicas import Replicas
+from planners.tier_cost import TierSpec, tier_arrays, tier_cost
 from planners.types import PlanError, ShardingType
 
 __all__ = [
@@ -65,26 +68,10 @@ ID_BYTES = 8  # a batch's ids are int64
 WIRE_ID_BYTES = 4
 INT32_ROWS = 2**31 - 1
 WEIGHT_BYTES = 4  # per-id weights of weighted features are fp32
-STAT_BYTES = 4  # a column piece's row statistic (row-wise Adagrad, exact), one fp32 per id
 ROW_ID_BYTES = 8  # the touched rows an emulated data-parallel copy gathers are int64
 KEPT_SLACK = 1.125  # a kept buffer has room for 1/8 more (modular.comm.KeptBuffers)
 _ADAM_FAMILY = frozenset({Optimizer.ADAM, Optimizer.PARTIAL_ROWWISE_ADAM, Optimizer.LAMB,
                           Optimizer.PARTIAL_ROWWISE_LAMB})  # fmt: skip
-
-
-def column_stat_floats(optimizer: Optimizer, statistic: ColumnWiseStatistic) -> int:
-    """FP32 values per row that a column piece of a table sends to the table's other pieces at
-    the end of backward, so that each piece updates with statistics of the whole row (modular's
-    Note [row statistics across column shards] and Note [fused Adam and LAMB]):
-    exact row-wise Adagrad 1 (the row's sum of g**2 over the piece's columns; per id),
-    partial_rowwise_adam 1 (the same, for its row-wise second moment), lamb 2 (the piece's parts
-    of ||w_row||**2 and ||update_row||**2), partial_rowwise_lamb 3 (all three); 0 for the rest
-    (per-element statistics, or row-wise Adagrad keeping each piece's own under "per_shard")."""
-    if optimizer is Optimizer.ROWWISE_ADAGRAD:
-        return 1 if statistic is ColumnWiseStatistic.EXACT else 0
-    return {
-        Optimizer.PARTIAL_ROWWISE_ADAM: 1, Optimizer.LAMB: 2, Optimizer.PARTIAL_ROWWISE_LAMB: 3,
-    }.get(optimizer, 0)  # fmt: skip
 
 
 class TableArrays(NamedTuple):
@@ -98,9 +85,15 @@ class TableArrays(NamedTuple):
     id_bytes: np.ndarray  # bytes of the batch per id (8, plus 4 for a weight)
     wire_id_bytes: np.ndarray  # bytes per routed id (4, or 8 past 2**31 rows; plus 4 for a weight)
     sequence: np.ndarray  # 1 for a sequence table (one output row per id), else 0
+    # Tiered tables (Note [pricing tiered tables] in planners/tier_cost.py): the cache load
+    # factor (0: resident), the given hit rate (-1: from Zipf) and the Zipf exponent.
+    cache: np.ndarray
+    hit_rate: np.ndarray
+    zipf_alpha: np.ndarray
 
     @classmethod
-    def of(cls, tables: Sequence[Table]) -> TableArrays:
+    def of(cls, tables: Sequence[Table], tiers: Sequence[TierSpec | None] | None = None) -> TableArrays:
+        """`tiers`: each table's tier, None (or no list) for a resident one."""
         return cls(
             rows=np.array([t.num_embeddings for t in tables], dtype=np.float64),
             dim=np.array([t.embedding_dim for t in tables], dtype=np.float64),
@@ -124,6 +117,8 @@ class TableArrays(NamedTuple):
                 dtype=np.float64,
             ),
             sequence=np.array([float(t.sequence) for t in tables], dtype=np.float64),
+            **dict(zip(("cache", "hit_rate", "zipf_alpha"),
+                       tier_arrays([None] * len(tables) if tiers is None else tiers))),
         )
 
     @property
@@ -146,6 +141,8 @@ COMPONENTS = (
                                  "partial_rowwise, LAMB)"),
     ("replica_sync", "rep-sync", "cross-replica sync: other replica groups' ids and pooled "
                                  "gradients (2D, exact)"),
+    ("tier", "tier", "tiered tables: cache bookkeeping, and misses read from and dirty rows "
+                     "written back to the tier unless prefetched"),
 )
 
 
@@ -170,11 +167,20 @@ class ShardCost(NamedTuple):
     state: np.ndarray | float = 0.0  # optimizer state
     gradients: np.ndarray | float = 0.0  # unfused: the dense kernel's gradient buffer
     buffers: np.ndarray | float = 0.0  # kept by kernels: emulated data-parallel gather buffers
+    # Tiered shards (Note [pricing tiered tables]): seconds in the step, the cache's bytes in
+    # `memory` (its weights and state not in `weights`, `state`), the store's on the tier, and
+    # the tier traffic's seconds (hidden by prefetch or not), hit rate and cache rows.
+    tier: np.ndarray | float = 0.0
+    cache: np.ndarray | float = 0.0
+    tier_bytes: np.ndarray | float = 0.0
+    tier_io: np.ndarray | float = 0.0
+    hit_rate: np.ndarray | float = 0.0
+    cache_rows: np.ndarray | float = 0.0
 
     @property
     def total(self) -> np.ndarray:
         return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
-                + self.stat_exchange + self.replica_sync)  # fmt: skip
+                + self.stat_exchange + self.replica_sync + self.tier)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,9 @@ class CostModel:
     # 2D: `topology` is one shard group's, replicated this way (Note [pricing replica groups]
     # in planners/replicas.py); None is 1D.
     replicas: Replicas | None = field(default=None, kw_only=True)
+    # The loop calls `modular.prefetch`: tiered tables' reads run beside the step (Note [pricing
+    # tiered tables]).
+    prefetch: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         b = self.batch_size
@@ -427,10 +436,27 @@ class CostModel:
         if topo.calibration is None:
             lookup = (fwd + bwd) / topo.device_memory_bandwidth + zero
         else:
-            lookup = self._measured_lookup(kind, t, rows, cols, ids_in, bags_out * out_cols,
-                                           fwd + bwd, base_bytes) + zero  # fmt: skip
+            lookup = topo.calibration.lookup_seconds(  # Note [calibrated prices]
+                self.family(cols), kind is ShardingType.DATA_PARALLEL, self.optimizer.fused, rows,
+                cols * t.elem, ids_in, bags_out * out_cols, fwd + bwd, base_bytes) + zero
+        # Note [pricing tiered tables]: a tiered shard holds a cache, not its rows (never a
+        # data-parallel copy, which modular refuses to tier)
+        factor = t.cache if kind is not ShardingType.DATA_PARALLEL else 0.0 * t.cache
+        tc = tier_cost(factor=factor + zero, hit_rate=t.hit_rate, alpha=t.zipf_alpha, rows=rows + zero,
+                       row_bytes=cols * t.elem + state, ids=ids_in + zero,
+                       tier_bandwidth=topo.tier_bandwidth, memory_bandwidth=self._stream_bandwidth,
+                       prefetch=self.prefetch)  # fmt: skip
+        tiered = factor > 0
+        memory = memory + np.where(tiered, tc.cache - weights - states, 0.0)
+        weights, states = np.where(tiered, 0.0, weights), np.where(tiered, 0.0, states)
         return ShardCost(lookup, input_dist, output_dist, grad_sync, stat_exchange, memory + zero,
-                         replica_sync, weights, states, gradients, buffers)
+                         replica_sync, weights, states, gradients, buffers, tc.seconds, tc.cache,
+                         tc.store, tc.io, tc.hit_rate, tc.slots)  # fmt: skip
+
+    @property
+    def _stream_bandwidth(self) -> float:
+        cal = self.topology.calibration
+        return self.topology.device_memory_bandwidth if cal is None else cal.stream_bandwidth
 
     @property
     def _piece_bandwidth(self) -> float:
@@ -449,30 +475,6 @@ class CostModel:
         if not self.optimizer.fused:
             return np.full(np.shape(cols), 2)
         return self.emulated_copies(cols).astype(np.int64)
-
-    def _measured_lookup(self, kind: ShardingType, t: TableArrays, rows, cols, ids_in, bag_columns,
-                         work: np.ndarray, base: np.ndarray) -> np.ndarray:  # fmt: skip
-        """Note [calibrated prices]: the lookup at the measured rate of the shard's kernel family;
-        what a kind adds beyond one pass (a column piece's second backward, the other replica
-        groups' batches) scales it as it scales the bytes, and a data-parallel copy's
-        whole-table step (the bytes beyond the ids' rows) streams at the measured copy rate."""
-        cal = self.topology.calibration
-        assert cal is not None
-        family = self.family(cols)
-        row_bytes = cols * t.elem
-        seconds = np.zeros(np.broadcast(rows, cols, t.rows).shape)
-        for f, name in enumerate(("fused", "emulated", "dense")):
-            rate = cal.kernels[name]
-            here = rate.seconds(ids_in, row_bytes, bag_columns, rows * row_bytes)
-            seconds = np.where(family == f, here, seconds)
-        if kind is ShardingType.DATA_PARALLEL and self.optimizer.fused:
-            # a fused copy updates the rows that the global batch touched (a sparse step, priced
-            # within its own ids' rate), no whole-table step
-            return seconds
-        if kind is ShardingType.DATA_PARALLEL:
-            whole = np.maximum(work - base, 0.0)  # the whole-table step of a data-parallel copy
-            return seconds + whole / cal.stream_bandwidth
-        return seconds * np.where(base > 0, work / np.maximum(base, 1e-30), 1.0)
 
     def emulated_copies(self, cols: np.ndarray) -> np.ndarray:
         """Whether a fused data-parallel copy of this width takes the torch emulation, which
@@ -495,23 +497,3 @@ class CostModel:
         packed = mine * (ROW_ID_BYTES + cols * OUTPUT_BYTES)
         kept = KEPT_SLACK * ((1 + world) * packed + every * cols * OUTPUT_BYTES)
         return self.emulated_copies(cols) * kept
-
-
-def column_scratch_bytes(optimizer: Optimizer, statistic: ColumnWiseStatistic,
-                         pieces: Sequence[tuple[int, int, str, bool]]) -> float:  # fmt: skip
-    """Bytes of the scratch statistic that one rank's column pieces keep under exact row-wise
-    Adagrad: `pieces` are (rows, cols, dtype, sequence) of each column piece (of a table cut in
-    k > 1) on the rank. Pass 1 of Note [row statistics across column shards] reads a pooling
-    kernel where a kernel group's pieces have one width, and otherwise runs fbgemm's backward
-    into a scratch state as large as the group's row-wise state (one fp32 per row of each of
-    its pieces), made on first use and kept. A rank's pooled column pieces form one kernel group
-    per weights' dtype (pieces of a width fbgemm cannot take, emulated, one of their own; a
-    sequence group has one width), as modular/tables/layout.py's `kernel_groups` cuts them."""
-    if optimizer is not Optimizer.ROWWISE_ADAGRAD or statistic is not ColumnWiseStatistic.EXACT:
-        return 0.0
-    groups: dict[str, list[tuple[int, int]]] = {}
-    for rows, cols, dtype, sequence in pieces:
-        if not sequence and cols % 4 == 0:
-            groups.setdefault(dtype, []).append((rows, cols))
-    return float(sum(STAT_BYTES * sum(r for r, _ in g) for g in groups.values()
-                     if len({c for _, c in g}) > 1))  # fmt: skip

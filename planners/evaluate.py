@@ -7,7 +7,8 @@ model of planners/cost.py, so two plans of the same tables can be compared numbe
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from planners.model_tables import (
 from planners.mc_cost import collision_price
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
+from planners.tier_cost import DEFAULT_ZIPF_ALPHA, TierSpec
 from planners.types import ShardingPlan, ShardingType
 from planners.stats import MEMORY_PARTS, PlanStats, RankStats, ShardStats, TableStats
 from planners.validate import check_placements, validate_plan
@@ -30,18 +32,34 @@ from planners.validate import check_placements, validate_plan
 __all__ = ["evaluate", "plan_stats", "stats_for", "validate_plan"]
 
 
+def plan_tiers(plan: ShardingPlan, table_set: TableSet,
+               constraints: Sequence[TableConstraint | None] | None = None) -> list[TierSpec | None]:  # fmt: skip
+    """Each table's tier under `plan` (its placement's cache load factor and policy) with the
+    hit rate or Zipf exponent its constraint gives; None for a resident table."""
+    out: list[TierSpec | None] = []
+    for i, (fqn, table) in enumerate(table_set):
+        p = plan.placement(fqn, table.name)
+        con = None if constraints is None else constraints[i]
+        out.append(None if p.cache_load_factor is None else TierSpec(
+            p.cache_load_factor, p.cache_policy, None if con is None else con.hit_rate,
+            DEFAULT_ZIPF_ALPHA if con is None else con.zipf_alpha))  # fmt: skip
+    return out
+
+
 def evaluate(
-    plan: ShardingPlan, table_set: TableSet, model: CostModel
+    plan: ShardingPlan, table_set: TableSet, model: CostModel,
+    constraints: Sequence[TableConstraint | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, list[list[tuple[str, float]]], list[list[ShardStats]],
            np.ndarray]:  # fmt: skip
-    """Per-rank component seconds (W x 6, in `COMPONENTS` order), per-rank bytes (W, and W x 4 by
-    `MEMORY_PARTS` in the last column of the tuple), per-rank (table, seconds) lists, and
-    per-table shard statistics (in shard order)."""
+    """Per-rank component seconds (W x 7, in `COMPONENTS` order), per-rank bytes (W, and W x 5 by
+    `MEMORY_PARTS`), per-rank (table, seconds) lists, per-table shard statistics (in shard
+    order), and per rank the tiered stores' bytes and their traffic's seconds (W x 2)."""
     topo = model.topology
     world = topo.world_size
     tables = [t for _, t in table_set]
-    arrays = TableArrays.of(tables)
+    arrays = TableArrays.of(tables, plan_tiers(plan, table_set, constraints))
     comp = np.zeros((world, len(COMPONENTS)))
+    tier = np.zeros((world, 2))  # bytes on the tier, seconds of tier traffic
     # Each rank's own batch, with the low-precision copies of what every shard sends it
     # (Note [wire copies] in planners/cost.py), summed over the plan's shards below.
     mem = np.full(world, model.batch_buffer_bytes(arrays, wire=False))
@@ -70,6 +88,7 @@ def evaluate(
         parts = np.stack([getattr(cost, attr) for attr, _, _ in COMPONENTS], axis=1)
         np.add.at(comp, ranks, parts)
         np.add.at(mem, ranks, cost.memory)
+        np.add.at(tier, ranks, np.stack(np.broadcast_arrays(cost.tier_bytes, cost.tier_io), axis=1))
         for p, (_, attr, _) in enumerate(MEMORY_PARTS):
             np.add.at(parts_mem[:, p], ranks, np.broadcast_to(getattr(cost, attr), ranks.shape))
         mem += float(np.sum(model.arrival_wire_bytes(kind, arrays.take(idx), cols.astype(float))))
@@ -79,6 +98,9 @@ def evaluate(
             per_table[n][int(js[e])] = ShardStats(
                 r, int(row_offs[e]), int(rows[e]), int(col_offs[e]), int(cols[e]),
                 float(cost.memory[e]), *(float(x) for x in parts[e]),
+                cache_rows=int(np.broadcast_to(cost.cache_rows, ranks.shape)[e]),
+                hit_rate=float(np.broadcast_to(cost.hit_rate, ranks.shape)[e]),
+                tier_bytes=float(np.broadcast_to(cost.tier_bytes, ranks.shape)[e]),
             )  # fmt: skip
     # Note [what a rank holds]: `shard` reserved a scratch statistic for each column piece under
     # exact row-wise Adagrad; a rank keeps one only for kernel groups that mix widths.
@@ -88,7 +110,7 @@ def evaluate(
             scratch -= STAT_BYTES * sum(rows for rows, _, _, _ in pieces[r])
         mem[r] += scratch
         parts_mem[r, 3] += scratch
-    return comp, mem, held, per_table, parts_mem  # type: ignore[return-value]
+    return comp, mem, held, per_table, parts_mem, tier  # type: ignore[return-value]
 
 
 def fixed_seconds(plan: ShardingPlan, table_set: TableSet, topology: Topology,
@@ -145,6 +167,7 @@ def plan_stats(
     torchrec_compatible: bool = False,
     replicas: int = 1,
     replica_sync: ReplicaSync | str = ReplicaSync.EXACT,
+    prefetch: bool = False,
 ) -> PlanStats:
     """Prices `plan` for `tables` on `topology` and compares it with the lower bound.
 
@@ -156,7 +179,9 @@ def plan_stats(
     cheaper; under the other optimizers it changes nothing). `torchrec_compatible` as for
     `planners.plan`: the bound is then that of plans TorchRec runs unchanged. `replicas` and
     `replica_sync` as for `planners.plan`: `topology` is the whole world and `plan` one shard
-    group of `world_size / replicas` ranks, priced with its cross-replica sync.
+    group of `world_size / replicas` ranks, priced with its cross-replica sync. `prefetch` as
+    for `planners.plan`: tiered tables' traffic runs beside the step. A table is tiered as its
+    placement says; `constraints` give its `hit_rate` or `zipf_alpha`.
 
     Raises PlanError if the plan does not place exactly these tables (see `validate_plan`).
     A plan over memory capacity is reported (`over_capacity`), not rejected.
@@ -167,15 +192,19 @@ def plan_stats(
         topology, layout = group_topology(topology, replicas, replica_sync)
     model = CostModel(topology, batch_size, Optimizer.parse(optimizer),
                       column_wise_statistic=column_wise_statistic,
-                      comm_dtype=comm_dtype, replicas=layout)  # parsed by CostModel
+                      comm_dtype=comm_dtype, replicas=layout, prefetch=prefetch)  # parsed by CostModel
     cons = match_constraints(table_set, constraints, topology.world_size)
+    # the bound prices each table on the tier the plan puts it on
+    cons = [c if s is None else dataclasses.replace(c or TableConstraint(), cache_load_factor=s[0],
+                                                    cache_policy=s[1])
+            for c, s in zip(cons, plan_tiers(plan, table_set, cons))]  # fmt: skip
     plain = [t for _, t in table_set]
     capacity = (topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))
                 - collision_price(plain, model).reserve)
     candidates = enumerate_candidates(plain, model, cons, capacity, torchrec=torchrec_compatible)
     bound = lower_bound(candidates, topology.world_size)
     return stats_for(plan, table_set, model, bound, plan_seconds,
-                     torchrec_compatible=torchrec_compatible)
+                     torchrec_compatible=torchrec_compatible, constraints=cons)
 
 
 def stats_for(
@@ -186,11 +215,13 @@ def stats_for(
     plan_seconds: float | None = None,
     *,
     torchrec_compatible: bool = False,
+    constraints: Sequence[TableConstraint | None] | None = None,
 ) -> PlanStats:
-    """`plan_stats` for callers that already hold the flattened tables and the bound."""
+    """`plan_stats` for callers that already hold the flattened tables and the bound
+    (`constraints`, matched to them, give tiered tables' hit rates)."""
     topology = model.topology
     check_placements(plan, table_set, topology)
-    comp, mem, held, per_table, parts_mem = evaluate(plan, table_set, model)
+    comp, mem, held, per_table, parts_mem, tier = evaluate(plan, table_set, model, constraints)
     fixed = fixed_seconds(plan, table_set, topology, model.batch_size)
     # managed-collision tables: the same on every rank, whatever the plan (Note [pricing
     # managed collisions] in planners/mc_cost.py)
@@ -205,13 +236,17 @@ def stats_for(
             stat_exchange=float(comp[r, 4]), replica_sync=float(comp[r, 5]),
             **{a: float(parts_mem[r, p]) for p, (a, _, _) in enumerate(MEMORY_PARTS)},
             fixed=fixed[r], collision_state=float(collision.state[r]), remap=collision.remap,
+            tier=float(comp[r, 6]), tier_bytes=float(tier[r, 0]), tier_io=float(tier[r, 1]),
+            tier_capacity=float(topology.tier_memory),
         )
         for r in range(topology.world_size)
     )  # fmt: skip
     tables = tuple(
         TableStats(display_name(fqn, t.name), t.num_embeddings, t.embedding_dim,
                    plan.placement(fqn, t.name).sharding_type, tuple(shards),
-                   managed_collision=t.managed_collision)
+                   managed_collision=t.managed_collision,
+                   cache_load_factor=plan.placement(fqn, t.name).cache_load_factor,
+                   cache_policy=plan.placement(fqn, t.name).cache_policy)
         for (fqn, t), shards in zip(table_set, per_table)
     )  # fmt: skip
     # every rank pays at least the smallest fixed cost, so the bound does too
@@ -223,5 +258,6 @@ def stats_for(
                      num_sequence_tables=sum(t.sequence for _, t in table_set),
                      comm_dtype=model.comm_dtype,
                      torchrec_compatible=torchrec_compatible,
-                     replicas=model.replicas, remap_bytes=collision.received)  # fmt: skip
+                     replicas=model.replicas, remap_bytes=collision.received,
+                     prefetch=model.prefetch)  # fmt: skip
 

@@ -13,9 +13,10 @@ from planners.mc_cost import collision_price
 from planners.model_tables import TableSet, display_name
 from planners.options import Candidates
 from planners.stats import plural
+from planners.tier_cost import ROW_MAP_BYTES, SLOT_BYTES, cache_rows
 from planners.types import PlanError, ShardingType
 
-__all__ = ["NoPlanError", "before_candidates", "before_search", "explain_no_plan"]
+__all__ = ["NoPlanError", "before_candidates", "before_search", "explain_no_plan", "table_footprint"]
 
 _LISTED = 8  # tables named one per line; the rest are counted
 
@@ -29,10 +30,15 @@ class NoPlanError(PlanError):
         self.tables = tuple(tables)
 
 
-def _footprint(table, optimizer: Optimizer) -> float:
+def table_footprint(table, optimizer: Optimizer, con: TableConstraint | None = None) -> float:
     """Weights plus optimizer state (and, unfused, the gradient buffer) of the whole table, the
-    part no sharding can shrink."""
+    part no sharding can shrink; for a tiered table (`con.cache_load_factor`), its cache with the
+    bookkeeping (Note [pricing tiered tables] in planners/tier_cost.py)."""
     state = optimizer.state_bytes_per_row(table.embedding_dim, table.dtype.num_bytes)
+    if con is not None and con.cache_load_factor is not None:
+        row = table.embedding_dim * table.dtype.num_bytes + state
+        slots = float(cache_rows(table.num_embeddings, con.cache_load_factor))
+        return slots * (row + SLOT_BYTES) + table.num_embeddings * ROW_MAP_BYTES
     grads = 0 if optimizer.fused else table.weight_bytes
     return float(table.weight_bytes + table.num_embeddings * state + grads)
 
@@ -106,7 +112,7 @@ def before_candidates(
         )
 
     # 2. All tables together need more memory than all ranks have.
-    foot = _footprints(table_set, model.optimizer)
+    foot = _footprints(table_set, model.optimizer, constraints)
     if foot.sum() > world * room:
         need = math.ceil(foot.sum() / room)
         big = np.argsort(-foot, kind="stable")[:5]
@@ -144,7 +150,7 @@ def before_search(
     # 3. Tables none of whose allowed candidates has a shard that fits on an empty rank.
     stuck = np.flatnonzero(~candidates.any_valid())
     if len(stuck):
-        order = sorted(stuck, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
+        order = sorted(stuck, key=lambda i: (-table_footprint(table_set[i][1], model.optimizer, constraints[i]), i))
         lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
                  for i in order[:_LISTED]]  # fmt: skip
         if len(order) > _LISTED:
@@ -182,8 +188,8 @@ def before_search(
     over = _pinned_over(table_set, constraints, model.optimizer, room)
     if over is not None:
         ranks, members, need = over
-        order = sorted(members, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
-        lines = [f"  {names[i]!r}: {format_bytes(_footprint(table_set[i][1], model.optimizer))}"
+        order = sorted(members, key=lambda i: (-table_footprint(table_set[i][1], model.optimizer, constraints[i]), i))
+        lines = [f"  {names[i]!r}: {format_bytes(table_footprint(table_set[i][1], model.optimizer, constraints[i]))}"
                  for i in order[:_LISTED]]  # fmt: skip
         if len(order) > _LISTED:
             lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
@@ -209,8 +215,8 @@ def _unplaced(table_set: TableSet, candidates: Candidates,
     world, room = topo.world_size, float(topo.capacity) - base_memory
     where = _where(model)
     names = [display_name(f, t.name) for f, t in table_set]
-    foot = _footprints(table_set, model.optimizer)
-    order = sorted(unplaced, key=lambda i: (-_footprint(table_set[i][1], model.optimizer), i))
+    foot = _footprints(table_set, model.optimizer, constraints)
+    order = sorted(unplaced, key=lambda i: (-table_footprint(table_set[i][1], model.optimizer, constraints[i]), i))
     fill = foot.sum() / (world * room)
     lines = []
     for i in order[:_LISTED]:
@@ -236,7 +242,7 @@ def _stuck_line(entry, con, candidates: Candidates, i: int, model: CostModel, ro
     name = display_name(fqn, table.name)
     topo = model.topology
     smallest = candidates.smallest_memory(i, allowed_only=True)
-    foot = _footprint(table, model.optimizer)
+    foot = table_footprint(table, model.optimizer, con)
     ways = []
     dim = table.embedding_dim
     if candidates.torchrec and dim % 4:
@@ -293,8 +299,9 @@ def _lighter_optimizers(optimizer: Optimizer) -> list[str]:
     ]
 
 
-def _footprints(table_set: TableSet, optimizer: Optimizer) -> np.ndarray:
-    return np.array([_footprint(t, optimizer) for _, t in table_set])
+def _footprints(table_set: TableSet, optimizer: Optimizer,
+                constraints: Sequence[TableConstraint | None]) -> np.ndarray:  # fmt: skip
+    return np.array([table_footprint(t, optimizer, c) for (_, t), c in zip(table_set, constraints)])
 
 
 def _ranks_text(ranks: tuple[int, ...]) -> str:
@@ -320,7 +327,7 @@ def _pinned_over(table_set: TableSet, constraints: Sequence[TableConstraint | No
             groups.setdefault(con.ranks, []).append(i)
     if not groups:
         return None
-    foot = {s: sum(_footprint(table_set[i][1], optimizer) for i in g) for s, g in groups.items()}
+    foot = {s: sum(table_footprint(table_set[i][1], optimizer, constraints[i]) for i in g) for s, g in groups.items()}
     sets = sorted(groups, key=lambda s: (len(s), s))
     whole = {s: frozenset(s) for s in sets}
     for s in sets:

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 # (planners/assumptions.py); they are re-exported here, where the planner's inputs are.
 from planners.calibration import Calibration
 from planners.assumptions import ColumnWiseStatistic, DataType, Optimizer, _parse_member
+from planners.tier_cost import TierSpec
 from planners.types import PlanError, ShardingType
 
 __all__ = [
@@ -284,6 +285,9 @@ class Topology:
     Bytes and bytes/second. `reserved_fraction` of each device's memory is kept free for the
     dense model, activations and the CUDA context; the planner fills the rest. `host_memory`
     is recorded for reports only: every kernel the planner chooses keeps its rows in device memory.
+    `tier_memory` is each rank's room for tiered tables' stores (local disk under `tier_dir` on
+    CPU ranks, host memory on CUDA), read and written at `tier_bandwidth` (Note [pricing tiered
+    tables] in planners/tier_cost.py; host memory over PCIe is ~25e9 on CUDA).
     """
 
     world_size: int
@@ -294,6 +298,8 @@ class Topology:
     intra_host_bandwidth: float = 450e9  # NVLink 4, per direction per GPU
     cross_host_bandwidth: float = 50e9  # one 400 Gb/s NIC per GPU
     reserved_fraction: float = 0.1
+    tier_memory: int = 1024 * GiB
+    tier_bandwidth: float = 2e9  # local disk / page cache
     # Measured constants (`python -m planners calibrate`, Note [calibrated prices] in
     # planners/calibration.py); None prices with the bandwidths above.
     calibration: Calibration | None = None
@@ -334,7 +340,9 @@ class Topology:
             )
         object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, "device_memory"))
         object.__setattr__(self, "host_memory", parse_bytes(self.host_memory, "host_memory"))
-        for name in ("device_memory_bandwidth", "intra_host_bandwidth", "cross_host_bandwidth"):
+        object.__setattr__(self, "tier_memory", parse_bytes(self.tier_memory, "tier_memory"))
+        for name in ("device_memory_bandwidth", "intra_host_bandwidth", "cross_host_bandwidth",
+                     "tier_bandwidth"):
             _positive_float(getattr(self, name), name)
         r = self.reserved_fraction
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
@@ -366,7 +374,11 @@ class TableConstraint:
     `min_shards`/`max_shards` bound the shard count of table-, row- and column-wise placements.
     `cache_load_factor` (0 < f <= 1) puts the table's shards on a slower tier with a cache of that
     fraction of each shard's rows, replaced by `cache_policy` ("lru" or "lfu"; Note [tiered
-    tables] in modular/tiered/__init__.py).
+    tables] in modular/tiered/__init__.py). Its misses are priced from `hit_rate` (the share of
+    lookups the cache serves) when given, else from ids following Zipf(`zipf_alpha`) (Note
+    [pricing tiered tables] in planners/tier_cost.py). Without `cache_load_factor`, `plan` tiers
+    a table by itself only when no plan fits with every table resident; `allow_tier=False` keeps
+    the table resident whatever happens.
     """
 
     sharding_types: tuple[ShardingType, ...] = ()
@@ -375,6 +387,9 @@ class TableConstraint:
     max_shards: int | None = None
     cache_load_factor: float | None = None
     cache_policy: str = "lru"
+    hit_rate: float | None = None
+    zipf_alpha: float = 1.05
+    allow_tier: bool = True
 
     def __post_init__(self) -> None:
         types_ = self.sharding_types
@@ -401,6 +416,23 @@ class TableConstraint:
                 raise PlanError(f"cache_load_factor must be at most 1, got {factor!r}")
         if self.cache_policy not in ("lru", "lfu"):
             raise PlanError(f'cache_policy must be "lru" or "lfu", got {self.cache_policy!r}')
+        h = self.hit_rate
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h <= 1):
+            raise PlanError(f"hit_rate is the share of lookups the cache serves, in [0, 1]; got "
+                            f"{self.hit_rate!r}")  # fmt: skip
+        _positive_float(self.zipf_alpha, "zipf_alpha")
+        if not isinstance(self.allow_tier, bool):
+            raise PlanError(f"allow_tier must be true or false, got {self.allow_tier!r}")
+        if not self.allow_tier and factor is not None:
+            raise PlanError(f"cache_load_factor={factor} tiers the table but allow_tier=False "
+                            "keeps it resident; drop one of them")  # fmt: skip
+
+    @property
+    def tier(self) -> "TierSpec | None":
+        """The tier it asks for (`cache_load_factor`), as the cost model prices it; None: resident."""
+        if self.cache_load_factor is None:
+            return None
+        return TierSpec(self.cache_load_factor, self.cache_policy, self.hit_rate, self.zipf_alpha)
 
     def allows(self, kind: ShardingType) -> bool:
         return not self.sharding_types or kind in self.sharding_types

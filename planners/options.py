@@ -164,7 +164,7 @@ def enumerate_candidates(
     unchanged])."""
     topo = model.topology
     world, host = topo.world_size, int(topo.ranks_per_host or 1)
-    arrays = TableArrays.of(tables)
+    arrays = TableArrays.of(tables, [None if c is None else c.tier for c in constraints])
     t2 = TableArrays(*(a[:, None] for a in arrays))
     n = len(tables)
     units = np.array([column_unit(t.embedding_dim) for t in tables], dtype=np.float64)[:, None]
@@ -253,6 +253,8 @@ def _constraint_mask(
             row &= ~twrw | (ks <= _pinned_per_host(c.ranks, world, host))
             if len(c.ranks) < world:
                 row &= sharded
+        if c.cache_load_factor is not None:  # modular tiers no data-parallel copy
+            row &= sharded
         mask[i] = row
     return mask
 

@@ -351,7 +351,7 @@ def search(
             mask = np.zeros(world, dtype=bool)
             mask[list(con.ranks)] = True
             pins.append(mask)
-    arrays = TableArrays.of(tables)
+    arrays = TableArrays.of(tables, [None if c is None else c.tier for c in constraints])
     p = Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
                 model.batch_buffer_bytes(arrays) + collision_price(tables, model).reserve,
                 ShardPrices(model, arrays))  # fmt: skip

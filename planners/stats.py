@@ -21,7 +21,8 @@ _COMPONENTS = tuple(attr for attr, _, _ in COMPONENTS)
 # The parts of a rank's memory that the model keeps across steps (Note [what a rank holds] in
 # planners/cost.py): (RankStats attribute, ShardCost attribute, short column header).
 MEMORY_PARTS = (("weights", "weights", "weights"), ("optimizer_state", "state", "state"),
-                ("gradients", "gradients", "grads"), ("buffers", "buffers", "buffers"))  # fmt: skip
+                ("gradients", "gradients", "grads"), ("buffers", "buffers", "buffers"),
+                ("cache", "cache", "cache"))  # fmt: skip
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:
@@ -71,12 +72,22 @@ class RankStats:
     # seconds of the remap's collectives and work, the same on every rank.
     collision_state: float = 0.0
     remap: float = 0.0
+    # Tiered tables (Note [pricing tiered tables] in planners/tier_cost.py): seconds in the step
+    # (`tier`, a part of `cost`), the caches' bytes with their bookkeeping (a part of `memory`),
+    # the stores' bytes on the tier (not in `memory`) of its `tier_capacity`, and the seconds of
+    # tier traffic, hidden by prefetch or not (`tier_io`).
+    tier: float = 0.0
+    cache: float = 0.0
+    tier_bytes: float = 0.0
+    tier_capacity: float = 0.0
+    tier_io: float = 0.0
 
     @property
     def held(self) -> float:
         """Bytes the model keeps across steps: weights + optimizer state + gradients + buffers
-        (what tests/modular/test_memory_prices.py measures) + collision state."""
-        return self.weights + self.optimizer_state + self.gradients + self.buffers + self.collision_state
+        (what tests/modular/test_memory_prices.py measures) + collision state + tiered caches."""
+        return (self.weights + self.optimizer_state + self.gradients + self.buffers
+                + self.collision_state + self.cache)  # fmt: skip
 
     @property
     def batch(self) -> float:
@@ -86,7 +97,8 @@ class RankStats:
     @property
     def cost(self) -> float:
         return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
-                + self.stat_exchange + self.replica_sync + self.fixed + self.remap)  # fmt: skip
+                + self.stat_exchange + self.replica_sync + self.fixed + self.remap
+                + self.tier)  # fmt: skip
 
     def __repr__(self) -> str:
         return (f"RankStats(rank={self.rank}, cost={format_seconds(self.cost)}, memory="
@@ -110,11 +122,16 @@ class ShardStats:
     grad_sync: float
     stat_exchange: float
     replica_sync: float = 0.0
+    tier: float = 0.0
+    # a tiered shard's cache rows, estimated (or given) hit rate and bytes on the tier
+    cache_rows: int = field(default=0, kw_only=True)
+    hit_rate: float = field(default=0.0, kw_only=True)
+    tier_bytes: float = field(default=0.0, kw_only=True)
 
     @property
     def cost(self) -> float:
         return (self.lookup + self.input_dist + self.output_dist + self.grad_sync
-                + self.stat_exchange + self.replica_sync)  # fmt: skip
+                + self.stat_exchange + self.replica_sync + self.tier)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,20 @@ class TableStats:
     shards: tuple[ShardStats, ...]
     # raw ids remapped into `zch_size` slots by torchrec's MCH module; None for a plain table
     managed_collision: ManagedCollision | None = field(default=None, kw_only=True)
+    # tiered (Note [pricing tiered tables]): the placement's cache load factor and policy
+    cache_load_factor: float | None = field(default=None, kw_only=True)
+    cache_policy: str = field(default="lru", kw_only=True)
+
+    @property
+    def cache_rows(self) -> int:
+        """Cache rows over all shards (0 for a resident table)."""
+        return sum(s.cache_rows for s in self.shards)
+
+    @property
+    def hit_rate(self) -> float:
+        """The shards' hit rates weighted by their rows (0 for a resident table)."""
+        rows = sum(s.num_rows for s in self.shards)
+        return sum(s.hit_rate * s.num_rows for s in self.shards) / rows if rows else 0.0
 
     @property
     def zch_size(self) -> int | None:
@@ -176,6 +207,9 @@ class TableStats:
             "embedding_dim": self.embedding_dim, "sharding_type": self.sharding_type.value,
             "ranks": list(self.ranks), "sizes": list(self.sizes), "max_cost_s": self.max_cost,
             "total_cost_s": self.total_cost, "memory": self.memory, "zch_size": self.zch_size,
+            "cache_load_factor": self.cache_load_factor,
+            **({"cache_policy": self.cache_policy, "cache_rows": self.cache_rows,
+                "hit_rate": self.hit_rate} if self.cache_load_factor is not None else {}),
             "shards": [
                 {"rank": s.rank, "row_offset": s.row_offset, "num_rows": s.num_rows,
                  "col_offset": s.col_offset, "num_cols": s.num_cols, "memory": s.memory,
@@ -215,6 +249,10 @@ class PlanStats:
     replicas: Replicas | None = field(default=None, kw_only=True)
     # bytes each rank receives per step to remap managed-collision tables' raw ids
     remap_bytes: float = field(default=0.0, kw_only=True)
+    # priced for a loop that prefetches (tiered tables' traffic beside the step)
+    prefetch: bool = field(default=False, kw_only=True)
+    # the tables `plan` tiered by itself (planners.tier_choice.AutoTiers); None: it tiered none
+    auto_tiers: Any = field(default=None, kw_only=True)
 
     @property
     def max_cost(self) -> float:
@@ -308,8 +346,24 @@ class PlanStats:
                          f"collision state up to {format_bytes(rank.collision_state)} per rank; remap "
                          f"{format_seconds(rank.remap)} per step, {format_bytes(self.remap_bytes)} "
                          "received per rank")  # fmt: skip
+        if self.auto_tiers is not None:  # Note [choosing tiers] in planners/tier_choice.py
+            lines.append(self.auto_tiers.describe())
+        tiered = [t for t in self.tables if t.cache_load_factor is not None]
+        if tiered:  # Note [pricing tiered tables]
+            rank = max(self.ranks, key=lambda r: r.tier_bytes)
+            lines.append(f"tiered: {plural(len(tiered), 'table')} ("
+                         + ", ".join(f"{t.name} {t.cache_load_factor:g} {t.cache_policy}, hit "
+                                     f"{t.hit_rate:.2f}" for t in tiered[:4])
+                         + f"{', ...' if len(tiered) > 4 else ''}); up to "
+                         f"{format_bytes(rank.tier_bytes)} on the tier per rank of "
+                         f"{format_bytes(rank.tier_capacity)}; tier traffic "
+                         f"{format_seconds(max(r.tier_io for r in self.ranks))} per step on the "
+                         f"busiest rank{' (prefetched: beside the step)' if self.prefetch else ''}")
         if self.over_capacity:
             lines.append(f"OVER CAPACITY on ranks {list(self.over_capacity)}")
+        over = [r.rank for r in self.ranks if r.tier_bytes > r.tier_capacity]
+        if over:
+            lines.append(f"OVER TIER CAPACITY on ranks {over}")
         if self.plan_seconds is not None:
             lines.append(f"planned in {self.plan_seconds:.2f} s")
         return "\n".join(lines)
@@ -325,14 +379,15 @@ class PlanStats:
             shown_parts.append(("fixed", "fixed", "measured fixed cost and the rank's own batch"))
         if any(r.remap for r in self.ranks):  # Note [pricing managed collisions]
             shown_parts.append(("remap", "mc-remap", "managed-collision remap: raw ids to slots"))
-        memory_parts = MEMORY_PARTS + ((("collision_state", "", "mc-state"),)
-                                       if any(r.collision_state for r in self.ranks) else ())  # fmt: skip
+        tiered = any(r.cache or r.tier_bytes for r in self.ranks)
+        memory_parts = MEMORY_PARTS[:4] + ((("cache", "", "cache"),) if tiered else ()) + (
+            (("collision_state", "", "mc-state"),) if any(r.collision_state for r in self.ranks) else ())  # fmt: skip
         head = (f"{'rank':>5} {'memory':>10} {'use%':>5} {'cost ' + unit:>9} "
                 + " ".join(f"{h:>8}" for _, h, _ in shown_parts) + f" {'shards':>6}")  # fmt: skip
         rows = [head]
         shown = self.ranks if max_rows is None else self.ranks[:max_rows]
         mem_rows = [f"{'rank':>5} " + " ".join(f"{h:>10}" for _, _, h in memory_parts)
-                    + f" {'batch':>10}"]  # fmt: skip
+                    + f" {'batch':>10}" + (f" {'tier':>10} {'tier-io':>8}" if tiered else "")]  # fmt: skip
         for r in shown:
             rows.append(
                 f"{r.rank:>5} {format_bytes(r.memory):>10} {100 * r.memory / r.capacity:>5.1f} "
@@ -342,7 +397,8 @@ class PlanStats:
             )
             mem_rows.append(f"{r.rank:>5} " + " ".join(
                 f"{format_bytes(getattr(r, a)):>10}" for a, _, _ in memory_parts)
-                + f" {format_bytes(r.batch):>10}")  # fmt: skip
+                + f" {format_bytes(r.batch):>10}"
+                + (f" {format_bytes(r.tier_bytes):>10} {scale * r.tier_io:>8.3f}" if tiered else ""))  # fmt: skip
         if len(shown) < len(self.ranks):
             more = f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}"
             rows.append(more)
@@ -350,8 +406,12 @@ class PlanStats:
         rows.extend(f"  {h}: {d}" for _, h, d in shown_parts[1:])
         rows.extend(mem_rows)  # no blank line: views split the output at blank lines
         rows.append("  memory by part: weights, optimizer state, gradients (unfused), buffers "
-                    "kept by kernels" + (", managed-collision state" if len(memory_parts) > 4 else "")
-                    + "; batch: ids, pooled outputs, wire copies")  # fmt: skip
+                    "kept by kernels" + (", tiered tables' caches and their bookkeeping" if tiered else "")
+                    + (", managed-collision state" if any(r.collision_state for r in self.ranks) else "")
+                    + "; batch: ids, pooled outputs, wire copies"
+                    + ("; tier: tiered tables' stores on the tier (not in memory; "
+                       f"{format_bytes(self.ranks[0].tier_capacity)} a rank), tier-io: {unit} of "
+                       "their traffic, in the step unless prefetched" if tiered else ""))  # fmt: skip
         return "\n".join(rows)
 
     def format(self, max_rows: int | None = None) -> str:
@@ -378,6 +438,7 @@ class PlanStats:
             "ranks": [
                 {"rank": r.rank, "memory": r.memory, "capacity": r.capacity, "cost_s": r.cost,
                  "fixed_s": r.fixed, "remap_s": r.remap, "collision_state": r.collision_state,
+                 "tier_bytes": r.tier_bytes, "tier_io_s": r.tier_io,
                  **{c: getattr(r, c) for c in _COMPONENTS},
                  **{a: getattr(r, a) for a, _, _ in MEMORY_PARTS}, "batch": r.batch,
                  "tables": [n for n, _ in r.tables]}

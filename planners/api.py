@@ -13,15 +13,20 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from planners.cost import CostModel, TableArrays
 from planners.mc_cost import collision_price
-from planners.explain import before_candidates, before_search, explain_no_plan
-from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology
+from planners.explain import NoPlanError, before_candidates, before_search, explain_no_plan
+from planners.inputs import (
+    ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology, format_bytes,
+)  # fmt: skip
 from planners.model_tables import TablesLike, as_table_set, match_constraints
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
-from planners.search import search
+from planners.search import Placement, search
+from planners.tier_choice import choose_tiers, with_given_tiers
 from planners.evaluate import stats_for
-from planners.stats import PlanStats
-from planners.types import PlanAssumptions, ShardingPlan, ShardingType, TablePlacement, even_split
+from planners.stats import PlanStats, plural
+from planners.types import (
+    PlanAssumptions, PlanError, ShardingPlan, ShardingType, TablePlacement, even_split,
+)  # fmt: skip
 
 __all__ = ["PlanOptions", "PlanResult", "plan", "plan_with_stats"]
 
@@ -49,6 +54,8 @@ class PlanOptions:
     torchrec_compatible: bool = False
     replicas: int = 1
     replica_sync: ReplicaSync | str = ReplicaSync.EXACT
+    prefetch: bool = False
+    auto_tier: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", Optimizer.parse(self.optimizer))
@@ -56,6 +63,9 @@ class PlanOptions:
                            ColumnWiseStatistic.parse(self.column_wise_statistic))  # fmt: skip
         object.__setattr__(self, "comm_dtype", DataType.parse(self.comm_dtype))
         object.__setattr__(self, "replica_sync", ReplicaSync.parse(self.replica_sync))
+        for name in ("prefetch", "auto_tier"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def priced_for(self) -> PlanAssumptions:
@@ -151,6 +161,14 @@ def plan(tables: TablesLike, topology: Topology, **options: Any) -> ShardingPlan
         plan = planners.plan(tables, planners.Topology(64, ranks_per_host=8), batch_size=512,
                              replicas=4)   # a plan for 16 ranks, replicated 4 times
 
+    Tiered tables (docs/planner.md, "Tiered tables"): `TableConstraint(cache_load_factor=0.05)`
+    puts a table on a tier behind a cache of 5% of each shard's rows, priced for its misses
+    (Note [pricing tiered tables] in planners/tier_cost.py); `prefetch=True` prices a loop that
+    calls `modular.prefetch`, whose reads run beside the step. When no plan fits with every
+    table resident, `plan` tiers the largest tables itself (Note [choosing tiers] in
+    planners/tier_choice.py; `plan_with_stats(...).stats.auto_tiers` says which), unless their
+    constraints say `allow_tier=False`; `auto_tier=False` tiers no table by itself.
+
     The plan records what it was priced for (`plan.priced_for`: the batch size, optimizer,
     column-wise statistic, comm dtype, replicas and replica sync), and `modular.shard` checks
     it against what it is given (docs/planner.md, "What a plan records").
@@ -181,26 +199,39 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
         topology, layout = group_topology(topology, options.replicas, options.replica_sync)
     model = CostModel(topology, options.batch_size, options.optimizer,
                       column_wise_statistic=options.column_wise_statistic,
-                      comm_dtype=options.comm_dtype, replicas=layout)  # fmt: skip
+                      comm_dtype=options.comm_dtype, replicas=layout,
+                      prefetch=options.prefetch)  # fmt: skip
     cons = match_constraints(table_set, options.constraints, topology.world_size)
+    cons = with_given_tiers(table_set, cons, model)
     plain = [t for _, t in table_set]
     # the batch, and managed-collision tables' state (Note [pricing managed collisions])
     base = model.batch_buffer_bytes(TableArrays.of(plain)) + collision_price(plain, model).reserve
-    # What no search can overcome fails here, before it (docs/planner.md, "When no plan fits").
-    early = before_candidates(table_set, cons, model, base)
-    if early is not None:
-        raise early
-    candidates = enumerate_candidates(plain, model, cons, topology.capacity - base,
-                                      torchrec=options.torchrec_compatible)  # fmt: skip
-    early = before_search(table_set, candidates, cons, model, base)
-    if early is not None:
-        raise early
-    bound = lower_bound(candidates, topology.world_size)
-    outcome = search(plain, model, candidates, cons, float(topology.capacity), bound)
-    if outcome.placements is None:
-        raise explain_no_plan(table_set, candidates, cons, model, base, outcome.unplaced)
+
+    def run(cons: list[TableConstraint | None]) -> tuple[tuple[Placement, ...], float]:
+        # What no search can overcome fails here, before it (docs/planner.md, "When no plan fits").
+        early = before_candidates(table_set, cons, model, base)
+        if early is not None:
+            raise early
+        candidates = enumerate_candidates(plain, model, cons, topology.capacity - base,
+                                          torchrec=options.torchrec_compatible)  # fmt: skip
+        early = before_search(table_set, candidates, cons, model, base)
+        if early is not None:
+            raise early
+        bound = lower_bound(candidates, topology.world_size)
+        outcome = search(plain, model, candidates, cons, float(topology.capacity), bound)
+        if outcome.placements is None:
+            raise explain_no_plan(table_set, candidates, cons, model, base, outcome.unplaced)
+        return outcome.placements, bound
+
+    auto = None
+    try:
+        placements, bound = run(cons)
+    except NoPlanError as resident:  # Note [choosing tiers]
+        if not options.auto_tier:
+            raise
+        (placements, bound), cons, auto = choose_tiers(run, table_set, cons, model, base, resident)
     modules: dict[str, dict[str, TablePlacement]] = {}
-    for (fqn, table), p, con in zip(table_set, outcome.placements, cons):
+    for (fqn, table), p, con in zip(table_set, placements, cons):
         sizes = None
         if p.kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.COLUMN_WISE):
             total = table.embedding_dim if p.kind is ShardingType.COLUMN_WISE else table.num_embeddings
@@ -214,5 +245,16 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
                           priced_for=options.priced_for)  # fmt: skip
     seconds = time.perf_counter() - start
     stats = stats_for(result, table_set, model, bound, plan_seconds=seconds,
-                      torchrec_compatible=options.torchrec_compatible)
+                      torchrec_compatible=options.torchrec_compatible, constraints=cons)
+    if auto is not None:
+        stats = dataclasses.replace(stats, auto_tiers=auto)
+    over = [r for r in stats.ranks if r.tier_bytes > r.tier_capacity]
+    if over:  # the search packs memory; the tier's budget is checked on what it packed
+        r = max(over, key=lambda r: r.tier_bytes - r.tier_capacity)
+        raise NoPlanError(
+            f"no plan fits the tier: the plan puts {format_bytes(r.tier_bytes)} of tiered tables' "
+            f"stores on rank {r.rank}, whose tier holds {format_bytes(r.tier_capacity)} "
+            f"(Topology.tier_memory, --tier-memory): {format_bytes(r.tier_bytes - r.tier_capacity)} "
+            f"missing there ({plural(len(over), 'rank')} over); a larger tier_memory or more ranks "
+            "(the store holds every row, whatever the cache)", [t.name for t in stats.tables if t.cache_load_factor is not None])  # fmt: skip
     return PlanResult(result, stats, seconds)

@@ -89,7 +89,7 @@ def _too_big(optimizer: str) -> str:
     # 30 tables of 30M x 128 on 4 ranks of 72 GiB: too big under any optimizer
     tables = [Table(f"t{i}", 30_000_000, 128) for i in range(30)]
     with pytest.raises(NoPlanError) as e:
-        planners.plan(tables, Topology(4), batch_size=512, optimizer=optimizer)
+        planners.plan(tables, Topology(4), batch_size=512, optimizer=optimizer, auto_tier=False)
     return str(e.value)
 
 

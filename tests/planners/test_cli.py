@@ -124,7 +124,7 @@ def test_bad_byte_flags_say_what_a_byte_count_looks_like(capsys, flag, value, wh
 
 def test_no_plan_exits_1_with_the_explanation(capsys):
     code, out, err = run(capsys, "plan", CRITEO, "--world-size", "1", "--device-memory", "16GiB",
-                         "--batch-size", "512")  # fmt: skip
+                         "--batch-size", "512", "--no-auto-tier")  # fmt: skip
     assert code == 1 and out == ""
     assert err.startswith("error: no plan fits: ") and "use at least" in err
 

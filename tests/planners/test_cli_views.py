@@ -263,7 +263,7 @@ def test_batch_advice_is_a_batch_that_fits_at_every_batch_size():
     topo = Topology(2, device_memory="4GiB")
     for batch in (200_000, 20_000):
         with pytest.raises(NoPlanError) as e:
-            planners.plan(tables, topo, batch_size=batch)
+            planners.plan(tables, topo, batch_size=batch, auto_tier=False)
         most = int(re.search(r"use a batch size of at most (\d+)", str(e.value)).group(1))
         assert 1 <= most < batch
         model = planners.CostModel(topo, most)
@@ -274,7 +274,7 @@ def test_batch_advice_is_a_batch_that_fits_at_every_batch_size():
     wide = [Table(f"t{i}", 10, 4096, features=tuple(f"f{i}_{j}" for j in range(200)))
             for i in range(200)]  # fmt: skip
     with pytest.raises(NoPlanError) as e:
-        planners.plan(wide, Topology(1, device_memory="512MiB"), batch_size=1)
+        planners.plan(wide, Topology(1, device_memory="512MiB"), batch_size=1, auto_tier=False)
     assert "no batch size helps" in str(e.value) and "at most" not in str(e.value)
 
 

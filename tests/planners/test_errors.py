@@ -18,7 +18,7 @@ def test_table_too_big_for_its_allowed_shards_names_it_and_the_rank_count():
     tables = [Table("t_huge", 4_000_000_000, 128), Table("t_small", 1000, 16)]
     cons = {"t_huge": TableConstraint(max_shards=4)}
     with pytest.raises(NoPlanError) as e:
-        planners.plan(tables, Topology(32), batch_size=512, constraints=cons)
+        planners.plan(tables, Topology(32), batch_size=512, constraints=cons, auto_tier=False)
     msg = str(e.value)
     assert e.value.tables == ("t_huge",)
     assert "'t_huge' (4_000_000_000 rows x 128, fp32, 1.9 TiB with optimizer state)" in msg
@@ -32,7 +32,7 @@ def test_table_wise_only_constraint_suggests_row_wise():
     tables = [Table("t_user", 200_000_000, 128)]  # 95 GiB of weights
     cons = {"t_user": TableConstraint(sharding_types=(T.TABLE_WISE,))}
     with pytest.raises(NoPlanError, match="allow row_wise for 't_user'") as e:
-        planners.plan(tables, Topology(8), batch_size=512, constraints=cons)
+        planners.plan(tables, Topology(8), batch_size=512, constraints=cons, auto_tier=False)
     assert e.value.tables == ("t_user",)
     assert "no plan fits: 1 table cannot fit on any rank" in str(e.value)
 
@@ -41,7 +41,7 @@ def test_total_memory_too_small_says_how_many_ranks():
     # 30 tables of 14.9 GiB each (with rowwise adagrad state): 447 GiB on 4 x 72 GiB
     tables = [Table(f"t{i}", 30_000_000, 128) for i in range(30)]
     with pytest.raises(NoPlanError) as e:
-        planners.plan(tables, Topology(4), batch_size=512)
+        planners.plan(tables, Topology(4), batch_size=512, auto_tier=False)
     msg = str(e.value)
     assert msg.startswith("no plan fits: the tables need ")
     assert "use at least 7 ranks" in msg
@@ -52,7 +52,7 @@ def test_total_memory_too_small_says_how_many_ranks():
 def test_batch_buffers_alone_too_big_suggests_a_batch_size():
     tables = [Table(f"t{i}", 1000, 256, pooling_factor=500.0) for i in range(50)]
     with pytest.raises(NoPlanError, match=r"batch buffers .* use a batch size of at most \d+"):
-        planners.plan(tables, Topology(2, device_memory="4GiB"), batch_size=200_000)
+        planners.plan(tables, Topology(2, device_memory="4GiB"), batch_size=200_000, auto_tier=False)
 
 
 def test_pinned_tables_that_cannot_share_a_rank():
@@ -61,7 +61,7 @@ def test_pinned_tables_that_cannot_share_a_rank():
     tables = [Table("t_a", 90_000_000, 128), Table("t_b", 90_000_000, 128, features=("b",))]
     cons = {name: TableConstraint(ranks=(0,)) for name in ("t_a", "t_b")}
     with pytest.raises(NoPlanError) as e:
-        planners.plan(tables, Topology(2), batch_size=64, constraints=cons)
+        planners.plan(tables, Topology(2), batch_size=64, constraints=cons, auto_tier=False)
     msg = str(e.value)
     assert msg.startswith("no plan fits: 2 tables pinned to rank 0 need 86.5 GiB of weights and "
                           "optimizer state, but rank 0 has 72.0 GiB for them")
@@ -77,7 +77,7 @@ def test_tables_pinned_within_a_few_ranks_count_together():
     cons = {"t_a": TableConstraint(ranks=(0,)), "t_b": TableConstraint(ranks=(0, 1)),
             "t_c": TableConstraint(ranks=(0, 1)), "t_d": TableConstraint(ranks=(1, 0))}
     with pytest.raises(NoPlanError) as e:
-        planners.plan(tables, Topology(4), batch_size=64, constraints=cons)
+        planners.plan(tables, Topology(4), batch_size=64, constraints=cons, auto_tier=False)
     msg = str(e.value)
     assert msg.startswith("no plan fits: 4 tables pinned to ranks [0, 1] need 173.0 GiB of "
                           "weights and optimizer state, but those 2 ranks have 144.0 GiB for them")
@@ -93,7 +93,7 @@ def test_packing_that_leaves_a_table_without_room_says_so():
     tables = [Table(name, 83_000_000, 128, features=(name,)) for name in ("t_a", "t_b", "t_c")]
     cons = {t.name: TableConstraint(sharding_types=(T.TABLE_WISE,)) for t in tables}
     with pytest.raises(NoPlanError) as e:
-        planners.plan(tables, Topology(2), batch_size=64, constraints=cons)
+        planners.plan(tables, Topology(2), batch_size=64, constraints=cons, auto_tier=False)
     msg = str(e.value)
     assert "1 table found no rank with room left" in msg
     assert "allow row_wise/column_wise for the tables below" in msg
@@ -107,7 +107,7 @@ def test_no_plan_for_ten_thousand_tables_on_256_ranks_fails_before_the_search():
     tables = synthetic(10_000, seed=0)
     start = time.perf_counter()
     with pytest.raises(NoPlanError) as e:
-        planners.plan(tables, Topology(256), batch_size=512)
+        planners.plan(tables, Topology(256), batch_size=512, auto_tier=False)
     seconds = time.perf_counter() - start
     msg = str(e.value)
     assert msg.startswith("no plan fits: the tables need ")

@@ -126,11 +126,11 @@ def test_the_search_keeps_room_for_the_collision_state():
     stats = planners.plan_with_stats(plain, topology, batch_size=BATCH).stats
     assert max(r.memory for r in stats.ranks) < topology.capacity < 40e6 + 64e6
     with pytest.raises(NoPlanError, match=r"each after 61.0 MiB of batch buffers and managed-collision state"):
-        planners.plan(mc, topology, batch_size=BATCH)
+        planners.plan(mc, topology, batch_size=BATCH, auto_tier=False)
     small = Topology(2, device_memory="60MB", reserved_fraction=0.0)  # less than the slots
     with pytest.raises(NoPlanError, match=r"the managed-collision tables' slots alone take 61.0 MiB "
                                           r"per rank; more ranks \(they split over every rank\)"):
-        planners.plan(mc, small, batch_size=BATCH)
+        planners.plan(mc, small, batch_size=BATCH, auto_tier=False)
     roomy = Topology(2, device_memory="400MB", reserved_fraction=0.0)
     stats = planners.plan_with_stats(mc, roomy, batch_size=BATCH).stats
     assert max(r.memory for r in stats.ranks) <= roomy.capacity

@@ -28,7 +28,7 @@ def _tightest(tables, world, batch, **kw):
         mid = (low * high) ** 0.5
         topo = Topology(world, device_memory=int(mid * GiB))
         try:
-            found = (planners.plan_with_stats(tables, topo, batch_size=batch, **kw), topo)
+            found = (planners.plan_with_stats(tables, topo, batch_size=batch, auto_tier=False, **kw), topo)
             high = mid
         except planners.PlanError:
             low = mid

@@ -26,9 +26,11 @@ from planners.replicas import ReplicaSync
 
 TABLES = [Table("t_a", 20_000, 32, pooling_factor=3.0), Table("t_b", 5_000, 16),
           Table("t_c", 1_000, 8)]  # fmt: skip
-# The keyword arguments `plan` and `plan_with_stats` took before PlanOptions, in their order.
+# The keyword arguments `plan` and `plan_with_stats` took before PlanOptions, in their order,
+# and the tiered tables' two (issue 47) after them.
 KEYWORDS = ("batch_size", "constraints", "optimizer", "module_fqn", "column_wise_statistic",
-            "pooling_factors", "comm_dtype", "torchrec_compatible", "replicas", "replica_sync")  # fmt: skip
+            "pooling_factors", "comm_dtype", "torchrec_compatible", "replicas", "replica_sync",
+            "prefetch", "auto_tier")  # fmt: skip
 
 # A plan file as `python -m planners plan -o` wrote it before plans recorded 'priced_for'.
 OLD_PLAN_FILE = """{
@@ -202,7 +204,7 @@ def test_plan_and_plan_with_stats_take_the_options_record_s_fields():
     given = dict(batch_size=64, constraints={"t_c": planners.TableConstraint(sharding_types=("table_wise",))},
                  optimizer="adagrad", module_fqn="sparse.ebc", column_wise_statistic="per_shard",
                  pooling_factors=None, comm_dtype="fp16", torchrec_compatible=True, replicas=1,
-                 replica_sync="exact")  # fmt: skip
+                 replica_sync="exact", prefetch=True, auto_tier=False)  # fmt: skip
     assert set(given) == set(KEYWORDS)
     plan = planners.plan(TABLES, Topology(2), **given)
     assert planners.plan_with_stats(TABLES, Topology(2), **given).plan == plan

@@ -29,12 +29,12 @@ def adapt_placement(placement: TablePlacement, table: Table) -> TablePlacement:
     if sum(sizes) == total:
         return placement
     if kind is _T.COLUMN_WISE or total < len(sizes):
-        return TablePlacement(kind, placement.ranks)
+        return TablePlacement(kind, placement.ranks).with_tier_of(placement)
     scaled = [s * total // sum(sizes) for s in sizes[:-1]]
     scaled.append(total - sum(scaled))
     if min(scaled) < 1:
-        return TablePlacement(kind, placement.ranks)
-    return TablePlacement(kind, placement.ranks, tuple(scaled))
+        return TablePlacement(kind, placement.ranks).with_tier_of(placement)
+    return TablePlacement(kind, placement.ranks, tuple(scaled)).with_tier_of(placement)
 
 
 def shards_of(p: TablePlacement, t: Table, world: int) -> tuple[ShardSpec, ...]:

@@ -100,7 +100,7 @@ def relocations(p: TablePlacement, rank: int, load: np.ndarray, host: int,
         ranks = tuple(r if x == rank else x for x in p.ranks)
         if p.sharding_type in (_T.ROW_WISE, _T.TABLE_ROW_WISE) and ranks != tuple(sorted(ranks)):
             continue  # row blocks go out by rank; a move that reorders them is not a relocation
-        out.append(TablePlacement(p.sharding_type, ranks, p.sizes))
+        out.append(TablePlacement(p.sharding_type, ranks, p.sizes).with_tier_of(p))
     return out
 
 
@@ -199,7 +199,9 @@ def recuts(
                 q = _placement(table, kind, [ranks[i] for i in keep], [moved[i] for i in keep], con, world)
                 found.append((q, f"{c:_} of its {w:_} {axis} on rank {rank} shifted to its "
                                  f"neighbour on rank {ranks[n]}"))  # fmt: skip
-    return [(q, why) for q, why in found if q is not None]
+    # a tiered table stays tiered, and never becomes a data-parallel copy (modular tiers none)
+    return [(q.with_tier_of(p), why) for q, why in found if q is not None
+            and (p.cache_load_factor is None or q.sharding_type is not _T.DATA_PARALLEL)]  # fmt: skip
 
 
 def greedy(

@@ -176,9 +176,10 @@ def _relabel(fresh: list[TablePlacement], old: list[TablePlacement], tables: lis
             pairs = sorted(zip(ranks, sizes))
             ranks, sizes2 = [r for r, _ in pairs], tuple(s for _, s in pairs)
             out.append(TablePlacement(p.sharding_type, tuple(ranks),
-                                      None if sizes2 == even_split(sum(sizes2), len(sizes2)) else sizes2))
+                                      None if sizes2 == even_split(sum(sizes2), len(sizes2)) else sizes2
+                                      ).with_tier_of(p))
         else:
-            out.append(TablePlacement(p.sharding_type, tuple(ranks), p.sizes))
+            out.append(TablePlacement(p.sharding_type, tuple(ranks), p.sizes).with_tier_of(p))
     return out
 
 

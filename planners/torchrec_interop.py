@@ -25,10 +25,20 @@ on CPU too, whatever the sharding type. Column pieces are concatenated in column
 their ranks, so their widths change no lookup: `to_torchrec` moves each cut between pieces to the
 nearest multiple of 4 (and warns) when the table's width allows it, and otherwise raises
 PlanError. The dense kernel takes any width.
+
+Note [tiered tables in TorchRec]
+A tiered placement (`cache_load_factor`, `cache_policy`) is TorchRec's UVM caching: the shard's
+rows in host memory (UVM) behind an HBM cache of that fraction of its rows, with fbgemm's LRU or
+LFU, `EmbeddingComputeKernel.FUSED_UVM_CACHING` with `CacheParams(load_factor=,
+algorithm=)`. `to_torchrec` gives a tiered table that kernel whatever `compute_kernel` says (the
+cache is the tier's point), and `from_torchrec` reads a FUSED_UVM_CACHING table back as tiered,
+its load factor from its `cache_params` (a PlanError where the plan leaves it to the sharder's
+fused_params, which the plan does not carry). Other kernels read back as resident.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Mapping
 
@@ -49,6 +59,7 @@ _FROM_TORCHREC = {
     "table_row_wise": _T.TABLE_ROW_WISE,
 }
 _KERNELS = ("fused", "dense")
+_UVM_CACHING = "fused_uvm_caching"  # torchrec's EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 _Block = tuple[int, int, int, int, int]  # (rank, row offset, rows, column offset, columns)
 
 
@@ -81,7 +92,8 @@ def to_torchrec(
     `tables` as for `planners.plan`: the model, its EBC, a list of `Table` or of torchrec
     `EmbeddingBagConfig`. Shards use `compute_kernel` ("fused": the optimizer in the sharder's
     fused_params updates them in backward; "dense": your optimizer does); data-parallel tables
-    always use "dense". `ranks_per_host` defaults to the plan's; TorchRec takes its own host
+    always use "dense"; a tiered table (`cache_load_factor`) "fused_uvm_caching" with its
+    cache's `CacheParams` (Note [tiered tables in TorchRec]). `ranks_per_host` defaults to the plan's; TorchRec takes its own host
     size from LOCAL_WORLD_SIZE, which must agree for table-row-wise tables.
 
     DMP then computes what `modular.shard` computes with `plan`. Where TorchRec cannot hold a
@@ -95,7 +107,9 @@ def to_torchrec(
     table-row-wise on a world that is not whole hosts.
     """
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
-    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding
+    from torchrec.distributed.types import (
+        CacheAlgorithm, CacheParams, EmbeddingModuleShardingPlan, ParameterSharding,
+    )  # fmt: skip
     from torchrec.distributed.types import ShardingPlan as TorchRecPlan
 
     if compute_kernel not in _KERNELS:
@@ -109,6 +123,10 @@ def to_torchrec(
         p = plan.placement(fqn, table.name)
         where = f"table {display_name(fqn, table.name)!r}"
         kind = p.sharding_type
+        kernel, cache = compute_kernel, None
+        if p.cache_load_factor is not None:  # Note [tiered tables in TorchRec]
+            kernel, cache = _UVM_CACHING, CacheParams(
+                load_factor=p.cache_load_factor, algorithm=getattr(CacheAlgorithm, p.cache_policy.upper()))
         if kind is _T.DATA_PARALLEL:
             sharding = ParameterSharding(sharding_type=kind.value, compute_kernel="dense",
                                          ranks=list(range(world)), sharding_spec=None)  # fmt: skip
@@ -116,21 +134,22 @@ def to_torchrec(
             shards = p.shards(num_embeddings=table.num_embeddings,
                               embedding_dim=table.embedding_dim, world_size=world, table=where)  # fmt: skip
             blocks = [(s.rank, s.row_offset, s.num_rows, s.col_offset, s.num_cols) for s in shards]
-            if compute_kernel == "fused":
+            if kernel != "dense":
                 _check_width(where, table.embedding_dim)
             if kind in (_T.ROW_WISE, _T.TABLE_ROW_WISE):
                 blocks = _torchrec_rows(kind, blocks, table.embedding_dim, world, host, where, moved)
-                if device_type == "cpu" and compute_kernel == "fused":
+                if device_type == "cpu" and kernel != "dense":
                     _check_no_empty_rows(kind, blocks, where)
-            elif kind is _T.COLUMN_WISE and compute_kernel == "fused":
+            elif kind is _T.COLUMN_WISE and kernel != "dense":
                 blocks = _torchrec_columns(blocks, table.embedding_dim, where, moved)
             spec = EnumerableShardingSpec([
                 ShardMetadata(shard_offsets=[ro, co], shard_sizes=[nr, nc],
                               placement=_device(device_type, r, host))
                 for r, ro, nr, co, nc in blocks
             ])  # fmt: skip
-            sharding = ParameterSharding(sharding_type=kind.value, compute_kernel=compute_kernel,
-                                         ranks=[b[0] for b in blocks], sharding_spec=spec)  # fmt: skip
+            sharding = ParameterSharding(sharding_type=kind.value, compute_kernel=kernel,
+                                         ranks=[b[0] for b in blocks], sharding_spec=spec,
+                                         cache_params=cache)  # fmt: skip
         out.setdefault(fqn, EmbeddingModuleShardingPlan())[table.name] = sharding
     if moved:
         warnings.warn(
@@ -263,7 +282,8 @@ def from_torchrec(
     Every shard keeps the boundaries TorchRec computes with; sizes are written only where they
     differ from the even split, and row-wise 0-row shards are dropped (Note [row-wise layouts
     in TorchRec]). `tables`, when given, restricts the result to those tables (e.g. to skip
-    modules other than EBCs). Raises PlanError for sharding types we do not have
+    modules other than EBCs). A table under UVM caching comes back tiered (Note [tiered tables
+    in TorchRec]). Raises PlanError for sharding types we do not have
     (grid_shard), and for row shards that are not TorchRec's block split, under which
     DistributedModelParallel looks up wrong rows.
     """
@@ -280,6 +300,22 @@ def from_torchrec(
 
 
 def _placement_from(ps: Any, where: str, world: int, host: int | None) -> TablePlacement:
+    placement = _layout_from(ps, where, world, host)
+    if str(ps.compute_kernel) != _UVM_CACHING:
+        return placement
+    cache = ps.cache_params  # Note [tiered tables in TorchRec]
+    factor = None if cache is None else cache.load_factor
+    if factor is None:
+        raise PlanError(f"{where} uses {_UVM_CACHING} with no cache_params.load_factor in the "
+                        "TorchRec plan (the sharder's fused_params would set it, which the plan "
+                        "does not carry); give it ParameterSharding(cache_params=CacheParams("
+                        "load_factor=...))")  # fmt: skip
+    algorithm = getattr(cache.algorithm, "name", "LRU") if cache.algorithm is not None else "LRU"
+    return dataclasses.replace(placement, cache_load_factor=float(factor),
+                               cache_policy=algorithm.lower())  # fmt: skip
+
+
+def _layout_from(ps: Any, where: str, world: int, host: int | None) -> TablePlacement:
     kind = _FROM_TORCHREC.get(str(ps.sharding_type))
     if kind is None:
         raise PlanError(

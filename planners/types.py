@@ -19,6 +19,7 @@ which `modular.shard` checks; one written by hand records nothing, and nothing i
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -189,10 +190,18 @@ class TablePlacement:
     def __repr__(self) -> str:
         sizes = f", sizes={self.sizes}" if self.sizes is not None else ""
         ranks = f", ranks={self.ranks}" if self.ranks else ""
-        return f"TablePlacement({self.sharding_type.value}{ranks}{sizes})"
+        tier = ("" if self.cache_load_factor is None else
+                f", cache_load_factor={self.cache_load_factor}, cache_policy={self.cache_policy!r}")
+        return f"TablePlacement({self.sharding_type.value}{ranks}{sizes}{tier})"
 
     def describe(self, world_size: int | None = None) -> str:
-        """'row_wise on ranks 0-7 (rows 3x12_501+5x12_500)', 'data_parallel on every rank'."""
+        """'row_wise on ranks 0-7 (rows 3x12_501+5x12_500)', 'data_parallel on every rank';
+        a tiered placement ends with its cache: ', tiered (cache 0.05, lru)'."""
+        tier = "" if self.cache_load_factor is None else (
+            f", tiered (cache {self.cache_load_factor:g}, {self.cache_policy})")
+        return self._where(world_size) + tier
+
+    def _where(self, world_size: int | None) -> str:
         kind = self.sharding_type.value
         if self.sharding_type is ShardingType.DATA_PARALLEL:
             return f"{kind} on every rank"
@@ -203,6 +212,12 @@ class TablePlacement:
         if ranks.startswith("all "):
             return f"{kind} on {ranks} ranks{sizes}"
         return f"{kind} on rank{'s' if len(self.ranks) > 1 else ''} {ranks}{sizes}"
+
+    def with_tier_of(self, other: TablePlacement) -> TablePlacement:
+        """This placement with `other`'s tier (its cache load factor and policy): what a rewrite
+        that moves or recuts a table (replan, nearby plans, TorchRec's layouts) keeps."""
+        return dataclasses.replace(self, cache_load_factor=other.cache_load_factor,
+                                   cache_policy=other.cache_policy)  # fmt: skip
 
     def shard_ranks(self, world_size: int) -> tuple[int, ...]:
         """The rank of each shard (all ranks for data-parallel and for empty RW/CW `ranks`)."""

@@ -46,10 +46,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                              comm_dtype=comm,
                              torchrec_compatible=args.torchrec_compatible,
                              replicas=args.replicas or 1,
-                             replica_sync=args.replica_sync or "exact")  # fmt: skip
+                             replica_sync=args.replica_sync or "exact",
+                             prefetch=bool(args.prefetch), auto_tier=args.auto_tier)  # fmt: skip
     settings = settings_record(tables, args.tables, constraints, topology, args.batch_size,
                                optimizer, statistic, module, comm, args.torchrec_compatible,
-                               args.replicas or 1, args.replica_sync or "exact")  # fmt: skip
+                               args.replicas or 1, args.replica_sync or "exact",
+                               bool(args.prefetch))  # fmt: skip
     priced = Priced(args.output or "", result.plan, result.stats, settings, [], tables,
                      constraints)  # fmt: skip
     # Files first: neither a misspelt --table nor a reader that stops early (| head) loses them.

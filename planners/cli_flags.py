@@ -88,6 +88,15 @@ def _add_cluster_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    help="bytes/s per rank inside a host (default 450e9, NVLink)")
     g.add_argument("--cross-host-bandwidth", type=_bandwidth,
                    help="bytes/s per rank across hosts (default 50e9, 400 Gb/s NIC)")
+    g.add_argument("--tier-memory", type=_bytes,
+                   help="room per rank for tiered tables' stores (local disk under tier_dir on "
+                        "CPU ranks, host memory on CUDA), e.g. 500GiB (default 1TiB)")  # fmt: skip
+    g.add_argument("--tier-bandwidth", type=_bandwidth,
+                   help="bytes/s a rank reads and writes its tier at (default 2e9, local disk "
+                        "or page cache; ~25e9 for host memory over PCIe)")  # fmt: skip
+    g.add_argument("--prefetch", action="store_true", default=None,
+                   help="the loop calls modular.prefetch: tiered tables' reads and write-backs "
+                        "run beside the step (default: not, or as recorded)")  # fmt: skip
     g.add_argument("--topology", metavar="FILE",
                    help="price with the constants `python -m planners calibrate --out FILE` "
                         "measured on the machine the job runs on (default: an H100 cluster's "
@@ -161,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "to_torchrec converts it with no warning and no moved row (row-wise "
                         "tables over every rank, table-row-wise over a whole host, in TorchRec's "
                         "block split); recorded in the plan file")  # fmt: skip
+    p.add_argument("--no-auto-tier", dest="auto_tier", action="store_false",
+                   help="never put a table on a tier by itself (by default, when no plan fits "
+                        "with every table resident, the largest tables go on a tier behind a "
+                        "cache; docs/planner.md, 'Tiered tables')")  # fmt: skip
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan JSON here")
     _add_view_flags(p, "draw per-rank cost, memory and tables here (PNG)")
     _add_cluster_flags(p, required=True)

@@ -22,7 +22,7 @@ from planners.stats import PlanStats
 from planners.types import PlanError, ShardingPlan
 
 _SETTINGS = ("device_memory", "reserved_fraction", "device_memory_bandwidth",
-             "intra_host_bandwidth", "cross_host_bandwidth")  # fmt: skip
+             "intra_host_bandwidth", "cross_host_bandwidth", "tier_memory", "tier_bandwidth")  # fmt: skip
 
 
 def topology_for(world: int, per_host: int | None, args: argparse.Namespace,
@@ -86,9 +86,10 @@ class Priced(NamedTuple):
 def settings_record(tables: tuple[Table, ...], tables_path: str,
                     constraints: dict[str, TableConstraint], topology: Topology, batch: int,
                     optimizer: str, statistic: str, module: str, comm: str, torchrec: bool,
-                    replicas: int = 1, replica_sync: str = "exact") -> dict[str, Any]:  # fmt: skip
+                    replicas: int = 1, replica_sync: str = "exact",
+                    prefetch: bool = False) -> dict[str, Any]:  # fmt: skip
     return {
-        "replicas": replicas, "replica_sync": replica_sync,
+        "replicas": replicas, "replica_sync": replica_sync, "prefetch": prefetch,
         "batch_size": batch, "optimizer": optimizer, "column_wise_statistic": statistic,
         "comm_dtype": comm, "module": module, "torchrec_compatible": torchrec,
         **{name: getattr(topology, name) for name in _SETTINGS},
@@ -138,10 +139,14 @@ def price(path: str, args: argparse.Namespace) -> Priced:
         raise PlanError(f"{path}: the recorded torchrec_compatible must be true or false, got "
                         f"{torchrec!r}")  # fmt: skip
     module = module_for(plan, work.module)
+    prefetch = bool(args.prefetch) if args.prefetch is not None else recorded.get("prefetch", False)
+    if not isinstance(prefetch, bool):
+        raise PlanError(f"{path}: the recorded prefetch must be true or false, got {prefetch!r}")
     for name, value in (("batch_size", args.batch_size), ("optimizer", args.optimizer),
                         ("column_wise_statistic", args.column_wise_statistic),
                         ("comm_dtype", args.comm_dtype), ("module", args.module),
                         ("replicas", args.replicas), ("replica_sync", args.replica_sync),
+                        ("prefetch", args.prefetch),
                         *((n, getattr(args, n, None)) for n in _SETTINGS)):  # fmt: skip
         was = recorded.get(name)
         if value is not None and was is not None and value != was:
@@ -156,19 +161,19 @@ def price(path: str, args: argparse.Namespace) -> Priced:
                            column_wise_statistic=work.column_wise_statistic,
                            comm_dtype=work.comm_dtype,
                            torchrec_compatible=torchrec, replicas=replicas,
-                           replica_sync=replica_sync)  # fmt: skip
+                           replica_sync=replica_sync, prefetch=prefetch)  # fmt: skip
     except PlanError as e:
         raise PlanError(f"{path}: {e}") from None
     settings = settings_record(tables, tables_path, constraints, topology, work.batch_size,
                                Optimizer.parse(work.optimizer).value, work.column_wise_statistic,
                                module, DataType.parse(work.comm_dtype).value, torchrec, replicas,
-                               replica_sync)  # fmt: skip
+                               replica_sync, prefetch)  # fmt: skip
     return Priced(path, plan, stats, settings, overrides, tables, constraints)
 
 
 def _setting_text(name: str) -> Any:
     """How a setting reads in an override line: bytes with a unit, bandwidths in B/s."""
-    if name == "device_memory":
+    if name in ("device_memory", "tier_memory"):
         return format_bytes
     if name.endswith("bandwidth"):
         return lambda v: f"{v:.3g} B/s" if isinstance(v, (int, float)) else repr(v)

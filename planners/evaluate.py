@@ -241,6 +241,9 @@ def stats_for(
         )
         for r in range(topology.world_size)
     )  # fmt: skip
+    if model.prefetch:  # Note [pricing tiered tables]: what the step cannot hide, it waits for
+        ranks = tuple(dataclasses.replace(r, tier=r.tier + max(0.0, r.tier_io - r.cost))
+                      for r in ranks)  # fmt: skip
     tables = tuple(
         TableStats(display_name(fqn, t.name), t.num_embeddings, t.embedding_dim,
                    plan.placement(fqn, t.name).sharding_type, tuple(shards),

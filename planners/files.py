@@ -33,6 +33,7 @@ import yaml
 
 from planners.inputs import DataType, ManagedCollision, Table, TableConstraint
 from planners.suggest import did_you_mean
+from planners.tier_cost import DEFAULT_ZIPF_ALPHA
 from planners.types import PlanError, ShardingPlan
 
 __all__ = [
@@ -44,6 +45,7 @@ _TABLE_FIELDS = ("name", "num_embeddings", "embedding_dim", "features", "pooling
                  "dtype", "weighted", "sequence", "batch_fraction", "managed_collision")  # fmt: skip
 _CONSTRAINT_FIELDS = (
     "sharding_types", "ranks", "min_shards", "max_shards", "cache_load_factor", "cache_policy",
+    "hit_rate", "zipf_alpha", "allow_tier",
 )
 
 
@@ -353,6 +355,9 @@ def _constraints(data: Any, node: Any, path: str, tables: tuple[Table, ...] | No
                 max_shards=None if max_shards is None else _int(max_shards, "max_shards"),
                 cache_load_factor=record.get("cache_load_factor"),
                 cache_policy=str(record.get("cache_policy", "lru")),
+                hit_rate=record.get("hit_rate"),
+                zipf_alpha=record.get("zipf_alpha", DEFAULT_ZIPF_ALPHA),
+                allow_tier=record.get("allow_tier", True),
             )
             bad = [r for r in out[str(name)].ranks if world_size is not None and r >= world_size]
             if bad:
@@ -383,6 +388,12 @@ def constraint_record(c: TableConstraint) -> dict[str, Any]:
     if c.cache_load_factor is not None:
         out["cache_load_factor"] = c.cache_load_factor
         out["cache_policy"] = c.cache_policy
+    if c.hit_rate is not None:
+        out["hit_rate"] = c.hit_rate
+    if c.zipf_alpha != DEFAULT_ZIPF_ALPHA:
+        out["zipf_alpha"] = c.zipf_alpha
+    if not c.allow_tier:
+        out["allow_tier"] = False
     return out
 
 

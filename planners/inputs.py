@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 # (planners/assumptions.py); they are re-exported here, where the planner's inputs are.
 from planners.calibration import Calibration
 from planners.assumptions import ColumnWiseStatistic, DataType, Optimizer, _parse_member
-from planners.tier_cost import TierSpec
+from planners.tier_cost import DEFAULT_ZIPF_ALPHA, TierSpec
 from planners.types import PlanError, ShardingType
 
 __all__ = [
@@ -388,7 +388,7 @@ class TableConstraint:
     cache_load_factor: float | None = None
     cache_policy: str = "lru"
     hit_rate: float | None = None
-    zipf_alpha: float = 1.05
+    zipf_alpha: float = DEFAULT_ZIPF_ALPHA
     allow_tier: bool = True
 
     def __post_init__(self) -> None:

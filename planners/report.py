@@ -77,7 +77,8 @@ def pick_tables(stats: PlanStats, names: Sequence[str] | None, sort: str = "orde
 
 def format_tables(stats: PlanStats, tables: Sequence[TableStats]) -> str:
     """The per-table view: one line per table, largest shard's memory and cost; where any is a
-    managed-collision table, a last column gives each one's zch_size."""
+    managed-collision table, a column gives each one's zch_size; where any is tiered, columns
+    give each tiered one's cache (load factor and policy), cache rows and estimated hit rate."""
     world = len(stats.ranks)
     unit, scale = time_unit(max((t.max_cost for t in tables), default=stats.max_cost))
     name_w = max([5] + [len(t.name) for t in tables])
@@ -88,11 +89,19 @@ def format_tables(stats: PlanStats, tables: Sequence[TableStats]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows_)) if rows_ else len(h)
               for i, h in enumerate(head)]
     widths[0] = max(widths[0], name_w)
-    left = (True, True, True, True, False, False, False, False)
+    left = [True, True, True, True, False, False, False]
     if any(t.managed_collision is not None for t in tables):
         head += ("zch_size",)
         rows_ = [r + (f"{t.zch_size:_}" if t.zch_size is not None else "-",) for r, t in zip(rows_, tables)]
         widths.append(max(len(r[-1]) for r in rows_ + [head]))
+        left.append(False)
+    if any(t.cache_load_factor is not None for t in tables):  # Note [pricing tiered tables]
+        head += ("cache", "cache rows", "hit")
+        rows_ = [r + ((f"{t.cache_load_factor:g} {t.cache_policy}", f"{t.cache_rows:_}",
+                       f"{t.hit_rate:.3f}") if t.cache_load_factor is not None else ("-",) * 3)
+                 for r, t in zip(rows_, tables)]  # fmt: skip
+        widths += [max(len(r[i]) for r in rows_ + [head]) for i in range(-3, 0)]
+        left += [False] * 3
 
     def line(cells: Sequence[str]) -> str:
         return " ".join(c.ljust(w) if l else c.rjust(w)
@@ -107,15 +116,20 @@ def tables_csv(stats: PlanStats, tables: Sequence[TableStats]) -> str:
     w = csv.writer(out, lineterminator="\n")
     parts = ("lookup", "input_dist", "output_dist", "grad_sync", "stat_exchange")
     mc = any(t.managed_collision is not None for t in tables)  # a zch_size column where any
+    tiered = any(t.cache_load_factor is not None for t in tables)  # and the tier's where any
+    tier_head = ("cache_load_factor", "cache_policy", "cache_rows", "hit_rate", "tier_bytes", "tier_s")
     w.writerow(("table", "sharding_type", "rank", "row_offset", "num_rows", "col_offset",
                 "num_cols", "memory_bytes", "cost_s", *(p + "_s" for p in parts))
-               + (("zch_size",) if mc else ()))  # fmt: skip
+               + (("zch_size",) if mc else ()) + (tier_head if tiered else ()))  # fmt: skip
     for t in tables:
         for s in t.shards:
+            tier = ((t.cache_load_factor, t.cache_policy, s.cache_rows, f"{s.hit_rate:.6g}",
+                     f"{s.tier_bytes:.0f}", f"{s.tier:.9g}") if t.cache_load_factor is not None
+                    else ("",) * len(tier_head))  # fmt: skip
             w.writerow((t.name, t.sharding_type.value, s.rank, s.row_offset, s.num_rows,
                         s.col_offset, s.num_cols, f"{s.memory:.0f}", f"{s.cost:.9g}",
                         *(f"{getattr(s, p):.9g}" for p in parts))
-                       + ((t.zch_size or "",) if mc else ()))  # fmt: skip
+                       + ((t.zch_size or "",) if mc else ()) + (tier if tiered else ()))  # fmt: skip
     return out.getvalue()
 
 

@@ -19,9 +19,10 @@ b = c * e + s(c) (the shard's c columns of e bytes, and the optimizer's state pe
   at the memory bandwidth, inside the step.
 - prefetch (`plan(..., prefetch=True)`: the training loop calls `modular.prefetch`): the next
   batch's reads and the write-backs that make room for them run in a background thread during
-  the current step, so the step pays only the bookkeeping; this assumes that thread keeps up
-  (its tier-io no longer than the rest of the step), which `plan_stats` shows per rank
-  (`RankStats.tier_io`) beside the step. Without prefetch the step pays the tier-io too.
+  the current step, so a shard's price has only the bookkeeping and the search takes the
+  traffic as hidden; `plan_stats` then charges each rank what of its tier-io exceeds the rest of
+  its step (the next step waits for the thread), and shows the tier-io per rank
+  (`RankStats.tier_io`). Without prefetch the step pays the tier-io in full.
 The hit rate h is the table's `TableConstraint.hit_rate` when given; otherwise the share of
 lookups that land in the C most popular of R rows when ids follow Zipf(alpha)
 (`TableConstraint.zipf_alpha`, default 1.05): H(C, alpha) / H(R, alpha), H the generalised

@@ -14,16 +14,14 @@ from typing import Any, Callable, Mapping, TypeVar
 from planners.cost import CostModel, TableArrays
 from planners.mc_cost import collision_price
 from planners.explain import NoPlanError, before_candidates, before_search, explain_no_plan
-from planners.inputs import (
-    ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology, format_bytes,
-)  # fmt: skip
+from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology
 from planners.model_tables import TablesLike, as_table_set, match_constraints
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
 from planners.search import Placement, search
-from planners.tier_choice import choose_tiers, with_given_tiers
+from planners.tier_choice import choose_tiers, tier_overflow, with_given_tiers
 from planners.evaluate import stats_for
-from planners.stats import PlanStats, plural
+from planners.stats import PlanStats
 from planners.types import (
     PlanAssumptions, PlanError, ShardingPlan, ShardingType, TablePlacement, even_split,
 )  # fmt: skip
@@ -248,13 +246,7 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
                       torchrec_compatible=options.torchrec_compatible, constraints=cons)
     if auto is not None:
         stats = dataclasses.replace(stats, auto_tiers=auto)
-    over = [r for r in stats.ranks if r.tier_bytes > r.tier_capacity]
-    if over:  # the search packs memory; the tier's budget is checked on what it packed
-        r = max(over, key=lambda r: r.tier_bytes - r.tier_capacity)
-        raise NoPlanError(
-            f"no plan fits the tier: the plan puts {format_bytes(r.tier_bytes)} of tiered tables' "
-            f"stores on rank {r.rank}, whose tier holds {format_bytes(r.tier_capacity)} "
-            f"(Topology.tier_memory, --tier-memory): {format_bytes(r.tier_bytes - r.tier_capacity)} "
-            f"missing there ({plural(len(over), 'rank')} over); a larger tier_memory or more ranks "
-            "(the store holds every row, whatever the cache)", [t.name for t in stats.tables if t.cache_load_factor is not None])  # fmt: skip
+    over = tier_overflow(stats)  # the search packs memory; the tier is checked on what it packed
+    if over is not None:
+        raise over
     return PlanResult(result, stats, seconds)

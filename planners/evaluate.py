@@ -196,7 +196,7 @@ def plan_stats(
     cons = match_constraints(table_set, constraints, topology.world_size)
     # the bound prices each table on the tier the plan puts it on
     cons = [c if s is None else dataclasses.replace(c or TableConstraint(), cache_load_factor=s[0],
-                                                    cache_policy=s[1])
+                                                    cache_policy=s[1], allow_tier=True)
             for c, s in zip(cons, plan_tiers(plan, table_set, cons))]  # fmt: skip
     plain = [t for _, t in table_set]
     capacity = (topology.capacity - model.batch_buffer_bytes(TableArrays.of(plain))

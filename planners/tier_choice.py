@@ -27,11 +27,11 @@ from planners.cost import CostModel
 from planners.explain import NoPlanError, table_footprint
 from planners.inputs import DataType, Optimizer, Table, TableConstraint, format_bytes
 from planners.model_tables import TableSet, display_name
-from planners.stats import plural
+from planners.stats import PlanStats, plural
 from planners.tier_cost import CACHE_LADDER, TierSpec
 from planners.types import PlanError, ShardingType
 
-__all__ = ["AutoTiers", "choose_tiers", "refusal", "tiered_constraint", "with_given_tiers"]
+__all__ = ["AutoTiers", "choose_tiers", "refusal", "tier_overflow", "tiered_constraint", "with_given_tiers"]
 
 logger = logging.getLogger(__name__)
 _ADAM = frozenset({Optimizer.ADAM, Optimizer.PARTIAL_ROWWISE_ADAM, Optimizer.LAMB,
@@ -195,3 +195,19 @@ def _short(table_set: TableSet, cons: Sequence[TableConstraint | None], model: C
     else:
         what += f"; with those tiered, {error}"
     return NoPlanError(f"{what}\nwith every table resident, {resident}", resident.tables)
+
+
+def tier_overflow(stats: PlanStats) -> NoPlanError | None:
+    """The error for a plan whose tiered stores exceed a rank's tier (`Topology.tier_memory`),
+    naming the rank with the most missing; None when every rank's tier holds its stores."""
+    over = [r for r in stats.ranks if r.tier_bytes > r.tier_capacity]
+    if not over:
+        return None
+    r = max(over, key=lambda r: r.tier_bytes - r.tier_capacity)
+    return NoPlanError(
+        f"no plan fits the tier: the plan puts {format_bytes(r.tier_bytes)} of tiered tables' "
+        f"stores on rank {r.rank}, whose tier holds {format_bytes(r.tier_capacity)} "
+        f"(Topology.tier_memory, --tier-memory): {format_bytes(r.tier_bytes - r.tier_capacity)} "
+        f"missing there ({plural(len(over), 'rank')} over); a larger tier_memory or more ranks "
+        "(the store holds every row, whatever the cache)",
+        [t.name for t in stats.tables if t.cache_load_factor is not None])  # fmt: skip

@@ -63,7 +63,7 @@ def _capacity_where_only_fp16_fits() -> planners.Topology:
 def test_a_plan_that_fits_only_in_fp16_is_built_by_shard() -> None:
     topo = _capacity_where_only_fp16_fits()
     with pytest.raises(planners.NoPlanError):
-        planners.plan(_tables("fp32"), topo, batch_size=4)
+        planners.plan(_tables("fp32"), topo, batch_size=4, auto_tier=False)  # resident
     plan = planners.plan(_tables("fp16"), topo, batch_size=4)
     stats = planners.plan_stats(plan, _tables("fp16"), topo, batch_size=4)
     results = run_on_ranks(WORLD, _build_and_step, plan.to_dict(), timeout=120)

@@ -96,6 +96,11 @@ class Calibration:
     host: str = ""
     measured_at: float = 0.0  # seconds since the epoch
     versions: Mapping[str, str] = field(default_factory=dict)
+    # Not measured, written in by hand where known: each rank's tier for tiered tables (bytes;
+    # "500GiB" too) and its bytes/s, which `Topology.from_file` takes unless given (Note
+    # [pricing tiered tables] in planners/tier_cost.py). None: Topology's defaults.
+    tier_memory: int | str | None = None
+    tier_bandwidth: float | None = None
     path: str = ""  # where it was read from ("" if not from a file)
 
     def __post_init__(self) -> None:
@@ -106,6 +111,9 @@ class Calibration:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise CalibrationError(f"{self._where}{name} must be a positive number, got {value!r}")
+        value = self.tier_bandwidth
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise CalibrationError(f"{self._where}tier_bandwidth must be a positive number, got {value!r}")
         for name in ("all_to_all_latency", "all_reduce_latency", "step_fixed", "kernel_fixed",
                      "sent_id"):
             value = getattr(self, name)

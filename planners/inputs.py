@@ -307,12 +307,16 @@ class Topology:
     @classmethod
     def from_file(cls, path: str, world_size: int | None = None, **kwargs: Any) -> "Topology":
         """The topology a `python -m planners calibrate --out FILE` run measured: its world size
-        (or `world_size`), priced with its measured constants; other fields as for `Topology`.
+        (or `world_size`), priced with its measured constants, and the tier's `tier_memory` and
+        `tier_bandwidth` where the file gives them; other fields as for `Topology`.
 
             topology = planners.Topology.from_file("this_machine.json", device_memory="20GiB")
         """
         calibration = Calibration.load(path)
         world = calibration.world_size if world_size is None else world_size
+        for name in ("tier_memory", "tier_bandwidth"):  # written in by hand, where known
+            if getattr(calibration, name) is not None:
+                kwargs.setdefault(name, getattr(calibration, name))
         return cls(world, calibration=calibration, **kwargs)
 
     @property

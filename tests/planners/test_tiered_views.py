@@ -101,6 +101,23 @@ def test_replan_keeps_the_tier():
         assert new.stats.table("t_a").cache_rows > 0
 
 
+def test_a_topology_file_may_give_the_tier(tmp_path):
+    from tests.planners.test_calibration import _calibration
+
+    path = tmp_path / "h.json"
+    data = _calibration().to_json() | {"tier_memory": "300GiB", "tier_bandwidth": 3e9}
+    path.write_text(json.dumps(data))
+    topo = Topology.from_file(str(path))
+    assert (topo.tier_memory, topo.tier_bandwidth) == (300 * 2**30, 3e9)
+    assert Topology.from_file(str(path), tier_bandwidth=1e9).tier_bandwidth == 1e9  # given wins
+    plain = tmp_path / "p.json"
+    _calibration().save(plain)  # a file without them: Topology's defaults
+    assert Topology.from_file(str(plain)).tier_memory == Topology(2).tier_memory
+    path.write_text(json.dumps(data | {"tier_bandwidth": -1}))
+    with pytest.raises(PlanError, match="tier_bandwidth must be a positive number"):
+        Topology.from_file(str(path))
+
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchrec")
 

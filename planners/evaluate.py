@@ -32,8 +32,10 @@ from planners.validate import check_placements, validate_plan
 __all__ = ["evaluate", "plan_stats", "stats_for", "validate_plan"]
 
 
-def plan_tiers(plan: ShardingPlan, table_set: TableSet,
-               constraints: Sequence[TableConstraint | None] | None = None) -> list[TierSpec | None]:  # fmt: skip
+def plan_tiers(
+    plan: ShardingPlan, table_set: TableSet,
+    constraints: Sequence[TableConstraint | None] | None = None,
+) -> list[TierSpec | None]:
     """Each table's tier under `plan` (its placement's cache load factor and policy) with the
     hit rate or Zipf exponent its constraint gives; None for a resident table."""
     out: list[TierSpec | None] = []

@@ -150,7 +150,7 @@ def before_search(
     # 3. Tables none of whose allowed candidates has a shard that fits on an empty rank.
     stuck = np.flatnonzero(~candidates.any_valid())
     if len(stuck):
-        order = sorted(stuck, key=lambda i: (-table_footprint(table_set[i][1], model.optimizer, constraints[i]), i))
+        order = sorted(stuck, key=lambda i: (-_foot(table_set, model, constraints, i), i))
         lines = [_stuck_line(table_set[i], constraints[i], candidates, i, model, room, base_memory)
                  for i in order[:_LISTED]]  # fmt: skip
         if len(order) > _LISTED:
@@ -188,8 +188,8 @@ def before_search(
     over = _pinned_over(table_set, constraints, model.optimizer, room)
     if over is not None:
         ranks, members, need = over
-        order = sorted(members, key=lambda i: (-table_footprint(table_set[i][1], model.optimizer, constraints[i]), i))
-        lines = [f"  {names[i]!r}: {format_bytes(table_footprint(table_set[i][1], model.optimizer, constraints[i]))}"
+        order = sorted(members, key=lambda i: (-_foot(table_set, model, constraints, i), i))
+        lines = [f"  {names[i]!r}: {format_bytes(_foot(table_set, model, constraints, i))}"
                  for i in order[:_LISTED]]  # fmt: skip
         if len(order) > _LISTED:
             lines.append(f"  ... and {plural(len(order) - _LISTED, 'more table')}")
@@ -216,7 +216,7 @@ def _unplaced(table_set: TableSet, candidates: Candidates,
     where = _where(model)
     names = [display_name(f, t.name) for f, t in table_set]
     foot = _footprints(table_set, model.optimizer, constraints)
-    order = sorted(unplaced, key=lambda i: (-table_footprint(table_set[i][1], model.optimizer, constraints[i]), i))
+    order = sorted(unplaced, key=lambda i: (-_foot(table_set, model, constraints, i), i))
     fill = foot.sum() / (world * room)
     lines = []
     for i in order[:_LISTED]:
@@ -299,6 +299,11 @@ def _lighter_optimizers(optimizer: Optimizer) -> list[str]:
     ]
 
 
+def _foot(table_set: TableSet, model: CostModel, constraints: Sequence[TableConstraint | None],
+          i: int) -> float:  # fmt: skip
+    return table_footprint(table_set[i][1], model.optimizer, constraints[i])
+
+
 def _footprints(table_set: TableSet, optimizer: Optimizer,
                 constraints: Sequence[TableConstraint | None]) -> np.ndarray:  # fmt: skip
     return np.array([table_footprint(t, optimizer, c) for (_, t), c in zip(table_set, constraints)])
@@ -327,7 +332,8 @@ def _pinned_over(table_set: TableSet, constraints: Sequence[TableConstraint | No
             groups.setdefault(con.ranks, []).append(i)
     if not groups:
         return None
-    foot = {s: sum(table_footprint(table_set[i][1], optimizer, constraints[i]) for i in g) for s, g in groups.items()}
+    foot = {s: sum(table_footprint(table_set[i][1], optimizer, constraints[i]) for i in g)
+            for s, g in groups.items()}  # fmt: skip
     sets = sorted(groups, key=lambda s: (len(s), s))
     whole = {s: frozenset(s) for s in sets}
     for s in sets:

@@ -13,9 +13,10 @@ from planners.types import ShardingType
 __all__ = ["compare_figure", "plot_compare", "plot_stats", "stats_figure"]
 
 GiB = 1024**3
-_PART_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52", "#937860")
+_PART_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52", "#937860", "#DA8BC3")
 _PART_LABELS = ("lookup", "input dist", "output dist", "data-parallel\ngradient sync",
-                "column-piece\nstatistic exchange", "cross-replica\nsync")  # COMPONENTS, short enough for a legend
+                "column-piece\nstatistic exchange", "cross-replica\nsync",
+                "tier: misses,\nbookkeeping")  # COMPONENTS, short enough for a legend
 _TYPE_COLOURS = {
     ShardingType.TABLE_WISE: "#4C72B0",
     ShardingType.ROW_WISE: "#DD8452",

@@ -380,8 +380,9 @@ class PlanStats:
         if any(r.remap for r in self.ranks):  # Note [pricing managed collisions]
             shown_parts.append(("remap", "mc-remap", "managed-collision remap: raw ids to slots"))
         tiered = any(r.cache or r.tier_bytes for r in self.ranks)
-        memory_parts = MEMORY_PARTS[:4] + ((("cache", "", "cache"),) if tiered else ()) + (
-            (("collision_state", "", "mc-state"),) if any(r.collision_state for r in self.ranks) else ())  # fmt: skip
+        mc = any(r.collision_state for r in self.ranks)
+        memory_parts = (MEMORY_PARTS[:4] + ((("cache", "", "cache"),) if tiered else ())
+                        + ((("collision_state", "", "mc-state"),) if mc else ()))  # fmt: skip
         head = (f"{'rank':>5} {'memory':>10} {'use%':>5} {'cost ' + unit:>9} "
                 + " ".join(f"{h:>8}" for _, h, _ in shown_parts) + f" {'shards':>6}")  # fmt: skip
         rows = [head]
@@ -398,7 +399,8 @@ class PlanStats:
             mem_rows.append(f"{r.rank:>5} " + " ".join(
                 f"{format_bytes(getattr(r, a)):>10}" for a, _, _ in memory_parts)
                 + f" {format_bytes(r.batch):>10}"
-                + (f" {format_bytes(r.tier_bytes):>10} {scale * r.tier_io:>8.3f}" if tiered else ""))  # fmt: skip
+                + (f" {format_bytes(r.tier_bytes):>10} {scale * r.tier_io:>8.3f}" if tiered
+                   else ""))  # fmt: skip
         if len(shown) < len(self.ranks):
             more = f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}"
             rows.append(more)
@@ -407,7 +409,7 @@ class PlanStats:
         rows.extend(mem_rows)  # no blank line: views split the output at blank lines
         rows.append("  memory by part: weights, optimizer state, gradients (unfused), buffers "
                     "kept by kernels" + (", tiered tables' caches and their bookkeeping" if tiered else "")
-                    + (", managed-collision state" if any(r.collision_state for r in self.ranks) else "")
+                    + (", managed-collision state" if mc else "")
                     + "; batch: ids, pooled outputs, wire copies"
                     + ("; tier: tiered tables' stores on the tier (not in memory; "
                        f"{format_bytes(self.ranks[0].tier_capacity)} a rank), tier-io: {unit} of "

@@ -93,8 +93,9 @@ def to_torchrec(
     `EmbeddingBagConfig`. Shards use `compute_kernel` ("fused": the optimizer in the sharder's
     fused_params updates them in backward; "dense": your optimizer does); data-parallel tables
     always use "dense"; a tiered table (`cache_load_factor`) "fused_uvm_caching" with its
-    cache's `CacheParams` (Note [tiered tables in TorchRec]). `ranks_per_host` defaults to the plan's; TorchRec takes its own host
-    size from LOCAL_WORLD_SIZE, which must agree for table-row-wise tables.
+    cache's `CacheParams` (Note [tiered tables in TorchRec]). `ranks_per_host` defaults to the
+    plan's; TorchRec takes its own host size from LOCAL_WORLD_SIZE, which must agree for
+    table-row-wise tables.
 
     DMP then computes what `modular.shard` computes with `plan`. Where TorchRec cannot hold a
     table the plan's way, it gets boundaries TorchRec routes correctly and a
@@ -125,8 +126,8 @@ def to_torchrec(
         kind = p.sharding_type
         kernel, cache = compute_kernel, None
         if p.cache_load_factor is not None:  # Note [tiered tables in TorchRec]
-            kernel, cache = _UVM_CACHING, CacheParams(
-                load_factor=p.cache_load_factor, algorithm=getattr(CacheAlgorithm, p.cache_policy.upper()))
+            algorithm = getattr(CacheAlgorithm, p.cache_policy.upper())
+            kernel, cache = _UVM_CACHING, CacheParams(load_factor=p.cache_load_factor, algorithm=algorithm)
         if kind is _T.DATA_PARALLEL:
             sharding = ParameterSharding(sharding_type=kind.value, compute_kernel="dense",
                                          ranks=list(range(world)), sharding_spec=None)  # fmt: skip

@@ -134,7 +134,9 @@ def choose_tiers(search: Callable[[list[TableConstraint | None]], _R], table_set
         trial = list(cons)
         for i in order[:n]:
             where = f"table {display_name(*_names(table_set, i))!r}"
-            trial[i] = tiered_constraint(cons[i], TierSpec(factor), model, where)
+            con = cons[i] or TableConstraint()  # its policy, hit rate and Zipf exponent, if given
+            tier = TierSpec(factor, con.cache_policy, con.hit_rate, con.zipf_alpha)
+            trial[i] = tiered_constraint(cons[i], tier, model, where)
         try:
             return search(trial), trial
         except NoPlanError as e:

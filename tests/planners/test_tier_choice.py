@@ -66,6 +66,15 @@ def test_the_fewest_largest_tables_at_the_largest_cache_that_fits(caplog):
         planners.plan(TABLES, topo, batch_size=BATCH, auto_tier=False)
 
 
+def test_a_table_tiered_by_the_planner_takes_its_constraints_policy_and_hit_rate():
+    hints = {"t_big": TableConstraint(cache_policy="lfu", hit_rate=0.99)}
+    result = _plan(_topo(350), constraints=hints)
+    assert result.plan.placement("", "t_big").cache_policy == "lfu"
+    assert result.stats.table("t_big").hit_rate == pytest.approx(0.99)
+    zipf = _plan(_topo(350), constraints={"t_big": TableConstraint(zipf_alpha=1.5)})
+    assert zipf.stats.table("t_big").hit_rate > _plan(_topo(350)).stats.table("t_big").hit_rate
+
+
 def test_two_tables_when_one_is_not_enough():
     topo = _topo(100)
     result = _plan(topo)

@@ -16,7 +16,7 @@ b = c * e + s(c) (the shard's c columns of e bytes, and the optimizer's state pe
   row a step touches, so every evicted row is dirty): 2 D (1 - h) b bytes at
   `Topology.tier_bandwidth` (the "tier-io" seconds). The bookkeeping's work, a unique over the
   n ids (n * 8 * log2 n bytes) and the map and slot updates of the D rows (31 bytes each), runs
-  at the memory bandwidth, inside the step.
+  at the memory bandwidth (the measured streaming rate when calibrated), inside the step.
 - prefetch (`plan(..., prefetch=True)`: the training loop calls `modular.prefetch`): the next
   batch's reads and the write-backs that make room for them run in a background thread during
   the current step, so a shard's price has only the bookkeeping and the search takes the

@@ -46,11 +46,14 @@ class AutoTiers:
     tables: tuple[str, ...]
     cache_load_factor: float
 
-    def describe(self) -> str:
+    def describe(self, listed: int = 8) -> str:
+        """One line; the first `listed` tables by name, the rest counted."""
+        names = ", ".join(self.tables[:listed])
+        more = f" and {len(self.tables) - listed} more" if len(self.tables) > listed else ""
         return (f"no plan fits with every table resident, so the planner tiered "
                 f"{plural(len(self.tables), 'table')} at cache_load_factor "
-                f"{self.cache_load_factor:g}: {', '.join(self.tables)} (modular.shard needs "
-                "tier_dir=; TableConstraint(allow_tier=False) keeps a table resident)")  # fmt: skip
+                f"{self.cache_load_factor:g}: {names}{more} (modular.shard needs tier_dir=; "
+                "TableConstraint(allow_tier=False) keeps a table resident)")  # fmt: skip
 
 
 def refusal(table: Table, model: CostModel) -> str | None:

@@ -14,6 +14,7 @@ import planners
 from planners import NoPlanError, PlanError, ShardingType, Table, TableConstraint, Topology
 from planners.cost import CostModel, TableArrays
 from planners.inputs import format_bytes
+from planners.tier_choice import AutoTiers
 from planners.tier_cost import CACHE_LADDER
 
 # weights + row-wise Adagrad state: 1,040 MB, 260 MB and 0.26 MB
@@ -51,6 +52,8 @@ def test_the_fewest_largest_tables_at_the_largest_cache_that_fits(caplog):
     assert factor in CACHE_LADDER and result.stats.auto_tiers.cache_load_factor == factor
     assert "planner tiered 1 table at cache_load_factor" in caplog.text
     assert "planner tiered 1 table" in result.stats.summary()
+    many = AutoTiers(tuple(f"t{i}" for i in range(20)), 0.01)
+    assert "t0, t1, t2, t3, t4, t5, t6, t7 and 12 more (modular.shard" in many.describe()
     assert max(r.memory for r in result.stats.ranks) <= topo.capacity
     # the same plan as asking for that tier; a larger cache on the ladder does not fit
     given = planners.plan(TABLES, topo, batch_size=BATCH, auto_tier=False,

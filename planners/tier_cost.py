@@ -34,6 +34,7 @@ does a little worse.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -72,9 +73,11 @@ def harmonic(n: np.ndarray | float, alpha: np.ndarray | float) -> np.ndarray:
     of the sum)."""
     n, alpha = np.broadcast_arrays(np.asarray(n, dtype=np.float64),
                                    np.asarray(alpha, dtype=np.float64))  # fmt: skip
-    i = np.arange(1, _EXACT_TERMS + 1, dtype=np.float64)
-    terms = i ** -alpha[..., None]
-    head = np.sum(np.where(i <= np.floor(n)[..., None], terms, 0.0), axis=-1)
+    terms = np.minimum(np.floor(n), _EXACT_TERMS).astype(np.int64)
+    head = np.zeros(n.shape)
+    for a in np.unique(alpha):  # a model's tables share one exponent or a few
+        here = alpha == a
+        head[here] = _partial_sums(float(a))[terms[here]]
     lo, hi = _EXACT_TERMS + 0.5, np.maximum(np.floor(n), _EXACT_TERMS) + 0.5
     one = np.abs(alpha - 1.0) < 1e-12
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -82,6 +85,13 @@ def harmonic(n: np.ndarray | float, alpha: np.ndarray | float) -> np.ndarray:
     # the midpoint rule's first correction, -(f'(hi) - f'(lo)) / 24 for f(x) = x**-alpha
     tail = np.where(one, np.log(hi / lo), power) + alpha / 24 * (hi ** (-alpha - 1) - lo ** (-alpha - 1))
     return head + np.where(n > _EXACT_TERMS, tail, 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def _partial_sums(alpha: float) -> np.ndarray:
+    """H(k, alpha) for k = 0..100."""
+    i = np.arange(1, _EXACT_TERMS + 1, dtype=np.float64)
+    return np.concatenate([[0.0], np.cumsum(i**-alpha)])
 
 
 def zipf_hit_rate(cached: np.ndarray | float, rows: np.ndarray | float,
@@ -111,6 +121,9 @@ def tier_cost(*, factor: np.ndarray, hit_rate: np.ndarray, alpha: np.ndarray, ro
     state) that look up `ids` ids a step; `factor` 0 marks a resident shard (all zeros), a
     `hit_rate` below 0 one whose hit rate is estimated from Zipf(`alpha`)."""
     tiered = factor > 0
+    if not tiered.any():  # most shards: nothing to price (the search prices them by the million)
+        zero = np.zeros(np.shape(tiered))
+        return TierCost(zero, zero, zero, zero, zero, zero)
     slots = np.where(tiered, cache_rows(rows, factor), 0.0)
     hit = np.where(hit_rate >= 0, hit_rate, zipf_hit_rate(slots, rows, alpha))
     safe_rows = np.maximum(rows, 1.0)

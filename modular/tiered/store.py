@@ -18,7 +18,28 @@ _PAGE = mmap.PAGESIZE
 _DIRECTORIES: dict[int, str] = {}
 
 
-class RowStore:
+class _Store:
+    """What both stores share: `weights` (rows, cols) and `states` by name, moved a row and its
+    state at a time."""
+
+    weights: torch.Tensor
+    states: dict[str, torch.Tensor]
+
+    def _row_bytes(self, cols: int, state_shapes: dict[str, tuple[int, ...]]) -> int:
+        """Bytes of one row and its state, as they move between the tiers."""
+        return 4 * (cols + sum(int(np.prod(s[1:], dtype=np.int64)) for s in state_shapes.values()))
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rows `ids` (sorted, so that files are read in order) and their state."""
+        return self.weights[ids], {name: s[ids] for name, s in self.states.items()}
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        self.weights[ids] = rows.to(self.weights.dtype)
+        for name, s in self.states.items():
+            s[ids] = states[name]
+
+
+class RowStore(_Store):
     """All rows of one shard and their fused optimizer state, in float32 files on local disk:
     `<prefix>.weight.npy` (rows, cols) and one `<prefix>.<state>.npy` per state, its shape in
     `state_shapes` ((rows,) for a per-row statistic, (rows, cols) per element). The files are
@@ -37,8 +58,7 @@ class RowStore:
         self._maps: list[tuple[mmap.mmap, int, int]] = []  # (mapping, data offset, row bytes)
         self.weights = self._file("weight", (rows, cols))
         self.states = {name: self._file(name, shape) for name, shape in state_shapes.items()}
-        # bytes of one row and its state, as they move between the tiers
-        self.row_bytes = 4 * (cols + sum(int(np.prod(s[1:], dtype=np.int64)) for s in state_shapes.values()))
+        self.row_bytes = self._row_bytes(cols, state_shapes)
         weakref.finalize(self, _remove, list(self.paths))
 
     def _file(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -74,17 +94,7 @@ class RowStore:
                 hi = max(hi, b)
             mapping.madvise(mmap.MADV_WILLNEED, lo * _PAGE, (hi - lo) * _PAGE)
 
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The rows `ids` (sorted, so that the files are read in order) and their state."""
-        return self.weights[ids], {name: s[ids] for name, s in self.states.items()}
-
-    def write(self, ids: torch.Tensor, rows: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
-        self.weights[ids] = rows.to(self.weights.dtype)
-        for name, s in self.states.items():
-            s[ids] = states[name]
-
-
-class HostStore:
+class HostStore(_Store):
     """A GPU rank's backing store of one tiered shard: its rows and their optimizer state in
     pinned host memory (`RowStore`'s interface; Note [tiered tables])."""
 
@@ -93,18 +103,10 @@ class HostStore:
         self.rows, self.cols = rows, cols
         self.weights = torch.zeros((rows, cols), pin_memory=pinned)
         self.states = {name: torch.zeros(shape, pin_memory=pinned) for name, shape in state_shapes.items()}
-        self.row_bytes = 4 * (cols + sum(int(np.prod(s[1:], dtype=np.int64)) for s in state_shapes.values()))
+        self.row_bytes = self._row_bytes(cols, state_shapes)
 
     def will_need(self, ids: torch.Tensor) -> None:
         """Nothing to ask for: host memory is read at once."""
-
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.weights[ids], {name: s[ids] for name, s in self.states.items()}
-
-    def write(self, ids: torch.Tensor, rows: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
-        self.weights[ids] = rows.to(self.weights.dtype)
-        for name, s in self.states.items():
-            s[ids] = states[name]
 
 
 def _remove(paths: list[str]) -> None:

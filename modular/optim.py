@@ -172,13 +172,13 @@ class _FuseThenForward:
         fuse_now(module, self._name)
         return module(*args, **kwargs)
 
-    def __deepcopy__(self, memo: dict) -> Optional[_FuseThenForward]:
+    def __deepcopy__(self, memo: dict) -> _FuseThenForward:
         """A copy of a marked module (`copy.deepcopy(model)`) is marked alike: the copy is in
-        `memo` while its attributes are copied."""
+        `memo` while its attributes are copied (copied alone, this stays its module's)."""
         original = self._module()
         copy_ = memo.get(id(original)) if original is not None else None
         if copy_ is None:
-            return None
+            return self
         config = lifecycle.pending_fuse(original)
         if config is not None:
             lifecycle.set_pending_fuse(copy_, copy.deepcopy(config, memo))

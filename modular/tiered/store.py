@@ -84,15 +84,16 @@ class RowStore(_Store):
             return
         rows = np.sort(ids.numpy().astype(np.int64))
         for mapping, offset, row_bytes in self._maps:
-            starts = ((offset + rows * row_bytes) // _PAGE).tolist()
-            ends = ((offset + (rows + 1) * row_bytes - 1) // _PAGE + 1).tolist()
-            lo, hi = starts[0], ends[0]
-            for a, b in zip(starts, ends):  # runs of touching pages, one call each
-                if a > hi:
-                    mapping.madvise(mmap.MADV_WILLNEED, lo * _PAGE, (hi - lo) * _PAGE)
-                    lo = a
-                hi = max(hi, b)
-            mapping.madvise(mmap.MADV_WILLNEED, lo * _PAGE, (hi - lo) * _PAGE)
+            starts = (offset + rows * row_bytes) // _PAGE
+            ends = (offset + (rows + 1) * row_bytes - 1) // _PAGE + 1  # exclusive
+            # runs of touching pages, one call each: a run starts where a row's first page is
+            # past every page before it (rows are sorted, so the ends only grow)
+            reach = np.maximum.accumulate(ends)
+            first = np.concatenate(([0], np.flatnonzero(starts[1:] > reach[:-1]) + 1))
+            last = np.concatenate((first[1:] - 1, [rows.size - 1]))
+            for lo, hi in zip(starts[first].tolist(), reach[last].tolist()):
+                mapping.madvise(mmap.MADV_WILLNEED, lo * _PAGE, (hi - lo) * _PAGE)
+
 
 class HostStore(_Store):
     """A GPU rank's backing store of one tiered shard: its rows and their optimizer state in

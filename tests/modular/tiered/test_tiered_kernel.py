@@ -135,3 +135,37 @@ def test_stores_and_load_staging_are_files_not_anonymous_memory(tmp_path):
     del store
     gc.collect()
     assert not any(os.path.exists(p) for p in paths)
+
+
+class _Advice:
+    """Records a mapping's madvise calls as page sets."""
+
+    def __init__(self) -> None:
+        self.pages: list[set[int]] = []
+
+    def madvise(self, option: int, start: int, length: int) -> None:
+        import mmap
+
+        assert option == mmap.MADV_WILLNEED and start % mmap.PAGESIZE == 0 and length > 0
+        self.pages.append(set(range(start // mmap.PAGESIZE, (start + length) // mmap.PAGESIZE)))
+
+
+@pytest.mark.parametrize("cols", [1, 16, 64, 2000])
+def test_will_need_asks_for_exactly_the_rows_pages_in_disjoint_runs(cols, tmp_path):
+    """`RowStore.will_need` covers every page of the rows asked for and no other, one call per
+    run of touching pages (rows narrower and wider than a page, duplicates, unsorted)."""
+    import mmap
+
+    store = RowStore(str(tmp_path / "s"), 10_000, cols, {})
+    offset = store._maps[0][1]
+    advice = _Advice()
+    store._maps = [(advice, offset, cols * 4)]
+    ids = torch.tensor([9_999, 3, 4, 5, 700, 701, 5, 4_096, 0, 9_000])
+    store.will_need(ids)
+    want = {p for i in ids.tolist()
+            for p in range((offset + i * cols * 4) // mmap.PAGESIZE, (offset + (i + 1) * cols * 4 - 1) // mmap.PAGESIZE + 1)}
+    got = [p for run in advice.pages for p in run]
+    assert sorted(got) == sorted(want), "pages asked for differ from the rows' pages"
+    assert len(got) == len(set(got)), "runs overlap"
+    runs = sorted((min(r), max(r)) for r in advice.pages)
+    assert all(b[0] > a[1] + 1 for a, b in zip(runs, runs[1:])), f"touching runs not merged: {runs}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-import time
 import weakref
 
 import numpy as np
@@ -14,9 +13,6 @@ import torch
 __all__ = ["HostStore", "RowStore", "file_backed_like"]
 
 _PAGE = mmap.PAGESIZE
-# A read of rows from the page cache took ~0.5 us a row here (256-byte rows and their state),
-# from disk ~15 us (docs/benchmarks.md, "tiered_step.py"): `RowStore._observe`'s bounds.
-_FAST_ROW_S, _SLOW_ROW_S, _FAST_READS = 2e-6, 5e-6, 8
 
 # The directory of each store tensor, by its data pointer, while its store lives.
 _DIRECTORIES: dict[int, str] = {}
@@ -63,7 +59,6 @@ class RowStore(_Store):
         self.weights = self._file("weight", (rows, cols))
         self.states = {name: self._file(name, shape) for name, shape in state_shapes.items()}
         self.row_bytes = self._row_bytes(cols, state_shapes)
-        self._advise, self._fast_reads = True, 0  # see `_observe`
         weakref.finalize(self, _remove, list(self.paths))
 
     def _file(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -85,7 +80,7 @@ class RowStore(_Store):
         (madvise WILLNEED): a step's missing rows of every table are asked for at once, before
         any is read, so that the disk serves them in parallel instead of one page fault at a
         time (measured: 8,000 cold rows of 256 bytes read in 120 ms instead of 530)."""
-        if ids.numel() == 0 or not self._advise:
+        if ids.numel() == 0:
             return
         rows = np.sort(ids.numpy().astype(np.int64))
         for mapping, offset, row_bytes in self._maps:
@@ -98,27 +93,6 @@ class RowStore(_Store):
             last = np.concatenate((first[1:] - 1, [rows.size - 1]))
             for lo, hi in zip(starts[first].tolist(), reach[last].tolist()):
                 mapping.madvise(mmap.MADV_WILLNEED, lo * _PAGE, (hi - lo) * _PAGE)
-
-
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        start = time.perf_counter()
-        out = super().read(ids)
-        self._observe(ids.numel(), time.perf_counter() - start)
-        return out
-
-    def _observe(self, rows: int, seconds: float) -> None:
-        """Whether `will_need` is worth its calls (one madvise per run of pages, ~1 us each): off
-        after `_FAST_READS` reads in a row at page-cache speed (the rows were in memory, so asking
-        for them only cost), on again at the first read at disk speed."""
-        if rows < 64:  # too few to judge
-            return
-        per_row = seconds / rows
-        if per_row > _SLOW_ROW_S:
-            self._advise, self._fast_reads = True, 0
-        elif per_row < _FAST_ROW_S:
-            self._fast_reads += 1
-            if self._fast_reads >= _FAST_READS:
-                self._advise = False
 
 
 class HostStore(_Store):

@@ -169,26 +169,3 @@ def test_will_need_asks_for_exactly_the_rows_pages_in_disjoint_runs(cols, tmp_pa
     assert len(got) == len(set(got)), "runs overlap"
     runs = sorted((min(r), max(r)) for r in advice.pages)
     assert all(b[0] > a[1] + 1 for a, b in zip(runs, runs[1:])), f"touching runs not merged: {runs}"
-
-
-def test_will_need_stops_while_reads_run_at_page_cache_speed_and_resumes_at_disk_speed(tmp_path):
-    """Asking the OS for rows costs a call per run of pages: after 8 reads in a row at memory
-    speed it is skipped, and the first read at disk speed turns it back on."""
-    store = RowStore(str(tmp_path / "s"), 10_000, 16, {})
-    advice = _Advice()
-    store._maps = [(advice, store._maps[0][1], 64)]
-    ids = torch.arange(0, 10_000, 97)
-    for _ in range(7):
-        store._observe(1000, 1000 * 0.5e-6)
-    store.will_need(ids)
-    assert advice.pages, "still asking after 7 fast reads"
-    store._observe(1000, 1000 * 0.5e-6)  # the 8th
-    advice.pages.clear()
-    store.will_need(ids)
-    assert not advice.pages, "asked after 8 fast reads"
-    store._observe(10, 10 * 50e-6)  # too few rows to judge
-    store.will_need(ids)
-    assert not advice.pages
-    store._observe(1000, 1000 * 20e-6)  # from disk
-    store.will_need(ids)
-    assert advice.pages, "not asking again after a read at disk speed"

@@ -32,6 +32,7 @@ from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.compare import full_value
 from tests.modular.ebc_cases import global_batch, placements_for
+from tests.modular.mc.beside_reference import train_beside_reference
 
 ZCH = 40
 HASH = 2**40
@@ -198,21 +199,8 @@ def test_bad_plans_and_bad_ids_are_refused_on_every_rank() -> None:
 
 
 def _steps(model: Model, ref: Model, opt, ref_opt, world: int, rank: int, steps: range) -> None:
-    for step in steps:
-        batches = [_raw_batch(step, r) for r in range(world)]
-        strides = [b.stride() for b in batches]
-        before = sum(strides[:rank])
-        probe = torch.randn(sum(strides), 16, generator=torch.Generator().manual_seed(step))
-        if model is not None:
-            pooled, _ = model.mc(batches[rank])
-            (pooled.values() * probe[before: before + strides[rank]]).sum().backward()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad()
-        ref_pooled, _ = ref.mc(global_batch(batches))
-        ((ref_pooled.values() * probe).sum() / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_beside_reference(model, ref, opt, ref_opt, batch_of=_raw_batch, width=16, world=world,
+                           rank=rank, steps=steps)  # fmt: skip
 
 
 def _sharded(kind: str) -> tuple[Model, object]:

@@ -14,7 +14,8 @@ import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.compare import full_value
-from tests.modular.ebc_cases import global_batch, placements_for
+from tests.modular.ebc_cases import placements_for
+from tests.modular.mc.beside_reference import train_beside_reference
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 3, 30), "t_b": ("lru", 1, 20)}
@@ -37,21 +38,8 @@ def _train(model, ref: nn.Module, world: int, rank: int, steps: range) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     params = list(modular.local_parameters(model)) if model is not None else []
     opt = torch.optim.SGD(params, lr=LR) if params else None
-    for step in steps:
-        batches = [_batch(step, r) for r in range(world)]
-        strides = [b.stride() for b in batches]
-        before = sum(strides[:rank])
-        probe = torch.randn(sum(strides), 12, generator=torch.Generator().manual_seed(step))
-        if model is not None:
-            pooled, _ = model.mc(batches[rank])
-            (pooled.values() * probe[before: before + strides[rank]]).sum().backward()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad()
-        ref_pooled, _ = ref.mc(global_batch(batches))
-        ((ref_pooled.values() * probe).sum() / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_beside_reference(model, ref, opt, ref_opt, batch_of=_batch, width=12, world=world,
+                           rank=rank, steps=steps)  # fmt: skip
 
 
 def _sharded(kind: str) -> nn.Module:

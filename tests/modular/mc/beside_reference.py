@@ -1,0 +1,37 @@
+"""Training a sharded managed-collision model beside torchrec's unsharded one on the global
+batch (tests/modular/test_managed_collisions.py, tests/modular/mc/test_split_checkpoint.py)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.modular.ebc_cases import global_batch
+
+
+def train_beside_reference(
+    model: Optional[nn.Module], ref: nn.Module, opt, ref_opt, *, batch_of: Callable[[int, int], KeyedJaggedTensor],
+    width: int, world: int, rank: int, steps: range,
+) -> None:  # fmt: skip
+    """`steps` of `model.mc` on this rank's batch (`batch_of(step, rank)`; None: the reference
+    alone) and of `ref.mc` on every rank's batch in rank order, each loss the pooled outputs
+    times one seeded probe of `width` columns (the reference's mean over ranks), then each
+    optimizer's step (`opt` None: the model's tables are fused)."""
+    for step in steps:
+        batches = [batch_of(step, r) for r in range(world)]
+        strides = [b.stride() for b in batches]
+        before = sum(strides[:rank])
+        probe = torch.randn(sum(strides), width, generator=torch.Generator().manual_seed(step))
+        if model is not None:
+            pooled, _ = model.mc(batches[rank])
+            (pooled.values() * probe[before: before + strides[rank]]).sum().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+        ref_pooled, _ = ref.mc(global_batch(batches))
+        ((ref_pooled.values() * probe).sum() / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()

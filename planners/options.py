@@ -118,20 +118,17 @@ class Candidates(NamedTuple):
         explicit = [(float(self.total[i, j]), j) for j in np.flatnonzero(self.valid[i])
                     if self.columns[j][0] is not _T.DATA_PARALLEL]  # fmt: skip
         explicit.sort()
-        one = np.array([i])
-        k, ks = int(rw.lo[i]), int(rw.hi[i])
-        pos = 0
-        while pos < len(explicit) or k <= ks:
-            if k <= ks and not rw.fits(one, np.array([k]))[0]:
-                k += 1
-                continue
-            rw_total = float(rw.total(one, np.array([k]))[0]) if k <= ks else np.inf
-            if pos < len(explicit) and explicit[pos][0] <= rw_total:
-                yield self.columns[explicit[pos][1]]
-                pos += 1
-            else:
+        pos, k0, hi = 0, int(rw.lo[i]), int(rw.hi[i])
+        while k0 <= hi:  # the row-wise counts that fit, in order, merged with the explicit ones
+            ks, fits, totals = rw.chunk(i, k0)
+            for k, rw_total in zip(ks[fits].tolist(), totals[fits].tolist()):
+                while pos < len(explicit) and explicit[pos][0] <= rw_total:
+                    yield self.columns[explicit[pos][1]]
+                    pos += 1
                 yield (_T.ROW_WISE, k)
-                k += 1
+            k0 += len(ks)
+        for _, j in explicit[pos:]:
+            yield self.columns[j]
 
     def smallest_memory(self, i: int, *, allowed_only: bool) -> float:
         """The fewest bytes a largest shard of table i needs, over its allowed candidates

@@ -21,7 +21,7 @@ less such holes, which `_next_valid` steps over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -56,6 +56,12 @@ class RowWise:
     hi: np.ndarray
     a: np.ndarray  # the largest shard costs about a + b * rows (a guess; answers are exact)
     b: np.ndarray
+    # `chunk`'s answers, by (table, first k): a search asks for the same table's first row-wise
+    # candidates many times (planners/search.py's retries), each a full price (Note [row-wise
+    # candidates in closed form] prices them exactly, one numpy call per question).
+    _chunks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    CHUNK = 16  # row-wise shard counts priced together by `chunk`
 
     @classmethod
     def of(cls, t: TableArrays, model: CostModel, constraints: Sequence[TableConstraint | None],
@@ -112,6 +118,20 @@ class RowWise:
 
     def fits(self, idx: np.ndarray, k: np.ndarray) -> np.ndarray:
         return self.memory(idx, k) <= self.capacity
+
+    def chunk(self, i: int, k0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Table i's shard counts k0 .. k0 + CHUNK - 1 (at most `hi[i]`), whether each fits, and
+        each one's `total`: one vectorised price, kept (a few MiB at most: CHUNK counts a table,
+        and only the first chunks a search reaches)."""
+        key = (i, k0)
+        got = self._chunks.get(key)
+        if got is None:
+            if len(self._chunks) > 1 << 18:
+                self._chunks.clear()
+            ks = np.arange(k0, min(k0 + self.CHUNK, int(self.hi[i]) + 1), dtype=np.int64)
+            idx = np.full(len(ks), i)
+            got = self._chunks[key] = (ks, self.fits(idx, ks), self.total(idx, ks))
+        return got
 
     # -- the valid range ---------------------------------------------------------------------
 

@@ -85,6 +85,16 @@ def shard_sizes(table: Table, kind: ShardingType, k: int) -> tuple[int, ...]:
     return ()
 
 
+def largest_shard(table: Table, kind: ShardingType, k: int) -> int:
+    """`max(shard_sizes(table, kind, k))` without the sizes (even splits: the first is largest)."""
+    if kind is _T.COLUMN_WISE:
+        unit = column_unit(table.embedding_dim)
+        return unit * -(-(table.embedding_dim // unit) // k)
+    if kind in (_T.ROW_WISE, _T.TABLE_ROW_WISE):
+        return -(-table.num_embeddings // k)
+    return table.embedding_dim
+
+
 def _room_everywhere(p: Problem, s: State, extra: float) -> bool:
     """Whether every rank has room for `extra` more bytes (a data-parallel copy, or low-precision
     copies)."""
@@ -288,13 +298,16 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
                 least.touched(r)
                 continue
         ranks = None
+        lowest = float(s.mem.min())  # the rank with the most room
         for kind, k in _tries(c, i, picked[i]):
             if kind is _T.DATA_PARALLEL:
                 continue  # a data-parallel copy that did not fit above
             f = p.prices.affine(i, kind, k)
+            extra = p.prices.everywhere(i, kind, k)
+            if lowest + extra + (f.am + f.bm * largest_shard(p.tables[i], kind, k)) > p.capacity:
+                continue  # no rank has room for its largest shard: _choose_ranks would say so
             sizes = list(shard_sizes(p.tables[i], kind, k))
             mems = [f.am + f.bm * x for x in sizes]
-            extra = p.prices.everywhere(i, kind, k)
             ranks = _choose_ranks(p, s, i, kind, mems, by_memory, extra)
             if ranks is not None:
                 break

@@ -129,3 +129,46 @@ def test_closed_form_matches_every_shard_count_priced(tables, topology, comm, co
         for i in rows:
             j, k = codes[want[i]]
             assert c.option(int(got[i])) == (c.columns[j] if k is None else (T.ROW_WISE, int(k)))
+
+
+def _by_total_one_k_at_a_time(c, i):
+    """`Candidates.by_total` as it was written before its row-wise prices were vectorised and
+    kept: one price per shard count, merged with the explicit candidates by total."""
+    rw = c.row_wise
+    explicit = sorted((float(c.total[i, j]), j) for j in np.flatnonzero(c.valid[i])
+                      if c.columns[j][0] is not T.DATA_PARALLEL)  # fmt: skip
+    one, k, ks, pos = np.array([i]), int(rw.lo[i]), int(rw.hi[i]), 0
+    while pos < len(explicit) or k <= ks:
+        if k <= ks and not rw.fits(one, np.array([k]))[0]:
+            k += 1
+            continue
+        rw_total = float(rw.total(one, np.array([k]))[0]) if k <= ks else np.inf
+        if pos < len(explicit) and explicit[pos][0] <= rw_total:
+            yield c.columns[explicit[pos][1]]
+            pos += 1
+        else:
+            yield (T.ROW_WISE, k)
+            k += 1
+
+
+@pytest.mark.parametrize("tables,topology,comm,cons,batch", list(_cases()))
+def test_candidates_by_total_in_the_same_order_as_priced_one_at_a_time(tables, topology, comm, cons, batch):
+    model = CostModel(topology, batch, comm_dtype=comm)
+    constraints = [cons.get(t.name) for t in tables]
+    capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(tables))
+    c = enumerate_candidates(tables, model, constraints, capacity)
+    for i in range(len(tables)):
+        want = list(_by_total_one_k_at_a_time(c, i))
+        assert list(c.by_total(i)) == want, tables[i].name
+        assert list(c.by_total(i)) == want  # again, from the kept prices
+
+
+def test_largest_shard_is_the_largest_of_the_shard_sizes():
+    from planners.search import largest_shard, shard_sizes
+
+    for table in [Table("a", 1000, 64), Table("b", 7, 12), Table("c", 10**6 + 3, 256), Table("d", 33, 4)]:
+        for kind in (T.TABLE_WISE, T.COLUMN_WISE, T.ROW_WISE, T.TABLE_ROW_WISE):
+            for k in range(1, 12):
+                if kind is T.COLUMN_WISE and k > table.embedding_dim // 4:
+                    continue
+                assert largest_shard(table, kind, k) == max(shard_sizes(table, kind, k)), (table.name, kind, k)

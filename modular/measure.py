@@ -18,11 +18,11 @@ import statistics
 import time
 from typing import Callable
 
-from planners.calibration import FAMILIES, Calibration, KernelRate
+from modular.measure_probes import PLANNER_OPTIMIZER, PROBES, RATE_KEYS, SPREAD, SPREAD_QUICK, probe_plan, spread
+from planners.calibration import DATA_PARALLEL, Calibration, KernelRate
 
 __all__ = ["calibrate", "main"]
 
-ROWS = 50_000  # rows of a probe's tables: larger than the caches (3 to 25 MiB)
 A2A_BYTES = (256, 1 << 20, 8 << 20)  # to each peer: up to a step's bags
 ALL_REDUCE_BYTES = (1024, 4 << 20, 16 << 20)
 OPTIMIZER = {"fused": "exact_rowwise_adagrad", "emulated": "adam"}  # "dense": torch SGD
@@ -151,32 +151,6 @@ def _fixed(rank: int, world: int, quick: bool) -> tuple[float, float]:
     return step_fixed, max(both - step_fixed, 0.0)
 
 
-# Probe steps: (family, kind, tables per rank, rows, dim, ids per bag, bags). Each family's
-# rates are fitted on its own probes, the fixed part and the routing per id on all of them.
-PROBES = (
-    ("fused", "tw", 1, ROWS, 16, 4, 512), ("fused", "tw", 1, ROWS, 128, 16, 1024),
-    ("fused", "rw", 2, ROWS, 64, 8, 1024), ("fused", "cw", 2, ROWS, 64, 4, 2048),
-    ("fused", "rw", 1, ROWS, 32, 1, 4096), ("fused", "tw", 2, ROWS, 64, 32, 256),
-    ("fused", "dp", 2, ROWS, 32, 8, 1024), ("fused", "tw", 1, ROWS, 32, 2, 64),
-    ("emulated", "tw", 1, ROWS, 64, 8, 1024), ("emulated", "rw", 2, ROWS, 16, 16, 512),
-    ("emulated", "tw", 1, ROWS, 128, 2, 2048), ("emulated", "rw", 1, ROWS, 128, 8, 512),
-    ("dense", "tw", 1, ROWS, 64, 8, 1024), ("dense", "tw", 1, 4 * ROWS, 64, 8, 1024),
-    ("dense", "rw", 2, ROWS, 16, 16, 512), ("dense", "tw", 1, ROWS, 128, 2, 2048),
-)  # fmt: skip
-PLANNER_OPTIMIZER = {"fused": "rowwise_adagrad", "emulated": "adam", "dense": "unfused_sgd"}
-
-
-def _probe_plan(kind: str, tables: int, world: int) -> dict:
-    from planners.types import ShardingType, TablePlacement
-
-    every = tuple(range(world))
-    full = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "dp": "data_parallel"}
-    return {f"t{i}": TablePlacement(ShardingType.TABLE_WISE, ranks=(i % world,)) if kind == "tw"
-            else TablePlacement(ShardingType.DATA_PARALLEL) if kind == "dp"
-            else TablePlacement(ShardingType.parse(full[kind]), ranks=every)
-            for i in range(tables)}  # fmt: skip
-
-
 def _features(family: str, kind: str, n: int, rows: int, dim: int, pooling: int, bags: int,
               world: int, comm: Calibration) -> tuple[list[float], float]:  # fmt: skip
     """A probe's slowest rank as the cost model sees it: the seconds each unknown constant
@@ -189,9 +163,9 @@ def _features(family: str, kind: str, n: int, rows: int, dim: int, pooling: int,
 
     names = [f"t{i}" for i in range(n)]
     tables = [planners.Table(t, rows, dim, features=(t,), pooling_factor=pooling) for t in names]
-    plan = ShardingPlan(world_size=world, modules={"": _probe_plan(kind, n, world)})
+    plan = ShardingPlan(world_size=world, modules={"": probe_plan(kind, n, world)})
     zero = KernelRate(0.0, 0.0, 0.0)
-    quiet = dataclasses.replace(comm, kernels={f: zero for f in FAMILIES}, step_fixed=0.0,
+    quiet = dataclasses.replace(comm, kernels={f: zero for f in RATE_KEYS}, step_fixed=0.0,
                                 kernel_fixed=0.0, sent_id=0.0)  # fmt: skip
     fast = dataclasses.replace(quiet, all_to_all_bandwidth=1e30, all_reduce_bandwidth=1e30,
                                all_to_all_latency=0.0, all_reduce_latency=0.0)  # fmt: skip
@@ -203,7 +177,8 @@ def _features(family: str, kind: str, n: int, rows: int, dim: int, pooling: int,
 
     units = (KernelRate(1.0, 0.0, 0.0), KernelRate(0.0, 1.0, 0.0), KernelRate(0.0, 0.0, 1.0),
              KernelRate(0.0, 0.0, 0.0, 1.0))  # fmt: skip
-    per_rate = [slowest(dataclasses.replace(fast, kernels={**fast.kernels, family: u})) for u in units]
+    key = DATA_PARALLEL[family] if kind == "dp" else family
+    per_rate = [slowest(dataclasses.replace(fast, kernels={**fast.kernels, key: u})) for u in units]
     sent = max(fixed_seconds(plan, [("", t) for t in tables],
                              planners.Topology(world, calibration=dataclasses.replace(fast, sent_id=1.0)),
                              bags))  # fmt: skip
@@ -237,13 +212,14 @@ def _step_rates(rank: int, world: int, quick: bool, comm: Calibration,
     import torch.distributed as dist
 
     kernel_fixed = comm.kernel_fixed
-    columns: list[str] = ["step_fixed", "sent_id"] + [f"{f}.{k}" for f in FAMILIES for k in
+    columns: list[str] = ["step_fixed", "sent_id"] + [f"{f}.{k}" for f in RATE_KEYS for k in
                                                       ("per_id", "per_id_byte", "per_bag_column", "per_table_byte")]  # fmt: skip
-    a, y = [], []
-    for family, kind, per_rank, rows, dim, pooling, bags in PROBES:
+    a, y, weights = [], [], []
+    probes = PROBES + spread(SPREAD_QUICK if quick else SPREAD)
+    for j, (family, kind, per_rank, rows, dim, pooling, bags) in enumerate(probes):
         n = per_rank * (world if kind == "tw" else 1)
         names = [f"t{i}" for i in range(n)]
-        step = _model([(t, rows, dim) for t in names], family, _probe_plan(kind, n, world), world, None)
+        step = _model([(t, rows, dim) for t in names], family, probe_plan(kind, n, world), world, None)
         kjts = _batches(names, rows, bags, pooling, seed=rank)
         dist.barrier()
         measured = _slowest(_median_seconds(lambda i: step(kjts[i % len(kjts)]), 6 if quick else 20))
@@ -251,16 +227,21 @@ def _step_rates(rank: int, world: int, quick: bool, comm: Calibration,
         features, wire = _features(family, kind, n, rows, dim, pooling, bags, world, comm)
         row = [0.0] * len(columns)
         row[0], row[1] = features[0], features[1]
-        at = 2 + 4 * FAMILIES.index(family)
+        at = 2 + 4 * RATE_KEYS.index(DATA_PARALLEL[family] if kind == "dp" else family)
         row[at: at + 4] = features[2:6]
         a.append(row)
         y.append(measured - wire - kernel_fixed * features[6])
-        say(f"  probe {family} {kind} {n} x {rows:_} x {dim}, {bags} x {pooling} ids: {measured * 1e3:.1f} ms")
-    coef = _nonnegative_lstsq(np.array(a), np.array(y))
+        say(f"  probe {j + 1}/{len(probes)} {family} {kind} {n} x {rows:_} x {dim}, {bags} x {pooling} ids: "
+            f"{measured * 1e3:.1f} ms")
+        weights.append(1.0 / measured)
+    # Weighted by 1/measured: the prices are judged by their ratio to the step, so a 5 ms step's
+    # error counts as much as a 100 ms step's.
+    w = np.array(weights)[:, None]
+    coef = _nonnegative_lstsq(np.array(a) * w, np.array(y) * w[:, 0])
     c = dict(zip(columns, (float(x) for x in coef)))
     kernels = {f: KernelRate(c[f"{f}.per_id"], c[f"{f}.per_id_byte"], c[f"{f}.per_bag_column"],
-                             c[f"{f}.per_table_byte"]) for f in FAMILIES}  # fmt: skip
-    for f in FAMILIES:
+                             c[f"{f}.per_table_byte"]) for f in RATE_KEYS}  # fmt: skip
+    for f in RATE_KEYS:
         say(f"  {f}: {kernels[f]}")
     return dataclasses.replace(comm, kernels=kernels, step_fixed=c["step_fixed"], sent_id=c["sent_id"])
 
@@ -286,12 +267,12 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
         a2a_lat, a2a_bw, ar_lat, ar_bw, stream = _collectives(world, quick, say)
         _, kernel_fixed = _fixed(rank, world, quick)
         zero = KernelRate(0.0, 0.0, 0.0)
-        comm = Calibration(kernels={f: zero for f in FAMILIES}, all_to_all_latency=a2a_lat,
+        comm = Calibration(kernels={f: zero for f in RATE_KEYS}, all_to_all_latency=a2a_lat,
                            all_to_all_bandwidth=a2a_bw, all_reduce_latency=ar_lat,
                            all_reduce_bandwidth=ar_bw, stream_bandwidth=stream, step_fixed=0.0,
                            kernel_fixed=kernel_fixed, world_size=world, threads_per_rank=threads,
                            backend="gloo", device="cpu")  # fmt: skip
-        say(f"calibrate: {len(PROBES)} probe steps (~{'15' if quick else '40'} s)")
+        say(f"calibrate: {len(PROBES) + (SPREAD_QUICK if quick else SPREAD)} probe steps (~{'20' if quick else '90'} s)")
         fitted = _step_rates(rank, world, quick, comm, say)
         say(f"  fixed: {fitted.step_fixed * 1e3:.2f} ms a step, {kernel_fixed * 1e3:.2f} ms per further "
             f"kind of shard, {fitted.sent_id * 1e9:.1f} ns per id sent")

@@ -15,15 +15,21 @@ the cost model then prices each part of a step with what was measured:
   more than a streaming copy, which is what the H100 constants assume;
 - the all-to-alls (input and output dist) and the all-reduce of data-parallel gradients:
   `seconds = latency + bytes / bandwidth`, per peer for all_to_all_single;
-- a fused data-parallel copy gathers the touched rows' gradients (Note [fused data-parallel
-  copies] in modular/fused/deferred.py) and updates them for the global batch, where the H100
-  model prices an all-reduce of the whole table: calibrated, it is priced as modular runs it;
+- a data-parallel copy is priced as modular runs it, where the H100 model prices an all-reduce
+  of the whole table: a fused copy gathers the touched rows' gradients (Note [fused
+  data-parallel copies] in modular/fused/deferred.py), an unfused one the peers' ids and bag
+  gradients when its global batch has at most as many ids as it has rows (Note [dense
+  data-parallel copies] in modular/kernels/dense.py; else it all-reduces), and both run their
+  backward and update on the global batch, at rates fitted apart from the sharded tables'
+  (`DATA_PARALLEL`);
 - what a step costs beyond the kernels and the wire: a fixed part (Python, checks, the
   collectives' latencies, a kernel call), `kernel_fixed` for each further kind of shard a rank
   holds (each runs its own kernels), one all-reduce's latency for data-parallel tables, and
   the rank's own batch: routing per id it sends.
   These are fitted on probe steps of modular at the job's world size, as what the parts above
-  leave unexplained. They go into each rank's `fixed` (`RankStats.fixed`): the search places
+  leave unexplained: hand-picked corners and a seeded spread over kinds, families, widths,
+  poolings and batches, by least squares on each probe's error relative to its step (a 5 ms
+  step's error weighs as much as a 100 ms step's), every constant >= 0. They go into each rank's `fixed` (`RankStats.fixed`): the search places
   tables with the per-table parts, and the step's prediction adds them.
 The file records the machine and the date; the CLI prints both with every priced plan, and
 old files are not refused (a warning past `STALE_DAYS`).
@@ -42,14 +48,26 @@ import numpy as np
 
 from planners.types import PlanError
 
-__all__ = ["Calibration", "CalibrationError", "KernelRate", "FAMILIES", "SCHEMA", "STALE_DAYS"]
+__all__ = ["Calibration", "CalibrationError", "KernelRate", "DATA_PARALLEL", "FAMILIES", "SCHEMA", "STALE_DAYS"]
 
 SCHEMA = "modular-topology/1"
 STALE_DAYS = 30
+ID_BYTES, GRAD_BYTES = 8, 4  # a gathered id (int64) and a gradient float (fp32)
 # Kernel families, as modular chooses them (modular/fused/choice.py): fbgemm's fused CPU/GPU
 # kernels (SGD, Adagrad, row-wise Adagrad), the exact torch emulation (the Adam family, widths
 # fbgemm cannot take), and the dense kernel that a torch optimizer steps (unfused).
 FAMILIES = ("fused", "emulated", "dense")
+# A data-parallel copy of each family runs differently (it gathers the peers' rows or batches and
+# updates for the global batch), so calibrate fits its rates apart, under these names; a file
+# without them prices data-parallel copies at the family's own rates.
+DATA_PARALLEL = {f: f"{f}_dp" for f in FAMILIES}
+
+
+def replays(world: int, ids: Any, rows: Any) -> Any:
+    """Whether an unfused data-parallel copy replays the global batch (its ids x columns at most
+    the table's rows x columns: modular's `replay_pays` at its default ratio of 1) instead of
+    all-reducing its gradient."""
+    return world * ids <= rows
 
 
 class CalibrationError(PlanError):
@@ -121,22 +139,44 @@ class Calibration:
                 raise CalibrationError(f"{self._where}{name} must be a number >= 0, got {value!r}")
 
     def lookup_seconds(self, family: Any, data_parallel: bool, fused: bool, rows: Any,
-                       row_bytes: Any, ids: Any, bag_columns: Any, work: Any, base: Any) -> Any:  # fmt: skip
+                       row_bytes: Any, ids: Any, bag_columns: Any, work: Any, base: Any,
+                       world: int = 1) -> Any:  # fmt: skip
         """A shard's lookup at the measured rate of its kernel family (`FAMILIES` index per
         entry, planners/cost.py's `CostModel.family`); what a kind adds beyond one pass (a column
         piece's second backward, the other replica groups' batches: `work` over `base` bytes)
-        scales it as it scales the bytes, and an unfused data-parallel copy's whole-table step
-        (the bytes beyond the ids' rows) streams at the measured copy rate. A fused copy updates
-        the rows the global batch touched, a sparse step priced within its own ids' rate."""
+        scales it as it scales the bytes. A data-parallel copy runs its backward and update on
+        the global batch where modular gathers it (a fused copy's touched rows; an unfused copy
+        that replays, `replays`), and an unfused copy's whole-table step (the bytes beyond the
+        ids' rows) streams at the measured copy rate."""
+        if data_parallel:
+            whole = fused | replays(world, ids, rows)
+            ids = np.where(whole, ids * (1 + world) / 2, ids)  # forward: its own ids
         seconds = 0.0 * rows * row_bytes
         for f, name in enumerate(FAMILIES):
-            here = self.kernels[name].seconds(ids, row_bytes, bag_columns, rows * row_bytes)
+            rate = self.kernels.get(DATA_PARALLEL[name], self.kernels[name]) if data_parallel else self.kernels[name]
+            here = rate.seconds(ids, row_bytes, bag_columns, rows * row_bytes)
             seconds = np.where(family == f, here, seconds)
         if data_parallel and fused:
             return seconds
         if data_parallel:
             return seconds + np.maximum(work - base, 0.0) / self.stream_bandwidth
         return seconds * np.where(base > 0, work / np.maximum(base, 1e-30), 1.0)
+
+    def data_parallel_sync(self, fused: bool, world: int, rows: Any, cols: Any, elem: Any, ids: Any,
+                           bags: Any) -> Any:  # fmt: skip
+        """Seconds a data-parallel copy's gradient takes to agree across ranks, as modular does
+        it: a fused copy gathers each rank's touched rows (int64 id + fp32 gradient row; Note
+        [fused data-parallel copies] in modular/fused/deferred.py); an unfused one gathers the
+        peers' ids and bag gradients when replaying them is cheaper than an all-reduce of its
+        gradient (`replays`, Note [dense data-parallel copies] in modular/kernels/dense.py), and
+        all-reduces the gradient otherwise."""
+        if fused:
+            touched = rows * -np.expm1(-ids / np.maximum(rows, 1))
+            return self.all_to_all_latency + (world - 1) * touched * (ID_BYTES + cols * GRAD_BYTES) / self.all_to_all_bandwidth
+        gathered = (world - 1) * (ids * ID_BYTES + bags * cols * GRAD_BYTES)
+        replay = self.all_to_all_latency + gathered / self.all_to_all_bandwidth
+        reduce = self.all_reduce_latency + rows * cols * elem / self.all_reduce_bandwidth
+        return np.where(replays(world, ids, rows), replay, reduce)
 
     @property
     def _where(self) -> str:

@@ -391,14 +391,9 @@ class CostModel:
             buffers = self.gather_buffer_bytes(t, cols) + zero
             memory = memory + buffers
             cal = topo.calibration
-            if world > 1 and cal is not None and self.optimizer.fused:
-                # Note [calibrated prices]: a fused copy gathers each rank's touched rows (int64
-                # id + fp32 gradient row) from the others (Note [fused data-parallel copies])
-                touched = t.rows * -np.expm1(-ids_in / t.rows)
-                gathered = (world - 1) * touched * (ROW_ID_BYTES + cols * OUTPUT_BYTES)
-                grad_sync = cal.all_to_all_latency + gathered / cal.all_to_all_bandwidth + zero
-            elif world > 1 and cal is not None:  # measured (Note [calibrated prices])
-                grad_sync = rows * cols * t.elem / cal.all_reduce_bandwidth + zero
+            if world > 1 and cal is not None:  # as modular runs it (Note [calibrated prices])
+                grad_sync = cal.data_parallel_sync(self.optimizer.fused, world, rows, cols, t.elem,
+                                                   ids_in, bags_out) + zero  # fmt: skip
             elif world > 1:
                 ring_bw = topo.cross_host_bandwidth if world > host else topo.intra_host_bandwidth
                 grad_sync = 2 * (world - 1) / world * rows * cols * t.elem / ring_bw + zero
@@ -438,7 +433,7 @@ class CostModel:
         else:
             lookup = topo.calibration.lookup_seconds(  # Note [calibrated prices]
                 self.family(cols), kind is ShardingType.DATA_PARALLEL, self.optimizer.fused, rows,
-                cols * t.elem, ids_in, bags_out * out_cols, fwd + bwd, base_bytes) + zero
+                cols * t.elem, ids_in, bags_out * out_cols, fwd + bwd, base_bytes, world) + zero
         # Note [pricing tiered tables]: a tiered shard holds a cache, not its rows (never a
         # data-parallel copy, which modular refuses to tier)
         factor = t.cache if kind is not ShardingType.DATA_PARALLEL else 0.0 * t.cache

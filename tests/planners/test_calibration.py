@@ -107,6 +107,38 @@ def test_fixed_costs_count_kinds_of_shards_and_data_parallel_tables() -> None:
     assert stats.lower_bound >= min(r.fixed for r in stats.ranks)
 
 
+def _dp_stats(cal: Calibration, rows: int, optimizer: str):
+    tables = [planners.Table("t0", rows, 64, features=("f0",), pooling_factor=10)]
+    plan = ShardingPlan(world_size=2, modules={"": {"t0": TablePlacement(ShardingType.DATA_PARALLEL)}})
+    return planners.plan_stats(plan, tables, planners.Topology(2, calibration=cal), batch_size=100,
+                               optimizer=optimizer).ranks[0]  # fmt: skip
+
+
+def test_data_parallel_copies_are_priced_as_modular_runs_them() -> None:
+    """Note [dense data-parallel copies]: an unfused copy whose global batch has at most as many
+    ids as its table has rows replays the peers' ids and bag gradients (an all-to-all's worth),
+    else all-reduces its gradient; its backward then runs on the global batch. A fused copy
+    gathers touched rows. A file's `*_dp` rates price data-parallel copies; without them, the
+    family's own."""
+    cal = _calibration()
+    ids, bags = 100 * 10, 100  # one rank's batch of t0
+    replay = _dp_stats(cal, 10_000, "unfused_sgd")  # 2 x 1,000 ids <= 10,000 rows
+    assert replay.grad_sync == pytest.approx(200e-6 + (ids * 8 + bags * 64 * 4) / 1e9, rel=1e-9)
+    reduce = _dp_stats(cal, 1_000, "unfused_sgd")  # 2,000 ids > 1,000 rows
+    assert reduce.grad_sync == pytest.approx(300e-6 + 1_000 * 64 * 4 / 1e9, rel=1e-9)
+    rate = RATES["dense"]
+    whole = rate.seconds(1.5 * ids, 64 * 4, bags * 64, 10_000 * 64 * 4)  # forward alone, backward global
+    assert replay.lookup > whole  # and the whole-table step at the copy rate
+    assert reduce.lookup >= rate.seconds(ids, 64 * 4, bags * 64, 1_000 * 64 * 4)
+    touched = 10_000 * -math.expm1(-ids / 10_000)
+    fused = _dp_stats(cal, 10_000, "rowwise_adagrad")
+    assert fused.grad_sync == pytest.approx(200e-6 + touched * (8 + 64 * 4) / 1e9, rel=1e-9)
+    assert fused.lookup == pytest.approx(RATES["fused"].seconds(1.5 * ids, 64 * 4, bags * 64, 10_000 * 64 * 4), rel=1e-9)
+    own = KernelRate(per_id=1e-6, per_id_byte=0.0, per_bag_column=0.0)
+    apart = _dp_stats(_calibration(kernels={**RATES, "fused_dp": own}), 10_000, "rowwise_adagrad")
+    assert apart.lookup == pytest.approx(own.seconds(1.5 * ids, 0, 0, 0), rel=1e-9)
+
+
 def test_uncalibrated_prices_do_not_change() -> None:
     plain = planners.plan_stats(_tw_plan(), _tables(), planners.Topology(2), batch_size=100)
     assert all(r.fixed == 0 for r in plain.ranks)

@@ -199,19 +199,27 @@ class ShardedMCHModule(nn.Module):
         by_count = torch.argsort(counts, descending=True, stable=True)
         ids, counts, access = unique[by_count], counts[by_count], access[by_count]
         pos = self._shard.find(ids)
-        slots = torch.where(pos >= 0, self._shard.slots[pos.clamp(min=0)], -1) if pos.numel() else pos
-        all_reduce(slots, group=self._group, what="a managed-collision match", op=dist.ReduceOp.MAX)
         mine = pos >= 0
         self._shard.update_matched(pos[mine], counts[mine], access[mine])
         self._sentinel["counts"].fill_(MAX)
         self._sentinel["last_access_iter"].fill_(self._current_iter)
+        # One gather carries the match (this rank's slot of each id, or -1) and this rank's u
+        # lowest entries (u: the interval's ids, at least the new ones): a superset of the
+        # candidates `decide` needs (Note [sharded managed collisions]).
+        u, bound = ids.numel(), min(ids.numel(), self._most_slots)
+        scores = self._shard.scores(self._current_iter)
+        lowest = self._shard.lowest(u, scores)
+        sent = torch.full((max(u + 3 * bound, 1),), -1, dtype=torch.int64)  # gloo: a non-empty piece
+        sent[:u] = torch.where(mine, self._shard.slots[pos.clamp(min=0)], -1) if u else pos
+        sent[u : u + 3 * lowest.numel()] = torch.stack(
+            [self._shard.slots[lowest], self._shard.raw[lowest], as_bits(scores[lowest])], 1).view(-1)  # fmt: skip
+        got = all_gather(sent, group=self._group, world=self._world,
+                         what="a managed-collision match and lowest entries").view(self._world, -1)  # fmt: skip
+        slots = got[:, :u].amax(0)
+        rows = got[:, u : u + 3 * bound].reshape(-1, 3)
+        rows = rows[rows[:, 0] >= 0]
         new = slots < 0
         new_ids, new_counts, new_access = ids[new], counts[new], access[new]
-        scores = self._shard.scores(self._current_iter)
-        lowest = self._shard.lowest(new_ids.numel(), scores)
-        mine_rows = torch.stack([self._shard.slots[lowest], self._shard.raw[lowest], as_bits(scores[lowest])], 1)
-        rows = gather_rows(mine_rows, bound=min(new_ids.numel(), self._most_slots), group=self._group,
-                           world=self._world, what="a managed-collision table's lowest entries")  # fmt: skip
         new_scores = self._scoring.scores(self._current_iter, new_counts, new_access)
         evicted, selected = decide(from_bits(rows[:, 2], scores), rows[:, 1], rows[:, 0], new_scores)
         self._shard.assign(evicted, new_ids[selected], new_counts[selected], new_access[selected], lowest)

@@ -75,17 +75,15 @@ class SlotShard:
         # A threshold from a strided sample, a little above the k-th lowest's expected place,
         # usually leaves a few k entries below it (select among those) or makes it the k-th
         # lowest itself (ties); the full selection is the fallback. Exact whatever the sample.
-        sample = scores[:: max(1, scores.numel() // (8 * k + 1024))]
-        t = torch.kthvalue(sample, min(sample.numel(), -(-5 * k * sample.numel() // (4 * scores.numel())) + 4)).values
-        less = scores < t
-        under = int(less.sum())
-        if under >= k:
-            where = less.nonzero().view(-1)
+        sample = scores[:: max(1, scores.numel() // 8192)]
+        t = torch.kthvalue(sample, min(sample.numel(), -(-5 * k * sample.numel() // (4 * scores.numel())) + 16)).values
+        where = (scores < t).nonzero().view(-1)
+        if where.numel() >= k:
             sub = scores[where]
             kth = torch.kthvalue(sub, k).values
             below, tied = where[sub < kth], where[sub == kth]
-        elif under + int((equal := scores == t).sum()) >= k:
-            below, tied = less.nonzero().view(-1), equal.nonzero().view(-1)
+        elif (tied := _last_equal(scores, t, k - where.numel())) is not None:  # t is the k-th lowest
+            below = where
         else:
             kth = torch.kthvalue(scores, k).values
             below, tied = (scores < kth).nonzero().view(-1), (scores == kth).nonzero().view(-1)
@@ -145,3 +143,19 @@ class SlotShard:
             self.counts = self.counts[order]
         if self.access is not None:
             self.access = self.access[order]
+
+
+def _last_equal(scores: torch.Tensor, value: torch.Tensor, need: int) -> Optional[torch.Tensor]:
+    """Ascending positions of the last `need` entries equal to `value`, or None if fewer are: a
+    search from the end in growing windows (the entries of a common low score, e.g. empty
+    slots, are many, and only the last are wanted)."""
+    n = scores.numel()
+    width = min(n, max(4 * need, 4096))
+    while True:
+        start = n - width
+        hits = (scores[start:] == value).nonzero().view(-1)
+        if hits.numel() >= need:
+            return hits[hits.numel() - need :] + start
+        if start == 0:
+            return None
+        width = min(n, 8 * width)

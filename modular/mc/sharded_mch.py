@@ -23,22 +23,26 @@ that is either this rank's or small and gathered:
   first global batch) would cut the global batch, which per-feature counts gathered from every
   rank locate; at the interval, each rank's unique ids, counts and last access are gathered and
   merged, so every rank holds the interval's global unique ids (batch-sized, replicated).
-- matching: each rank finds the ids its slots hold and updates their metadata; an all_reduce
-  tells every rank which ids are new (in torchrec's frequency order).
-- eviction: torchrec drops the `n` lowest of (table entries, new ids) under a stable
-  descending sort; each rank scores its entries with torchrec's own ops and sends its `n`
-  lowest; every rank runs `decide` (modular/mc/eviction.py) on those and the new ids and gets
-  torchrec's evicted slots and their new ids, paired as torchrec pairs them.
+- matching and eviction, one gather: each rank finds the interval's `u` ids among its slots,
+  updates their metadata, scores its entries with torchrec's own ops and sends, for every id,
+  its slot or -1 together with its `u` lowest entries. The max over ranks tells every rank
+  which ids are new (`n <= u` of them, in torchrec's frequency order). torchrec drops the `n`
+  lowest of (table entries, new ids) under a stable descending sort; a rank's share of those is
+  among its `n` lowest, so among its `u`, and a subset kept in torchrec's relative order drops
+  the same entries in the same order. Every rank runs `decide` (modular/mc/eviction.py) on the
+  gathered entries and the new ids and gets torchrec's evicted slots and their new ids, paired
+  as torchrec pairs them.
 - remap: after an eviction whose history kept the whole batch, every rank already holds the
-  slot of each of the interval's ids (the match's all_reduce carries slots, the decision
-  patches them); otherwise each rank gathers the ranks' unique ids, looks up those its slots
-  hold, and an all_reduce (max) gives every rank each id's slot.
+  slot of each of the interval's ids (the match carries slots, the decision patches them);
+  otherwise each rank gathers the ranks' unique ids, looks up those its slots hold, and an
+  all_reduce (max) gives every rank each id's slot.
 What it costs per table and call: the collection's id check gathers every rank's id count per
 feature with it (one small all_gather for the whole collection, which also sizes every later
-gather, so each is one collective); a call that evicts adds three collectives (the interval's
-unique ids, the match, the lowest entries) and needs no remap lookup; any other call, two. Per
-interval each rank does O(its slots) work: a selection (`kthvalue`) for its lowest entries
-and a merge for the new ids, not a sort.
+gather, so each is one collective); a call that evicts adds two collectives (the interval's
+unique ids; the match with the lowest entries) and needs no remap lookup; any other call, two.
+Per interval each rank does O(its slots) work, a few passes: the scores, a selection of its
+lowest entries below a threshold from a sample (`SlotShard.lowest`) and, on a rank whose slots
+were evicted, a merge for the new ids (one gather index, `SlotShard.assign`), not a sort.
 Collective bytes scale with the global batch, not the table; state per rank is its share of
 torchrec's, plus the interval's history of its own ids. Like torchrec's unsharded module, an
 evicted slot's embedding row and optimizer state stay as they were (`evict()` still reports

@@ -16,6 +16,8 @@ from modular.mc.eviction import MAX, Scoring
 
 __all__ = ["SlotShard"]
 
+RUN = 32_768  # merged positions under one shift that assign copies as a slice, not a gather
+
 
 class SlotShard:
     """The entries of slots [lo, hi) of one table, sorted by (raw id, slot)."""
@@ -103,31 +105,66 @@ class SlotShard:
         new_ids = ids[mine]
         order = torch.argsort(new_ids)
         new = [new_ids[order], slots[mine][order], counts[mine][order], access[mine][order]]
-        src, at_new = self._merge_order(torch.sort(evicted).values, new[0])
+        pieces, at_new = self._merge_order(torch.sort(evicted).values, new[0])
         for name, fresh in zip(("raw", "slots", "counts", "access"), new):
             old = getattr(self, name)
-            if old is not None:
-                merged = torch.gather(old, 0, src)
-                merged[at_new] = fresh.to(old.dtype)
-                setattr(self, name, merged)
+            if old is None:
+                continue
+            if len(pieces) == 1 and isinstance(pieces[0][2], torch.Tensor):
+                merged = torch.gather(old, 0, pieces[0][2])
+            else:
+                merged = torch.empty_like(old)
+                for a, b, src in pieces:
+                    if isinstance(src, int):  # one shift: a copy
+                        merged[a:b] = old[a + src : b + src]
+                    else:
+                        torch.gather(old, 0, src, out=merged[a:b])
+            merged[at_new] = fresh.to(old.dtype)
+            setattr(self, name, merged)
 
-    def _merge_order(self, gone: torch.Tensor, new_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _merge_order(self, gone: torch.Tensor, new_raw: torch.Tensor) -> tuple[list, torch.Tensor]:
         """For the entries with the sorted positions `gone` replaced by as many sorted new raw ids
-        (held by no entry): each merged position's old position (any where a new id goes), and
-        the new ids' merged positions. O(entries) in three passes, O(new ids log) besides."""
+        (held by no entry): where each merged position's entry was, as pieces (start, stop, src)
+        in order, src the old positions of [start, stop) (any where a new id goes) or, for a run
+        of at least RUN positions under one shift (e.g. the empty slots past the new ids while
+        the table fills), that shift; and the new ids' merged positions. O(new ids log), and
+        O(merged positions) outside the runs."""
         n, m = self.raw.numel(), gone.numel()
         before = torch.searchsorted(self.raw, new_raw)  # entries below each new id
         at_new = before - torch.searchsorted(gone, before) + torch.arange(m)
         # A kept entry's old position is its merged position, plus the evicted entries before
-        # it, less the new ids before it: a step function whose steps are placed here.
-        steps = torch.zeros(n + 1, dtype=torch.int64)
+        # it, less the new ids before it: a step function, +1 at the first kept entry past each
+        # evicted one, -1 past each new id.
         kept_after = gone - torch.arange(m)  # the kept index of the first kept entry past each
         at_kept = kept_after + torch.searchsorted(at_new - torch.arange(m), kept_after, right=True)
-        steps.index_add_(0, at_kept, torch.ones_like(at_kept))
-        steps.index_add_(0, at_new, torch.full_like(at_new, -1))
-        src = torch.arange(n) + steps[:n].cumsum(0)
-        src[at_new] = 0
-        return src, at_new
+        runs = []
+        ends = torch.cat([torch.tensor([0]), at_new, torch.tensor([n])])
+        if int((ends[1:] - ends[:-1]).max()) > RUN:  # a run needs a gap between new ids at least
+            events = torch.sort(torch.cat([torch.tensor([0, n]), at_new, at_new + 1, at_kept]).clamp(max=n)).values
+            long = ((events[1:] - events[:-1]) >= RUN).nonzero().view(-1).tolist()
+            runs = [(int(events[i]), int(events[i + 1])) for i in long]
+        pieces, start = [], 0
+        for a, b in runs + [(n, n)]:
+            if start < a:
+                pieces.append((start, a, self._sources(start, a, at_new, at_kept)))
+            if a < b:  # no event inside: the shift is the step function's value at a
+                shift = int(torch.searchsorted(at_kept, a, right=True)) - int(torch.searchsorted(at_new, a, right=True))
+                pieces.append((a, b, shift))
+            start = b
+        return pieces, at_new
+
+    @staticmethod
+    def _sources(a: int, b: int, at_new: torch.Tensor, at_kept: torch.Tensor) -> torch.Tensor:
+        """The old positions of merged positions [a, b) (0 where a new id goes)."""
+        kept = at_kept[(at_kept > a) & (at_kept < b)] - a
+        fresh = at_new[(at_new >= a) & (at_new < b)] - a
+        steps = torch.zeros(b - a, dtype=torch.int64)
+        steps.index_add_(0, kept, torch.ones_like(kept))
+        steps.index_add_(0, fresh, torch.full_like(fresh, -1))
+        steps[0] += int((at_kept <= a).sum()) - int((at_new < a).sum())
+        src = torch.arange(a, b) + steps.cumsum(0)
+        src[fresh] = 0
+        return src
 
     def held(self) -> int:
         """How many of this rank's slots hold a raw id."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from modular.mc.eviction import MAX, Scoring
-from modular.mc.slot_shard import SlotShard
+from modular.mc.slot_shard import RUN, SlotShard
 
 
 def _scores(kind: int, n: int, g: torch.Generator) -> torch.Tensor:
@@ -37,15 +37,20 @@ def test_lowest_is_the_n_lowest_in_torchrecs_order_for_any_threshold() -> None:
 def test_assign_keeps_the_entries_as_a_stable_sort_would() -> None:
     g = torch.Generator().manual_seed(1)
     for trial in range(120):
-        n = int(torch.randint(1, 400, (1,), generator=g))
+        # every 20th: a shard past RUN (modular/mc/slot_shard.py), whose long runs are copied
+        n = int(torch.randint(1, 400, (1,), generator=g)) if trial % 20 else 3 * RUN + int(torch.randint(0, 99, (1,), generator=g))
         lo = int(torch.randint(0, 30, (1,), generator=g))
         shard = SlotShard(lo, lo + n, Scoring("distance_lfu"))
         raw = torch.full((n,), MAX)
         held = int(torch.randint(0, n + 1, (1,), generator=g))
+        if trial % 20 == 0:  # a filling table: few held ids, the last empty slots evicted
+            held = n // 20
         raw[:held] = torch.randperm(10 * n, generator=g)[:held] * 2  # even: new ids are odd
         shard.load(raw, torch.randperm(n, generator=g) + lo,
                    {"counts": torch.randint(0, 9, (n,), generator=g), "last_access_iter": torch.randint(0, 9, (n,), generator=g)})  # fmt: skip
         candidates = torch.randperm(n, generator=g)[: int(torch.randint(0, n + 1, (1,), generator=g))]
+        if trial % 20 == 0:
+            candidates = torch.arange(n - 2000, n)[torch.randperm(2000, generator=g)]
         gone = candidates[: int(torch.randint(0, candidates.numel() + 1, (1,), generator=g))]
         slots = torch.cat([shard.slots[gone], torch.arange(lo + n, lo + n + 3)])  # 3 of another rank
         ids = torch.randperm(20 * n, generator=g)[: slots.numel()] * 2 + 1

@@ -42,7 +42,8 @@ gather, so each is one collective); a call that evicts adds two collectives (the
 unique ids; the match with the lowest entries) and needs no remap lookup; any other call, two.
 Per interval each rank does O(its slots) work, a few passes: the scores, a selection of its
 lowest entries below a threshold from a sample (`SlotShard.lowest`) and, on a rank whose slots
-were evicted, a merge for the new ids (one gather index, `SlotShard.assign`), not a sort.
+were evicted, a merge for the new ids (`SlotShard.assign`: gathers, and slice copies for long
+runs of one shift), not a sort.
 Collective bytes scale with the global batch, not the table; state per rank is its share of
 torchrec's, plus the interval's history of its own ids. Like torchrec's unsharded module, an
 evicted slot's embedding row and optimizer state stay as they were (`evict()` still reports

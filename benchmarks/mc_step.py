@@ -9,8 +9,10 @@ torchrec's `ManagedCollisionEmbeddingBagCollection` (MCH, DistanceLFU, eviction_
 from a Zipf law (a=1.2) over a space that drifts every step (churn), so that slots are evicted.
 The contenders, every rank holding all of them and timing them in `--blocks` alternating blocks
 (each block rotates their order):
-    mc        the MC-EBC under modular: the collision collection remaps the global batch on every
-              rank (Note [managed collisions over the global batch]), then the sharded EBC
+    mc        the MC-EBC under modular: the split collision state (Note [sharded managed
+              collisions]) remaps the ids, then the sharded EBC; it sees every raw batch once,
+              in order, so that each step brings new ids and evicts (`--cycle`: it cycles
+              through batches it has seen, and evicts nothing)
     plain     the same table as a plain sharded EBC, fed the ids the MC run remapped them to
     torchrec  TorchRec's DistributedModelParallel of the MC-EBC, if its CPU path runs (otherwise
               the line says why)
@@ -121,11 +123,24 @@ def _worker(rank: int, args, rendezvous: Rendezvous, queue) -> None:
     torch.set_num_threads(1)
     init_ranks(rank, args.world_size, store=rendezvous.store())
     model = _model(args)
-    raw = _batches(args, rank, args.batches)
-    mc_model, mc_step = _ours_mc(args, model)
-    # the plain contender's ids: what the MC model remapped each raw batch to (a warm-up pass)
-    remapped = [mc_model.mc(kjt)[1] for kjt in raw]
-    steps = {"mc": (mc_step, raw), "plain": (_ours_plain(args, model), remapped)}
+    if args.cycle:
+        raw = _batches(args, rank, args.batches)
+        mc_model, mc_step = _ours_mc(args, model)
+        # the plain contender's ids: what the MC model remapped each raw batch to (a warm-up
+        # pass; the timed steps then see ids the table holds, and evict nothing)
+        remapped = [mc_model.mc(kjt)[1] for kjt in raw]
+        steps = {"mc": (mc_step, raw), "plain": (_ours_plain(args, model), remapped)}
+    else:
+        # the MC model sees each raw batch once, in order, so that every step brings new ids;
+        # the plain contender gets what a twin fed the same batches in the same order remapped
+        # them to, which is what the MC model remaps them to
+        raw = _batches(args, rank, max(args.batches, args.warmup + args.blocks * args.steps))
+        _, mc_step = _ours_mc(args, model)
+        twin, _ = _ours_mc(args, model)
+        remapped = [twin.mc(kjt)[1] for kjt in raw]
+        del twin
+        fresh = iter(raw)
+        steps = {"mc": (lambda _: mc_step(next(fresh)), raw), "plain": (_ours_plain(args, model), remapped)}
     skipped = {"torchrec": "pass --torchrec to try it"}
     if args.torchrec:
         skipped = {}
@@ -161,7 +176,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4096, help="samples per rank")
     p.add_argument("--churn", type=int, default=5000, help="how far the id space drifts per step")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--batches", type=int, default=8, help="distinct batches cycled through")
+    p.add_argument("--batches", type=int, default=8, help="distinct batches cycled through (at least)")
+    p.add_argument("--cycle", action="store_true",
+                   help="the MC model cycles through --batches batches it has remapped once already "
+                        "(no new ids in the timed steps), as before 2026-11-28")
     p.add_argument("--steps", type=int, default=8, help="timed steps per block")
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
@@ -171,7 +189,8 @@ def main() -> None:
     print(f"## MC-EBC of zch_size {args.zch_size:,} x {args.dim}, {args.features} features x "
           f"{args.pooling} ids, row-wise, fused row-wise Adagrad, {args.world_size} gloo ranks on CPU "
           f"({os.cpu_count()} cores), batch {args.batch_size} per rank, Zipf ids with churn "
-          f"{args.churn}/step, {datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
+          f"{args.churn}/step ({f'cycling {args.batches} seen batches' if args.cycle else 'new ids every step'}), "
+          f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
     results = run_ranks(_worker, (args,), args.world_size)
     _, blocks, skipped = results[0]
     print("| contender | median step ms (block medians min - max) |\n|---|---:|")

@@ -44,7 +44,9 @@ class Scoring:
     def scores(self, current_iter: int, counts: Optional[torch.Tensor], access: Optional[torch.Tensor]) -> torch.Tensor:
         if self.kind == "lfu":
             return counts
-        distance = torch.pow(current_iter - access + 1, self.decay)
+        distance = (current_iter + 1) - access
+        # torch.pow(x, 1.0) copies x into the promoted (default float) dtype: the same bits
+        distance = distance.to(torch.get_default_dtype()) if self.decay == 1.0 else torch.pow(distance, self.decay)
         if self.kind == "lru":
             return torch.neg(distance)
         return torch.div(counts, distance)

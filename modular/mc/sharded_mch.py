@@ -23,22 +23,27 @@ that is either this rank's or small and gathered:
   first global batch) would cut the global batch, which per-feature counts gathered from every
   rank locate; at the interval, each rank's unique ids, counts and last access are gathered and
   merged, so every rank holds the interval's global unique ids (batch-sized, replicated).
-- matching: each rank finds the ids its slots hold and updates their metadata; an all_reduce
-  tells every rank which ids are new (in torchrec's frequency order).
-- eviction: torchrec drops the `n` lowest of (table entries, new ids) under a stable
-  descending sort; each rank scores its entries with torchrec's own ops and sends its `n`
-  lowest; every rank runs `decide` (modular/mc/eviction.py) on those and the new ids and gets
-  torchrec's evicted slots and their new ids, paired as torchrec pairs them.
+- matching and eviction, one gather: each rank finds the interval's `u` ids among its slots,
+  updates their metadata, scores its entries with torchrec's own ops and sends, for every id,
+  its slot or -1 together with its `u` lowest entries. The max over ranks tells every rank
+  which ids are new (`n <= u` of them, in torchrec's frequency order). torchrec drops the `n`
+  lowest of (table entries, new ids) under a stable descending sort; a rank's share of those is
+  among its `n` lowest, so among its `u`, and a subset kept in torchrec's relative order drops
+  the same entries in the same order. Every rank runs `decide` (modular/mc/eviction.py) on the
+  gathered entries and the new ids and gets torchrec's evicted slots and their new ids, paired
+  as torchrec pairs them.
 - remap: after an eviction whose history kept the whole batch, every rank already holds the
-  slot of each of the interval's ids (the match's all_reduce carries slots, the decision
-  patches them); otherwise each rank gathers the ranks' unique ids, looks up those its slots
-  hold, and an all_reduce (max) gives every rank each id's slot.
+  slot of each of the interval's ids (the match carries slots, the decision patches them);
+  otherwise each rank gathers the ranks' unique ids, looks up those its slots hold, and an
+  all_reduce (max) gives every rank each id's slot.
 What it costs per table and call: the collection's id check gathers every rank's id count per
 feature with it (one small all_gather for the whole collection, which also sizes every later
-gather, so each is one collective); a call that evicts adds three collectives (the interval's
-unique ids, the match, the lowest entries) and needs no remap lookup; any other call, two. Per
-interval each rank does O(its slots) work: a selection (`kthvalue`) for its lowest entries
-and a merge for the new ids, not a sort.
+gather, so each is one collective); a call that evicts adds two collectives (the interval's
+unique ids; the match with the lowest entries) and needs no remap lookup; any other call, two.
+Per interval each rank does O(its slots) work, a few passes: the scores, a selection of its
+lowest entries below a threshold from a sample (`SlotShard.lowest`) and, on a rank whose slots
+were evicted, a merge for the new ids (`SlotShard.assign`: gathers, and slice copies for long
+runs of one shift), not a sort.
 Collective bytes scale with the global batch, not the table; state per rank is its share of
 torchrec's, plus the interval's history of its own ids. Like torchrec's unsharded module, an
 evicted slot's embedding row and optimizer state stay as they were (`evict()` still reports
@@ -199,19 +204,27 @@ class ShardedMCHModule(nn.Module):
         by_count = torch.argsort(counts, descending=True, stable=True)
         ids, counts, access = unique[by_count], counts[by_count], access[by_count]
         pos = self._shard.find(ids)
-        slots = torch.where(pos >= 0, self._shard.slots[pos.clamp(min=0)], -1) if pos.numel() else pos
-        all_reduce(slots, group=self._group, what="a managed-collision match", op=dist.ReduceOp.MAX)
         mine = pos >= 0
         self._shard.update_matched(pos[mine], counts[mine], access[mine])
         self._sentinel["counts"].fill_(MAX)
         self._sentinel["last_access_iter"].fill_(self._current_iter)
+        # One gather carries the match (this rank's slot of each id, or -1) and this rank's u
+        # lowest entries (u: the interval's ids, at least the new ones): a superset of the
+        # candidates `decide` needs (Note [sharded managed collisions]).
+        u, bound = ids.numel(), min(ids.numel(), self._most_slots)
+        scores = self._shard.scores(self._current_iter)
+        lowest = self._shard.lowest(u, scores)
+        sent = torch.full((max(u + 3 * bound, 1),), -1, dtype=torch.int64)  # gloo: a non-empty piece
+        sent[:u] = torch.where(mine, self._shard.slots[pos.clamp(min=0)], -1) if u else pos
+        sent[u : u + 3 * lowest.numel()] = torch.stack(
+            [self._shard.slots[lowest], self._shard.raw[lowest], as_bits(scores[lowest])], 1).view(-1)  # fmt: skip
+        got = all_gather(sent, group=self._group, world=self._world,
+                         what="a managed-collision match and lowest entries").view(self._world, -1)  # fmt: skip
+        slots = got[:, :u].amax(0)
+        rows = got[:, u : u + 3 * bound].reshape(-1, 3)
+        rows = rows[rows[:, 0] >= 0]
         new = slots < 0
         new_ids, new_counts, new_access = ids[new], counts[new], access[new]
-        scores = self._shard.scores(self._current_iter)
-        lowest = self._shard.lowest(new_ids.numel(), scores)
-        mine_rows = torch.stack([self._shard.slots[lowest], self._shard.raw[lowest], as_bits(scores[lowest])], 1)
-        rows = gather_rows(mine_rows, bound=min(new_ids.numel(), self._most_slots), group=self._group,
-                           world=self._world, what="a managed-collision table's lowest entries")  # fmt: skip
         new_scores = self._scoring.scores(self._current_iter, new_counts, new_access)
         evicted, selected = decide(from_bits(rows[:, 2], scores), rows[:, 1], rows[:, 0], new_scores)
         self._shard.assign(evicted, new_ids[selected], new_counts[selected], new_access[selected], lowest)

@@ -16,6 +16,8 @@ from modular.mc.eviction import MAX, Scoring
 
 __all__ = ["SlotShard"]
 
+RUN = 32_768  # merged positions under one shift that assign copies as a slice, not a gather
+
 
 class SlotShard:
     """The entries of slots [lo, hi) of one table, sorted by (raw id, slot)."""
@@ -72,9 +74,22 @@ class SlotShard:
             return torch.arange(k)
         if k == 0:
             return torch.empty(0, dtype=torch.int64)
-        kth = torch.kthvalue(scores, k).values
-        below = (scores < kth).nonzero().view(-1)
-        tied = (scores == kth).nonzero().view(-1)  # ascending positions: the last rank lowest
+        # A threshold from a strided sample, a little above the k-th lowest's expected place,
+        # usually leaves a few k entries below it (select among those) or makes it the k-th
+        # lowest itself (ties); the full selection is the fallback. Exact whatever the sample.
+        sample = scores[:: max(1, scores.numel() // 8192)]
+        t = torch.kthvalue(sample, min(sample.numel(), -(-5 * k * sample.numel() // (4 * scores.numel())) + 16)).values
+        where = (scores < t).nonzero().view(-1)
+        if where.numel() >= k:
+            sub = scores[where]
+            kth = torch.kthvalue(sub, k).values
+            below, tied = where[sub < kth], where[sub == kth]
+        elif (tied := _last_equal(scores, t, k - where.numel())) is not None:  # t is the k-th lowest
+            below = where
+        else:
+            kth = torch.kthvalue(scores, k).values
+            below, tied = (scores < kth).nonzero().view(-1), (scores == kth).nonzero().view(-1)
+        # tied: ascending positions, the last ranks lowest
         return torch.cat([below, tied[tied.numel() - (k - below.numel()):]])
 
     def assign(self, slots: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, access: torch.Tensor,
@@ -90,21 +105,66 @@ class SlotShard:
         new_ids = ids[mine]
         order = torch.argsort(new_ids)
         new = [new_ids[order], slots[mine][order], counts[mine][order], access[mine][order]]
-        keep = torch.ones(self.raw.numel(), dtype=torch.bool)
-        keep[evicted] = False
-        kept_raw = self.raw[keep]
-        # Raw ids are distinct between the two (a new id was held by no slot), so each side's
-        # place is its index plus the count of the other side's smaller ids.
-        at_new = torch.searchsorted(kept_raw, new[0]) + torch.arange(new[0].numel())
-        at_kept = torch.searchsorted(new[0], kept_raw) + torch.arange(kept_raw.numel())
+        pieces, at_new = self._merge_order(torch.sort(evicted).values, new[0])
         for name, fresh in zip(("raw", "slots", "counts", "access"), new):
             old = getattr(self, name)
             if old is None:
                 continue
-            merged = torch.empty_like(old)
-            merged[at_kept] = old[keep]
+            if len(pieces) == 1 and isinstance(pieces[0][2], torch.Tensor):
+                merged = torch.gather(old, 0, pieces[0][2])
+            else:
+                merged = torch.empty_like(old)
+                for a, b, src in pieces:
+                    if isinstance(src, int):  # one shift: a copy
+                        merged[a:b] = old[a + src : b + src]
+                    else:
+                        torch.gather(old, 0, src, out=merged[a:b])
             merged[at_new] = fresh.to(old.dtype)
             setattr(self, name, merged)
+
+    def _merge_order(self, gone: torch.Tensor, new_raw: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """For the entries with the sorted positions `gone` replaced by as many sorted new raw ids
+        (held by no entry): where each merged position's entry was, as pieces (start, stop, src)
+        in order, src the old positions of [start, stop) (any where a new id goes) or, for a run
+        of at least RUN positions under one shift (e.g. the empty slots past the new ids while
+        the table fills), that shift; and the new ids' merged positions. O(new ids log), and
+        O(merged positions) outside the runs."""
+        n, m = self.raw.numel(), gone.numel()
+        before = torch.searchsorted(self.raw, new_raw)  # entries below each new id
+        at_new = before - torch.searchsorted(gone, before) + torch.arange(m)
+        # A kept entry's old position is its merged position, plus the evicted entries before
+        # it, less the new ids before it: a step function, +1 at the first kept entry past each
+        # evicted one, -1 past each new id.
+        kept_after = gone - torch.arange(m)  # the kept index of the first kept entry past each
+        at_kept = kept_after + torch.searchsorted(at_new - torch.arange(m), kept_after, right=True)
+        runs = []
+        ends = torch.cat([torch.tensor([0]), at_new, torch.tensor([n])])
+        if int((ends[1:] - ends[:-1]).max()) > RUN:  # a run needs a gap between new ids at least
+            events = torch.sort(torch.cat([torch.tensor([0, n]), at_new, at_new + 1, at_kept]).clamp(max=n)).values
+            long = ((events[1:] - events[:-1]) >= RUN).nonzero().view(-1).tolist()
+            runs = [(int(events[i]), int(events[i + 1])) for i in long]
+        pieces, start = [], 0
+        for a, b in runs + [(n, n)]:
+            if start < a:
+                pieces.append((start, a, self._sources(start, a, at_new, at_kept)))
+            if a < b:  # no event inside: the shift is the step function's value at a
+                shift = int(torch.searchsorted(at_kept, a, right=True)) - int(torch.searchsorted(at_new, a, right=True))
+                pieces.append((a, b, shift))
+            start = b
+        return pieces, at_new
+
+    @staticmethod
+    def _sources(a: int, b: int, at_new: torch.Tensor, at_kept: torch.Tensor) -> torch.Tensor:
+        """The old positions of merged positions [a, b) (0 where a new id goes)."""
+        kept = at_kept[(at_kept > a) & (at_kept < b)] - a
+        fresh = at_new[(at_new >= a) & (at_new < b)] - a
+        steps = torch.zeros(b - a, dtype=torch.int64)
+        steps.index_add_(0, kept, torch.ones_like(kept))
+        steps.index_add_(0, fresh, torch.full_like(fresh, -1))
+        steps[0] += int((at_kept <= a).sum()) - int((at_new < a).sum())
+        src = torch.arange(a, b) + steps.cumsum(0)
+        src[fresh] = 0
+        return src
 
     def held(self) -> int:
         """How many of this rank's slots hold a raw id."""
@@ -120,3 +180,19 @@ class SlotShard:
             self.counts = self.counts[order]
         if self.access is not None:
             self.access = self.access[order]
+
+
+def _last_equal(scores: torch.Tensor, value: torch.Tensor, need: int) -> Optional[torch.Tensor]:
+    """Ascending positions of the last `need` entries equal to `value`, or None if fewer are: a
+    search from the end in growing windows (the entries of a common low score, e.g. empty
+    slots, are many, and only the last are wanted)."""
+    n = scores.numel()
+    width = min(n, max(4 * need, 4096))
+    while True:
+        start = n - width
+        hits = (scores[start:] == value).nonzero().view(-1)
+        if hits.numel() >= need:
+            return hits[hits.numel() - need :] + start
+        if start == 0:
+            return None
+        width = min(n, 8 * width)

@@ -70,25 +70,37 @@ def _slice(kjt: KeyedJaggedTensor, strides: list[int], rank: int) -> dict[str, t
     return out
 
 
-def _run(specs: dict, steps: int, unsharded_steps: int = 0) -> dict[str, int]:
+def _tied_batch(step: int, rank: int) -> KeyedJaggedTensor:
+    """Uniform ids over a window that moves 8 ids a step, a few of each: small counts and shared
+    access iterations, so that scores tie across ranks in every interval."""
+    rng = np.random.default_rng([step, rank, 11])
+    lengths = rng.integers(0, 4, 3 * 4)
+    ids = (rng.integers(0, 40, int(lengths.sum())) + 8 * step) * 1_000_003 % HASH
+    return KeyedJaggedTensor(keys=["fa1", "fa2", "fb"], values=torch.tensor(ids, dtype=torch.int64),
+                             lengths=torch.tensor(lengths, dtype=torch.int64))  # fmt: skip
+
+
+def _run(specs: dict, steps: int, unsharded_steps: int = 0, batch=_batch) -> dict[str, int]:
     """`unsharded_steps` of the reference first (the model is sharded from its copy then, mid-
-    interval), then `steps` more side by side; every 5th step in eval mode."""
+    interval), then `steps` more side by side; every 5th step in eval mode. Counts the
+    intervals that evicted, per table, and ("spread") those whose evicted slots lay on several
+    ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ref = _model(specs)
     for step in range(unsharded_steps):
-        ref.mc(global_batch([_batch(step, r) for r in range(world)]))
+        ref.mc(global_batch([batch(step, r) for r in range(world)]))
     model = copy.deepcopy(ref)
     modular.shard(model, ShardingPlan(world_size=world, modules={
         "mc._embedding_module": placements_for("row_wise", model.mc._embedding_module, world)}))  # fmt: skip
     mcc, ref_mcc = model.mc._managed_collision_collection, ref.mc._managed_collision_collection
-    evicting, held = {"cut": 0, **{t: 0 for t in specs}}, {t: set() for t in specs}
+    evicting, held = {"cut": 0, "spread": 0, **{t: 0 for t in specs}}, {t: set() for t in specs}
     for module in ref_mcc._managed_collision_modules.values():
         module._coalesce_history = _spy(module, evicting)
     for step in range(unsharded_steps, unsharded_steps + steps):
         label = f"{specs} world {world} rank {rank} step {step}"
         for m in (model, ref):
             m.train(step % 5 != 4)
-        batches = [_batch(step, r) for r in range(world)]
+        batches = [batch(step, r) for r in range(world)]
         strides = [b.stride() for b in batches]
         _, remapped = model.mc(batches[rank])
         _, ref_remapped = ref.mc(global_batch(batches))
@@ -107,6 +119,12 @@ def _run(specs: dict, steps: int, unsharded_steps: int = 0) -> dict[str, int]:
         for table in specs:
             now = set(want_state[f"_managed_collision_modules.{table}._mch_sorted_raw_ids"].tolist())
             evicting[table] += bool(held[table] - now) if step > unsharded_steps else 0
+            key = f"_managed_collision_modules.{table}."
+            came = torch.tensor(sorted(now - held[table]), dtype=torch.int64)
+            taken = want_state[key + "_mch_remapped_ids_mapping"][torch.isin(want_state[key + "_mch_sorted_raw_ids"], came)]
+            usable = specs[table][2] - 1
+            ranks = {r for r in range(world) for s in taken.tolist() if usable * r // world <= s < usable * (r + 1) // world}
+            evicting["spread"] += len(ranks) > 1 and step > unsharded_steps
             held[table] = now
         assert mine.keys() == want_state.keys(), f"{label}: keys"
         differ = [k for k in want_state if not torch.equal(mine[k], want_state[k])]
@@ -136,14 +154,30 @@ def _cases() -> list[dict[str, int]]:
     return [_run(*c) for c in CASES]
 
 
+def _ties() -> dict[str, int]:
+    # full tables (30 reference steps first), then every interval evicts
+    return _run({"t_a": ("distance_lfu", 1, 160), "t_b": ("lru", 1, 61)}, 8, 30, batch=_tied_batch)
+
+
 def test_the_split_state_is_torchrecs_on_the_global_batch_step_by_step_at_worlds_1_2_3() -> None:
     for world in (2, 3, 1):
         evicting = run_on_ranks(world, _cases, timeout=240)[0]
         for (specs, steps, _), counts in zip(CASES, evicting):
+            counts.pop("spread")
             assert counts.pop("cut") > 0, f"world {world} {specs}: torchrec's history buffer never filled"
             for table, n in counts.items():
                 intervals = (steps - steps // 5) // specs[table][1]  # eval steps do not evict
                 assert 2 * n >= intervals, f"world {world} {specs}: {table} evicted in {n} of ~{intervals} intervals"
+
+
+def test_ties_across_ranks_evict_as_torchrec_with_each_rank_sending_more_candidates_than_evicted() -> None:
+    """Each rank sends its u lowest entries (u: the interval's ids), more than the n evicted:
+    with DistanceLFU's equal counts and distances and LRU's equal access iterations tied across
+    ranks, and evicted
+    slots on several ranks in most intervals, the choice and its pairing stay torchrec's."""
+    counts = run_on_ranks(3, _ties, timeout=120)[0]
+    assert counts["spread"] >= 8, f"evicted slots lay on several ranks in only {counts}"
+    assert counts["t_a"] >= 5 and counts["t_b"] >= 5, counts
 
 
 def _fallback() -> str:

@@ -18,6 +18,8 @@ PROBES = (
     ("fused", "rw", 2, ROWS, 64, 8, 1024), ("fused", "cw", 2, ROWS, 64, 4, 2048),
     ("fused", "rw", 1, ROWS, 32, 1, 4096), ("fused", "tw", 2, ROWS, 64, 32, 256),
     ("fused", "dp", 2, ROWS, 32, 8, 1024), ("fused", "tw", 1, ROWS, 32, 2, 64),
+    ("fused", "dp", 4, 2 * ROWS, 64, 20, 1024), ("fused", "dp", 8, ROWS, 16, 10, 512),
+    ("fused", "cw", 4, 2 * ROWS, 64, 20, 1024), ("fused", "cw", 8, ROWS, 32, 10, 512),
     ("emulated", "tw", 1, ROWS, 64, 8, 1024), ("emulated", "rw", 2, ROWS, 16, 16, 512),
     ("emulated", "tw", 1, ROWS, 128, 2, 2048), ("emulated", "rw", 1, ROWS, 128, 8, 512),
     ("emulated", "dp", 2, ROWS, 32, 8, 512),

@@ -17,11 +17,13 @@ the table's features (P as in the cost model), I = eviction_interval and m = 1 (
 - remap buffers, per step: the global batch's unique ids, gathered with counts and last access
   at an interval (24 bytes) and their slots (8), W * n * 32 bytes (ids taken as unique: skewed
   ids need less);
-- collectives, per step: each rank's unique ids gathered (8 bytes per id from each peer) and
-  their slots all-reduced (a ring's two passes, 16), and once per interval the counts and last
-  access with the ids (16 more) and each rank's lowest entries (24 bytes for each of at most
-  min(W n, ceil(S / W))), priced per byte from each peer as the input dist is (`alpha`), plus
-  the measured latencies of those collectives when calibrated;
+- collectives, per step: each rank's unique ids gathered (8 bytes per id from each peer); on a
+  call that does not evict, their slots all-reduced (a ring's two passes, 16); on one that
+  does (once per interval), the counts and last access with the ids (16 more), then one gather
+  of each rank's slot for every id of the interval (8 W per id) with its lowest entries (24
+  bytes for each of at most min(W n, ceil(S / W))); priced per byte from each peer as the
+  input dist is (`alpha`), plus the measured latencies of those collectives when calibrated:
+  1 + 1/I gathers and 1 - 1/I all-reduces a step;
 - work: sorting the gathered ids and finding them among the rank's slots,
   W n * 8 * (log2(W n) + log2(S / W)) bytes, and at an interval scoring, selecting and merging
   the rank's entries, 4 passes over them, at the memory bandwidth (the calibrated streaming
@@ -44,7 +46,8 @@ __all__ = ["CollisionPrice", "collision_price"]
 SLOT_BYTES = 2 * ID_BYTES  # a slot's raw id and its slot number, int64
 HISTORY_BYTES = 2 * ID_BYTES  # an id of the interval's history and its iteration
 GATHERED_BYTES = 4 * ID_BYTES  # per id of the global batch: (id, count, access) rows and its slot
-REMAP_BYTES = 3 * ID_BYTES  # per id from each peer, every step: the gather (8), the all-reduce (16)
+GATHER_BYTES, REDUCE_BYTES = ID_BYTES, 2 * ID_BYTES  # per id from each peer: the ids' gather; the
+# slots' all-reduce (calls that do not evict)
 INTERVAL_BYTES = 2 * ID_BYTES  # per id from each peer, per interval: counts and last access
 LOWEST_BYTES = 3 * ID_BYTES  # per lowest entry: slot, raw id, score
 PASSES = 4  # an interval's passes over a rank's entries: score, select, merge (read + write)
@@ -95,12 +98,13 @@ def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice
         history += interval * n * HISTORY_BYTES
         batch += world * n * GATHERED_BYTES
         lowest = min(world * n, math.ceil(usable / world))
-        per_peer = n * REMAP_BYTES + (n * INTERVAL_BYTES + lowest * LOWEST_BYTES) / interval
+        per_peer = (n * GATHER_BYTES + n * REDUCE_BYTES * (1 - 1 / interval)
+                    + (n * INTERVAL_BYTES + world * n * ID_BYTES + lowest * LOWEST_BYTES) / interval)  # fmt: skip
         if world > 1:
             seconds += per_peer * model.alpha
             received += (world - 1) * per_peer
             if cal is not None:  # Note [calibrated prices]: each collective's latency
-                seconds += cal.all_to_all_latency * (1 + 1 / interval) + cal.all_reduce_latency
+                seconds += cal.all_to_all_latency * (1 + 1 / interval) + cal.all_reduce_latency * (1 - 1 / interval)
         gathered, mine = max(world * n, 2.0), max(usable / world, 2.0)
         work += gathered * ID_BYTES * (math.log2(gathered) + math.log2(mine))
         work += PASSES * mine * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns) / interval

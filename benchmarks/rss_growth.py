@@ -37,7 +37,7 @@ def _configs(scale: int) -> dict:
             for k, (o, specs) in configs.CONFIGS.items()}  # fmt: skip
 
 
-def _worker(rank: int, name: str, scale: int, rendezvous: Rendezvous, queue) -> None:
+def _worker(rank: int, name: str, scale: int, meta: bool, rendezvous: Rendezvous, queue) -> None:
     import modular
     import planners
     from benchmarks import _memory_configs as configs
@@ -55,7 +55,7 @@ def _worker(rank: int, name: str, scale: int, rendezvous: Rendezvous, queue) -> 
     ebc = EmbeddingBagCollection(tables=[
         EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"],
                            data_type=configs.DTYPES[dtype])
-        for i, (rows, dim, dtype, _, _) in enumerate(specs)])  # fmt: skip
+        for i, (rows, dim, dtype, _, _) in enumerate(specs)], device=torch.device("meta" if meta else "cpu"))  # fmt: skip
     gc.collect()
     before = status_kib("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as f:
@@ -80,14 +80,17 @@ def _worker(rank: int, name: str, scale: int, rendezvous: Rendezvous, queue) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=int, default=100, help="row counts times the suite's")
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on meta: shard materialises each rank's shards, so the growth is all "
+                        "of what the rank holds (a materialised model's growth is net of its freed weights)")
     args = p.parse_args()
     print(f"## Peak RSS growth over fuse_optimizer + shard + one step against the predicted total, "
-          f"tables x{args.scale}, 2 gloo ranks ({os.cpu_count()} cores), "
+          f"tables x{args.scale}{' on meta' if args.meta else ''}, 2 gloo ranks ({os.cpu_count()} cores), "
           f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
     print("| config | optimizer | rank | predicted MiB | peak growth MiB | ratio |\n|---|---|---|---:|---:|---:|")
     ratios = []
     for name in _configs(args.scale):  # fresh ranks for each configuration
-        for rank, optimizer, growth, predicted in run_ranks(_worker, (name, args.scale), 2):
+        for rank, optimizer, growth, predicted in run_ranks(_worker, (name, args.scale, args.meta), 2):
             ratios.append(growth / predicted)
             print(f"| {name} | {optimizer} | {rank} | {predicted / 2**20:.1f} | {growth / 2**20:.1f} | "
                   f"{growth / predicted:.2f} |")  # fmt: skip

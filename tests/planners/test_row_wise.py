@@ -82,12 +82,16 @@ def _cases():
                        id="32-fp16-copies-limit-k")  # fmt: skip
 
 
-@pytest.mark.parametrize("tables,topology,comm,cons,batch", list(_cases()))
-def test_closed_form_matches_every_shard_count_priced(tables, topology, comm, cons, batch):
+def _candidates(tables, topology, comm, cons, batch):
     model = CostModel(topology, batch, comm_dtype=comm)
     constraints = [cons.get(t.name) for t in tables]
     capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(tables))
-    c = enumerate_candidates(tables, model, constraints, capacity)
+    return enumerate_candidates(tables, model, constraints, capacity), model, constraints, capacity
+
+
+@pytest.mark.parametrize("tables,topology,comm,cons,batch", list(_cases()))
+def test_closed_form_matches_every_shard_count_priced(tables, topology, comm, cons, batch):
+    c, model, constraints, capacity = _candidates(tables, topology, comm, cons, batch)
     rw = c.row_wise
     costs, totals, valid = _explicit_row_wise(c, tables, model, constraints, capacity)
     world, rows = topology.world_size, np.arange(len(tables))
@@ -153,10 +157,7 @@ def _by_total_one_k_at_a_time(c, i):
 
 @pytest.mark.parametrize("tables,topology,comm,cons,batch", list(_cases()))
 def test_candidates_by_total_in_the_same_order_as_priced_one_at_a_time(tables, topology, comm, cons, batch):
-    model = CostModel(topology, batch, comm_dtype=comm)
-    constraints = [cons.get(t.name) for t in tables]
-    capacity = topology.capacity - model.batch_buffer_bytes(TableArrays.of(tables))
-    c = enumerate_candidates(tables, model, constraints, capacity)
+    c = _candidates(tables, topology, comm, cons, batch)[0]
     for i in range(len(tables)):
         want = list(_by_total_one_k_at_a_time(c, i))
         assert list(c.by_total(i)) == want, tables[i].name

@@ -98,6 +98,10 @@ class ShardedMCHModule(nn.Module):
         self._lengths: Optional[torch.Tensor] = None  # this call's id counts, per rank and feature
         self._interval_slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._whole_batch_kept = False
+        self._fold_bound = 0  # rows per rank the id check carries for an evicting call; 0: none yet
+        self._folded: Optional[torch.Tensor] = None  # this call's rows, gathered with the check
+        # evicting calls whose unique ids rode in the check, and the others by why not
+        self._folds = {"folded": 0, "overflow": 0, "cut": 0, "no bound": 0}
         self._most_slots = -(-usable // self._world)
         if not meta:
             self._load_whole(source._mch_sorted_raw_ids, source._mch_remapped_ids_mapping,
@@ -185,14 +189,64 @@ class ShardedMCHModule(nn.Module):
         self._history_counts = self._history_counts + keep.sum(1)
         self._whole_batch_kept = bool((keep == table).all())
         self._history_offset += min(int(totals.sum()), free)
+        if not self._whole_batch_kept and self._folded is not None:  # the history keeps a prefix
+            self._folded = None
+            self._folds["cut"] += 1
 
-    def _coalesce_and_evict(self) -> None:
-        ids = torch.cat([v for v, _ in self._history]) if self._history else torch.empty(0, dtype=torch.int64)
-        iters = torch.cat([i for _, i in self._history]) if self._history else ids
+    def fold_piece(self, values: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's piece of the collection's id check for an evicting call, once a bound is
+        known (the same on every rank; else None): its row count, then its rows of the interval's
+        unique ids (id, count, last access) as `_record` would keep them if the history keeps the
+        whole batch, padded or cut to the bound. `values`: this rank's ids of the table."""
+        it, last = self._current_iter, self._last_eviction_iter
+        if it == -1:
+            it = last = int(self._current_iter_tensor.item())
+        if not self.training or self._fold_bound == 0 or it + 1 - last != self._eviction_interval:
+            return None
+        if self._input_hash_func is not None:
+            values = self._input_hash_func(values, self._input_hash_size)
+        now = values.to(torch.int64)
+        rows = self._unique_rows(torch.cat([v for v, _ in self._history] + [now]),
+                                 torch.cat([i for _, i in self._history] + [torch.full_like(now, it + 1)]))  # fmt: skip
+        return self._piece(rows, self._fold_bound)
+
+    def take_folded(self, got: torch.Tensor) -> None:
+        """Every rank's `fold_piece`, gathered with the check (the check passed); `_record` drops
+        them when the history cuts the batch, the interval when a rank overflowed the bound."""
+        self._folded = got
+
+    @staticmethod
+    def _unique_rows(ids: torch.Tensor, iters: torch.Tensor) -> torch.Tensor:
         unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         access = torch.zeros_like(counts).scatter_reduce_(0, inverse, iters, reduce="amax", include_self=False)
-        rows = gather_rows(torch.stack([unique, counts, access], 1), bound=int(self._history_counts.max()),
-                           group=self._group, world=self._world, what="a managed-collision interval's unique ids")  # fmt: skip
+        return torch.stack([unique, counts, access], 1)
+
+    @staticmethod
+    def _piece(rows: torch.Tensor, bound: int) -> torch.Tensor:
+        out = torch.full((1 + 3 * bound,), -1, dtype=torch.int64)
+        out[0] = rows.shape[0]
+        n = min(rows.shape[0], bound)
+        out[1 : 1 + 3 * n] = rows[:n].reshape(-1)
+        return out
+
+    def _coalesce_and_evict(self) -> None:
+        got, self._folded = self._folded, None
+        folded = got is not None and int(got[:, 0].max()) <= self._fold_bound  # else: a rank overflowed
+        if folded or got is not None:
+            self._folds["folded" if folded else "overflow"] += 1
+        elif not self._fold_bound:
+            self._folds["no bound"] += 1
+        if not folded:
+            ids = torch.cat([v for v, _ in self._history]) if self._history else torch.empty(0, dtype=torch.int64)
+            iters = torch.cat([i for _, i in self._history]) if self._history else ids
+            bound = max(int(self._history_counts.max()), 1)  # gloo: a non-empty piece
+            got = all_gather(self._piece(self._unique_rows(ids, iters), bound), group=self._group, world=self._world,
+                             what="a managed-collision interval's unique ids")  # fmt: skip
+        # the next evicting call's bound: this interval's most rows on a rank, and a margin
+        most = int(got[:, 0].max())
+        self._fold_bound = most + most // 4 + 8
+        rows = got[:, 1:].reshape(self._world, -1, 3)
+        rows = rows[torch.arange(rows.shape[1]) < got[:, :1]]  # each rank's row count
         unique, inverse = torch.unique(rows[:, 0], return_inverse=True)
         counts = torch.zeros_like(unique).scatter_add_(0, inverse, rows[:, 1])
         access = torch.zeros_like(unique).scatter_reduce_(0, inverse, rows[:, 2], reduce="amax", include_self=False)

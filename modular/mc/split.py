@@ -66,11 +66,22 @@ def with_forward(module: nn.Module, forward, marker: str) -> None:
 
 
 def _checked_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
-    lengths = check_ids(self, features, self._modular_group)
     keys = features.keys()
+    first = _first_bad(self, features)
+    clean = int(first[0]) == len(keys)
+    by_key = dict(zip(keys, features.values().split(features.length_per_key())))
+    pieces = {}  # each evicting table's unique ids, folded into the check (Note [sharded managed collisions])
+    for table, module in self._managed_collision_modules.items():
+        values = torch.cat([by_key[f] for f in self._table_to_features[table]])
+        piece = module.fold_piece(values if clean else values[:0])  # a rank with a bad id sends filler
+        if piece is not None:
+            pieces[table] = piece
+    lengths, got = _gather_checked(self, features, first, self._modular_group, list(pieces.values()))
     for table, module in self._managed_collision_modules.items():
         # each table's id counts per rank, in the order torchrec hands it its features
         module._lengths = lengths[:, [keys.index(f) for f in self._table_to_features[table]]]
+    for table, rows in zip(pieces, got):
+        self._managed_collision_modules[table].take_folded(rows)
     return ManagedCollisionCollection.forward(self, features, mutate_miss_lengths=mutate_miss_lengths)
 
 
@@ -80,9 +91,13 @@ def check_ids(mcc: nn.Module, features: KeyedJaggedTensor, group: Optional[Proce
     changes. The id named is the first bad one of the global batch (feature by feature, ranks in
     order), as the unsharded module fed the global batch would see it. Returns every rank's id
     count per feature, (world, features), gathered with the check."""
+    return _gather_checked(mcc, features, _first_bad(mcc, features), group, [])[0]
+
+
+def _first_bad(mcc: nn.Module, features: KeyedJaggedTensor) -> torch.Tensor:
+    """(feature index, id, bound) of this rank's first bad id; (features, 0, 0) when none."""
     keys = features.keys()
     tables = mcc._feature_to_table
-    first = torch.tensor([len(keys), 0, 0], dtype=torch.int64)  # (feature index, id, bound)
     for k, (key, values) in enumerate(zip(keys, features.values().split(features.length_per_key()))):
         module = mcc._managed_collision_modules[tables[key]] if key in tables else None
         bound = getattr(module, "_input_hash_size", None)
@@ -92,14 +107,25 @@ def check_ids(mcc: nn.Module, features: KeyedJaggedTensor, group: Optional[Proce
         if bound is not None:
             bad |= values >= bound
         if bool(bad.any()):
-            first = torch.tensor([k, int(values[bad][0]), -1 if bound is None else bound], dtype=torch.int64)
-            break
+            return torch.tensor([k, int(values[bad][0]), -1 if bound is None else bound], dtype=torch.int64)
+    return torch.tensor([len(keys), 0, 0], dtype=torch.int64)
+
+
+def _gather_checked(mcc: nn.Module, features: KeyedJaggedTensor, first: torch.Tensor, group: Optional[ProcessGroup],
+                    pieces: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    """One all_gather of every rank's check (`first`), id counts per feature and `pieces` (the
+    same sizes on every rank); raises check_ids's InputError before anything is used. Returns
+    the counts (world, features) and each piece gathered, (world, its size)."""
+    keys = features.keys()
+    tables = mcc._feature_to_table
     world = dist.get_world_size(group)
     per_key = torch.tensor(features.length_per_key(), dtype=torch.int64)
-    found = all_gather(torch.cat([first, per_key]), group=group, world=world, what="a check of managed-collision ids")
+    found = all_gather(torch.cat([first, per_key, *pieces]), group=group, world=world,
+                       what="a check of managed-collision ids")  # fmt: skip
     k = int(found[:, 0].min())
     if k == len(keys):
-        return found[:, 3:]
+        ends = (3 + len(keys) + torch.tensor([p.numel() for p in pieces], dtype=torch.int64).cumsum(0)).tolist()
+        return found[:, 3 : 3 + len(keys)], [found[:, e - p.numel() : e] for p, e in zip(pieces, ends)]
     rank = int((found[:, 0] == k).nonzero()[0, 0])
     value, bound = int(found[rank, 1]), int(found[rank, 2])
     raise InputError(

@@ -3,7 +3,9 @@ against torchrec's unsharded module fed the global batch, step by step: the rema
 slots `evict()` reports, and the whole collision state (its state_dict, gathered), with two MC
 tables of different policies and intervals in one collection, a first batch smaller than the
 later ones (so torchrec's history buffer, sized from it, cuts later intervals), eval steps, and
-a module sharded mid-interval; evictions in at least half the intervals. Each rank holds at most its share of the slots."""
+a module sharded mid-interval; evictions in at least half the intervals, their unique ids folded
+into the id check or (a rank over the bound, a history cut) gathered apart. Each rank holds at
+most its share of the slots."""
 
 from __future__ import annotations
 
@@ -80,6 +82,17 @@ def _tied_batch(step: int, rank: int) -> KeyedJaggedTensor:
                              lengths=torch.tensor(lengths, dtype=torch.int64))  # fmt: skip
 
 
+def _surging_batch(step: int, rank: int) -> KeyedJaggedTensor:
+    """Batches that shrink to one sample every third step, then grow back: the history buffer
+    (sized from a full first batch) never cuts, and a grown batch's unique ids overflow the bound
+    that the small one set."""
+    rng = np.random.default_rng([step, rank, 13])
+    lengths = rng.integers(0, 6, 3 * (1 if step % 3 == 1 else 6 if step else 8))
+    ids = (rng.zipf(1.3, int(lengths.sum())) + 7 * step) % 4000 * 1_000_003 % HASH
+    return KeyedJaggedTensor(keys=["fa1", "fa2", "fb"], values=torch.tensor(ids, dtype=torch.int64),
+                             lengths=torch.tensor(lengths, dtype=torch.int64))  # fmt: skip
+
+
 def _run(specs: dict, steps: int, unsharded_steps: int = 0, batch=_batch) -> dict[str, int]:
     """`unsharded_steps` of the reference first (the model is sharded from its copy then, mid-
     interval), then `steps` more side by side; every 5th step in eval mode. Counts the
@@ -129,6 +142,9 @@ def _run(specs: dict, steps: int, unsharded_steps: int = 0, batch=_batch) -> dic
         assert mine.keys() == want_state.keys(), f"{label}: keys"
         differ = [k for k in want_state if not torch.equal(mine[k], want_state[k])]
         assert not differ, f"{label}: collision state differs in {differ}"
+    for module in mcc._managed_collision_modules.values():
+        for why, n in module._folds.items():
+            evicting["fold " + why] = evicting.get("fold " + why, 0) + n
     return evicting
 
 
@@ -150,8 +166,11 @@ CASES = [
 ]
 
 
+SURGE = {"t_a": ("lfu", 1, 40), "t_b": ("distance_lfu", 2, 20)}
+
+
 def _cases() -> list[dict[str, int]]:
-    return [_run(*c) for c in CASES]
+    return [_run(*c) for c in CASES] + [_run(SURGE, 10, 0, batch=_surging_batch)]
 
 
 def _ties() -> dict[str, int]:
@@ -162,6 +181,11 @@ def _ties() -> dict[str, int]:
 def test_the_split_state_is_torchrecs_on_the_global_batch_step_by_step_at_worlds_1_2_3() -> None:
     for world in (2, 3, 1):
         evicting = run_on_ranks(world, _cases, timeout=240)[0]
+        folds = {why: sum(c.pop("fold " + why) for c in evicting) for why in ("folded", "overflow", "cut", "no bound")}
+        evicting.pop()  # the surging batches' case: never cut, so torchrec's buffer is not counted
+        # an evicting call's unique ids ride in the id check when every rank's fit the bound and
+        # the history kept the whole batch; else (a rank's batch grew, the buffer cut) a second gather
+        assert all(folds.values()), f"world {world}: evicting calls by fold {folds}"
         for (specs, steps, _), counts in zip(CASES, evicting):
             counts.pop("spread")
             assert counts.pop("cut") > 0, f"world {world} {specs}: torchrec's history buffer never filled"

@@ -17,13 +17,15 @@ the table's features (P as in the cost model), I = eviction_interval and m = 1 (
 - remap buffers, per step: the global batch's unique ids, gathered with counts and last access
   at an interval (24 bytes) and their slots (8), W * n * 32 bytes (ids taken as unique: skewed
   ids need less);
-- collectives, per step: each rank's unique ids gathered (8 bytes per id from each peer); on a
-  call that does not evict, their slots all-reduced (a ring's two passes, 16); on one that
-  does (once per interval), the counts and last access with the ids (16 more), then one gather
-  of each rank's slot for every id of the interval (8 W per id) with its lowest entries (24
-  bytes for each of at most min(W n, ceil(S / W))); priced per byte from each peer as the
-  input dist is (`alpha`), plus the measured latencies of those collectives when calibrated:
-  1 + 1/I gathers and 1 - 1/I all-reduces a step;
+- collectives, per step: on a call that does not evict, each rank's unique ids gathered (8
+  bytes per id from each peer) and their slots all-reduced (a ring's two passes, 16); on one
+  that does (once per interval), the ids with their counts and last access (24) ride in the
+  collection's id check, padded to the previous interval's most rows on a rank and a quarter
+  (FOLD_MARGIN; a rank over it costs a second gather, not priced), then one gather of each
+  rank's slot for every id of the interval (8 W per id) with its lowest entries (24 bytes for
+  each of at most min(W n, ceil(S / W))); priced per byte from each peer as the input dist is
+  (`alpha`), plus the measured latencies of those collectives when calibrated: one gather and
+  1 - 1/I all-reduces a step (the id check is the collection's, there without collisions too);
 - work: sorting the gathered ids and finding them among the rank's slots,
   W n * 8 * (log2(W n) + log2(S / W)) bytes, and at an interval scoring, selecting and merging
   the rank's entries, 4 passes over them, at the memory bandwidth (the calibrated streaming
@@ -50,6 +52,7 @@ GATHER_BYTES, REDUCE_BYTES = ID_BYTES, 2 * ID_BYTES  # per id from each peer: th
 # slots' all-reduce (calls that do not evict)
 INTERVAL_BYTES = 2 * ID_BYTES  # per id from each peer, per interval: counts and last access
 LOWEST_BYTES = 3 * ID_BYTES  # per lowest entry: slot, raw id, score
+FOLD_MARGIN = 1.25  # the id check pads an interval's unique ids a quarter past the previous most
 PASSES = 4  # an interval's passes over a rank's entries: score, select, merge (read + write)
 
 
@@ -98,13 +101,14 @@ def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice
         history += interval * n * HISTORY_BYTES
         batch += world * n * GATHERED_BYTES
         lowest = min(world * n, math.ceil(usable / world))
-        per_peer = (n * GATHER_BYTES + n * REDUCE_BYTES * (1 - 1 / interval)
-                    + (n * INTERVAL_BYTES + world * n * ID_BYTES + lowest * LOWEST_BYTES) / interval)  # fmt: skip
+        per_peer = (n * (GATHER_BYTES + REDUCE_BYTES) * (1 - 1 / interval)
+                    + (FOLD_MARGIN * n * (GATHER_BYTES + INTERVAL_BYTES) + world * n * ID_BYTES
+                       + lowest * LOWEST_BYTES) / interval)  # fmt: skip
         if world > 1:
             seconds += per_peer * model.alpha
             received += (world - 1) * per_peer
             if cal is not None:  # Note [calibrated prices]: each collective's latency
-                seconds += cal.all_to_all_latency * (1 + 1 / interval) + cal.all_reduce_latency * (1 - 1 / interval)
+                seconds += cal.all_to_all_latency + cal.all_reduce_latency * (1 - 1 / interval)
         gathered, mine = max(world * n, 2.0), max(usable / world, 2.0)
         work += gathered * ID_BYTES * (math.log2(gathered) + math.log2(mine))
         work += PASSES * mine * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns) / interval

@@ -23,6 +23,12 @@ that is either this rank's or small and gathered:
   first global batch) would cut the global batch, which per-feature counts gathered from every
   rank locate; at the interval, each rank's unique ids, counts and last access are gathered and
   merged, so every rank holds the interval's global unique ids (batch-sized, replicated).
+  They ride in the collection's id check (`fold_piece`): each rank's rows as its history would
+  hold them if it kept the whole batch, with their count, padded to a bound every rank knows
+  (the previous interval's most rows on a rank, plus a quarter and 8; none before the first
+  interval). They are read only after the check passed, and only when the gathered counts say
+  the history kept the whole batch and no rank's rows overflowed the bound; otherwise (the same
+  on every rank, from gathered data) the interval gathers its rows apart, as before.
 - matching and eviction, one gather: each rank finds the interval's `u` ids among its slots,
   updates their metadata, scores its entries with torchrec's own ops and sends, for every id,
   its slot or -1 together with its `u` lowest entries. The max over ranks tells every rank
@@ -37,9 +43,10 @@ that is either this rank's or small and gathered:
   otherwise each rank gathers the ranks' unique ids, looks up those its slots hold, and an
   all_reduce (max) gives every rank each id's slot.
 What it costs per table and call: the collection's id check gathers every rank's id count per
-feature with it (one small all_gather for the whole collection, which also sizes every later
-gather, so each is one collective); a call that evicts adds two collectives (the interval's
-unique ids; the match with the lowest entries) and needs no remap lookup; any other call, two.
+feature with it (one all_gather for the whole collection, which also sizes every later gather,
+so each is one collective) and, for each table that evicts in the call, the interval's unique
+ids; a call that evicts adds one collective (the match with the lowest entries; two when the
+fold fell back) and needs no remap lookup; any other call, two.
 Per interval each rank does O(its slots) work, a few passes: the scores, a selection of its
 lowest entries below a threshold from a sample (`SlotShard.lowest`) and, on a rank whose slots
 were evicted, a merge for the new ids (`SlotShard.assign`: gathers, and slice copies for long

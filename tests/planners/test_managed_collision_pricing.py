@@ -101,16 +101,17 @@ def test_collision_state_on_every_rank_as_split_by_slot_range(model):
 
 
 def test_remap_bytes_follow_the_ids_and_the_world():
-    """Per id from each peer: 8 B every step (the ids' gather), 16 B on calls that do not evict
-    (the slots' all-reduce), plus per interval 16 B (counts, last access), 8 W B (every rank's
-    slot of each of the interval's ids) and 24 B per lowest entry; nothing at world 1."""
+    """Per id from each peer: 8 + 16 B on calls that do not evict (the ids' gather, the slots'
+    all-reduce), plus per interval 1.25 x 24 B (ids, counts, last access in the id check, padded
+    a quarter), 8 W B (every rank's slot of each of the interval's ids) and 24 B per lowest entry;
+    nothing at world 1."""
     spec = ManagedCollision(100_001, eviction_interval=4)
     tables = [Table("t_raw", 100_001, 32, pooling_factor=5.0, managed_collision=spec)]
     for world in (1, 2, 8):
         stats = planners.plan_with_stats(tables, Topology(world), batch_size=BATCH).stats
         n = BATCH * 5.0
         lowest = min(world * n, math.ceil(100_000 / world))
-        want = (world - 1) * (8 * n + 16 * n * 3 / 4 + (16 * n + 8 * world * n + 24 * lowest) / 4)
+        want = (world - 1) * (24 * n * 3 / 4 + (1.25 * 24 * n + 8 * world * n + 24 * lowest) / 4)
         assert stats.remap_bytes == pytest.approx(want)
         assert (stats.ranks[0].remap > 0) and (world > 1 or stats.remap_bytes == 0)
 
@@ -177,8 +178,9 @@ def test_cli_per_table_view_shows_zch_size(tmp_path, capsys):
 
 
 def test_calibrated_remap_is_the_measured_latencies_bytes_and_streaming():
-    """Note [calibrated prices]: per step, one gather's latency, and once per interval a second
-    gather's in place of the all-reduce's, the bytes at the measured all-to-all rate, and the work
+    """Note [calibrated prices]: per step, one gather's latency (the ids' gather; at an interval
+    the match's, the ids riding in the id check), and the all-reduce's on calls that do not evict,
+    the bytes at the measured all-to-all rate, and the work
     at the measured streaming rate."""
     from tests.planners.test_calibration import _calibration
 
@@ -187,8 +189,8 @@ def test_calibrated_remap_is_the_measured_latencies_bytes_and_streaming():
     topology = Topology(2, calibration=_calibration())
     stats = planners.plan_with_stats(tables, topology, batch_size=BATCH).stats
     n, usable = BATCH * 3.0, 10_000
-    per_peer = 8 * n + 16 * n / 2 + (16 * n + 16 * n + 24 * min(2 * n, usable / 2)) / 2
-    latency = 200e-6 * (1 + 1 / 2) + 300e-6 * (1 - 1 / 2)
+    per_peer = 24 * n / 2 + (1.25 * 24 * n + 16 * n + 24 * min(2 * n, usable / 2)) / 2
+    latency = 200e-6 + 300e-6 * (1 - 1 / 2)
     work = 2 * n * 8 * (math.log2(2 * n) + math.log2(usable / 2)) + 4 * usable / 2 * (16 + 8) / 2
     want = per_peer / 1e9 + latency + work / 20e9
     assert stats.ranks[0].remap == pytest.approx(want)

@@ -173,6 +173,9 @@ def _refusals() -> list[str]:
     out.append(str(e.value))
     modular.shard(model, ShardingPlan(world_size=world, modules={
         "mc._embedding_module": placements_for("row_wise", model.mc._embedding_module, world)}))  # fmt: skip
+    model.mc(_raw_batch(0, rank))  # an interval done: the next evicting call folds its ids into the check
+    module = model.mc._managed_collision_collection._managed_collision_modules["t_raw"]
+    folds = dict(module._folds)
     state = copy.deepcopy(model.mc._managed_collision_collection.state_dict())
     bad = _raw_batch(0, rank)
     if rank == 1:  # only rank 1's batch holds the bad id; every rank raises
@@ -183,7 +186,9 @@ def _refusals() -> list[str]:
     out.append(str(e.value))
     after = model.mc._managed_collision_collection.state_dict()
     assert all(torch.equal(state[k], after[k]) for k in state), "no state changed"
-    model.mc(_raw_batch(1, rank))  # and the next good batch trains
+    assert module._folds == folds and module._folded is None, "no interval counted, no rows kept"
+    model.mc(_raw_batch(1, rank))  # and the next good batch trains, its ids in the check
+    assert module._folds["folded"] + module._folds["overflow"] == folds["folded"] + folds["overflow"] + 1
     return out
 
 

@@ -73,7 +73,9 @@ def _worker(rank: int, name: str, scale: int, meta: bool, rendezvous: Rendezvous
     ebc(kjt).values().sum().backward()
     if opt is not None:
         opt.step()
-    queue.put((rank, optimizer, status_kib("VmHWM") * 1024 - before, stats.ranks[rank].memory))
+    # on meta, shard also holds the largest table it initialises whole (Note [pricing meta init])
+    predicted = stats.ranks[rank].memory + (stats.ranks[rank].meta_init if meta else 0.0)
+    queue.put((rank, optimizer, status_kib("VmHWM") * 1024 - before, predicted))
     dist.destroy_process_group()
 
 

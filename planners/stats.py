@@ -81,6 +81,10 @@ class RankStats:
     tier_bytes: float = 0.0
     tier_capacity: float = 0.0
     tier_io: float = 0.0
+    # Bytes `modular.shard` holds for a moment beyond `memory` when the model is on meta: the
+    # largest table whose init_fn runs whole on this rank (Note [pricing meta init] in
+    # planners/init_transient.py); not in `memory`, not reserved by the search.
+    meta_init: float = 0.0
 
     @property
     def held(self) -> float:

@@ -1,0 +1,42 @@
+"""Issue 51, peak memory: what `shard` holds for a moment on a meta model beyond the plan
+(Note [pricing meta init] in planners/init_transient.py)."""
+
+from __future__ import annotations
+
+import planners
+from planners import DataType, ShardingType, Table, TableConstraint, Topology
+from planners.init_transient import WHOLE_TABLE_INIT_BYTES
+from planners.types import ShardingPlan, TablePlacement
+
+T = ShardingType
+
+
+def test_the_constant_is_modulars() -> None:
+    from modular.tables.meta_init import WHOLE_TABLE_INIT_BYTES as modulars
+
+    assert WHOLE_TABLE_INIT_BYTES == modulars
+
+
+def test_the_largest_table_a_rank_holds_a_piece_of() -> None:
+    tables = [Table("tw", 1000, 32), Table("rw", 6000, 16), Table("cw", 4000, 64),
+              Table("dp", 3000, 32), Table("half", 2000, 32, dtype=DataType.FP16),
+              Table("huge", 2**28 + 8, 4)]  # over 1 GiB: its init_fn runs per shard  # fmt: skip
+    plan = ShardingPlan(world_size=3, modules={"": {
+        "tw": TablePlacement(T.TABLE_WISE, ranks=(0,)),
+        "rw": TablePlacement(T.ROW_WISE, ranks=(0, 1)),
+        "cw": TablePlacement(T.COLUMN_WISE, ranks=(1, 2), sizes=(32, 32)),
+        "dp": TablePlacement(T.DATA_PARALLEL),
+        "half": TablePlacement(T.ROW_WISE, ranks=(2, 0)),
+        "huge": TablePlacement(T.ROW_WISE, ranks=(0, 1, 2)),
+    }})  # fmt: skip
+    stats = planners.plan_stats(plan, tables, Topology(3, device_memory="80GiB"), batch_size=8)
+    rw, cw, half = 6000 * 16 * 4, 4000 * 64 * 4, 2000 * 32 * 2
+    assert [r.meta_init for r in stats.ranks] == [max(rw, half), max(rw, cw), max(cw, half)]
+    assert all(r.meta_init not in (r.memory, 0.0) for r in stats.ranks)
+
+
+def test_whole_pieces_take_no_more() -> None:
+    tables = [Table(f"t{i}", 5000, 32) for i in range(4)]
+    cons = {t.name: TableConstraint(sharding_types=(T.TABLE_WISE, T.DATA_PARALLEL)) for t in tables}
+    stats = planners.plan_with_stats(tables, Topology(2), batch_size=64, constraints=cons).stats
+    assert [r.meta_init for r in stats.ranks] == [0.0, 0.0]

@@ -392,7 +392,8 @@ class PlanStats:
         rows = [head]
         shown = self.ranks if max_rows is None else self.ranks[:max_rows]
         mem_rows = [f"{'rank':>5} " + " ".join(f"{h:>10}" for _, _, h in memory_parts)
-                    + f" {'batch':>10}" + (f" {'tier':>10} {'tier-io':>8}" if tiered else "")]  # fmt: skip
+                    + f" {'batch':>10}" + (f" {'tier':>10} {'tier-io':>8}" if tiered else "")
+                    + f" {'meta-init':>10}"]  # fmt: skip
         for r in shown:
             rows.append(
                 f"{r.rank:>5} {format_bytes(r.memory):>10} {100 * r.memory / r.capacity:>5.1f} "
@@ -404,7 +405,7 @@ class PlanStats:
                 f"{format_bytes(getattr(r, a)):>10}" for a, _, _ in memory_parts)
                 + f" {format_bytes(r.batch):>10}"
                 + (f" {format_bytes(r.tier_bytes):>10} {scale * r.tier_io:>8.3f}" if tiered
-                   else ""))  # fmt: skip
+                   else "") + f" {format_bytes(r.meta_init):>10}")  # fmt: skip
         if len(shown) < len(self.ranks):
             more = f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}"
             rows.append(more)
@@ -417,7 +418,9 @@ class PlanStats:
                     + "; batch: ids, pooled outputs, wire copies"
                     + ("; tier: tiered tables' stores on the tier (not in memory; "
                        f"{format_bytes(self.ranks[0].tier_capacity)} a rank), tier-io: {unit} of "
-                       "their traffic, in the step unless prefetched" if tiered else ""))  # fmt: skip
+                       "their traffic, in the step unless prefetched" if tiered else "")
+                    + "; meta-init: what `shard` holds for a moment beyond memory when the model is "
+                    "on meta (the largest table it initialises whole here)")  # fmt: skip
         return "\n".join(rows)
 
     def format(self, max_rows: int | None = None) -> str:

@@ -40,3 +40,13 @@ def test_whole_pieces_take_no_more() -> None:
     cons = {t.name: TableConstraint(sharding_types=(T.TABLE_WISE, T.DATA_PARALLEL)) for t in tables}
     stats = planners.plan_with_stats(tables, Topology(2), batch_size=64, constraints=cons).stats
     assert [r.meta_init for r in stats.ranks] == [0.0, 0.0]
+
+
+def test_the_per_rank_view_shows_it() -> None:
+    tables = [Table("rw", 6000, 16)]
+    plan = ShardingPlan(world_size=2, modules={"": {"rw": TablePlacement(T.ROW_WISE, ranks=(0, 1))}})
+    view = planners.plan_stats(plan, tables, Topology(2), batch_size=8).format_ranks()
+    head = next(line for line in view.splitlines() if line.split()[:2] == ["rank", "weights"])
+    assert head.split()[-1] == "meta-init" and "meta-init: what `shard` holds" in view
+    row = next(line for line in view.splitlines()[view.splitlines().index(head) + 1:] if line.split()[0] == "0")
+    assert row.rstrip().endswith(planners.format_bytes(6000 * 16 * 4))

@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Callable
 
-from modular.measure_probes import PLANNER_OPTIMIZER, PROBES, RATE_KEYS, SPREAD, SPREAD_QUICK, probe_plan, spread
+from modular.measure_probes import PLANNER_OPTIMIZER, RATE_KEYS, probe_plan, probes
 from planners.calibration import DATA_PARALLEL, Calibration, KernelRate
 
 __all__ = ["calibrate", "main"]
@@ -212,11 +212,11 @@ def _step_rates(rank: int, world: int, quick: bool, comm: Calibration,
     import torch.distributed as dist
 
     kernel_fixed = comm.kernel_fixed
-    columns: list[str] = ["step_fixed", "sent_id"] + [f"{f}.{k}" for f in RATE_KEYS for k in
-                                                      ("per_id", "per_id_byte", "per_bag_column", "per_table_byte")]  # fmt: skip
+    parts = ("per_id", "per_id_byte", "per_bag_column", "per_table_byte")
+    columns: list[str] = ["step_fixed", "sent_id"] + [f"{f}.{k}" for f in RATE_KEYS for k in parts]
     a, y, weights = [], [], []
-    probes = PROBES + spread(SPREAD_QUICK if quick else SPREAD)
-    for j, (family, kind, per_rank, rows, dim, pooling, bags) in enumerate(probes):
+    timed = probes(quick)
+    for j, (family, kind, per_rank, rows, dim, pooling, bags) in enumerate(timed):
         n = per_rank * (world if kind == "tw" else 1)
         names = [f"t{i}" for i in range(n)]
         step = _model([(t, rows, dim) for t in names], family, probe_plan(kind, n, world), world, None)
@@ -231,7 +231,7 @@ def _step_rates(rank: int, world: int, quick: bool, comm: Calibration,
         row[at: at + 4] = features[2:6]
         a.append(row)
         y.append(measured - wire - kernel_fixed * features[6])
-        say(f"  probe {j + 1}/{len(probes)} {family} {kind} {n} x {rows:_} x {dim}, {bags} x {pooling} ids: "
+        say(f"  probe {j + 1}/{len(timed)} {family} {kind} {n} x {rows:_} x {dim}, {bags} x {pooling} ids: "
             f"{measured * 1e3:.1f} ms")
         weights.append(1.0 / measured)
     # Weighted by 1/measured: the prices are judged by their ratio to the step, so a 5 ms step's
@@ -272,7 +272,7 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
                            all_reduce_bandwidth=ar_bw, stream_bandwidth=stream, step_fixed=0.0,
                            kernel_fixed=kernel_fixed, world_size=world, threads_per_rank=threads,
                            backend="gloo", device="cpu")  # fmt: skip
-        say(f"calibrate: {len(PROBES) + (SPREAD_QUICK if quick else SPREAD)} probe steps (~{'20' if quick else '90'} s)")
+        say(f"calibrate: {len(probes(quick))} probe steps (~{'20' if quick else '90'} s)")
         fitted = _step_rates(rank, world, quick, comm, say)
         say(f"  fixed: {fitted.step_fixed * 1e3:.2f} ms a step, {kernel_fixed * 1e3:.2f} ms per further "
             f"kind of shard, {fitted.sent_id * 1e9:.1f} ns per id sent")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from planners.calibration import DATA_PARALLEL, FAMILIES
 
-__all__ = ["PLANNER_OPTIMIZER", "PROBES", "RATE_KEYS", "ROWS", "SPREAD", "SPREAD_QUICK", "probe_plan", "spread"]
+__all__ = ["PLANNER_OPTIMIZER", "PROBES", "RATE_KEYS", "ROWS", "SPREAD", "SPREAD_QUICK", "probe_plan",
+           "probes", "spread"]
 
 SPREAD, SPREAD_QUICK = 24, 4  # seeded probes beyond the hand-picked ones (`spread`)
 ROWS = 50_000  # rows of a probe's tables: larger than the caches (3 to 25 MiB)
@@ -37,8 +38,9 @@ def spread(n: int, seed: int = 0) -> tuple:
 
     rng, out = random.Random(seed), []
     while len(out) < n:
-        probe = (rng.choice(("fused", "fused", "emulated", "dense")), rng.choice(("tw", "rw", "cw", "twrw", "dp")),
-                 rng.choice((1, 2, 4, 6)), rng.choice((ROWS, 2 * ROWS, 4 * ROWS)), rng.choice((16, 32, 64, 128)),
+        probe = (rng.choice(("fused", "fused", "emulated", "dense")),
+                 rng.choice(("tw", "rw", "cw", "twrw", "dp")), rng.choice((1, 2, 4, 6)),
+                 rng.choice((ROWS, 2 * ROWS, 4 * ROWS)), rng.choice((16, 32, 64, 128)),
                  rng.choice((1, 4, 10, 20)), rng.choice((256, 512, 1024, 2048)))  # fmt: skip
         if probe[2] * probe[5] * probe[6] <= 100_000:
             out.append(probe)
@@ -58,3 +60,8 @@ def probe_plan(kind: str, tables: int, world: int) -> dict:
             else TablePlacement(ShardingType.DATA_PARALLEL) if kind == "dp"
             else TablePlacement(ShardingType.parse(full[kind]), ranks=every)
             for i in range(tables)}  # fmt: skip
+
+
+def probes(quick: bool) -> tuple:
+    """Every probe a calibration times: the hand-picked ones, then the spread."""
+    return PROBES + spread(SPREAD_QUICK if quick else SPREAD)

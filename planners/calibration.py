@@ -29,8 +29,9 @@ the cost model then prices each part of a step with what was measured:
   These are fitted on probe steps of modular at the job's world size, as what the parts above
   leave unexplained: hand-picked corners and a seeded spread over kinds, families, widths,
   poolings and batches, by least squares on each probe's error relative to its step (a 5 ms
-  step's error weighs as much as a 100 ms step's), every constant >= 0. They go into each rank's `fixed` (`RankStats.fixed`): the search places
-  tables with the per-table parts, and the step's prediction adds them.
+  step's error weighs as much as a 100 ms step's), every constant >= 0. They go into each
+  rank's `fixed` (`RankStats.fixed`): the search places tables with the per-table parts, and
+  the step's prediction adds them.
 The file records the machine and the date; the CLI prints both with every priced plan, and
 old files are not refused (a warning past `STALE_DAYS`).
 """
@@ -48,11 +49,14 @@ import numpy as np
 
 from planners.types import PlanError
 
-__all__ = ["Calibration", "CalibrationError", "KernelRate", "DATA_PARALLEL", "FAMILIES", "SCHEMA", "STALE_DAYS"]
+__all__ = ["Calibration", "CalibrationError", "KernelRate", "DATA_PARALLEL", "FAMILIES", "SCHEMA",
+           "STALE_DAYS"]
 
 SCHEMA = "modular-topology/1"
 STALE_DAYS = 30
-ID_BYTES, GRAD_BYTES = 8, 4  # a gathered id (int64) and a gradient float (fp32)
+# a gathered id (int64) and a gradient float (fp32): planners/cost.py's ROW_ID_BYTES and
+# OUTPUT_BYTES, which this module cannot import (cost.py reads a Topology's calibration)
+ID_BYTES, GRAD_BYTES = 8, 4
 # Kernel families, as modular chooses them (modular/fused/choice.py): fbgemm's fused CPU/GPU
 # kernels (SGD, Adagrad, row-wise Adagrad), the exact torch emulation (the Adam family, widths
 # fbgemm cannot take), and the dense kernel that a torch optimizer steps (unfused).
@@ -153,7 +157,9 @@ class Calibration:
             ids = np.where(whole, ids * (1 + world) / 2, ids)  # forward: its own ids
         seconds = 0.0 * rows * row_bytes
         for f, name in enumerate(FAMILIES):
-            rate = self.kernels.get(DATA_PARALLEL[name], self.kernels[name]) if data_parallel else self.kernels[name]
+            rate = self.kernels[name]
+            if data_parallel:  # its own rates where the file has them
+                rate = self.kernels.get(DATA_PARALLEL[name], rate)
             here = rate.seconds(ids, row_bytes, bag_columns, rows * row_bytes)
             seconds = np.where(family == f, here, seconds)
         if data_parallel and fused:
@@ -172,7 +178,8 @@ class Calibration:
         all-reduces the gradient otherwise."""
         if fused:
             touched = rows * -np.expm1(-ids / np.maximum(rows, 1))
-            return self.all_to_all_latency + (world - 1) * touched * (ID_BYTES + cols * GRAD_BYTES) / self.all_to_all_bandwidth
+            gathered = (world - 1) * touched * (ID_BYTES + cols * GRAD_BYTES)
+            return self.all_to_all_latency + gathered / self.all_to_all_bandwidth
         gathered = (world - 1) * (ids * ID_BYTES + bags * cols * GRAD_BYTES)
         replay = self.all_to_all_latency + gathered / self.all_to_all_bandwidth
         reduce = self.all_reduce_latency + rows * cols * elem / self.all_reduce_bandwidth

@@ -28,7 +28,7 @@ def meta_init_bytes(plan: ShardingPlan, table_set: TableSet, world: int) -> list
     out = [0.0] * world
     for fqn, table in table_set:
         placement = plan.placement(fqn, table.name)
-        size = float(table.num_embeddings * table.embedding_dim * table.dtype.num_bytes)
+        size = float(table.weight_bytes)
         if placement.sharding_type is ShardingType.DATA_PARALLEL or size > WHOLE_TABLE_INIT_BYTES:
             continue
         for s in placement.shards(num_embeddings=table.num_embeddings, embedding_dim=table.embedding_dim,

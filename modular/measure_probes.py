@@ -11,9 +11,11 @@ __all__ = ["PLANNER_OPTIMIZER", "PROBES", "RATE_KEYS", "ROWS", "SPREAD", "SPREAD
 SPREAD, SPREAD_QUICK = 24, 4  # seeded probes beyond the hand-picked ones (`spread`)
 ROWS = 50_000  # rows of a probe's tables: larger than the caches (3 to 25 MiB)
 
-# Probe steps: (family, kind, tables per rank, rows, dim, ids per bag, bags). The fixed part and
-# the routing per id are fitted on all of them, each family's rates (a data-parallel copy's apart:
-# `DATA_PARALLEL`) on its own. Hand-picked corners, then a seeded spread over what jobs run.
+# Probe steps: (family, kind, tables per rank, rows, dim, ids per bag, bags). The fixed part, the
+# routing per id and what each further kind of shard adds are fitted on all of them, and how much
+# each family's kernel rates (timed apart, modular/measure_kernels.py) grow inside a step on the
+# family's own (a data-parallel copy's apart: `DATA_PARALLEL`). Hand-picked corners, then a seeded
+# spread over what jobs run.
 PROBES = (
     ("fused", "tw", 1, ROWS, 16, 4, 512), ("fused", "tw", 1, ROWS, 128, 16, 1024),
     ("fused", "rw", 2, ROWS, 64, 8, 1024), ("fused", "cw", 2, ROWS, 64, 4, 2048),
@@ -27,6 +29,10 @@ PROBES = (
     ("dense", "tw", 1, ROWS, 64, 8, 1024), ("dense", "tw", 1, 4 * ROWS, 64, 8, 1024),
     ("dense", "rw", 2, ROWS, 16, 16, 512), ("dense", "tw", 1, ROWS, 128, 2, 2048),
     ("dense", "dp", 2, ROWS, 32, 8, 512),
+    # several kinds of shard on a rank (what each further kind adds: `kernel_fixed`)
+    ("fused", "mix", 4, ROWS, 32, 8, 1024), ("fused", "rwdp", 4, ROWS, 32, 4, 512),
+    ("emulated", "mix", 4, ROWS, 64, 4, 512), ("dense", "rwdp", 2, ROWS, 32, 4, 512),
+    ("fused", "mix", 8, 2 * ROWS, 64, 10, 1024),
 )  # fmt: skip
 
 
@@ -39,7 +45,7 @@ def spread(n: int, seed: int = 0) -> tuple:
     rng, out = random.Random(seed), []
     while len(out) < n:
         probe = (rng.choice(("fused", "fused", "emulated", "dense")),
-                 rng.choice(("tw", "rw", "cw", "twrw", "dp")), rng.choice((1, 2, 4, 6)),
+                 rng.choice(("tw", "rw", "cw", "twrw", "dp", "mix", "rwdp")), rng.choice((1, 2, 4, 6)),
                  rng.choice((ROWS, 2 * ROWS, 4 * ROWS)), rng.choice((16, 32, 64, 128)),
                  rng.choice((1, 4, 10, 20)), rng.choice((256, 512, 1024, 2048)))  # fmt: skip
         if probe[2] * probe[5] * probe[6] <= 100_000:
@@ -52,14 +58,23 @@ PLANNER_OPTIMIZER = {"fused": "rowwise_adagrad", "emulated": "adam", "dense": "u
 
 
 def probe_plan(kind: str, tables: int, world: int) -> dict:
+    """`tables` tables placed as `kind`: one kind for all, or "mix" (the first quarter column-wise,
+    the rest table-wise) or "rwdp" (the first half data-parallel, the rest row-wise)."""
     from planners.types import ShardingType, TablePlacement
 
     every = tuple(range(world))
     full = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "twrw": "table_row_wise"}
-    return {f"t{i}": TablePlacement(ShardingType.TABLE_WISE, ranks=(i % world,)) if kind == "tw"
-            else TablePlacement(ShardingType.DATA_PARALLEL) if kind == "dp"
-            else TablePlacement(ShardingType.parse(full[kind]), ranks=every)
-            for i in range(tables)}  # fmt: skip
+
+    def one(k: str, i: int) -> TablePlacement:
+        if k == "tw":
+            return TablePlacement(ShardingType.TABLE_WISE, ranks=(i % world,))
+        if k == "dp":
+            return TablePlacement(ShardingType.DATA_PARALLEL)
+        return TablePlacement(ShardingType.parse(full[k]), ranks=every)
+
+    mixed = {"mix": lambda i: "cw" if i < max(1, tables // 4) else "tw",
+             "rwdp": lambda i: "dp" if i < max(1, tables // 2) else "rw"}  # fmt: skip
+    return {f"t{i}": one(mixed[kind](i) if kind in mixed else kind, i) for i in range(tables)}
 
 
 def probes(quick: bool) -> tuple:

@@ -8,11 +8,17 @@ Without a file the planner prices a step with the H100 constants of `Topology` (
 HBM, NVLink and the NIC): a bound that no kernel reaches. `calibrate` measures the machine as
 the job's ranks run it (one process per rank over the job's backend, its threads per rank) and
 the cost model then prices each part of a step with what was measured:
-- lookup: modular's own kernels, one table at a time (world of one per rank, all ranks at once,
-  as they share the machine in a step), fitted per kernel family as
-      t = per_id * n + per_id_byte * n * d * e + per_bag_column * b * d
-  for n ids, b bags and d columns of e bytes (`KernelRate`): random row reads and updates cost
-  more than a streaming copy, which is what the H100 constants assume;
+- lookup: modular's own kernels, timed apart from the wire (every rank a one-rank model of its
+  own, all ranks at once as they share the machine in a step) on shapes that span what a shard
+  meets (modular/measure_kernels.py), fitted per kernel family as
+      t = per_id * n + per_id_byte * n*d*e + per_bag_column * b*d + per_table_byte * R*d*e
+          + per_touched_byte * u*d*e + per_shard
+  for n ids, b bags and d columns of e bytes in a shard of R rows, u of them touched
+  (`KernelRate`): random row reads and updates cost more than a streaming copy, which is what
+  the H100 constants assume, an update costs per distinct row, and the Adam family's emulation
+  pays per shard. Inside a step the same kernels run slower or faster than alone (caches shared
+  with the routing, the wire's buffers): one factor per family (and per family's data-parallel
+  copies, `DATA_PARALLEL`) is fitted on the probe steps below;
 - the all-to-alls (input and output dist) and the all-reduce of data-parallel gradients:
   `seconds = latency + bytes / bandwidth`, per peer for all_to_all_single;
 - a data-parallel copy is priced as modular runs it, where the H100 model prices an all-reduce
@@ -20,18 +26,22 @@ the cost model then prices each part of a step with what was measured:
   data-parallel copies] in modular/fused/deferred.py), an unfused one the peers' ids and bag
   gradients when its global batch has at most as many ids as it has rows (Note [dense
   data-parallel copies] in modular/kernels/dense.py; else it all-reduces), and both run their
-  backward and update on the global batch, at rates fitted apart from the sharded tables'
+  backward and update on the global batch, at the family's rates times a factor of their own
   (`DATA_PARALLEL`);
 - what a step costs beyond the kernels and the wire: a fixed part (Python, checks, the
   collectives' latencies, a kernel call), `kernel_fixed` for each further kind of shard a rank
   holds (each runs its own kernels), one all-reduce's latency for data-parallel tables, and
   the rank's own batch: routing per id it sends.
-  These are fitted on probe steps of modular at the job's world size, as what the parts above
-  leave unexplained: hand-picked corners and a seeded spread over kinds, families, widths,
-  poolings and batches, by least squares on each probe's error relative to its step (a 5 ms
-  step's error weighs as much as a 100 ms step's), every constant >= 0. They go into each
-  rank's `fixed` (`RankStats.fixed`): the search places tables with the per-table parts, and
-  the step's prediction adds them.
+  These, with the factors above, are fitted on probe steps of modular at the job's world size,
+  as what the parts above leave unexplained: hand-picked corners (some with several kinds of
+  shard on a rank) and a seeded spread over kinds, families, widths, poolings and batches, by
+  least squares on each probe's error relative to its step (a 5 ms step's error weighs as much
+  as a 100 ms step's), every constant >= 0. They go into each rank's `fixed`
+  (`RankStats.fixed`): the search places tables with the per-table parts, and the step's
+  prediction adds them.
+- the collectives' latency is the median of a small message alone, their bandwidth the slope
+  above it through larger ones timed in turn (`_interleaved` in modular/measure.py), so that a
+  slow minute of the machine does not fall on one size.
 The file records the machine and the date; the CLI prints both with every priced plan, and
 old files are not refused (a warning past `STALE_DAYS`).
 """
@@ -80,19 +90,32 @@ class CalibrationError(PlanError):
 
 @dataclass(frozen=True)
 class KernelRate:
-    """Seconds of one kernel family's forward + backward (+ update) for n ids of d columns of e
-    bytes into b bags, in a shard of R rows: per_id * n + per_id_byte * n*d*e + per_bag_column *
-    b*d + per_table_byte * R*d*e (the last is the dense kernel's: its torch optimizer steps
-    over the whole gradient buffer, Note [dense gradient buffer] in modular/kernels/dense.py)."""
+    """Seconds of one kernel family's forward + backward (+ update) of one shard of R rows, for
+    n ids of d columns of e bytes into b bags, u of its rows touched:
+        per_id * n + per_id_byte * n*d*e + per_bag_column * b*d + per_table_byte * R*d*e
+        + per_touched_byte * u*d*e + per_shard
+    `per_table_byte` is the dense kernel's (its torch optimizer steps over the whole gradient
+    buffer, Note [dense gradient buffer] in modular/kernels/dense.py); `per_touched_byte` the
+    update of the distinct rows a step touches (a fused optimizer's rows and their state), u = R
+    (1 - exp(-n / R)) for ids drawn uniformly; `per_shard` what each shard's kernel call costs
+    whatever its size (the Adam family's emulation runs per table). Files written before the last
+    two were measured price them at 0."""
 
     per_id: float
     per_id_byte: float
     per_bag_column: float
     per_table_byte: float = 0.0
+    per_touched_byte: float = 0.0
+    per_shard: float = 0.0
 
-    def seconds(self, ids: Any, row_bytes: Any, bag_columns: Any, table_bytes: Any) -> Any:
+    PARTS = ("per_id", "per_id_byte", "per_bag_column", "per_table_byte", "per_touched_byte",
+             "per_shard")  # its fields, in order (what calibrate fits)
+
+    def seconds(self, ids: Any, row_bytes: Any, bag_columns: Any, table_bytes: Any,
+                touched_bytes: Any = 0.0) -> Any:  # fmt: skip
         return (self.per_id * ids + self.per_id_byte * ids * row_bytes
-                + self.per_bag_column * bag_columns + self.per_table_byte * table_bytes)  # fmt: skip
+                + self.per_bag_column * bag_columns + self.per_table_byte * table_bytes
+                + self.per_touched_byte * touched_bytes + self.per_shard)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)  # its rates are a dict: compared and hashed by identity
@@ -156,11 +179,12 @@ class Calibration:
             whole = fused | replays(world, ids, rows)
             ids = np.where(whole, ids * (1 + world) / 2, ids)  # forward: its own ids
         seconds = 0.0 * rows * row_bytes
+        touched = rows * -np.expm1(-ids / np.maximum(rows, 1))  # distinct rows of uniform ids
         for f, name in enumerate(FAMILIES):
             rate = self.kernels[name]
             if data_parallel:  # its own rates where the file has them
                 rate = self.kernels.get(DATA_PARALLEL[name], rate)
-            here = rate.seconds(ids, row_bytes, bag_columns, rows * row_bytes)
+            here = rate.seconds(ids, row_bytes, bag_columns, rows * row_bytes, touched * row_bytes)
             seconds = np.where(family == f, here, seconds)
         if data_parallel and fused:
             return seconds

@@ -93,6 +93,44 @@ def test_calibrated_prices_are_the_measured_rates_plus_the_fixed_part() -> None:
     assert dense.ranks[0].lookup == pytest.approx(want, rel=1e-9)
 
 
+def test_touched_rows_and_each_shards_call_are_priced_per_shard() -> None:
+    """`per_touched_byte` prices the distinct rows a shard's ids touch (N (1 - exp(-n / N)) of
+    uniform ids) and `per_shard` each shard's call: worked out by hand for a row-wise table."""
+    rate = KernelRate(per_id=0.0, per_id_byte=0.0, per_bag_column=0.0, per_touched_byte=1e-9, per_shard=1e-4)
+    cal = _calibration(kernels={**RATES, "fused": rate})
+    plan = ShardingPlan(world_size=2, modules={"": {"t0": TablePlacement(ShardingType.ROW_WISE, ranks=(0, 1))}})
+    stats = planners.plan_stats(plan, _tables()[:1], planners.Topology(2, calibration=cal), batch_size=100,
+                                optimizer="sgd")  # fmt: skip
+    rows, ids = 5_000, 2 * 100 * 10 / 2  # half the rows; half of both ranks' ids
+    touched = rows * (1 - math.exp(-ids / rows))
+    assert stats.ranks[0].lookup == pytest.approx(touched * 64 * 4 * 1e-9 + 1e-4, rel=1e-9)
+    # A file written before these two were measured prices them at 0.
+    data = _calibration().to_json()
+    for r in data["kernels"].values():
+        del r["per_touched_byte"], r["per_shard"]
+    assert Calibration.from_json(data).kernels["fused"] == RATES["fused"]
+
+
+def test_kernel_rates_are_recovered_from_their_shapes() -> None:
+    """calibrate's kernel fit (modular/measure_kernels.py) over its own shapes: steps made from
+    known rates plus a one-rank step's fixed part give those rates back, and the shapes tell
+    every rate apart."""
+    import numpy as np
+
+    from modular.measure_kernels import fit_kernel_rate, kernel_features, kernel_shapes
+
+    want = KernelRate(per_id=30e-9, per_id_byte=0.01e-9, per_bag_column=1e-9, per_table_byte=0.0,
+                      per_touched_byte=0.3e-9, per_shard=20e-6)  # fmt: skip
+    for quick in (False, True):
+        shapes = kernel_shapes(quick)
+        a = np.array([kernel_features(*s) + [1.0] for s in shapes])
+        assert len(set(shapes)) == len(shapes) and np.linalg.matrix_rank(a) == a.shape[1]
+        seconds = a @ np.array([getattr(want, p) for p in KernelRate.PARTS] + [0.4e-3])
+        got = fit_kernel_rate(shapes, list(seconds))
+        for part in KernelRate.PARTS:
+            assert getattr(got, part) == pytest.approx(getattr(want, part), rel=1e-6, abs=1e-15), part
+
+
 def test_fixed_costs_count_kinds_of_shards_and_data_parallel_tables() -> None:
     topology = planners.Topology(2, calibration=_calibration(sent_id=0.0))
     mixed = ShardingPlan(world_size=2, modules={"": {
@@ -176,7 +214,7 @@ def test_calibrate_measures_this_machine_and_writes_a_file_plan_reads(tmp_path: 
     out = tmp_path / "h.json"
     assert main(["calibrate", "--out", str(out), "--world-size", "2", "--quick"]) == 0
     printed = capsys.readouterr().out
-    assert "probe steps" in printed and f"wrote {out}" in printed
+    assert "probe steps" in printed and "shapes, apart from the wire" in printed and f"wrote {out}" in printed
     cal = planners.Topology.from_file(str(out)).calibration
     assert cal is not None and cal.world_size == 2 and cal.backend == "gloo"
     assert cal.step_fixed > 0 and all(math.isfinite(cal.kernels[f].per_id_byte) for f in cal.kernels)

@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Callable
 
-from modular.measure_kernels import fit_kernel_rate, kernel_shapes, nonnegative_lstsq
+from modular.measure_kernels import fit_kernel_rate, kernel_shapes, robust_lstsq
 from modular.measure_probes import PLANNER_OPTIMIZER, RATE_KEYS, probe_plan, probes
 from planners.calibration import DATA_PARALLEL, FAMILIES, Calibration, KernelRate
 
@@ -233,24 +233,28 @@ def _step_rates(rank: int, world: int, quick: bool, comm: Calibration, rates: di
         dist.barrier()
         measured = _slowest(_median_seconds(lambda i: step(kjts[i % len(kjts)]), 6 if quick else 20))
         del step
-        (one, sent, own, copies, kinds), wire = _features(family, kind, n, rows, dim, pooling, bags,
-                                                          world, comm, rates)  # fmt: skip
+        (one, sent, *per_key, kinds), wire = _features(family, kind, n, rows, dim, pooling, bags,
+                                                       world, comm, rates)  # fmt: skip
         row = [0.0] * len(columns)
         row[0], row[1], row[2] = one, sent, kinds
-        row[columns.index(family)], row[columns.index(DATA_PARALLEL[family])] = own, copies
+        for key, seconds in zip((family, DATA_PARALLEL[family]), per_key):
+            row[columns.index(key)] = seconds
         a.append(row)
         y.append(measured - wire)
         say(f"  probe {j + 1}/{len(timed)} {family} {kind} {n} x {rows:_} x {dim}, {bags} x {pooling} ids: "
             f"{measured * 1e3:.1f} ms")
         weights.append(1.0 / measured)
     # Weighted by 1/measured: the prices are judged by their ratio to the step, so a 5 ms step's
-    # error counts as much as a 100 ms step's.
-    w = np.array(weights)[:, None]
-    coef = nonnegative_lstsq(np.array(a) * w, np.array(y) * w[:, 0])
+    # error counts as much as a 100 ms step's; robust, so that a probe the machine slowed does not
+    # move every constant.
+    coef = robust_lstsq(np.array(a), np.array(y), np.array(weights))
     c = dict(zip(columns, (float(x) for x in coef)))
     kernels = {}
-    for key in RATE_KEYS:
-        family = key.removesuffix("_dp")
+    seen = np.array(a).any(axis=0)
+    for key, used in zip(RATE_KEYS, seen[3:]):
+        family = next(f for f in FAMILIES if key.startswith(f))
+        if not used and key != family:  # no probe ran it: priced at the family's rates
+            continue
         kernels[key] = KernelRate(*(c[key] * getattr(rates[family], part) for part in PARTS))
         say(f"  {key}: x{c[key]:.2f} the {family} kernels' rates inside a step")
     return dataclasses.replace(comm, kernels=kernels, step_fixed=c["step_fixed"], sent_id=c["sent_id"],

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from planners.calibration import FAMILIES, KernelRate
 
-__all__ = ["KERNEL_SHAPES", "fit_kernel_rate", "kernel_features", "kernel_shapes", "nonnegative_lstsq"]
+__all__ = ["KERNEL_SHAPES", "fit_kernel_rate", "kernel_features", "kernel_shapes", "nonnegative_lstsq",
+           "robust_lstsq"]
 
 # Hand-picked corners (tables, rows, dim, ids per table, bags per table): many tiny shards (what a
 # call costs), pooling 1, a wide and a narrow table beyond the caches, a large batch.
@@ -62,6 +63,23 @@ def nonnegative_lstsq(a, y):
         keep &= coef > 0
 
 
+def robust_lstsq(a, y, w, rounds: int = 6):
+    """`nonnegative_lstsq` of w*a against w*y, made robust: a few rounds that weigh down the rows
+    whose weighted error is beyond 1.5 robust standard deviations (Huber's weights), so that one
+    step the machine slowed (a shared VM's steps vary 2x at times) does not move every rate."""
+    import numpy as np
+
+    h = np.ones(len(y))
+    for _ in range(rounds):
+        coef = nonnegative_lstsq(a * (w * h)[:, None], y * w * h)
+        r = np.abs(a @ coef - y) * w
+        scale = 1.4826 * float(np.median(r))
+        if scale <= 0:
+            break
+        h = np.sqrt(np.minimum(1.0, 1.5 * scale / np.maximum(r, 1e-300)))
+    return coef
+
+
 def fit_kernel_rate(shapes: tuple, seconds: list[float]) -> KernelRate:
     """One family's rates from its steps on `shapes`: a least squares of each shape's error
     relative to its step. A step of a one-rank model costs something whatever its shards
@@ -71,6 +89,5 @@ def fit_kernel_rate(shapes: tuple, seconds: list[float]) -> KernelRate:
 
     a = np.array([kernel_features(*shape) + [1.0] for shape in shapes])
     y = np.array(seconds)
-    w = 1.0 / y
-    coef = nonnegative_lstsq(a * w[:, None], y * w)
+    coef = robust_lstsq(a, y, 1.0 / y)
     return KernelRate(*(float(c) for c in coef[:-1]))

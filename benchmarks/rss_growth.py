@@ -1,5 +1,7 @@
 """Issue 51's peak-RSS check: each rank's peak RSS growth over `fuse_optimizer` + `shard` + one
-step, against the planner's predicted total for that rank (`plan_stats(...).ranks[r].memory`).
+step, against the planner's prediction for that rank: `plan_stats(...).ranks[r].memory`, or with
+`--meta` its `peak` (more where an unfused optimizer's step temporaries outgrow the batch's
+buffers) plus `meta_init`.
 
     python benchmarks/rss_growth.py                 # tables x100 the suite's: 40-200 MB a config
     python benchmarks/rss_growth.py --scale 1000    # 0.4-2 GB a config
@@ -73,8 +75,12 @@ def _worker(rank: int, name: str, scale: int, meta: bool, rendezvous: Rendezvous
     ebc(kjt).values().sum().backward()
     if opt is not None:
         opt.step()
-    # on meta, shard also holds the largest table it initialises whole (Note [pricing meta init])
-    predicted = stats.ranks[rank].memory + (stats.ranks[rank].meta_init if meta else 0.0)
+    # On meta, everything is new: the step's peak (held + the larger of the batch and an unfused
+    # optimizer's step temporaries, Note [pricing step transients]) and the largest table shard
+    # initialises whole (Note [pricing meta init]). A materialised model's growth is net of the
+    # weights shard frees, which the step's temporaries then reuse: its memory.
+    r = stats.ranks[rank]
+    predicted = r.peak + r.meta_init if meta else r.memory
     queue.put((rank, optimizer, status_kib("VmHWM") * 1024 - before, predicted))
     dist.destroy_process_group()
 

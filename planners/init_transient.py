@@ -1,5 +1,5 @@
-"""What `modular.shard` holds for a moment beyond the plan when the model is on meta (pure
-Python: the planner never imports modular).
+"""What a rank holds for a moment beyond the plan: `modular.shard` on a meta model, and an
+unfused torch optimizer's step (pure Python: the planner never imports modular).
 
 Note [pricing meta init]
 A meta table of at most `WHOLE_TABLE_INIT_BYTES` runs its `init_fn` once on the whole table on
@@ -11,16 +11,35 @@ table (table-wise, data-parallel copies: filled in place), nor a larger table (i
 per shard), nor a materialised model (its pieces are copied from the weights it already holds).
 It is reported, not reserved: the search plans the steady state; a job that shards a meta
 model on a rank with less room than `memory + meta_init` may fail at `shard`.
+
+Note [pricing step transients]
+An unfused table's torch optimizer steps each local piece (`modular.local_parameters`: one
+tensor per shard, a data-parallel copy whole) one after the other on CPU (torch's default
+there is not `foreach`), with temporaries as large as the piece, in its dtype:
+- Adam: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: the square root and
+  the quotient, both alive for a moment, 2 pieces;
+- Adagrad: `std = state_sum.sqrt().add_(eps)`, 1 piece;
+- SGD (no momentum): `param.add_(grad, alpha=-lr)`, none.
+The step runs after backward has freed the batch's buffers (ids, pooled outputs and their
+gradients), so a rank's peak is its held bytes plus the larger of its batch and the step's
+transient (`RankStats.peak`), not their sum. `RankStats.step_transient` is the transient;
+like `meta_init` it is reported, not reserved by the search. Measured (benchmarks/rss_growth.py,
+unfused_adam, rows x100): the peak grew 60 MiB beyond the planned memory, whose largest piece
+is a 36.6 MiB data-parallel copy.
 """
 
 from __future__ import annotations
 
+from planners.assumptions import Optimizer
 from planners.model_tables import TableSet
 from planners.types import ShardingPlan, ShardingType
 
-__all__ = ["WHOLE_TABLE_INIT_BYTES", "meta_init_bytes"]
+__all__ = ["STEP_TEMPORARIES", "WHOLE_TABLE_INIT_BYTES", "meta_init_bytes", "step_transient_bytes"]
 
 WHOLE_TABLE_INIT_BYTES = 1 << 30  # modular/tables/meta_init.py's
+# Temporaries as large as the piece a torch optimizer's step holds at once (Note [pricing step
+# transients]); fused optimizers step inside backward, on rows, and are not here.
+STEP_TEMPORARIES = {Optimizer.UNFUSED_ADAM: 2, Optimizer.UNFUSED_ADAGRAD: 1}
 
 
 def meta_init_bytes(plan: ShardingPlan, table_set: TableSet, world: int) -> list[float]:
@@ -35,4 +54,25 @@ def meta_init_bytes(plan: ShardingPlan, table_set: TableSet, world: int) -> list
                                   world_size=world, table=table.name):  # fmt: skip
             if (s.num_rows, s.num_cols) != (table.num_embeddings, table.embedding_dim):
                 out[s.rank] = max(out[s.rank], size)
+    return out
+
+
+def step_transient_bytes(plan: ShardingPlan, table_set: TableSet, world: int,
+                         optimizer: Optimizer) -> list[float]:  # fmt: skip
+    """Per rank, what an unfused optimizer's step holds for a moment: its temporaries for the
+    rank's largest local piece (Note [pricing step transients])."""
+    out = [0.0] * world
+    count = STEP_TEMPORARIES.get(optimizer, 0)
+    if not count:
+        return out
+    for fqn, table in table_set:
+        placement = plan.placement(fqn, table.name)
+        row_bytes = table.weight_bytes / max(table.num_embeddings * table.embedding_dim, 1)
+        if placement.sharding_type is ShardingType.DATA_PARALLEL:
+            for r in range(world):
+                out[r] = max(out[r], count * float(table.weight_bytes))
+            continue
+        for s in placement.shards(num_embeddings=table.num_embeddings, embedding_dim=table.embedding_dim,
+                                  world_size=world, table=table.name):  # fmt: skip
+            out[s.rank] = max(out[s.rank], count * row_bytes * s.num_rows * s.num_cols)
     return out

@@ -85,6 +85,16 @@ class RankStats:
     # largest table whose init_fn runs whole on this rank (Note [pricing meta init] in
     # planners/init_transient.py); not in `memory`, not reserved by the search.
     meta_init: float = 0.0
+    # Bytes an unfused torch optimizer's step holds for a moment (its temporaries for the rank's
+    # largest piece, Note [pricing step transients] in planners/init_transient.py); not in
+    # `memory` (the step runs once the batch's buffers are freed: `peak`), not reserved.
+    step_transient: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        """The rank's peak bytes over a step: what it holds plus the larger of the batch's
+        buffers (forward and backward) and the optimizer step's temporaries (after them)."""
+        return self.held + max(self.batch, self.step_transient)
 
     @property
     def held(self) -> float:

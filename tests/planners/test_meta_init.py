@@ -50,3 +50,25 @@ def test_the_per_rank_view_shows_it() -> None:
     assert head.split()[-1] == "meta-init" and "meta-init: what `shard` holds" in view
     row = next(line for line in view.splitlines()[view.splitlines().index(head) + 1:] if line.split()[0] == "0")
     assert row.rstrip().endswith(planners.format_bytes(6000 * 16 * 4))
+
+
+def test_an_unfused_optimizers_step_temporaries_for_the_largest_piece() -> None:
+    """Note [pricing step transients]: Adam's step holds two temporaries as large as the rank's
+    largest local piece, Adagrad's one, SGD's none; a data-parallel copy is a whole table. The
+    peak is what the rank holds plus the larger of the batch and the step's temporaries."""
+    tables = [Table("rw", 6000, 16), Table("dp", 1000, 32), Table("half", 9000, 32, dtype=DataType.FP16)]
+    plan = ShardingPlan(world_size=2, modules={"": {
+        "rw": TablePlacement(T.ROW_WISE, ranks=(0, 1), sizes=(4000, 2000)),
+        "dp": TablePlacement(T.DATA_PARALLEL),
+        "half": TablePlacement(T.TABLE_WISE, ranks=(1,)),
+    }})  # fmt: skip
+    piece = {0: max(4000 * 16 * 4, 1000 * 32 * 4), 1: max(2000 * 16 * 4, 1000 * 32 * 4, 9000 * 32 * 2)}
+    for optimizer, count in (("unfused_adam", 2), ("unfused_adagrad", 1), ("unfused_sgd", 0), ("adam", 0)):
+        stats = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer=optimizer)
+        assert [r.step_transient for r in stats.ranks] == [count * piece[0], count * piece[1]], optimizer
+        for r in stats.ranks:
+            assert r.peak == r.held + max(r.batch, r.step_transient)
+            assert r.peak >= r.memory and (r.peak > r.memory) == (r.step_transient > r.batch)
+    # with a small batch Adam's temporaries set the peak
+    adam = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer="unfused_adam").ranks[1]
+    assert adam.peak == adam.held + 2 * 9000 * 32 * 2 > adam.memory

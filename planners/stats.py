@@ -395,6 +395,7 @@ class PlanStats:
             shown_parts.append(("remap", "mc-remap", "managed-collision remap: raw ids to slots"))
         tiered = any(r.cache or r.tier_bytes for r in self.ranks)
         mc = any(r.collision_state for r in self.ranks)
+        stepped = any(r.step_transient for r in self.ranks)  # an unfused optimizer's temporaries
         memory_parts = (MEMORY_PARTS[:4] + ((("cache", "", "cache"),) if tiered else ())
                         + ((("collision_state", "", "mc-state"),) if mc else ()))  # fmt: skip
         head = (f"{'rank':>5} {'memory':>10} {'use%':>5} {'cost ' + unit:>9} "
@@ -403,7 +404,7 @@ class PlanStats:
         shown = self.ranks if max_rows is None else self.ranks[:max_rows]
         mem_rows = [f"{'rank':>5} " + " ".join(f"{h:>10}" for _, _, h in memory_parts)
                     + f" {'batch':>10}" + (f" {'tier':>10} {'tier-io':>8}" if tiered else "")
-                    + f" {'meta-init':>10}"]  # fmt: skip
+                    + (f" {'step-temp':>10}" if stepped else "") + f" {'meta-init':>10}"]  # fmt: skip
         for r in shown:
             rows.append(
                 f"{r.rank:>5} {format_bytes(r.memory):>10} {100 * r.memory / r.capacity:>5.1f} "
@@ -415,7 +416,8 @@ class PlanStats:
                 f"{format_bytes(getattr(r, a)):>10}" for a, _, _ in memory_parts)
                 + f" {format_bytes(r.batch):>10}"
                 + (f" {format_bytes(r.tier_bytes):>10} {scale * r.tier_io:>8.3f}" if tiered
-                   else "") + f" {format_bytes(r.meta_init):>10}")  # fmt: skip
+                   else "") + (f" {format_bytes(r.step_transient):>10}" if stepped else "")
+                + f" {format_bytes(r.meta_init):>10}")  # fmt: skip
         if len(shown) < len(self.ranks):
             more = f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}"
             rows.append(more)
@@ -429,6 +431,8 @@ class PlanStats:
                     + ("; tier: tiered tables' stores on the tier (not in memory; "
                        f"{format_bytes(self.ranks[0].tier_capacity)} a rank), tier-io: {unit} of "
                        "their traffic, in the step unless prefetched" if tiered else "")
+                    + ("; step-temp: what the torch optimizer's step holds for a moment once the "
+                       "batch is freed (peak: held + the larger of batch and step-temp)" if stepped else "")
                     + "; meta-init: what `shard` holds for a moment beyond memory when the model is "
                     "on meta (the largest table it initialises whole here)")  # fmt: skip
         return "\n".join(rows)
@@ -460,6 +464,7 @@ class PlanStats:
                  "tier_bytes": r.tier_bytes, "tier_io_s": r.tier_io,
                  **{c: getattr(r, c) for c in _COMPONENTS},
                  **{a: getattr(r, a) for a, _, _ in MEMORY_PARTS}, "batch": r.batch,
+                 "meta_init": r.meta_init, "step_transient": r.step_transient, "peak": r.peak,
                  "tables": [n for n, _ in r.tables]}
                 for r in self.ranks
             ],

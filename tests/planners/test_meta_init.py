@@ -69,6 +69,13 @@ def test_an_unfused_optimizers_step_temporaries_for_the_largest_piece() -> None:
         for r in stats.ranks:
             assert r.peak == r.held + max(r.batch, r.step_transient)
             assert r.peak >= r.memory and (r.peak > r.memory) == (r.step_transient > r.batch)
-    # with a small batch Adam's temporaries set the peak
-    adam = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer="unfused_adam").ranks[1]
+    # with a small batch Adam's temporaries set the peak; the per-rank view and the dict show them
+    stats = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer="unfused_adam")
+    adam = stats.ranks[1]
     assert adam.peak == adam.held + 2 * 9000 * 32 * 2 > adam.memory
+    assert stats.to_dict()["ranks"][1]["peak"] == adam.peak
+    view = stats.format_ranks()
+    head = next(line for line in view.splitlines() if line.split()[:2] == ["rank", "weights"])
+    assert head.split()[-2:] == ["step-temp", "meta-init"] and "step-temp: what the torch optimizer" in view
+    sgd = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer="unfused_sgd")
+    assert "step-temp" not in sgd.format_ranks()

@@ -1,6 +1,21 @@
 """Installs the split collision state in a managed-collision module's collection, and checks a
 batch's raw ids on every rank before any state changes (Note [sharded managed collisions] in
-modular/mc/sharded_mch.py)."""
+modular/mc/sharded_mch.py).
+
+Note [managed collisions of a variable batch]
+A VBE KeyedJaggedTensor (`stride_per_key_per_rank`, `inverse_indices`: a feature with fewer bags
+than samples) is remapped as torchrec's unsharded module remaps the global VBE batch: each
+feature's bags of every rank in rank order, its strides one per rank, the inverse indices shifted
+past the earlier ranks' bags. torchrec's collection takes such a batch as it is (it remaps value
+by value and hands the strides and inverse indices on), and the split state reads a batch only
+as each rank's ids per feature, in that order (the history, its cut, the counts, the remap), so
+nothing in it depends on the bags; the inner EBC then pools the rank's bags and expands them
+(Note [variable batch per feature] in modular/routing/variable_batch.py). A rank may pass a VBE
+batch beside plain ones. An EmbeddingCollection sharded by modular takes no VBE batch, so the
+collection of an MC-EC refuses one in its id check, on every rank and before any state changes
+(else the inner EC would refuse it after the remap had recorded and evicted). The replicated
+path (Note [managed collisions over the global batch]) refuses VBE batches on every rank too.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -21,6 +37,7 @@ from modular.mc.sharded_mch import ShardedMCHModule
 __all__ = ["check_ids", "split_collisions", "why_not_split", "with_forward"]
 
 _SUBCLASSES: dict[tuple[type, str], type] = {}
+_VBE_FOR_EC = -2  # the bound of a check's row that refuses a VBE batch for an EC's collisions
 
 
 def why_not_split(mcc: nn.Module) -> Optional[str]:
@@ -95,9 +112,17 @@ def check_ids(mcc: nn.Module, features: KeyedJaggedTensor, group: Optional[Proce
 
 
 def _first_bad(mcc: nn.Module, features: KeyedJaggedTensor) -> torch.Tensor:
-    """(feature index, id, bound) of this rank's first bad id; (features, 0, 0) when none."""
+    """(feature index, id, bound) of this rank's first bad id; (features, 0, 0) when none. A VBE
+    batch for an EC's collisions is bad at its first feature of its own bag count: (feature
+    index, that count, _VBE_FOR_EC) (Note [managed collisions of a variable batch])."""
     keys = features.keys()
     tables = mcc._feature_to_table
+    if features.variable_stride_per_key() and all(isinstance(c, EmbeddingConfig) for c in mcc._embedding_configs):
+        strides = [s[0] if len(s) == 1 else sum(s) for s in features.stride_per_key_per_rank()]
+        inverse = features.inverse_indices_or_none()
+        batch = inverse[1].shape[1] if inverse is not None else max(strides)
+        k = next((k for k, s in enumerate(strides) if s != batch), 0)
+        return torch.tensor([k, strides[k], _VBE_FOR_EC], dtype=torch.int64)
     for k, (key, values) in enumerate(zip(keys, features.values().split(features.length_per_key()))):
         module = mcc._managed_collision_modules[tables[key]] if key in tables else None
         bound = getattr(module, "_input_hash_size", None)
@@ -128,6 +153,14 @@ def _gather_checked(mcc: nn.Module, features: KeyedJaggedTensor, first: torch.Te
         return found[:, 3 : 3 + len(keys)], [found[:, e - p.numel() : e] for p, e in zip(pieces, ends)]
     rank = int((found[:, 0] == k).nonzero()[0, 0])
     value, bound = int(found[rank, 1]), int(found[rank, 2])
+    if bound == _VBE_FOR_EC:
+        raise InputError(
+            f"managed-collision feature {keys[k]!r}: rank {rank}'s batch has a batch size per "
+            f"feature (a VBE KeyedJaggedTensor, {value} bags of {keys[k]!r}), but the "
+            f"ManagedCollisionEmbeddingCollection of tables {sorted(mcc._managed_collision_modules)} "
+            "feeds an EmbeddingCollection, which takes no variable batch sharded; expand the batch "
+            "to one bag per sample for it. Nothing was remapped or recorded"
+        )
     raise InputError(
         f"managed-collision feature {keys[k]!r}: rank {rank}'s batch has id {value}, outside "
         f"[0, input_hash_size={None if bound < 0 else bound}) of table {tables.get(keys[k], keys[k])!r}; "

@@ -3,14 +3,15 @@ batch per feature").
 
 Each rank passes torchrec's VBE KeyedJaggedTensor (a request-level feature with one bag per
 request, `stride_per_key_per_rank` and `inverse_indices`; ranks with different strides; in a world
-of 3 one rank's batch a plain one at odd steps). The reference is torchrec's unsharded MC-EBC fed
-the global VBE batch: every rank's bags concatenated feature by feature in rank order, each
-feature's strides one per rank and the inverse indices shifted to point into them, which is what
-torchrec's unsharded module takes as it is. Step by step: the remapped ids, what `evict()`
-reports, the collision state, the outputs, the gradients and the weights, at worlds 2 and 3
-under row-wise, table-wise, column-wise, table-row-wise and data-parallel plans, eviction
-intervals 1 and 3, fused and not. A bad id in a VBE batch raises InputError on every rank naming
-the feature, nothing changed; an MC-EC refuses a VBE batch on every rank before its state changes.
+of 3 one rank's batch a plain one at odd steps; once a rank with no samples). The reference is
+torchrec's unsharded MC-EBC fed the global VBE batch: every rank's bags concatenated feature by
+feature in rank order, each feature's strides one per rank and the inverse indices shifted to
+point into them, which is what torchrec's unsharded module takes as it is. Step by step: the
+remapped ids, what `evict()` reports, the collision state, the outputs, the gradients and the
+weights, at worlds 2 and 3 under row-wise, table-wise, column-wise, table-row-wise and
+data-parallel plans, eviction intervals 1 and 3, fused and not. A bad id in a VBE batch raises
+InputError on every rank naming the feature, nothing changed; an MC-EC, and a collision module
+that stays replicated, refuse a VBE batch on every rank before their state changes.
 """
 
 from __future__ import annotations
@@ -56,7 +57,14 @@ def vbe_batch(step: int, rank: int, plain: bool = False) -> KeyedJaggedTensor:
 
 
 def rank_batches(step: int, world: int) -> list[KeyedJaggedTensor]:
-    return [vbe_batch(step, r, plain=world == 3 and r == 2 and step % 2 == 1) for r in range(world)]
+    """Every rank's batch of one step; in a world of 3 the last rank's is a plain one at odd
+    steps, and at step 5 rank 0 has no samples (a VBE batch of 0 bags)."""
+    out = [vbe_batch(step, r, plain=world == 3 and r == 2 and step % 2 == 1) for r in range(world)]
+    if step == 5:
+        none = torch.zeros(0, dtype=torch.int64)
+        out[0] = KeyedJaggedTensor(keys=KEYS, values=none, lengths=none, stride_per_key_per_rank=[[0], [0]],
+                                   inverse_indices=(KEYS, none.view(2, 0)))  # fmt: skip
+    return out
 
 
 def _strides(kjt: KeyedJaggedTensor) -> list[int]:
@@ -112,7 +120,8 @@ def _train(kind: str, policy: str, interval: int, fused: Optional[str]) -> int:
     evicted, ref_evicted = [], []
     _recording_evict(mcc, evicted)
     _recording_evict(ref_mcc, ref_evicted)
-    weight, ref_weight = model.mc._embedding_module.embedding_bags["t_raw"].weight, ref.mc._embedding_module.embedding_bags["t_raw"].weight
+    weight = model.mc._embedding_module.embedding_bags["t_raw"].weight
+    ref_weight = ref.mc._embedding_module.embedding_bags["t_raw"].weight
     label = f"{kind} {policy} interval {interval} fused={fused}, rank {rank}/{world}"
     evictions = 0
     for step in range(STEPS):
@@ -126,9 +135,10 @@ def _train(kind: str, policy: str, interval: int, fused: Optional[str]) -> int:
         for k, key in enumerate(KEYS):  # this rank's remapped ids: its bags of the global batch's
             lengths = ref_remapped[key].lengths()
             before, mine = int(bags[:rank, k].sum()), int(bags[rank, k])
-            start = int(lengths[:before].sum())
+            start, count = int(lengths[:before].sum()), int(lengths[before: before + mine].sum())
             assert torch.equal(remapped[key].lengths(), lengths[before: before + mine]), f"{at}: {key} lengths"
-            assert torch.equal(remapped[key].values(), ref_remapped[key].values()[start: start + int(lengths[before: before + mine].sum())]), f"{at}: {key} remapped ids"
+            want = ref_remapped[key].values()[start: start + count]
+            assert torch.equal(remapped[key].values(), want), f"{at}: {key} remapped ids"
         assert remapped.stride_per_key_per_rank() == batches[rank].stride_per_key_per_rank(), f"{at}: strides"
         got, want = evicted.pop(), ref_evicted.pop()
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), f"{at}: evict() {got} != {want}"
@@ -150,6 +160,8 @@ def _train(kind: str, policy: str, interval: int, fused: Optional[str]) -> int:
                                    msg=lambda m: f"{at}: trained table: {m}")  # fmt: skip
         mine, theirs = mcc.state_dict(), ref_mcc.state_dict()
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs), f"{at}: collision state"
+    folds = mcc._managed_collision_modules["t_raw"]._folds
+    assert folds["folded"] >= 1, f"{label}: no interval's ids rode in the id check: {folds}"
     return evictions
 
 

@@ -256,10 +256,11 @@ def _fill(p: Problem, s: State, items: list[int], bound: float, ceiling: float =
 
 
 def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
-          ceiling: float = np.inf) -> tuple[State, list]:  # fmt: skip
+          ceiling: float = np.inf, stop: bool = False) -> tuple[State, list]:  # fmt: skip
     """Packs the chosen candidates: mode "spread" (least loaded ranks first), "memory" (most
     free memory first) or "fill" (fixed shards spread, then the rest by `_fill`, which gives up
-    above `ceiling`)."""
+    above `ceiling`). `stop`: return at the first table that finds no room, with it alone as
+    unplaced (Note [packs that stop early])."""
     by_memory = mode == "memory"
     c = p.candidates
     world = p.model.topology.world_size
@@ -313,6 +314,8 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
                 break
         if ranks is None:
             unplaced.append(i)
+            if stop:
+                return s, unplaced
             continue
         if c.torchrec and kind in (_T.ROW_WISE, _T.TABLE_ROW_WISE):
             # TorchRec's layout: block i on the i-th rank (Note [plans TorchRec runs unchanged])
@@ -353,8 +356,12 @@ def search(
     constraints: Sequence[TableConstraint | None],
     capacity: float,
     bound: float,
+    *,
+    probe: bool = False,
 ) -> SearchOutcome:
-    """Runs Note [how the search works] and returns the best packing (or what did not fit)."""
+    """Runs Note [how the search works] and returns the best packing (or what did not fit).
+    `probe`: only whether a plan fits (Note [packs that stop early]): the first packing that
+    places every table, unrefined, or None with one table that found no room."""
     world = model.topology.world_size
     pins = []
     for con in constraints:
@@ -388,10 +395,14 @@ def search(
                 continue
             seen.add(key)
             ceiling = best[0] if frontier and best is not None else np.inf
-            s, unplaced = _pack(p, choice, target, mode, ceiling)
+            # only the first pack's leftovers are read (for the error), and only if none fits
+            stop = probe or best is not None or bool(first_unplaced)
+            s, unplaced = _pack(p, choice, target, mode, ceiling, stop)
             if unplaced:
                 first_unplaced = first_unplaced or tuple(sorted(unplaced))
                 continue
+            if probe:
+                return SearchOutcome(_placements(s), float(s.load.max()), ())
             refine(p, s, good_enough=bound * 1.0005)  # within 0.05% of optimal: done
             top = float(s.load.max())
             if best is None or top < best[0] * (1 - 1e-12):

@@ -133,20 +133,27 @@ class _LeastLoaded:
     """The rank `_choose_ranks` picks for a one-shard table (least loaded with room, then the
     lowest rank), from a heap of (load, rank) kept beside `State.load` instead of a scan of the
     world per table. Loads only grow while packing, so an entry whose load is no longer its
-    rank's is stale and dropped; `touched` adds a rank's new load."""
+    rank's is stale and dropped; `touched` adds a rank's new load. Under tight memory most
+    ranks lack room, and popping them costs more than the scan: after a pick gives up, the next
+    1, 2, 4, ... (at most `_BACKOFF`) picks go straight to the scan, which picks the same rank."""
 
     _SCAN = 64  # ranks without room popped before the scan is cheaper
+    _BACKOFF = 256
 
     def __init__(self, load: np.ndarray) -> None:
         self.load = load
         self.heap = list(zip(load.tolist(), range(len(load))))
         heapq.heapify(self.heap)
+        self.skip = self.backoff = 0  # picks left to send to the scan; the last such run
 
     def touched(self, r: int) -> None:
         heapq.heappush(self.heap, (float(self.load[r]), r))
 
     def pick(self, mem: np.ndarray, need: float, capacity: float) -> int | None:
         """The rank, -1 if no rank has room, None if many have none (then scan)."""
+        if self.skip:
+            self.skip -= 1
+            return None
         heap, aside, found = self.heap, [], -1
         while heap:
             load, r = heap[0]
@@ -162,6 +169,8 @@ class _LeastLoaded:
                     break
         for entry in aside:
             heapq.heappush(heap, entry)
+        self.backoff = 0 if found is not None else min(2 * self.backoff or 1, self._BACKOFF)
+        self.skip = self.backoff
         return found
 
 
@@ -333,6 +342,48 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
     return s, unplaced
 
 
+def _fewest_bytes(p: Problem) -> float:
+    """The fewest bytes any pack of `p` charges the ranks for the tables, in all (Note [probing
+    for a fit]): per table, the least over its valid candidates of its shards' bytes and what it
+    adds to every rank, and over the pieces a fill may cut it into (1 to W)."""
+    c, prices, t = p.candidates, p.prices, p.arrays
+    world = p.model.topology.world_size
+
+    def price(kind: ShardingType, k: int) -> tuple[np.ndarray, np.ndarray]:
+        fits = prices.of(kind, k)
+        return (np.fromiter((f.am for f in fits), np.float64, len(fits)),
+                np.fromiter((f.bm for f in fits), np.float64, len(fits)))  # fmt: skip
+
+    def everywhere(kind: ShardingType, k: int) -> np.ndarray | float:
+        return p.model.everywhere_bytes(kind, t, float(k)) if p.model.wire_bytes else 0.0
+
+    whole, piece = price(_T.COLUMN_WISE, 1), price(_T.COLUMN_WISE, 2)
+    cut = np.minimum(2 * piece[0], world * piece[0]) + piece[1] * t.dim  # 2..W pieces of a fill
+    filled = np.array([_splittable(p, i, _T.TABLE_WISE) for i in range(len(t.rows))], dtype=bool)
+    least = np.where(filled, np.minimum(whole[0] + whole[1] * t.dim, cut), np.inf)
+    for j, (kind, k) in enumerate(c.columns):
+        if not c.valid[:, j].any():
+            continue
+        if kind is _T.DATA_PARALLEL:
+            am, _ = price(kind, 1)
+            need = world * (am + everywhere(kind, 1))
+        else:
+            am, bm = price(kind, k)
+            size = t.dim if kind in (_T.TABLE_WISE, _T.COLUMN_WISE) else t.rows
+            need = k * am + bm * size + world * everywhere(kind, k)
+        least = np.where(c.valid[:, j], np.minimum(least, need), least)
+    rw = c.row_wise
+    live = np.flatnonzero(rw.lo <= rw.hi)
+    if len(live):  # k shards' bytes are affine in k: the least is at an end of lo..hi
+        am, bm = price(_T.ROW_WISE, 2)
+        ends = []
+        for k in (rw.lo[live], rw.hi[live]):
+            extra = p.model.everywhere_bytes(_T.ROW_WISE, t.take(live), k.astype(np.float64))
+            ends.append(k * am[live] + bm[live] * t.rows[live] + world * extra)
+        least[live] = np.minimum(least[live], np.minimum(*ends))
+    return float(least.sum())
+
+
 def _placements(s: State) -> tuple[Placement, ...]:
     out = []
     for kind, ranks, sizes in zip(s.kinds, s.ranks, s.sizes):
@@ -375,6 +426,8 @@ def search(
     p = Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
                 model.batch_buffer_bytes(arrays) + collision_price(tables, model).reserve,
                 ShardPrices(model, arrays))  # fmt: skip
+    if probe and _fewest_bytes(p) > world * (capacity - p.base_memory) * (1 + 1e-9):
+        return SearchOutcome(None, float("inf"), ())  # Note [probing for a fit]
     best: tuple[float, tuple[Placement, ...]] | None = None
     first_unplaced: tuple[int, ...] = ()
     seen: set[bytes] = set()

@@ -18,7 +18,7 @@ from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConst
 from planners.model_tables import TablesLike, as_table_set, match_constraints
 from planners.options import Candidates, enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
-from planners.search import Placement, SearchOutcome, search
+from planners.search import Placement, SearchOutcome, search, short_of_room
 from planners.tier_choice import choose_tiers, tier_overflow, with_given_tiers
 from planners.evaluate import stats_for
 from planners.stats import PlanStats
@@ -215,6 +215,8 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
         early = before_search(table_set, candidates, cons, model, base)
         if early is not None:
             raise early
+        if probe and short_of_room(plain, model, candidates, cons, float(topology.capacity)):
+            return candidates, float("inf"), SearchOutcome(None, float("inf"), ())
         bound = lower_bound(candidates, topology.world_size)
         outcome = search(plain, model, candidates, cons, float(topology.capacity), bound, probe=probe)
         return candidates, bound, outcome
@@ -226,7 +228,7 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
         return outcome.placements, bound
 
     def fits(cons: list[TableConstraint | None]) -> bool:
-        """Whether `run(cons)` plans, from its search as a probe (Note [packs that stop early])."""
+        """Whether `run(cons)` plans, from its search as a probe (Note [probing for a fit])."""
         try:
             return searched(cons, probe=True)[2].placements is not None
         except NoPlanError:  # what no search overcomes

@@ -7,8 +7,10 @@ Note [choosing tiers]
 first, as few as possible, all with the largest cache load factor of `CACHE_LADDER` (0.5 down
 to 0.01) that plans: the fewest n such that the n largest tierable tables at 0.01 plan, found by
 bisection (tiering one more table never needs more memory: its cache and bookkeeping are less
-than its rows), then the largest factor at which those n plan. That is a few searches more than
-the resident plan's, only for inputs that did not fit. A tierable table is one whose constraint
+than its rows), then the largest factor at which those n plan. Each step asks only whether a
+plan fits, a probe (Note [probing for a fit] in planners/search.py), and one full search plans
+the choice: a search more than the resident plan's, and a dozen probes, only for inputs that did
+not fit. A tierable table is one whose constraint
 does not set `cache_load_factor` nor `allow_tier=False`, and that modular can tier (`refusal`);
 a tiered table is never data-parallel, nor cut into column pieces under an optimizer whose
 pieces share whole rows' statistics (modular/tiered/tier_plan.py refuses both), which its
@@ -111,7 +113,7 @@ def choose_tiers(search: Callable[[list[TableConstraint | None]], _R],
                  cons: Sequence[TableConstraint | None], model: CostModel, base: float,
                  resident: NoPlanError) -> tuple[_R, list[TableConstraint | None], AutoTiers]:  # fmt: skip
     """Note [choosing tiers]: `search(constraints)` plans or raises NoPlanError, and
-    `fits(constraints)` says whether it would plan (its probe: Note [packs that stop early] in
+    `fits(constraints)` says whether it would plan (its probe: Note [probing for a fit] in
     planners/search.py); `resident` is what it raised with every table resident (`cons`).
     Returns the plan, the constraints it was made under and what was tiered."""
     topo = model.topology

@@ -16,9 +16,9 @@ from planners.mc_cost import collision_price
 from planners.explain import NoPlanError, before_candidates, before_search, explain_no_plan
 from planners.inputs import ColumnWiseStatistic, DataType, Optimizer, TableConstraint, Topology
 from planners.model_tables import TablesLike, as_table_set, match_constraints
-from planners.options import enumerate_candidates, lower_bound
+from planners.options import Candidates, enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
-from planners.search import Placement, search
+from planners.search import Placement, SearchOutcome, search, short_of_room
 from planners.tier_choice import choose_tiers, tier_overflow, with_given_tiers
 from planners.evaluate import stats_for
 from planners.stats import PlanStats
@@ -205,7 +205,7 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
     # the batch, and managed-collision tables' state (Note [pricing managed collisions])
     base = model.batch_buffer_bytes(TableArrays.of(plain)) + collision_price(plain, model).reserve
 
-    def run(cons: list[TableConstraint | None]) -> tuple[tuple[Placement, ...], float]:
+    def searched(cons: list[TableConstraint | None], probe: bool) -> tuple[Candidates, float, SearchOutcome]:
         # What no search can overcome fails here, before it (docs/planner.md, "When no plan fits").
         early = before_candidates(table_set, cons, model, base)
         if early is not None:
@@ -215,11 +215,24 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
         early = before_search(table_set, candidates, cons, model, base)
         if early is not None:
             raise early
+        if probe and short_of_room(plain, model, candidates, cons, float(topology.capacity)):
+            return candidates, float("inf"), SearchOutcome(None, float("inf"), ())
         bound = lower_bound(candidates, topology.world_size)
-        outcome = search(plain, model, candidates, cons, float(topology.capacity), bound)
+        outcome = search(plain, model, candidates, cons, float(topology.capacity), bound, probe=probe)
+        return candidates, bound, outcome
+
+    def run(cons: list[TableConstraint | None]) -> tuple[tuple[Placement, ...], float]:
+        candidates, bound, outcome = searched(cons, probe=False)
         if outcome.placements is None:
             raise explain_no_plan(table_set, candidates, cons, model, base, outcome.unplaced)
         return outcome.placements, bound
+
+    def fits(cons: list[TableConstraint | None]) -> bool:
+        """Whether `run(cons)` plans, from its search as a probe (Note [probing for a fit])."""
+        try:
+            return searched(cons, probe=True)[2].placements is not None
+        except NoPlanError:  # what no search overcomes
+            return False
 
     auto = None
     try:
@@ -227,7 +240,7 @@ def _plan_with_stats(tables: TablesLike, topology: Topology, options: PlanOption
     except NoPlanError as resident:  # Note [choosing tiers]
         if not options.auto_tier:
             raise
-        (placements, bound), cons, auto = choose_tiers(run, table_set, cons, model, base, resident)
+        (placements, bound), cons, auto = choose_tiers(run, fits, table_set, cons, model, base, resident)
     modules: dict[str, dict[str, TablePlacement]] = {}
     for (fqn, table), p, con in zip(table_set, placements, cons):
         sizes = None

@@ -38,6 +38,7 @@ class ShardPrices:
         self.model = model
         self.arrays = arrays
         self._affine: dict[tuple[ShardingType, int], list[Affine]] = {}
+        self._bytes: dict[tuple[ShardingType, int], tuple[np.ndarray, np.ndarray]] = {}
         self._everywhere: dict[tuple[ShardingType, int], list[float]] = {}
 
     def of(self, kind: ShardingType, k: int) -> list[Affine]:
@@ -47,15 +48,24 @@ class ShardPrices:
         the cost model's row statistics), and a table-wise table is a column-wise one in one
         piece, so `of(COLUMN_WISE, 1)` is every table whole. Row-wise prices do not depend on k;
         table-row-wise ones do (the intra-host reduce-scatter)."""
-        if kind in (_T.TABLE_WISE, _T.COLUMN_WISE):
-            key = (_T.COLUMN_WISE, min(k, 2) if kind is _T.COLUMN_WISE else 1)
-        elif kind is _T.TABLE_ROW_WISE:
-            key = (kind, k)
-        else:
-            key = (kind, 1)
+        key = self._key(kind, k)
         if key not in self._affine:
             self._affine[key] = self._price(*key)
         return self._affine[key]
+
+    def bytes_of(self, kind: ShardingType, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(am, bm) of `of(kind, k)` as arrays over the tables."""
+        key = self._key(kind, k)
+        if key not in self._bytes:
+            fits = self.of(kind, k)
+            self._bytes[key] = (np.array([f.am for f in fits]), np.array([f.bm for f in fits]))
+        return self._bytes[key]
+
+    @staticmethod
+    def _key(kind: ShardingType, k: int) -> tuple[ShardingType, int]:
+        if kind in (_T.TABLE_WISE, _T.COLUMN_WISE):
+            return (_T.COLUMN_WISE, min(k, 2) if kind is _T.COLUMN_WISE else 1)
+        return (kind, k) if kind is _T.TABLE_ROW_WISE else (kind, 1)
 
     def affine(self, index: int, kind: ShardingType, k: int) -> Affine:
         return self.of(kind, k)[index]

@@ -33,6 +33,25 @@ ranks: target 1.10x the bound packed at 1.097x and ended at 1.062x, beating ever
 targets below it). On 31 frontier inputs (the benchmark's tables and tests/planners' at 1,200 to
 10,000 tables on 1,024 to 4,096 ranks, three optimizer settings) this gave the full sweep's plan
 every time, in a quarter to a sixth of its time.
+
+Note [probing for a fit]
+When `plan` tiers tables by itself (Note [choosing tiers]) it asks a dozen times whether a plan
+fits, and keeps the plan of one answer only. A probe (`search(..., probe=True)`, after
+`short_of_room`) gives the answer a search would, for less:
+- A search plans iff one of its packs places every table: the local search only moves what is
+  placed, and the fills it skips above the best plan's load are skipped only once a pack has
+  placed everything. So a probe returns the first packing that places every table, unrefined.
+- A pack that leaves a table without room has failed whatever it does with the rest, and only
+  the search's first failing pack's leftovers are read (the error names them, when no pack
+  places every table). So every other pack returns at its first table without room.
+- A pack charges each table at least the fewest bytes of its candidates in all (its shards, and
+  what it adds to every rank; a fill's pieces, 1 to W of them, at least those of the table whole
+  or cut in two or W), and packs no rank beyond its capacity. So when those bytes exceed the
+  ranks' room in all, no pack places every table, and `short_of_room` says so before the lower
+  bound and the packs (the probes that fail, most of them, say so here).
+`choose_tiers` probes its bisection and its ladder, then runs one full search, for the count and
+the load factor it chose: the plan a full search at every step gave. Separately, `_LeastLoaded`
+backs off to the scan under tight memory (the same rank, without popping the full ranks).
 """
 
 from __future__ import annotations
@@ -50,7 +69,7 @@ from planners.prices import ShardPrices
 from planners.refine import Problem, State, least_loaded, refine
 from planners.types import ShardingType, block_split, even_split
 
-__all__ = ["Placement", "SearchOutcome", "search", "shard_sizes"]
+__all__ = ["Placement", "SearchOutcome", "search", "shard_sizes", "short_of_room"]
 
 _T = ShardingType
 _TARGETS = (1.0, 1.01, 1.03, 1.06, 1.1, 1.15, 1.25, 1.4, 1.7, 2.0, 3.0, float("inf"))
@@ -133,20 +152,27 @@ class _LeastLoaded:
     """The rank `_choose_ranks` picks for a one-shard table (least loaded with room, then the
     lowest rank), from a heap of (load, rank) kept beside `State.load` instead of a scan of the
     world per table. Loads only grow while packing, so an entry whose load is no longer its
-    rank's is stale and dropped; `touched` adds a rank's new load."""
+    rank's is stale and dropped; `touched` adds a rank's new load. Under tight memory most
+    ranks lack room, and popping them costs more than the scan: after a pick gives up, the next
+    1, 2, 4, ... (at most `_BACKOFF`) picks go straight to the scan, which picks the same rank."""
 
     _SCAN = 64  # ranks without room popped before the scan is cheaper
+    _BACKOFF = 256
 
     def __init__(self, load: np.ndarray) -> None:
         self.load = load
         self.heap = list(zip(load.tolist(), range(len(load))))
         heapq.heapify(self.heap)
+        self.skip = self.backoff = 0  # picks left to send to the scan; the last such run
 
     def touched(self, r: int) -> None:
         heapq.heappush(self.heap, (float(self.load[r]), r))
 
     def pick(self, mem: np.ndarray, need: float, capacity: float) -> int | None:
         """The rank, -1 if no rank has room, None if many have none (then scan)."""
+        if self.skip:
+            self.skip -= 1
+            return None
         heap, aside, found = self.heap, [], -1
         while heap:
             load, r = heap[0]
@@ -162,6 +188,8 @@ class _LeastLoaded:
                     break
         for entry in aside:
             heapq.heappush(heap, entry)
+        self.backoff = 0 if found is not None else min(2 * self.backoff or 1, self._BACKOFF)
+        self.skip = self.backoff
         return found
 
 
@@ -256,10 +284,11 @@ def _fill(p: Problem, s: State, items: list[int], bound: float, ceiling: float =
 
 
 def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
-          ceiling: float = np.inf) -> tuple[State, list]:  # fmt: skip
+          ceiling: float = np.inf, stop: bool = False) -> tuple[State, list]:  # fmt: skip
     """Packs the chosen candidates: mode "spread" (least loaded ranks first), "memory" (most
     free memory first) or "fill" (fixed shards spread, then the rest by `_fill`, which gives up
-    above `ceiling`)."""
+    above `ceiling`). `stop`: return at the first table that finds no room, with it alone as
+    unplaced (Note [probing for a fit])."""
     by_memory = mode == "memory"
     c = p.candidates
     world = p.model.topology.world_size
@@ -313,6 +342,8 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
                 break
         if ranks is None:
             unplaced.append(i)
+            if stop:
+                return s, unplaced
             continue
         if c.torchrec and kind in (_T.ROW_WISE, _T.TABLE_ROW_WISE):
             # TorchRec's layout: block i on the i-th rank (Note [plans TorchRec runs unchanged])
@@ -328,6 +359,43 @@ def _pack(p: Problem, choice: np.ndarray, target: float, mode: str,
     if later and not unplaced and not _fill(p, s, later, target, ceiling):
         unplaced = later
     return s, unplaced
+
+
+def _fewest_bytes(p: Problem) -> np.ndarray:
+    """Per table, the fewest bytes any pack of `p` charges the ranks for it (Note [probing for a
+    fit]): the least over its valid candidates of its shards' bytes and what it adds to every
+    rank, and over the pieces a fill may cut it into (1 to W)."""
+    c, prices, t = p.candidates, p.prices, p.arrays
+    world = p.model.topology.world_size
+
+    def everywhere(kind: ShardingType, k: int) -> np.ndarray | float:
+        return p.model.everywhere_bytes(kind, t, float(k)) if p.model.wire_bytes else 0.0
+
+    whole, piece = prices.bytes_of(_T.COLUMN_WISE, 1), prices.bytes_of(_T.COLUMN_WISE, 2)
+    cut = np.minimum(2 * piece[0], world * piece[0]) + piece[1] * t.dim  # 2..W pieces of a fill
+    filled = np.array([_splittable(p, i, _T.TABLE_WISE) for i in range(len(t.rows))], dtype=bool)
+    least = np.where(filled, np.minimum(whole[0] + whole[1] * t.dim, cut), np.inf)
+    for j, (kind, k) in enumerate(c.columns):
+        if not c.valid[:, j].any():
+            continue
+        if kind is _T.DATA_PARALLEL:
+            am, _ = prices.bytes_of(kind, 1)
+            need = world * (am + everywhere(kind, 1))
+        else:
+            am, bm = prices.bytes_of(kind, k)
+            size = t.dim if kind in (_T.TABLE_WISE, _T.COLUMN_WISE) else t.rows
+            need = k * am + bm * size + world * everywhere(kind, k)
+        least = np.where(c.valid[:, j], np.minimum(least, need), least)
+    rw = c.row_wise
+    live = np.flatnonzero(rw.lo <= rw.hi)
+    if len(live):  # k shards' bytes are affine in k: the least is at an end of lo..hi
+        am, bm = prices.bytes_of(_T.ROW_WISE, 2)
+        ends = []
+        for k in (rw.lo[live], rw.hi[live]):
+            extra = p.model.everywhere_bytes(_T.ROW_WISE, t.take(live), k.astype(np.float64))
+            ends.append(k * am[live] + bm[live] * t.rows[live] + world * extra)
+        least[live] = np.minimum(least[live], np.minimum(*ends))
+    return least
 
 
 def _placements(s: State) -> tuple[Placement, ...]:
@@ -346,15 +414,8 @@ def _placements(s: State) -> tuple[Placement, ...]:
     return tuple(out)
 
 
-def search(
-    tables: Sequence[Table],
-    model: CostModel,
-    candidates: Candidates,
-    constraints: Sequence[TableConstraint | None],
-    capacity: float,
-    bound: float,
-) -> SearchOutcome:
-    """Runs Note [how the search works] and returns the best packing (or what did not fit)."""
+def _problem(tables: Sequence[Table], model: CostModel, candidates: Candidates,
+             constraints: Sequence[TableConstraint | None], capacity: float) -> Problem:  # fmt: skip
     world = model.topology.world_size
     pins = []
     for con in constraints:
@@ -365,9 +426,35 @@ def search(
             mask[list(con.ranks)] = True
             pins.append(mask)
     arrays = TableArrays.of(tables, [None if c is None else c.tier for c in constraints])
-    p = Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
-                model.batch_buffer_bytes(arrays) + collision_price(tables, model).reserve,
-                ShardPrices(model, arrays))  # fmt: skip
+    return Problem(tables, arrays, model, candidates, tuple(constraints), tuple(pins), capacity,
+                   model.batch_buffer_bytes(arrays) + collision_price(tables, model).reserve,
+                   ShardPrices(model, arrays))  # fmt: skip
+
+
+def short_of_room(tables: Sequence[Table], model: CostModel, candidates: Candidates,
+                  constraints: Sequence[TableConstraint | None], capacity: float) -> bool:  # fmt: skip
+    """Whether the tables' candidates need more bytes in all than the ranks have, so that no
+    pack places them all (Note [probing for a fit])."""
+    p = _problem(tables, model, candidates, constraints, capacity)
+    room = model.topology.world_size * (capacity - p.base_memory)
+    return float(_fewest_bytes(p).sum()) > room * (1 + 1e-9)  # far above the packs' rounding
+
+
+def search(
+    tables: Sequence[Table],
+    model: CostModel,
+    candidates: Candidates,
+    constraints: Sequence[TableConstraint | None],
+    capacity: float,
+    bound: float,
+    *,
+    probe: bool = False,
+) -> SearchOutcome:
+    """Runs Note [how the search works] and returns the best packing (or what did not fit).
+    `probe`: only whether a plan fits (Note [probing for a fit]): the first packing that
+    places every table, unrefined, or None with one table that found no room."""
+    world = model.topology.world_size
+    p = _problem(tables, model, candidates, constraints, capacity)
     best: tuple[float, tuple[Placement, ...]] | None = None
     first_unplaced: tuple[int, ...] = ()
     seen: set[bytes] = set()
@@ -388,10 +475,14 @@ def search(
                 continue
             seen.add(key)
             ceiling = best[0] if frontier and best is not None else np.inf
-            s, unplaced = _pack(p, choice, target, mode, ceiling)
+            # only the first pack's leftovers are read (for the error), and only if none fits
+            stop = probe or best is not None or bool(first_unplaced)
+            s, unplaced = _pack(p, choice, target, mode, ceiling, stop)
             if unplaced:
                 first_unplaced = first_unplaced or tuple(sorted(unplaced))
                 continue
+            if probe:
+                return SearchOutcome(_placements(s), float(s.load.max()), ())
             refine(p, s, good_enough=bound * 1.0005)  # within 0.05% of optimal: done
             top = float(s.load.max())
             if best is None or top < best[0] * (1 - 1e-12):

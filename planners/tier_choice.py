@@ -7,8 +7,10 @@ Note [choosing tiers]
 first, as few as possible, all with the largest cache load factor of `CACHE_LADDER` (0.5 down
 to 0.01) that plans: the fewest n such that the n largest tierable tables at 0.01 plan, found by
 bisection (tiering one more table never needs more memory: its cache and bookkeeping are less
-than its rows), then the largest factor at which those n plan. That is a few searches more than
-the resident plan's, only for inputs that did not fit. A tierable table is one whose constraint
+than its rows), then the largest factor at which those n plan. Each step asks only whether a
+plan fits, a probe (Note [probing for a fit] in planners/search.py), and one full search plans
+the choice: a search more than the resident plan's, and a dozen probes, only for inputs that did
+not fit. A tierable table is one whose constraint
 does not set `cache_load_factor` nor `allow_tier=False`, and that modular can tier (`refusal`);
 a tiered table is never data-parallel, nor cut into column pieces under an optimizer whose
 pieces share whole rows' statistics (modular/tiered/tier_plan.py refuses both), which its
@@ -106,12 +108,14 @@ def with_given_tiers(table_set: TableSet, cons: Sequence[TableConstraint | None]
     return out
 
 
-def choose_tiers(search: Callable[[list[TableConstraint | None]], _R], table_set: TableSet,
+def choose_tiers(search: Callable[[list[TableConstraint | None]], _R],
+                 fits: Callable[[list[TableConstraint | None]], bool], table_set: TableSet,
                  cons: Sequence[TableConstraint | None], model: CostModel, base: float,
                  resident: NoPlanError) -> tuple[_R, list[TableConstraint | None], AutoTiers]:  # fmt: skip
-    """Note [choosing tiers]: `search(constraints)` plans or raises NoPlanError; `resident` is
-    what it raised with every table resident (`cons`). Returns the plan, the constraints it
-    was made under and what was tiered."""
+    """Note [choosing tiers]: `search(constraints)` plans or raises NoPlanError, and
+    `fits(constraints)` says whether it would plan (its probe: Note [probing for a fit] in
+    planners/search.py); `resident` is what it raised with every table resident (`cons`).
+    Returns the plan, the constraints it was made under and what was tiered."""
     topo = model.topology
     room = topo.world_size * (topo.capacity - base)  # for weights, state and caches, in all
     tierable = [i for i, ((_, t), c) in enumerate(zip(table_set, cons))
@@ -133,42 +137,37 @@ def choose_tiers(search: Callable[[list[TableConstraint | None]], _R], table_set
             need -= foot[i] - table_footprint(table_set[i][1], opt, TableConstraint(cache_load_factor=factor))
         return len(order) if need <= room else len(order) + 1
 
-    def attempt(n: int, factor: float):
+    def tiered(n: int, factor: float) -> list[TableConstraint | None]:
+        """The constraints with the `n` largest tierable tables at `factor`."""
         trial = list(cons)
         for i in order[:n]:
             where = f"table {display_name(*_names(table_set, i))!r}"
             con = cons[i] or TableConstraint()  # its policy, hit rate and Zipf exponent, if given
             tier = TierSpec(factor, con.cache_policy, con.hit_rate, con.zipf_alpha)
             trial[i] = tiered_constraint(cons[i], tier, model, where)
-        try:
-            return search(trial), trial
-        except NoPlanError as e:
-            return e, trial
+        return trial
 
     smallest = CACHE_LADDER[-1]
     least = {f: fewest(f) for f in CACHE_LADDER}
     lo, hi, step = 0, max(least[smallest], 1), 1  # n = lo does not plan; try hi
-    while True:
-        if hi > len(order):
-            tried = attempt(len(order), smallest)
-            raise _short(table_set, tried[1], model, base, tried[0], len(order), resident) from None
-        best = attempt(hi, smallest)
-        if not isinstance(best[0], NoPlanError):
-            break
-        lo, hi, step = hi, (min(hi + step, len(order)) if hi < len(order) else hi + 1), 2 * step
+    while hi > len(order) or not fits(tiered(hi, smallest)):
+        if hi >= len(order):  # not even with every tierable table tiered: the search says why
+            trial = tiered(len(order), smallest)
+            try:
+                search(trial)
+            except NoPlanError as e:
+                raise _short(table_set, trial, model, base, e, len(order), resident) from None
+            raise AssertionError("the probe found no plan where the search found one")
+        lo, hi, step = hi, min(hi + step, len(order)), 2 * step
     while hi - lo > 1:  # the fewest that plan, between a jump's ends
         mid = (lo + hi) // 2
-        tried = attempt(mid, smallest)
-        lo, hi, best = (mid, hi, best) if isinstance(tried[0], NoPlanError) else (lo, mid, tried)
-    factor = smallest
-    for larger in (f for f in CACHE_LADDER[:-1] if least[f] <= hi):
-        tried = attempt(hi, larger)
-        if not isinstance(tried[0], NoPlanError):
-            factor, best = larger, tried
-            break
+        lo, hi = (lo, mid) if fits(tiered(mid, smallest)) else (mid, hi)
+    factor = next((f for f in CACHE_LADDER[:-1] if least[f] <= hi and fits(tiered(hi, f))), smallest)
+    trial = tiered(hi, factor)
     auto = AutoTiers(tuple(display_name(*_names(table_set, i)) for i in order[:hi]), factor)
+    planned = search(trial)  # the one full search: a probe that fits is a search that plans
     logger.warning("%s", auto.describe())
-    return best[0], best[1], auto  # type: ignore[return-value]
+    return planned, trial, auto
 
 
 def _names(table_set: TableSet, i: int) -> tuple[str, str]:

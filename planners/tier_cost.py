@@ -125,7 +125,13 @@ def tier_cost(*, factor: np.ndarray, hit_rate: np.ndarray, alpha: np.ndarray, ro
         zero = np.zeros(np.shape(tiered))
         return TierCost(zero, zero, zero, zero, zero, zero)
     slots = np.where(tiered, cache_rows(rows, factor), 0.0)
-    hit = np.where(hit_rate >= 0, hit_rate, zipf_hit_rate(slots, rows, alpha))
+    # the Zipf estimate only where it is read (elementwise, so the same floats): the search
+    # prices resident and tiered tables together
+    shape = np.broadcast(slots, hit_rate, rows, alpha).shape
+    estimated = np.nonzero(np.broadcast_to(tiered & (hit_rate < 0), shape))
+    zipf = np.zeros(shape)
+    zipf[estimated] = zipf_hit_rate(*(np.broadcast_to(x, shape)[estimated] for x in (slots, rows, alpha)))
+    hit = np.where(hit_rate >= 0, hit_rate, zipf)
     safe_rows = np.maximum(rows, 1.0)
     distinct = safe_rows * -np.expm1(-ids / safe_rows)
     io = np.where(tiered, 2 * distinct * (1 - hit) * row_bytes / tier_bandwidth, 0.0)

@@ -250,10 +250,10 @@ def _step_rates(rank: int, world: int, quick: bool, comm: Calibration, rates: di
     coef = robust_lstsq(np.array(a), np.array(y), np.array(weights))
     c = dict(zip(columns, (float(x) for x in coef)))
     kernels = {}
-    seen = np.array(a).any(axis=0)
-    for key, used in zip(RATE_KEYS, seen[3:]):
-        family = next(f for f in FAMILIES if key.startswith(f))
-        if not used and key != family:  # no probe ran it: priced at the family's rates
+    used = dict(zip(columns, np.array(a).any(axis=0)))
+    for key in RATE_KEYS:
+        family = key.removesuffix("_dp")
+        if not used[key] and key != family:  # no probe ran a copy: priced at the family's rates
             continue
         kernels[key] = KernelRate(*(c[key] * getattr(rates[family], part) for part in PARTS))
         say(f"  {key}: x{c[key]:.2f} the {family} kernels' rates inside a step")

@@ -5,12 +5,13 @@ Every rank builds the same one-rank model (a process group of its own) and times
 ranks at once as a job's ranks share the machine's memory and caches: no collective in the
 step, so no wait on a peer's wake-up blurs it. The shapes span what a shard meets (ids per
 shard, widths, rows beyond the caches, poolings, several shards), and each family's
-`KernelRate` is a least squares over them of each shape's error relative to its step.
+`KernelRate` is a robust least squares over them of each shape's error relative to its step.
 """
 
 from __future__ import annotations
 
 import math
+
 from planners.calibration import FAMILIES, KernelRate
 
 __all__ = ["KERNEL_SHAPES", "fit_kernel_rate", "kernel_features", "kernel_shapes", "nonnegative_lstsq",

@@ -96,7 +96,7 @@ def predicted(case: Case, topology) -> float:
     return stats.max_cost
 
 
-def _rank(rank: int, world: int, port: int, steps: int, queue, cases: list | None = None) -> None:
+def _rank(rank: int, world: int, port: int, steps: int, queue, cases: list) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
 
@@ -108,7 +108,7 @@ def _rank(rank: int, world: int, port: int, steps: int, queue, cases: list | Non
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    for case in CASES if cases is None else cases:
+    for case in cases:
         torch.manual_seed(0)
         names = [f"t{i}" for i in range(case.tables)]
         step = _model([(n, case.rows, case.dim) for n in names], case.family, placements(case, world), world, None)
@@ -128,10 +128,11 @@ def measure(world: int, steps: int, cases: list | None = None) -> dict[str, floa
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
+    cases = CASES if cases is None else cases
     procs = [ctx.Process(target=_rank, args=(r, world, port, steps, queue, cases)) for r in range(world)]
     for p in procs:
         p.start()
-    out = dict(queue.get(timeout=900) for _ in (CASES if cases is None else cases))
+    out = dict(queue.get(timeout=900) for _ in cases)
     for p in procs:
         p.join()
     return out

@@ -67,12 +67,12 @@ def step_transient_bytes(plan: ShardingPlan, table_set: TableSet, world: int,
         return out
     for fqn, table in table_set:
         placement = plan.placement(fqn, table.name)
-        row_bytes = table.weight_bytes / max(table.num_embeddings * table.embedding_dim, 1)
         if placement.sharding_type is ShardingType.DATA_PARALLEL:
             for r in range(world):
                 out[r] = max(out[r], count * float(table.weight_bytes))
             continue
         for s in placement.shards(num_embeddings=table.num_embeddings, embedding_dim=table.embedding_dim,
                                   world_size=world, table=table.name):  # fmt: skip
-            out[s.rank] = max(out[s.rank], count * row_bytes * s.num_rows * s.num_cols)
+            piece = float(s.num_rows * s.num_cols * table.dtype.num_bytes)
+            out[s.rank] = max(out[s.rank], count * piece)
     return out

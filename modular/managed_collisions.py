@@ -86,11 +86,13 @@ def check_not_managed(model: nn.Module, fqn: str) -> None:
     )
 
 
-def remap_globally(owner: nn.Module, group: Optional[ProcessGroup]) -> None:
+def remap_globally(owner: nn.Module, group: Optional[ProcessGroup], path: str = "") -> None:
     """Makes `owner`'s collision collection remap as torchrec's module on the global batch: with
     its state split across ranks where it can (Note [sharded managed collisions]), else
-    replicated (Note [managed collisions over the global batch]); its keys stay torchrec's."""
+    replicated (Note [managed collisions over the global batch]); its keys stay torchrec's.
+    `path`: the owner's FQN in the model, for errors."""
     mcc = owner._managed_collision_collection
+    mcc._modular_path = path
     reason = why_not_split(mcc)
     if reason is None and not getattr(type(mcc), "_modular_global", False):
         split_collisions(mcc, group)
@@ -105,81 +107,106 @@ def _global_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool
     group = self._modular_group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     check_ids(self, features, group)  # the split path's check: the same error on every rank
-    whole, strides = _gather(features, group, world)
+    whole, bags = _gather(features, group, world)
     remapped = super(type(self), self).forward(whole, mutate_miss_lengths=mutate_miss_lengths)
-    return _slice(remapped, strides, rank)
+    return _slice(remapped, bags, rank, features)
 
 
-def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTensor, list[int]]:
-    """Every rank's batch, concatenated feature by feature in rank order; and the ranks' batch
-    sizes. A rank whose batch has a batch size per feature (VBE) makes every rank raise."""
+def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTensor, list[torch.Tensor]]:
+    """Every rank's batch, concatenated feature by feature in rank order, as torchrec's unsharded
+    module takes the global batch; and each rank's bags per feature. Where any rank's batch has a
+    batch size per feature (VBE) the global batch is a VBE one: each feature's strides one per
+    rank, the inverse indices shifted past the earlier ranks' bags (Note [managed collisions of
+    a variable batch] in modular/mc/split.py)."""
     keys = kjt.keys()
+    n_keys = len(keys)
     variable = kjt.variable_stride_per_key()
     weights = kjt.weights_or_none()
-    stride = 0 if variable else kjt.stride()
+    strides = _strides(kjt)
+    inverse = kjt.inverse_indices()[1].long() if variable else None
+    batch = inverse.shape[1] if variable else kjt.stride()
     lengths = kjt.lengths().long()
     values = kjt.values().long()
-    head = torch.tensor([stride, values.numel(), int(variable), int(weights is not None)], dtype=torch.int64)
+    head = torch.tensor([batch, values.numel(), int(variable), int(weights is not None), *strides], dtype=torch.int64)
     meta = all_gather(head, group=group, world=world, what="a gather of managed-collision batch sizes").tolist()
-    if any(m[2] for m in meta):
-        bad = [r for r, m in enumerate(meta) if m[2]]
-        raise InputError(
-            f"managed-collision features {list(keys)}: ranks {bad} passed a batch with a batch "
-            "size per feature (variable_stride_per_key), which a managed-collision module under "
-            "modular does not take yet: pass one batch size for every feature"
-        )
     if len({m[3] for m in meta}) > 1:
         raise InputError(f"managed-collision features {list(keys)}: some ranks pass per-sample "
                          "weights and others do not; pass them on every rank or on none")
-    n_keys = len(keys)
-    longest = max(1, *(n_keys * m[0] + m[1] * (2 if m[3] else 1) for m in meta))  # gloo: non-empty
+    any_variable = any(m[2] for m in meta)
+
+    def size(m: list[int]) -> int:  # lengths, values, weights' bits, inverse indices
+        return sum(m[4:]) + m[1] * (2 if m[3] else 1) + (n_keys * m[0] if m[2] else 0)
+
+    longest = max(1, *(size(m) for m in meta))  # gloo: non-empty
     mine = [lengths, values]
     if weights is not None:
         mine.append(weights.float().view(torch.int32).long())
+    if inverse is not None:
+        mine.append(inverse.reshape(-1))
     payload = torch.cat(mine)
     payload = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
     payloads = all_gather(payload, group=group, world=world, what="a gather of managed-collision raw ids")
     per_key_lengths: list[list[torch.Tensor]] = [[] for _ in keys]
     per_key_values: list[list[torch.Tensor]] = [[] for _ in keys]
     per_key_weights: list[list[torch.Tensor]] = [[] for _ in keys]
-    for (b, n, _, has_weights), p in zip(meta, payloads):
-        lens = p[: n_keys * b].view(n_keys, b)
-        vals = p[n_keys * b: n_keys * b + n]
-        wts = p[n_keys * b + n: n_keys * b + 2 * n].int().view(torch.float32) if has_weights else None
-        ends = lens.sum(1).cumsum(0).tolist()
+    inverses, bags, before = [], [], torch.zeros(n_keys, dtype=torch.int64)
+    for m, p in zip(meta, payloads):
+        b, n, var, has_weights, rank_strides = m[0], m[1], m[2], m[3], torch.tensor(m[4:], dtype=torch.int64)
+        at = int(rank_strides.sum())
+        lens = p[:at].split(m[4:])
+        vals = p[at: at + n]
+        wts = p[at + n: at + 2 * n].int().view(torch.float32) if has_weights else None
+        at += n * (2 if has_weights else 1)
+        inv = p[at: at + n_keys * b].view(n_keys, b) if var else torch.arange(b).expand(n_keys, b)
+        inverses.append(inv + before.view(-1, 1))
+        before += rank_strides
+        bags.append(rank_strides)
+        ends = torch.stack([x.sum() for x in lens]).cumsum(0).tolist() if n_keys else []
         for k in range(n_keys):
             start = ends[k - 1] if k else 0
             per_key_lengths[k].append(lens[k])
             per_key_values[k].append(vals[start: ends[k]])
             if wts is not None:
                 per_key_weights[k].append(wts[start: ends[k]])
+    shape = dict(stride_per_key_per_rank=torch.stack(bags).T.tolist(), inverse_indices=(keys, torch.cat(inverses, 1))
+                 ) if any_variable else dict(stride=sum(m[0] for m in meta))  # fmt: skip
     whole = KeyedJaggedTensor(
         keys=keys,
         values=torch.cat([v for vs in per_key_values for v in vs]).to(kjt.values().dtype),
         lengths=torch.cat([v for vs in per_key_lengths for v in vs]).to(kjt.lengths().dtype),
         weights=torch.cat([v for vs in per_key_weights for v in vs]) if weights is not None else None,
-        stride=sum(m[0] for m in meta),
+        **shape,
     )  # fmt: skip
-    return whole, [m[0] for m in meta]
+    return whole, bags
 
 
-def _slice(kjt: KeyedJaggedTensor, strides: list[int], rank: int) -> KeyedJaggedTensor:
-    """This rank's rows of the global batch's remapped features."""
-    before, mine = sum(strides[:rank]), strides[rank]
-    total = sum(strides)
-    lengths = kjt.lengths().view(len(kjt.keys()), total)
-    key_ends = lengths.sum(1).cumsum(0).tolist()
+def _strides(kjt: KeyedJaggedTensor) -> list[int]:
+    """Bags per feature of this rank's batch."""
+    if kjt.variable_stride_per_key():
+        return [sum(s) for s in kjt.stride_per_key_per_rank()]
+    return [kjt.stride()] * len(kjt.keys())
+
+
+def _slice(kjt: KeyedJaggedTensor, bags: list[torch.Tensor], rank: int, like: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """This rank's bags of the global batch's remapped features, in the form of its own batch
+    `like` (its strides and inverse indices where it is a VBE batch)."""
+    bags_ = torch.stack(bags)  # (world, features)
+    before, mine = bags_[:rank].sum(0).tolist(), bags_[rank].tolist()
     weights = kjt.weights_or_none()
+    lengths = kjt.lengths().split(bags_.sum(0).tolist())
+    key_ends = torch.stack([x.sum() for x in lengths]).cumsum(0).tolist() if lengths else []
     out_lengths, out_values, out_weights = [], [], []
     for k in range(len(kjt.keys())):
         key_start = key_ends[k - 1] if k else 0
-        start = key_start + int(lengths[k, :before].sum())
-        count = int(lengths[k, before: before + mine].sum())
-        out_lengths.append(lengths[k, before: before + mine])
+        start = key_start + int(lengths[k][: before[k]].sum())
+        count = int(lengths[k][before[k]: before[k] + mine[k]].sum())
+        out_lengths.append(lengths[k][before[k]: before[k] + mine[k]])
         out_values.append(kjt.values()[start: start + count])
         if weights is not None:
             out_weights.append(weights[start: start + count])
+    shape = dict(stride_per_key_per_rank=like.stride_per_key_per_rank(), inverse_indices=like.inverse_indices()
+                 ) if like.variable_stride_per_key() else dict(stride=like.stride())  # fmt: skip
     return KeyedJaggedTensor(
         keys=kjt.keys(), values=torch.cat(out_values), lengths=torch.cat(out_lengths),
-        weights=torch.cat(out_weights) if weights is not None else None, stride=mine,
+        weights=torch.cat(out_weights) if weights is not None else None, **shape,
     )  # fmt: skip

@@ -175,7 +175,7 @@ def shard(
         retire_tables(ebc, fqn)
         lifecycle.replace_module(model, fqn, sharded)
         if owner is not None:  # Note [managed collisions over the global batch]
-            remap_globally(owner[1], process_group)
+            remap_globally(owner[1], process_group, owner[0])
         log_built(fqn, sharded)  # at INFO on logger "modular" (modular/describe.py)
     return model
 

@@ -14,7 +14,8 @@ nothing in it depends on the bags; the inner EBC then pools the rank's bags and 
 batch beside plain ones. An EmbeddingCollection sharded by modular takes no VBE batch, so the
 collection of an MC-EC refuses one in its id check, on every rank and before any state changes
 (else the inner EC would refuse it after the remap had recorded and evicted). The replicated
-path (Note [managed collisions over the global batch]) refuses VBE batches on every rank too.
+path (Note [managed collisions over the global batch]) gathers the ranks' batches into that
+global VBE batch and runs torchrec's remap on it.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def _gather_checked(mcc: nn.Module, features: KeyedJaggedTensor, first: torch.Te
         raise InputError(
             f"managed-collision feature {keys[k]!r}: rank {rank}'s batch has a batch size per "
             f"feature (a VBE KeyedJaggedTensor, {value} bags of {keys[k]!r}), but the "
-            f"ManagedCollisionEmbeddingCollection of tables {sorted(mcc._managed_collision_modules)} "
-            "feeds an EmbeddingCollection, which takes no variable batch sharded; expand the batch "
+            f"ManagedCollisionEmbeddingCollection {getattr(mcc, '_modular_path', '')!r} (tables "
+            f"{sorted(mcc._managed_collision_modules)}) feeds an EmbeddingCollection, which takes no "
+            "variable batch sharded; expand the batch "
             "to one bag per sample for it. Nothing was remapped or recorded"
         )
     raise InputError(

@@ -9,9 +9,10 @@ feature in rank order, each feature's strides one per rank and the inverse indic
 point into them, which is what torchrec's unsharded module takes as it is. Step by step: the
 remapped ids, what `evict()` reports, the collision state, the outputs, the gradients and the
 weights, at worlds 2 and 3 under row-wise, table-wise, column-wise, table-row-wise and
-data-parallel plans, eviction intervals 1 and 3, fused and not. A bad id in a VBE batch raises
-InputError on every rank naming the feature, nothing changed; an MC-EC, and a collision module
-that stays replicated, refuse a VBE batch on every rank before their state changes.
+data-parallel plans, eviction intervals 1 and 3, fused and not; with per-id weights; and a
+collision module that stays replicated (a threshold filter). A bad id in a VBE batch raises
+InputError on every rank naming the feature, nothing changed; an MC-EC refuses a VBE batch on
+every rank before its state changes, naming the module.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.compare import full_value
 from tests.modular.ebc_cases import placements_for
-from tests.modular.test_managed_collisions import HASH, ZCH, Model, _ec_model
+from tests.modular.test_managed_collisions import HASH, ZCH, Model, _ec_model, _tables
 
 STEPS, LR = 8, 0.5
 KEYS = ["f_raw", "f_raw2"]
 
 
-def vbe_batch(step: int, rank: int, plain: bool = False) -> KeyedJaggedTensor:
+def vbe_batch(step: int, rank: int, plain: bool = False, weighted: bool = False) -> KeyedJaggedTensor:
     """2-5 samples from 1-3 requests: 'f_raw' holds one bag per request (its samples share it),
-    'f_raw2' one per sample; Zipf ids with churn, 0-3 per bag. `plain`: an ordinary KJT."""
+    'f_raw2' one per sample; Zipf ids with churn, 0-3 per bag. `plain`: an ordinary KJT;
+    `weighted`: with a weight per id."""
     rng = np.random.default_rng([step, rank, 7])
     size = int(rng.integers(2, 6))
     requests = size if plain else int(rng.integers(1, min(size, 3) + 1))
@@ -49,20 +51,22 @@ def vbe_batch(step: int, rank: int, plain: bool = False) -> KeyedJaggedTensor:
     lengths = rng.integers(0, 4, sum(strides))
     ids = (rng.zipf(1.3, int(lengths.sum())) + 7 * step) % 5000 * 1_000_003 % HASH
     values, lengths = torch.tensor(ids, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    weights = torch.tensor(rng.random(values.numel()), dtype=torch.float32) + 0.5 if weighted else None
     if plain:
-        return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths)
+        return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, weights=weights)
     inverse = torch.stack([torch.arange(size) * requests // size, torch.arange(size)])
-    return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, stride_per_key_per_rank=[[s] for s in strides],
-                             inverse_indices=(KEYS, inverse))  # fmt: skip
+    return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, weights=weights,
+                             stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(KEYS, inverse))  # fmt: skip
 
 
-def rank_batches(step: int, world: int) -> list[KeyedJaggedTensor]:
+def rank_batches(step: int, world: int, weighted: bool = False) -> list[KeyedJaggedTensor]:
     """Every rank's batch of one step; in a world of 3 the last rank's is a plain one at odd
     steps, and at step 5 rank 0 has no samples (a VBE batch of 0 bags)."""
-    out = [vbe_batch(step, r, plain=world == 3 and r == 2 and step % 2 == 1) for r in range(world)]
+    out = [vbe_batch(step, r, plain=world == 3 and r == 2 and step % 2 == 1, weighted=weighted) for r in range(world)]
     if step == 5:
         none = torch.zeros(0, dtype=torch.int64)
         out[0] = KeyedJaggedTensor(keys=KEYS, values=none, lengths=none, stride_per_key_per_rank=[[0], [0]],
+                                   weights=torch.zeros(0) if weighted else None,
                                    inverse_indices=(KEYS, none.view(2, 0)))  # fmt: skip
     return out
 
@@ -85,8 +89,13 @@ def global_vbe(batches: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     before = strides.cumsum(0) - strides
     lengths = [b.lengths().split(_strides(b)) for b in batches]
     values = [b.values().split(b.length_per_key()) for b in batches]
+    weights = None
+    if batches[0].weights_or_none() is not None:
+        per_rank = [b.weights().split(b.length_per_key()) for b in batches]
+        weights = torch.cat([per_rank[r][k] for k in range(len(KEYS)) for r in range(len(batches))])
     return KeyedJaggedTensor(
         keys=KEYS,
+        weights=weights,
         values=torch.cat([values[r][k] for k in range(len(KEYS)) for r in range(len(batches))]),
         lengths=torch.cat([lengths[r][k] for k in range(len(KEYS)) for r in range(len(batches))]),
         stride_per_key_per_rank=strides.T.tolist(),
@@ -105,9 +114,27 @@ def _pieces(p: torch.Tensor) -> list[tuple[torch.Tensor, slice, slice]]:
     return [(p, slice(None), slice(None))]
 
 
-def _train(kind: str, policy: str, interval: int, fused: Optional[str]) -> int:
+def _mc_model(policy: str, interval: int, replicated: bool = False, weighted: bool = False) -> nn.Module:
+    """The test's MC-EBC; `replicated`: its collision module keeps a threshold filter, which
+    modular does not split (Note [managed collisions over the global batch]); `weighted`: its
+    inner EBC pools with per-id weights."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.mc_modules import LFU_EvictionPolicy, dynamic_threshold_filter
+
+    model = Model(policy, interval)
+    if replicated:
+        model.mc._managed_collision_collection._managed_collision_modules["t_raw"]._eviction_policy = LFU_EvictionPolicy(
+            threshold_filtering_func=lambda counts: dynamic_threshold_filter(counts, threshold_skew_multiplier=0.5))
+    if weighted:
+        torch.manual_seed(1)
+        model.mc._embedding_module = EmbeddingBagCollection(tables=_tables(), is_weighted=True)
+    return model
+
+
+def _train(kind: str, policy: str, interval: int, fused: Optional[str], replicated: bool = False,
+           weighted: bool = False) -> int:  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
-    ref = Model(policy, interval)
+    ref = _mc_model(policy, interval, replicated, weighted)
     model = copy.deepcopy(ref)
     if fused:
         modular.fuse_optimizer(model, fused, lr=LR)
@@ -122,10 +149,10 @@ def _train(kind: str, policy: str, interval: int, fused: Optional[str]) -> int:
     _recording_evict(ref_mcc, ref_evicted)
     weight = model.mc._embedding_module.embedding_bags["t_raw"].weight
     ref_weight = ref.mc._embedding_module.embedding_bags["t_raw"].weight
-    label = f"{kind} {policy} interval {interval} fused={fused}, rank {rank}/{world}"
+    label = f"{kind} {policy} interval {interval} fused={fused} replicated={replicated} weighted={weighted}, rank {rank}/{world}"
     evictions = 0
     for step in range(STEPS):
-        batches = rank_batches(step, world)
+        batches = rank_batches(step, world, weighted)
         sizes = [_inverse(b).shape[1] for b in batches]
         first = sum(sizes[:rank])
         pooled, remapped = model.mc(batches[rank])
@@ -160,16 +187,18 @@ def _train(kind: str, policy: str, interval: int, fused: Optional[str]) -> int:
                                    msg=lambda m: f"{at}: trained table: {m}")  # fmt: skip
         mine, theirs = mcc.state_dict(), ref_mcc.state_dict()
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs), f"{at}: collision state"
-    folds = mcc._managed_collision_modules["t_raw"]._folds
-    assert folds["folded"] >= 1, f"{label}: no interval's ids rode in the id check: {folds}"
+    split = getattr(mcc._managed_collision_modules["t_raw"], "_folds", None)
+    assert (split is None) == replicated, f"{label}: collision module split: {split is not None}"
+    assert replicated or split["folded"] >= 1, f"{label}: no interval's ids rode in the id check: {split}"
     return evictions
 
 
 CASES = {
     2: [("row_wise", "distance_lfu", 1, None), ("table_wise", "lru", 3, "exact_sgd"),
-        ("column_wise", "lfu", 1, None), ("data_parallel", "lru", 3, None)],
+        ("column_wise", "lfu", 1, None), ("data_parallel", "lru", 3, None),
+        ("row_wise", "lfu", 1, None, True), ("table_wise", "distance_lfu", 1, "exact_sgd", False, True)],
     3: [("table_wise", "distance_lfu", 3, None), ("row_wise", "lfu", 1, "exact_sgd"),
-        ("table_row_wise", "lru", 1, None)],
+        ("table_row_wise", "lru", 1, None), ("row_wise", "lfu", 1, None, True, True)],
 }  # fmt: skip
 
 
@@ -223,30 +252,21 @@ def _refused(model: nn.Module, batch: KeyedJaggedTensor) -> str:
     return str(e.value)
 
 
-def _vbe_refusals() -> list[str]:
-    """An MC-EC given a VBE batch on rank 1 (rank 0's is plain), and a collision module that
-    stays replicated (a threshold filter) given VBE batches: every rank raises, nothing changes."""
-    from torchrec.modules.mc_modules import LFU_EvictionPolicy, dynamic_threshold_filter
-
+def _vbe_refusals() -> str:
+    """An MC-EC given a VBE batch on rank 1 (rank 0's is plain): every rank raises, nothing
+    changes, and a plain batch trains on."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ec = _ec_model()
     modular.shard(ec, ShardingPlan(world_size=world, modules={
         "mc._embedding_module": {"t_raw": TablePlacement(ShardingType.ROW_WISE)}}))  # fmt: skip
     ec.mc(vbe_batch(0, rank, plain=True))
-    messages = [_refused(ec, vbe_batch(1, rank, plain=rank == 0))]
-    ec.mc(vbe_batch(2, rank, plain=True))  # and a plain batch trains on
-    replicated = Model("lfu", 1)
-    replicated.mc._managed_collision_collection._managed_collision_modules["t_raw"]._eviction_policy = LFU_EvictionPolicy(
-        threshold_filtering_func=lambda counts: dynamic_threshold_filter(counts, threshold_skew_multiplier=0.5))
-    modular.shard(replicated, ShardingPlan(world_size=world, modules={
-        "mc._embedding_module": placements_for("table_wise", replicated.mc._embedding_module, world)}))  # fmt: skip
-    messages.append(_refused(replicated, vbe_batch(1, rank, plain=rank == 0)))
-    return messages
+    message = _refused(ec, vbe_batch(1, rank, plain=rank == 0))
+    ec.mc(vbe_batch(2, rank, plain=True))
+    return message
 
 
-def test_vbe_batches_the_collisions_cannot_take_are_refused_on_every_rank_before_any_state_changes() -> None:
+def test_an_mc_ec_refuses_a_vbe_batch_on_every_rank_before_any_state_changes() -> None:
     messages = run_on_ranks(2, _vbe_refusals, timeout=60)
     assert messages[0] == messages[1]
-    ec, replicated = messages[0]
-    assert "'f_raw'" in ec and "rank 1" in ec and "ManagedCollisionEmbeddingCollection of tables ['t_raw']" in ec, ec
-    assert "'f_raw'" in replicated and "ranks [1]" in replicated and "batch size per feature" in replicated, replicated
+    ec = messages[0]
+    assert "'f_raw'" in ec and "rank 1" in ec and "ManagedCollisionEmbeddingCollection 'mc' (tables ['t_raw'])" in ec, ec

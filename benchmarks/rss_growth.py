@@ -1,7 +1,7 @@
 """Issue 51's peak-RSS check: each rank's peak RSS growth over `fuse_optimizer` + `shard` + one
 step, against the planner's prediction for that rank: `plan_stats(...).ranks[r].memory`, or with
-`--meta` its `peak` (more where an unfused optimizer's step temporaries outgrow the batch's
-buffers) plus `meta_init`.
+`--meta` the larger of its `peak` (held + the runtime's + the larger of the batch's buffers and
+an unfused optimizer's step temporaries) and `held + meta_init` (shard's moment).
 
     python benchmarks/rss_growth.py                 # tables x100 the suite's: 40-200 MB a config
     python benchmarks/rss_growth.py --scale 1000    # 0.4-2 GB a config
@@ -75,13 +75,15 @@ def _worker(rank: int, name: str, scale: int, meta: bool, rendezvous: Rendezvous
     ebc(kjt).values().sum().backward()
     if opt is not None:
         opt.step()
-    # On meta, everything is new: the step's peak (held + the larger of the batch and an unfused
-    # optimizer's step temporaries, Note [pricing step transients]) and the largest table shard
-    # initialises whole (Note [pricing meta init]). A materialised model's growth is net of the
-    # weights shard frees, which the step's temporaries then reuse: its memory.
+    # On meta, everything is new: the larger of the step's peak (held + the runtime's + the larger
+    # of the batch and an unfused optimizer's step temporaries, Note [pricing step transients],
+    # Note [pricing a step's runtime]) and shard's (held + the largest table it initialises whole,
+    # Note [pricing meta init], freed before the step). A materialised model's growth is net of
+    # the weights shard frees, which the step's temporaries then reuse: its memory and the runtime's.
     r = stats.ranks[rank]
-    predicted = r.peak + r.meta_init if meta else r.memory
-    queue.put((rank, optimizer, status_kib("VmHWM") * 1024 - before, predicted))
+    predicted = max(r.peak, r.held + r.meta_init) if meta else r.memory + r.runtime
+    parts = (r.held, r.batch, r.step_transient, r.meta_init)
+    queue.put((rank, optimizer, status_kib("VmHWM") * 1024 - before, predicted, parts))
     dist.destroy_process_group()
 
 
@@ -95,13 +97,14 @@ def main() -> None:
     print(f"## Peak RSS growth over fuse_optimizer + shard + one step against the predicted total, "
           f"tables x{args.scale}{' on meta' if args.meta else ''}, 2 gloo ranks ({os.cpu_count()} cores), "
           f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
-    print("| config | optimizer | rank | predicted MiB | peak growth MiB | ratio |\n|---|---|---|---:|---:|---:|")
+    print("| config | optimizer | rank | predicted MiB | peak growth MiB | ratio | held / batch / step-temp / meta-init MiB |\n"
+          "|---|---|---|---:|---:|---:|---:|")
     ratios = []
     for name in _configs(args.scale):  # fresh ranks for each configuration
-        for rank, optimizer, growth, predicted in run_ranks(_worker, (name, args.scale, args.meta), 2):
+        for rank, optimizer, growth, predicted, parts in run_ranks(_worker, (name, args.scale, args.meta), 2):
             ratios.append(growth / predicted)
             print(f"| {name} | {optimizer} | {rank} | {predicted / 2**20:.1f} | {growth / 2**20:.1f} | "
-                  f"{growth / predicted:.2f} |")  # fmt: skip
+                  f"{growth / predicted:.2f} | " + " / ".join(f"{p / 2**20:.1f}" for p in parts) + " |")  # fmt: skip
     within = sum(abs(r - 1) <= 0.15 for r in ratios)
     print(f"\n{within} of {len(ratios)} within +-15% (target: all)")
 

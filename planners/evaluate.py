@@ -21,7 +21,7 @@ from planners.inputs import (
 from planners.model_tables import (
     TableSet, TablesLike, as_table_set, display_name, match_constraints,
 )  # fmt: skip
-from planners.init_transient import meta_init_bytes, step_transient_bytes
+from planners.init_transient import STEP_RUNTIME_BYTES, meta_init_bytes, step_transient_bytes
 from planners.mc_cost import collision_price
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
@@ -243,7 +243,7 @@ def stats_for(
             fixed=fixed[r], collision_state=float(collision.state[r]), remap=collision.remap,
             tier=float(comp[r, 6]), tier_bytes=float(tier[r, 0]), tier_io=float(tier[r, 1]),
             tier_capacity=float(topology.tier_memory), meta_init=meta_init[r],
-            step_transient=step_transient[r],
+            step_transient=step_transient[r], runtime=float(STEP_RUNTIME_BYTES),
         )
         for r in range(topology.world_size)
     )  # fmt: skip

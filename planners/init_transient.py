@@ -26,6 +26,18 @@ transient (`RankStats.peak`), not their sum. `RankStats.step_transient` is the t
 like `meta_init` it is reported, not reserved by the search. Measured (benchmarks/rss_growth.py,
 unfused_adam, rows x100): the peak grew 60 MiB beyond the planned memory, whose largest piece
 is a 36.6 MiB data-parallel copy.
+
+Note [pricing a step's runtime]
+A rank's first step allocates memory that belongs to no table and no batch and stays: torch's
+autograd engine and thread pools, the process group's buffers, fbgemm's and torchrec's
+workspaces. `RankStats.runtime` is that, a constant (`STEP_RUNTIME_BYTES`), in `peak` and not
+in `memory` (the topology's `reserved_fraction` keeps room for the runtime, the dense model and,
+on CUDA, the context). Measured on the 2-core CPU VM with gloo, torch 2.13 (benchmarks/rss_growth.py
+--meta, 2 ranks, 2026-11-28): the peak RSS growth over `shard` + one step less what a rank holds
+and its batch was 10.3-10.8 MiB on the configurations whose step is the peak (no meta init), and
+10.5-12.9 MiB with tables a hundredth the size, so it does not scale with the tables. On a meta
+model the shard's own transient (`meta_init`) is freed before the step, so a rank's peak there
+is the larger of `peak` and `held + meta_init`.
 """
 
 from __future__ import annotations
@@ -34,12 +46,14 @@ from planners.assumptions import Optimizer
 from planners.model_tables import TableSet
 from planners.types import ShardingPlan, ShardingType
 
-__all__ = ["STEP_TEMPORARIES", "WHOLE_TABLE_INIT_BYTES", "meta_init_bytes", "step_transient_bytes"]
+__all__ = ["STEP_RUNTIME_BYTES", "STEP_TEMPORARIES", "WHOLE_TABLE_INIT_BYTES", "meta_init_bytes",
+           "step_transient_bytes"]
 
 WHOLE_TABLE_INIT_BYTES = 1 << 30  # modular/tables/meta_init.py's
 # Temporaries as large as the piece a torch optimizer's step holds at once (Note [pricing step
 # transients]); fused optimizers step inside backward, on rows, and are not here.
 STEP_TEMPORARIES = {Optimizer.UNFUSED_ADAM: 2, Optimizer.UNFUSED_ADAGRAD: 1}
+STEP_RUNTIME_BYTES = 10 * 2**20  # what a rank's first step allocates beside its tables (Note [pricing a step's runtime])
 
 
 def meta_init_bytes(plan: ShardingPlan, table_set: TableSet, world: int) -> list[float]:

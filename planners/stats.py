@@ -89,12 +89,17 @@ class RankStats:
     # largest piece, Note [pricing step transients] in planners/init_transient.py); not in
     # `memory` (the step runs once the batch's buffers are freed: `peak`), not reserved.
     step_transient: float = 0.0
+    # Bytes a rank's first step allocates beside its tables and batch and keeps: the runtime's
+    # workspaces (Note [pricing a step's runtime] in planners/init_transient.py); in `peak`,
+    # not in `memory`.
+    runtime: float = 0.0
 
     @property
     def peak(self) -> float:
-        """The rank's peak bytes over a step: what it holds plus the larger of the batch's
-        buffers (forward and backward) and the optimizer step's temporaries (after them)."""
-        return self.held + max(self.batch, self.step_transient)
+        """The rank's peak bytes over a step: what it holds, the runtime's, and the larger of
+        the batch's buffers (forward and backward) and the optimizer step's temporaries (after
+        them)."""
+        return self.held + self.runtime + max(self.batch, self.step_transient)
 
     @property
     def held(self) -> float:
@@ -432,9 +437,10 @@ class PlanStats:
                        f"{format_bytes(self.ranks[0].tier_capacity)} a rank), tier-io: {unit} of "
                        "their traffic, in the step unless prefetched" if tiered else "")
                     + ("; step-temp: what the torch optimizer's step holds for a moment once the "
-                       "batch is freed (peak: held + the larger of batch and step-temp)" if stepped else "")
+                       "batch is freed (peak: held + runtime + the larger of batch and step-temp)" if stepped else "")
                     + "; meta-init: what `shard` holds for a moment beyond memory when the model is "
-                    "on meta (the largest table it initialises whole here)")  # fmt: skip
+                    "on meta (the largest table it initialises whole here); a step's peak also "
+                    f"holds the runtime's {format_bytes(self.ranks[0].runtime)} a rank")  # fmt: skip
         return "\n".join(rows)
 
     def format(self, max_rows: int | None = None) -> str:
@@ -464,7 +470,8 @@ class PlanStats:
                  "tier_bytes": r.tier_bytes, "tier_io_s": r.tier_io,
                  **{c: getattr(r, c) for c in _COMPONENTS},
                  **{a: getattr(r, a) for a, _, _ in MEMORY_PARTS}, "batch": r.batch,
-                 "meta_init": r.meta_init, "step_transient": r.step_transient, "peak": r.peak,
+                 "meta_init": r.meta_init, "step_transient": r.step_transient, "runtime": r.runtime,
+                 "peak": r.peak,
                  "tables": [n for n, _ in r.tables]}
                 for r in self.ranks
             ],

@@ -276,9 +276,9 @@ class ShardedMCHModule(nn.Module):
         scores = self._shard.scores(self._current_iter)
         lowest = self._shard.lowest(u, scores)
         sent = torch.full((max(u + 3 * bound, 1),), -1, dtype=torch.int64)  # gloo: a non-empty piece
-        sent[:u] = torch.where(mine, self._shard.slots[pos.clamp(min=0)], -1) if u else pos
+        sent[:u] = torch.where(mine, self._shard.slot_at(pos.clamp(min=0)), -1) if u else pos
         sent[u : u + 3 * lowest.numel()] = torch.stack(
-            [self._shard.slots[lowest], self._shard.raw[lowest], as_bits(scores[lowest])], 1).view(-1)  # fmt: skip
+            [self._shard.slot_at(lowest), self._shard.raw_at(lowest), as_bits(scores[lowest])], 1).view(-1)  # fmt: skip
         got = all_gather(sent, group=self._group, world=self._world,
                          what="a managed-collision match and lowest entries").view(self._world, -1)  # fmt: skip
         slots = got[:, :u].amax(0)

@@ -4,6 +4,22 @@ Kept as torchrec's `MCHManagedCollisionModule` keeps the whole table, in sorted 
 (an empty slot holds raw id int64-max; empty slots follow in slot order), with the slot of each
 entry and the policy's metadata beside it: the same bytes per slot as torchrec's, for 1/world of
 the slots (Note [sharded managed collisions] in modular/mc/sharded_mch.py).
+
+Note [a shard's recent entries]
+An eviction hands a few thousand slots to new ids, while a rank holds up to a million entries
+in sorted order. Merging the new ids in at every eviction moved every entry (its raw id, slot
+and metadata: ~4 ms a step for 500k entries here, all on the last rank while a table fills,
+since torchrec hands out the highest empty slots first, and the other ranks waited for it).
+So an evicted entry of the sorted main part only leaves it in place (its slot set to -1, it
+scores above every entry), and the new ids join a small sorted part of recent entries; once the
+evicted entries are more than 1/RECENT_SHARE of the main part (and RECENT_MIN), one merge puts
+the recent entries in their places, as before. A position below the main part's length is the
+main part's, above it a recent entry's. Lookups search both parts. torchrec breaks ties of
+score by sorted position: the main part's positions are in sorted order, and recent entries
+hold ids, never empty slots, so among tied entries an order by raw id (stable in position)
+is torchrec's. Recent entries cost their 32 bytes at most and -1 slots nothing more: at most
+1/RECENT_SHARE of a rank's state. Readers of the whole state (`raw`, `slots`, `counts`,
+`access`: the state_dict, the tests) get the merged main part.
 """
 
 from __future__ import annotations
@@ -16,62 +32,109 @@ from modular.mc.eviction import MAX, Scoring
 
 __all__ = ["SlotShard"]
 
-RUN = 32_768  # merged positions under one shift that assign copies as a slice, not a gather
+RUN = 32_768  # merged positions under one shift that a merge copies as a slice, not a gather
+# Recent entries are merged into the main part once they are more than this share of it (and
+# this many): Note [a shard's recent entries].
+RECENT_SHARE, RECENT_MIN = 16, 1024
 
 
 class SlotShard:
-    """The entries of slots [lo, hi) of one table, sorted by (raw id, slot)."""
+    """The entries of slots [lo, hi) of one table, sorted by (raw id, slot): a sorted main part
+    and a small sorted part of entries added since it was last merged (Note [a shard's recent
+    entries])."""
 
     def __init__(self, lo: int, hi: int, scoring: Scoring) -> None:
         self.lo, self.hi, self.scoring = lo, hi, scoring
         n = hi - lo
-        self.raw = torch.full((n,), MAX, dtype=torch.int64)
-        self.slots = torch.arange(lo, hi, dtype=torch.int64)
-        self.counts: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.counts else None
-        self.access: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.access else None
+        self._raw = torch.full((n,), MAX, dtype=torch.int64)
+        self._slots = torch.arange(lo, hi, dtype=torch.int64)  # -1: an entry evicted since the merge
+        self._counts: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.counts else None
+        self._access: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.access else None
+        self._recent = self._no_recent()
+        self._dead = 0  # main entries evicted since the merge (as many as recent entries)
+
+    # The entries, merged and sorted (a merge when entries were added since the last one).
+    raw = property(lambda self: self._merged()._raw)
+    slots = property(lambda self: self._merged()._slots)
+    counts = property(lambda self: self._merged()._counts)
+    access = property(lambda self: self._merged()._access)
 
     def load(self, raw: torch.Tensor, slots: torch.Tensor, metadata: dict[str, torch.Tensor]) -> None:
         """Keeps the entries of [lo, hi) from the whole table's (any order)."""
         mine = (slots >= self.lo) & (slots < self.hi)
         if int(mine.sum()) != self.hi - self.lo:
             raise ValueError(f"slots [{self.lo}, {self.hi}) hold {int(mine.sum())} entries, not {self.hi - self.lo}")
-        self.raw, self.slots = raw[mine].clone(), slots[mine].clone()
-        if self.counts is not None:
-            self.counts = metadata["counts"][mine].clone()
-        if self.access is not None:
-            self.access = metadata["last_access_iter"][mine].clone()
-        by_slot = torch.argsort(self.slots, stable=True)
+        self._raw, self._slots = raw[mine].clone(), slots[mine].clone()
+        if self._counts is not None:
+            self._counts = metadata["counts"][mine].clone()
+        if self._access is not None:
+            self._access = metadata["last_access_iter"][mine].clone()
+        self._recent, self._dead = self._no_recent(), 0
+        by_slot = torch.argsort(self._slots, stable=True)
         self._permute(by_slot)
-        self._resort()
+        self._permute(torch.argsort(self._raw, stable=True))  # empty slots stay in slot order
+
+    # -- positions: [0, main) the main part's, [main, main + recent) the recent entries' -----------
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's position here, or -1 where this rank's slots do not hold it."""
-        if self.raw.numel() == 0:
+        n = self._raw.numel()
+        if n == 0:
             return torch.full_like(ids, -1)
-        pos = torch.searchsorted(self.raw, ids).clamp_(max=self.raw.numel() - 1)
-        return torch.where(self.raw[pos] == ids, pos, -1)
+        pos = torch.searchsorted(self._raw, ids).clamp_(max=n - 1)
+        hit = self._raw[pos] == ids
+        if self._dead:
+            hit &= self._slots[pos] >= 0
+        pos = torch.where(hit, pos, -1)
+        recent = self._recent["raw"]
+        if recent.numel():
+            at = torch.searchsorted(recent, ids).clamp_(max=recent.numel() - 1)
+            pos = torch.where(recent[at] == ids, n + at, pos)
+        return pos
+
+    def slot_at(self, pos: torch.Tensor) -> torch.Tensor:
+        return self._column("slots", pos)
+
+    def raw_at(self, pos: torch.Tensor) -> torch.Tensor:
+        return self._column("raw", pos)
 
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's slot, or -1 where this rank's slots do not hold it."""
         pos = self.find(ids)
-        return torch.where(pos >= 0, self.slots[pos.clamp(min=0)], -1) if pos.numel() else pos
+        return torch.where(pos >= 0, self.slot_at(pos.clamp(min=0)), -1) if pos.numel() else pos
 
     def update_matched(self, pos: torch.Tensor, counts: torch.Tensor, access: torch.Tensor) -> None:
         """torchrec's metadata update for ids the table holds: counts add, access is replaced."""
-        if self.counts is not None:
-            self.counts[pos] += counts
-        if self.access is not None:
-            self.access[pos] = access
+        n = self._raw.numel()
+        main, recent = pos < n, pos >= n
+        for name, value, add in (("counts", counts, True), ("access", access, False)):
+            column = getattr(self, "_" + name)
+            if column is None:
+                continue
+            for part, where, at in ((column, main, pos), (self._recent[name], recent, pos - n)):
+                if add:
+                    part[at[where]] += value[where]
+                else:
+                    part[at[where]] = value[where]
 
     def scores(self, current_iter: int) -> torch.Tensor:
-        return self.scoring.scores(current_iter, self.counts, self.access)
+        """Every position's score; an entry evicted since the merge scores above every other."""
+        main = self.scoring.scores(current_iter, self._counts, self._access)
+        if not self._dead:
+            return main
+        n = main.numel()
+        out = torch.empty(n + self._recent["raw"].numel(), dtype=main.dtype)
+        torch.where(self._slots < 0, _top(main.dtype), main, out=out[:n])
+        out[n:] = self.scoring.scores(current_iter, self._recent["counts"], self._recent["access"])
+        return out
 
     def lowest(self, n: int, scores: torch.Tensor) -> torch.Tensor:
         """Positions of this rank's `n` lowest entries in torchrec's order (score descending,
         then sorted position), in no particular order. O(entries): a selection, not a sort."""
-        k = min(n, scores.numel())
-        if k == scores.numel():
-            return torch.arange(k)
+        live = scores.numel() - self._dead  # the entries evicted since the merge score at the top
+        k = min(n, live)
+        if k == live:
+            return self._live() if self._dead else torch.arange(live)
         if k == 0:
             return torch.empty(0, dtype=torch.int64)
         # A threshold from a strided sample, a little above the k-th lowest's expected place,
@@ -84,30 +147,64 @@ class SlotShard:
             sub = scores[where]
             kth = torch.kthvalue(sub, k).values
             below, tied = where[sub < kth], where[sub == kth]
-        elif (tied := _last_equal(scores, t, k - where.numel())) is not None:  # t is the k-th lowest
-            below = where
+        elif (tied := self._last_equal(scores, t, k - where.numel())) is not None:  # t is the k-th lowest
+            return torch.cat([where, tied])
         else:
             kth = torch.kthvalue(scores, k).values
             below, tied = (scores < kth).nonzero().view(-1), (scores == kth).nonzero().view(-1)
-        # tied: ascending positions, the last ranks lowest
-        return torch.cat([below, tied[tied.numel() - (k - below.numel()):]])
+        return torch.cat([below, self._last_in_order(tied, k - below.numel(), scores.numel())])
 
     def assign(self, slots: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, access: torch.Tensor,
                candidates: torch.Tensor) -> None:  # fmt: skip
         """New ids take the evicted `slots` (those of [lo, hi), among this rank's `candidates`
-        positions) with their interval metadata; the entries stay sorted (a merge, not a sort)."""
+        positions) with their interval metadata: the entries they replace leave, the new ones
+        join the recent entries, merged into the main part once they are many."""
         mine = (slots >= self.lo) & (slots < self.hi)
         if not bool(mine.any()):
             return
-        by_slot = torch.argsort(self.slots[candidates])
+        slots, n = slots[mine], self._raw.numel()
+        by_slot = torch.argsort(self.slot_at(candidates))
         where = candidates[by_slot]
-        evicted = where[torch.searchsorted(self.slots[where], slots[mine])]
-        new_ids = ids[mine]
-        order = torch.argsort(new_ids)
-        new = [new_ids[order], slots[mine][order], counts[mine][order], access[mine][order]]
-        pieces, at_new = self._merge_order(torch.sort(evicted).values, new[0])
-        for name, fresh in zip(("raw", "slots", "counts", "access"), new):
-            old = getattr(self, name)
+        evicted = where[torch.searchsorted(self.slot_at(where), slots)]
+        gone = evicted[evicted < n]
+        self._slots[gone] = -1
+        self._dead += gone.numel()
+        recent = self._recent
+        left = evicted[evicted >= n] - n
+        if left.numel():
+            keep = torch.ones(recent["raw"].numel(), dtype=torch.bool)
+            keep[left] = False
+            recent = {name: column[keep] for name, column in recent.items()}
+        order = torch.argsort(ids[mine])  # distinct ids, none empty: by raw id is by (raw, slot)
+        new = {"raw": ids[mine][order], "slots": slots[order], "counts": counts[mine][order], "access": access[mine][order]}
+        # a merge of two sorted runs: each entry's place is its own index plus the other run's
+        # entries below it
+        at_new = torch.searchsorted(recent["raw"], new["raw"]) + torch.arange(order.numel())
+        at_old = torch.searchsorted(new["raw"], recent["raw"]) + torch.arange(recent["raw"].numel())
+        merged = {}
+        for name, column in recent.items():
+            out = torch.empty(column.numel() + order.numel(), dtype=column.dtype)
+            out[at_old], out[at_new] = column, new[name].to(column.dtype)
+            merged[name] = out
+        self._recent = merged
+        if self._dead > max(RECENT_MIN, n // RECENT_SHARE):
+            self._merged()
+
+    def held(self) -> int:
+        """How many of this rank's slots hold a raw id."""
+        main = (self._raw != MAX) & (self._slots >= 0) if self._dead else self._raw != MAX
+        return int(main.sum()) + self._recent["raw"].numel()
+
+    def _merged(self) -> "SlotShard":
+        """Merges the recent entries into the main part, in place of the entries they evicted:
+        the main part's order, as a stable sort by (raw id, slot) would leave it."""
+        if not self._dead:
+            return self
+        gone = (self._slots < 0).nonzero().view(-1)
+        recent = self._recent
+        pieces, at_new = self._merge_order(gone, recent["raw"])
+        for name in ("raw", "slots", "counts", "access"):
+            old = getattr(self, "_" + name)
             if old is None:
                 continue
             if len(pieces) == 1 and isinstance(pieces[0][2], torch.Tensor):
@@ -119,8 +216,48 @@ class SlotShard:
                         merged[a:b] = old[a + src : b + src]
                     else:
                         torch.gather(old, 0, src, out=merged[a:b])
-            merged[at_new] = fresh.to(old.dtype)
-            setattr(self, name, merged)
+            merged[at_new] = recent[name].to(old.dtype)
+            setattr(self, "_" + name, merged)
+        self._recent, self._dead = self._no_recent(), 0
+        return self
+
+    def _no_recent(self) -> dict[str, torch.Tensor]:
+        empty = torch.empty(0, dtype=torch.int64)
+        return {"raw": empty, "slots": empty, "counts": empty, "access": empty}
+
+    def _column(self, name: str, pos: torch.Tensor) -> torch.Tensor:
+        main, n = getattr(self, "_" + name), self._raw.numel()
+        if not self._recent["raw"].numel():
+            return main[pos]
+        return torch.where(pos < n, main[pos.clamp(max=n - 1)], self._recent[name][(pos - n).clamp(min=0)])
+
+    def _live(self) -> torch.Tensor:
+        n = self._raw.numel()
+        main = (self._slots >= 0).nonzero().view(-1) if self._dead else torch.arange(n)
+        return torch.cat([main, torch.arange(n, n + self._recent["raw"].numel())])
+
+    def _last_in_order(self, tied: torch.Tensor, need: int, positions: int) -> torch.Tensor:
+        """The last `need` of the ascending positions `tied` (of `positions`) in sorted (raw id,
+        slot) order: the main part's positions are in that order; recent entries (the last
+        positions) hold ids, never empty slots."""
+        n = positions - self._recent["raw"].numel()
+        if need <= 0:
+            return tied[:0]
+        if tied.numel() == 0 or int(tied[-1]) < n:
+            return tied[tied.numel() - need :]
+        order = torch.argsort(self.raw_at(tied), stable=True)  # empty slots: by position
+        return tied[order[order.numel() - need :]]
+
+    def _last_equal(self, scores: torch.Tensor, value: torch.Tensor, need: int) -> Optional[torch.Tensor]:
+        """The last `need` positions equal to `value` in sorted order, or None if fewer are:
+        the main part's from its end (`_last_equal`), with the recent entries'."""
+        n = scores.numel() - self._recent["raw"].numel()
+        recent = (scores[n:] == value).nonzero().view(-1) + n
+        main = _last_equal(scores[:n], value, need)
+        if main is None:
+            main = (scores[:n] == value).nonzero().view(-1)
+        tied = torch.cat([main, recent])
+        return None if tied.numel() < need else self._last_in_order(tied, need, scores.numel())
 
     def _merge_order(self, gone: torch.Tensor, new_raw: torch.Tensor) -> tuple[list, torch.Tensor]:
         """For the entries with the sorted positions `gone` replaced by as many sorted new raw ids
@@ -129,8 +266,8 @@ class SlotShard:
         of at least RUN positions under one shift (e.g. the empty slots past the new ids while
         the table fills), that shift; and the new ids' merged positions. O(new ids log), and
         O(merged positions) outside the runs."""
-        n, m = self.raw.numel(), gone.numel()
-        before = torch.searchsorted(self.raw, new_raw)  # entries below each new id
+        n, m = self._raw.numel(), gone.numel()
+        before = torch.searchsorted(self._raw, new_raw)  # entries below each new id
         at_new = before - torch.searchsorted(gone, before) + torch.arange(m)
         # A kept entry's old position is its merged position, plus the evicted entries before
         # it, less the new ids before it: a step function, +1 at the first kept entry past each
@@ -166,20 +303,17 @@ class SlotShard:
         src[fresh] = 0
         return src
 
-    def held(self) -> int:
-        """How many of this rank's slots hold a raw id."""
-        return int((self.raw != MAX).sum())
-
-    def _resort(self) -> None:
-        # Stable: empty slots (raw int64-max) stay in slot order, as in torchrec's table.
-        self._permute(torch.argsort(self.raw, stable=True))
-
     def _permute(self, order: torch.Tensor) -> None:
-        self.raw, self.slots = self.raw[order], self.slots[order]
-        if self.counts is not None:
-            self.counts = self.counts[order]
-        if self.access is not None:
-            self.access = self.access[order]
+        self._raw, self._slots = self._raw[order], self._slots[order]
+        if self._counts is not None:
+            self._counts = self._counts[order]
+        if self._access is not None:
+            self._access = self._access[order]
+
+
+def _top(dtype: torch.dtype) -> torch.Tensor:
+    """A score above every entry's."""
+    return torch.tensor(float("inf") if dtype.is_floating_point else torch.iinfo(dtype).max, dtype=dtype)
 
 
 def _last_equal(scores: torch.Tensor, value: torch.Tensor, need: int) -> Optional[torch.Tensor]:

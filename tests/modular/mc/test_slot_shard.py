@@ -4,9 +4,11 @@ its sampled threshold falls, and `assign` leaves the entries as a stable sort wo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from modular.mc.eviction import MAX, Scoring
+from modular.mc import slot_shard
+from modular.mc.eviction import MAX, Scoring, as_bits
 from modular.mc.slot_shard import RUN, SlotShard
 
 
@@ -65,3 +67,61 @@ def test_assign_keeps_the_entries_as_a_stable_sort_would() -> None:
         shard.assign(slots, ids, counts, access, candidates)
         for name in want:
             assert torch.equal(getattr(shard, name), want[name][order]), f"trial {trial}: {name}"
+
+
+def _sorted(raw: torch.Tensor, slots: torch.Tensor, *cols: torch.Tensor) -> list[torch.Tensor]:
+    by_slot = torch.argsort(slots, stable=True)
+    order = by_slot[torch.argsort(raw[by_slot], stable=True)]
+    return [t[order] for t in (raw, slots, *cols)]
+
+
+@pytest.mark.parametrize("policy", ["distance_lfu", "lfu", "lru"])
+def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: str, monkeypatch) -> None:
+    """Many intervals on one shard, its recent entries merged only now and then (a small
+    RECENT_MIN and RECENT_SHARE): each interval's lookups, its n lowest (torchrec's order) and,
+    after each eviction, the whole state equal those of a table re-sorted at every interval;
+    evicted ids come back, and recent entries are evicted again."""
+    monkeypatch.setattr(slot_shard, "RECENT_MIN", 40)
+    monkeypatch.setattr(slot_shard, "RECENT_SHARE", 4)
+    g = torch.Generator().manual_seed(2)
+    lo, n = 7, 600
+    scoring = Scoring(policy)
+    shard = SlotShard(lo, lo + n, scoring)
+    ref = {"raw": torch.full((n,), MAX), "slots": torch.arange(lo, lo + n), "counts": torch.zeros(n, dtype=torch.int64),
+           "access": torch.zeros(n, dtype=torch.int64)}  # fmt: skip
+    merges = recent_evicted = 0
+    for it in range(1, 80):
+        ids = torch.unique(torch.randint(0, 900, (int(torch.randint(1, 120, (1,), generator=g)),), generator=g))
+        pos, want_pos = shard.find(ids), torch.searchsorted(ref["raw"], ids).clamp(max=n - 1)
+        held = ref["raw"][want_pos] == ids
+        assert torch.equal(pos >= 0, held), f"interval {it}: which ids are held"
+        assert torch.equal(shard.slot_at(pos[held]), ref["slots"][want_pos[held]]), f"interval {it}: slots"
+        counts, access = torch.randint(1, 5, ids.shape, generator=g), torch.full(ids.shape, it)
+        shard.update_matched(pos[held], counts[held], access[held])
+        ref["counts"][want_pos[held]] += counts[held]
+        ref["access"][want_pos[held]] = it
+        k = int((~held).sum())
+        scores = shard.scores(it)
+        low = shard.lowest(k, scores)
+        ref_scores = scoring.scores(it, ref["counts"] if scoring.counts else None, ref["access"] if scoring.access else None)
+        order = torch.argsort(ref_scores.flip(0), stable=True)
+        want = (n - 1 - order)[:k]
+        assert torch.equal(torch.sort(shard.slot_at(low)).values, torch.sort(ref["slots"][want]).values), f"interval {it}: lowest"
+        assert torch.equal(as_bits(scores[low]).sort().values, as_bits(ref_scores[want]).sort().values), f"interval {it}"
+        # the new ids take the lowest slots (in no particular pairing)
+        evicted = shard.slot_at(low)
+        recent_evicted += int((low >= shard._raw.numel()).sum())
+        shard.assign(torch.cat([evicted, torch.tensor([lo + n])]), torch.cat([ids[~held], torch.tensor([5])]),
+                     torch.cat([counts[~held], torch.tensor([1])]), torch.cat([access[~held], torch.tensor([it])]), low)  # fmt: skip
+        merges += k > 0 and shard._dead == 0  # else the assign left recent entries
+        at = torch.searchsorted(torch.sort(ref["slots"]).values, evicted)
+        by_slot = torch.argsort(ref["slots"])
+        for name, value in (("raw", ids[~held]), ("counts", counts[~held]), ("access", access[~held])):
+            ref[name][by_slot[at]] = value
+        ref = dict(zip(("raw", "slots", "counts", "access"), _sorted(ref["raw"], ref["slots"], ref["counts"], ref["access"])))
+        assert shard.held() == int((ref["raw"] != MAX).sum()), f"interval {it}: held"
+        if it % 10 == 0:  # the merged state (a merge here too)
+            for name in ("raw", "slots") + (("counts",) if scoring.counts else ()) + (("access",) if scoring.access else ()):
+                assert torch.equal(getattr(shard, name), ref[name]), f"interval {it}: {name}"
+    # LRU never evicts an entry newer than the last merge: every older one ranks lower
+    assert merges >= 3 and (recent_evicted >= 10 or policy == "lru"), (merges, recent_evicted)

@@ -12,13 +12,15 @@ and metadata: ~4 ms a step for 500k entries here, all on the last rank while a t
 since torchrec hands out the highest empty slots first, and the other ranks waited for it).
 So an evicted entry of the sorted main part only leaves it in place (its slot set to -1, it
 scores above every entry), and the new ids join a small sorted part of recent entries; once the
-evicted entries are more than 1/RECENT_SHARE of the main part (and RECENT_MIN), one merge puts
-the recent entries in their places, as before. A position below the main part's length is the
+evicted entries are more than 1/RECENT_SHARE of the main part, one merge (at the end of the
+eviction) puts the recent entries in their places, as before. A position below the main part's length is the
 main part's, above it a recent entry's. Lookups search both parts. torchrec breaks ties of
 score by sorted position: the main part's positions are in sorted order, and recent entries
 hold ids, never empty slots, so among tied entries an order by raw id (stable in position)
-is torchrec's. Recent entries cost their 32 bytes at most and -1 slots nothing more: at most
-1/RECENT_SHARE of a rank's state. Readers of the whole state (`raw`, `slots`, `counts`,
+is torchrec's. Between evictions the recent entries are at most 1/RECENT_SHARE of the main
+part's (their bytes per entry are the same, and a -1 slot costs nothing more): a rank's state
+is at most 1 + 1/16 of its share, which the planner does not add (Note [pricing managed
+collisions] prices the merged state). Readers of the whole state (`raw`, `slots`, `counts`,
 `access`: the state_dict, the tests) get the merged main part.
 """
 
@@ -34,8 +36,8 @@ __all__ = ["SlotShard"]
 
 RUN = 32_768  # merged positions under one shift that a merge copies as a slice, not a gather
 # Recent entries are merged into the main part once they are more than this share of it (and
-# this many): Note [a shard's recent entries].
-RECENT_SHARE, RECENT_MIN = 16, 1024
+# more than RECENT_MIN): Note [a shard's recent entries].
+RECENT_SHARE, RECENT_MIN = 16, 0
 
 
 class SlotShard:

@@ -114,6 +114,7 @@ def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: 
         shard.assign(torch.cat([evicted, torch.tensor([lo + n])]), torch.cat([ids[~held], torch.tensor([5])]),
                      torch.cat([counts[~held], torch.tensor([1])]), torch.cat([access[~held], torch.tensor([it])]), low)  # fmt: skip
         merges += k > 0 and shard._dead == 0  # else the assign left recent entries
+        assert shard._dead == shard._recent["raw"].numel() <= max(40, n // 4), f"interval {it}: recent entries"
         at = torch.searchsorted(torch.sort(ref["slots"]).values, evicted)
         by_slot = torch.argsort(ref["slots"])
         for name, value in (("raw", ids[~held]), ("counts", counts[~held]), ("access", access[~held])):

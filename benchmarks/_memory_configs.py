@@ -40,7 +40,7 @@ def plan_and_stats(name: str) -> tuple[planners.ShardingPlan, planners.PlanStats
     return plan_specs(optimizer, specs, WORLD, BATCH, POOLING)
 
 
-def plan_specs(optimizer: str, specs: list, world: int, batch: int, pooling: int
+def plan_specs(optimizer: str, specs: list, world: int, batch: int, pooling: int, device_memory: str = "1GiB"
                ) -> tuple[planners.ShardingPlan, planners.PlanStats]:  # fmt: skip
     """The plan of tables `specs` ((rows, dim, dtype, sharding type, shards) each) and its stats."""
     tables = [planners.Table(f"t{i}", rows, dim, features=(f"f{i}",), pooling_factor=pooling, dtype=dtype)
@@ -48,7 +48,7 @@ def plan_specs(optimizer: str, specs: list, world: int, batch: int, pooling: int
     cons = {t.name: planners.TableConstraint(sharding_types=(kind,), min_shards=k, max_shards=k)
             if kind != "data_parallel" else planners.TableConstraint(sharding_types=(kind,))
             for t, (_, _, _, kind, k) in zip(tables, specs)}  # fmt: skip
-    topology = planners.Topology(world, device_memory="1GiB")
+    topology = planners.Topology(world, device_memory=device_memory)
     plan = planners.plan(tables, topology, batch_size=batch, optimizer=optimizer, constraints=cons)
     stats = planners.plan_stats(plan, tables, topology, batch_size=batch, optimizer=optimizer,
                                 constraints=cons)  # fmt: skip

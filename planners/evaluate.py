@@ -21,7 +21,7 @@ from planners.inputs import (
 from planners.model_tables import (
     TableSet, TablesLike, as_table_set, display_name, match_constraints,
 )  # fmt: skip
-from planners.init_transient import STEP_RUNTIME_BYTES, meta_init_bytes, step_transient_bytes
+from planners.init_transient import SHARD_RUNTIME_BYTES, STEP_RUNTIME_BYTES, meta_init_bytes, step_transient_bytes
 from planners.mc_cost import collision_price
 from planners.options import enumerate_candidates, lower_bound
 from planners.replicas import ReplicaSync, group_topology
@@ -232,6 +232,8 @@ def stats_for(
     meta_init = meta_init_bytes(plan, table_set, topology.world_size)
     step_transient = step_transient_bytes(plan, table_set, topology.world_size, model.optimizer)
     mem = mem + collision.state + collision.batch
+    # what `shard` of a meta model holds at its end (Note [pricing a step's runtime])
+    fused_state = model.optimizer.fused_name is not None
     ranks = tuple(
         RankStats(
             rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
@@ -244,6 +246,8 @@ def stats_for(
             tier=float(comp[r, 6]), tier_bytes=float(tier[r, 0]), tier_io=float(tier[r, 1]),
             tier_capacity=float(topology.tier_memory), meta_init=meta_init[r],
             step_transient=step_transient[r], runtime=float(STEP_RUNTIME_BYTES),
+            shard_peak=float(parts_mem[r, 0] + (parts_mem[r, 1] if fused_state else 0.0) + collision.state[r]
+                             + parts_mem[r, 4] + meta_init[r] + SHARD_RUNTIME_BYTES),
         )
         for r in range(topology.world_size)
     )  # fmt: skip

@@ -36,8 +36,13 @@ on CUDA, the context). Measured on the 2-core CPU VM with gloo, torch 2.13 (benc
 --meta, 2 ranks, 2026-11-28): the peak RSS growth over `shard` + one step less what a rank holds
 and its batch was 10.3-10.8 MiB on the configurations whose step is the peak (no meta init), and
 10.5-12.9 MiB with tables a hundredth the size, so it does not scale with the tables. On a meta
-model the shard's own transient (`meta_init`) is freed before the step, so a rank's peak there
-is the larger of `peak` and `held + meta_init`.
+model the shard's own transient (`meta_init`) is freed before the step, and what `shard` leaves
+a rank is its weights and fused state (a torch optimizer makes its state when it is built, after
+`shard`, and the unfused gradient buffers come with the first backward), its collision state and
+caches: `RankStats.shard_peak` is that plus `meta_init` and the part of the runtime that
+`shard` has allocated by then (its collectives' buffers, 5-7 MiB measured: `SHARD_RUNTIME_BYTES`
+is 6), and a meta model's rank peaks at the larger of `shard_peak` and `peak`. Measured (rss_growth.py --meta --random 12 --world-size 3):
+an unfused SGD rank grew 239 MiB against 332 for `held + meta_init` and 237 for `shard_peak`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from planners.assumptions import Optimizer
 from planners.model_tables import TableSet
 from planners.types import ShardingPlan, ShardingType
 
-__all__ = ["STEP_RUNTIME_BYTES", "STEP_TEMPORARIES", "WHOLE_TABLE_INIT_BYTES", "meta_init_bytes",
+__all__ = ["SHARD_RUNTIME_BYTES", "STEP_RUNTIME_BYTES", "STEP_TEMPORARIES", "WHOLE_TABLE_INIT_BYTES", "meta_init_bytes",
            "step_transient_bytes"]
 
 WHOLE_TABLE_INIT_BYTES = 1 << 30  # modular/tables/meta_init.py's
@@ -54,6 +59,7 @@ WHOLE_TABLE_INIT_BYTES = 1 << 30  # modular/tables/meta_init.py's
 # transients]); fused optimizers step inside backward, on rows, and are not here.
 STEP_TEMPORARIES = {Optimizer.UNFUSED_ADAM: 2, Optimizer.UNFUSED_ADAGRAD: 1}
 STEP_RUNTIME_BYTES = 10 * 2**20  # what a rank's first step allocates beside its tables (Note [pricing a step's runtime])
+SHARD_RUNTIME_BYTES = 6 * 2**20  # of which `shard` has allocated as it ends (the same Note)
 
 
 def meta_init_bytes(plan: ShardingPlan, table_set: TableSet, world: int) -> list[float]:

@@ -93,6 +93,11 @@ class RankStats:
     # workspaces (Note [pricing a step's runtime] in planners/init_transient.py); in `peak`,
     # not in `memory`.
     runtime: float = 0.0
+    # Bytes a rank holds as `shard` of a meta model ends: its weights and fused state (a torch
+    # optimizer's state and the unfused gradient buffers come later), collision state and
+    # caches, and the table it initialises whole (`meta_init`); such a rank peaks at the larger
+    # of this and `peak` (Note [pricing a step's runtime] in planners/init_transient.py).
+    shard_peak: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -471,6 +476,7 @@ class PlanStats:
                  **{c: getattr(r, c) for c in _COMPONENTS},
                  **{a: getattr(r, a) for a, _, _ in MEMORY_PARTS}, "batch": r.batch,
                  "meta_init": r.meta_init, "step_transient": r.step_transient, "runtime": r.runtime,
+                 "shard_peak": r.shard_peak,
                  "peak": r.peak,
                  "tables": [n for n, _ in r.tables]}
                 for r in self.ranks

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 import planners
 from planners import DataType, ShardingType, Table, TableConstraint, Topology
-from planners.init_transient import STEP_RUNTIME_BYTES, WHOLE_TABLE_INIT_BYTES
+from planners.init_transient import SHARD_RUNTIME_BYTES, STEP_RUNTIME_BYTES, WHOLE_TABLE_INIT_BYTES
 from planners.types import ShardingPlan, TablePlacement
 
 T = ShardingType
@@ -81,3 +83,23 @@ def test_an_unfused_optimizers_step_temporaries_for_the_largest_piece() -> None:
     assert head.split()[-2:] == ["step-temp", "meta-init"] and "step-temp: what the torch optimizer" in view
     sgd = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer="unfused_sgd")
     assert "step-temp" not in sgd.format_ranks()
+
+
+def test_what_shard_leaves_a_meta_rank_is_its_weights_fused_state_and_the_table_it_fills_whole() -> None:
+    """Note [pricing a step's runtime]: `shard_peak` is the weights, the fused state (a torch
+    optimizer's state and the unfused gradient buffers come after `shard`), `meta_init` and
+    the runtime `shard` has allocated; the rank peaks at the larger of it and `peak`."""
+    tables = [Table("rw", 6000, 16), Table("tw", 3000, 32)]
+    plan = ShardingPlan(world_size=2, modules={"": {
+        "rw": TablePlacement(T.ROW_WISE, ranks=(0, 1), sizes=(3000, 3000)),
+        "tw": TablePlacement(T.TABLE_WISE, ranks=(0,)),
+    }})  # fmt: skip
+    for optimizer, fused in (("adam", True), ("rowwise_adagrad", True), ("unfused_adam", False), ("unfused_sgd", False)):
+        stats = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer=optimizer)
+        for r in stats.ranks:
+            state = r.optimizer_state if fused else 0.0
+            assert r.shard_peak == pytest.approx(r.weights + state + r.meta_init + SHARD_RUNTIME_BYTES), optimizer
+            assert r.meta_init == 6000 * 16 * 4  # the row-wise table, filled whole on both ranks
+            if not fused:  # the gradient buffers and torch's state come later
+                assert r.shard_peak - SHARD_RUNTIME_BYTES < r.held + r.meta_init
+            assert stats.to_dict()["ranks"][r.rank]["shard_peak"] == r.shard_peak

@@ -414,7 +414,8 @@ class PlanStats:
         shown = self.ranks if max_rows is None else self.ranks[:max_rows]
         mem_rows = [f"{'rank':>5} " + " ".join(f"{h:>10}" for _, _, h in memory_parts)
                     + f" {'batch':>10}" + (f" {'tier':>10} {'tier-io':>8}" if tiered else "")
-                    + (f" {'step-temp':>10}" if stepped else "") + f" {'meta-init':>10}"]  # fmt: skip
+                    + (f" {'step-temp':>10}" if stepped else "") + f" {'meta-init':>10}"
+                    + f" {'peak':>10} {'shard-peak':>10}"]  # fmt: skip
         for r in shown:
             rows.append(
                 f"{r.rank:>5} {format_bytes(r.memory):>10} {100 * r.memory / r.capacity:>5.1f} "
@@ -427,7 +428,8 @@ class PlanStats:
                 + f" {format_bytes(r.batch):>10}"
                 + (f" {format_bytes(r.tier_bytes):>10} {scale * r.tier_io:>8.3f}" if tiered
                    else "") + (f" {format_bytes(r.step_transient):>10}" if stepped else "")
-                + f" {format_bytes(r.meta_init):>10}")  # fmt: skip
+                + f" {format_bytes(r.meta_init):>10}"
+                + f" {format_bytes(r.peak):>10} {format_bytes(r.shard_peak):>10}")  # fmt: skip
         if len(shown) < len(self.ranks):
             more = f"  ... {plural(len(self.ranks) - len(shown), 'more rank')}"
             rows.append(more)
@@ -444,8 +446,10 @@ class PlanStats:
                     + ("; step-temp: what the torch optimizer's step holds for a moment once the "
                        "batch is freed (peak: held + runtime + the larger of batch and step-temp)" if stepped else "")
                     + "; meta-init: what `shard` holds for a moment beyond memory when the model is "
-                    "on meta (the largest table it initialises whole here); a step's peak also "
-                    f"holds the runtime's {format_bytes(self.ranks[0].runtime)} a rank")  # fmt: skip
+                    "on meta (the largest table it initialises whole here); peak: a step's, held + "
+                    f"the runtime's {format_bytes(self.ranks[0].runtime)} + the larger of batch and "
+                    "step-temp; shard-peak: what `shard` of a meta model holds as it ends (weights, "
+                    "fused state, meta-init, its runtime): a meta model's rank peaks at the larger")  # fmt: skip
         return "\n".join(rows)
 
     def format(self, max_rows: int | None = None) -> str:

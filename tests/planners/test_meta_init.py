@@ -47,11 +47,13 @@ def test_whole_pieces_take_no_more() -> None:
 def test_the_per_rank_view_shows_it() -> None:
     tables = [Table("rw", 6000, 16)]
     plan = ShardingPlan(world_size=2, modules={"": {"rw": TablePlacement(T.ROW_WISE, ranks=(0, 1))}})
-    view = planners.plan_stats(plan, tables, Topology(2), batch_size=8).format_ranks()
+    stats = planners.plan_stats(plan, tables, Topology(2), batch_size=8)
+    view = stats.format_ranks()
     head = next(line for line in view.splitlines() if line.split()[:2] == ["rank", "weights"])
-    assert head.split()[-1] == "meta-init" and "meta-init: what `shard` holds" in view
+    assert head.split()[-3:] == ["meta-init", "peak", "shard-peak"] and "meta-init: what `shard` holds" in view
     row = next(line for line in view.splitlines()[view.splitlines().index(head) + 1:] if line.split()[0] == "0")
-    assert row.rstrip().endswith(planners.format_bytes(6000 * 16 * 4))
+    r0 = stats.ranks[0]
+    assert row.split()[-6:] == " ".join(planners.format_bytes(b) for b in (6000 * 16 * 4, r0.peak, r0.shard_peak)).split()
 
 
 def test_an_unfused_optimizers_step_temporaries_for_the_largest_piece() -> None:
@@ -80,9 +82,10 @@ def test_an_unfused_optimizers_step_temporaries_for_the_largest_piece() -> None:
     assert stats.to_dict()["ranks"][1]["peak"] == adam.peak
     view = stats.format_ranks()
     head = next(line for line in view.splitlines() if line.split()[:2] == ["rank", "weights"])
-    assert head.split()[-2:] == ["step-temp", "meta-init"] and "step-temp: what the torch optimizer" in view
+    assert head.split()[-4:] == ["step-temp", "meta-init", "peak", "shard-peak"] and "step-temp: what the torch optimizer" in view
     sgd = planners.plan_stats(plan, tables, Topology(2), batch_size=8, optimizer="unfused_sgd")
-    assert "step-temp" not in sgd.format_ranks()
+    sgd_head = next(line for line in sgd.format_ranks().splitlines() if line.split()[:2] == ["rank", "weights"])
+    assert "step-temp" not in sgd_head and "step-temp:" not in sgd.format_ranks()  # no column, no legend
 
 
 def test_what_shard_leaves_a_meta_rank_is_its_weights_fused_state_and_the_table_it_fills_whole() -> None:

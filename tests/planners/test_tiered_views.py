@@ -48,7 +48,7 @@ def test_cli_shows_each_tiered_table_and_each_ranks_cache_and_tier(tmp_path, cap
     assert out.count("t_small ") == 1 and next(
         line for line in out.splitlines() if line.startswith("t_small ")).rstrip().endswith("-")
     mem_head = next(line for line in out.splitlines() if line.split()[:2] == ["rank", "weights"])
-    assert mem_head.split()[-5:] == ["cache", "batch", "tier", "tier-io", "meta-init"]
+    assert mem_head.split()[-7:] == ["cache", "batch", "tier", "tier-io", "meta-init", "peak", "shard-peak"]
     assert "planner tiered 1 table" in out and "of 10.0 GiB" in out
     recorded = json.load(open(plan_path))["planner"]
     assert (recorded["tier_memory"], recorded["tier_bandwidth"], recorded["prefetch"]) == (

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shutil
 import statistics
@@ -489,7 +490,34 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     with open("/proc/meminfo") as f:
         a.host_memory = int(f.readline().split()[1]) * 1024
     a.device_memory = torch.cuda.get_device_properties(0).total_memory if a.device == "cuda" else 80 * 2**30
+    _check_memory(p, a)
     return a
+
+
+def _check_memory(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuses a size whose tables (4 bytes a value, row-wise Adagrad's one per row) would not
+    fit beside each other: on the host the tiered tables and TorchRec's UVM tables (both whole
+    there; on CPU the tier's files count as page cache, not here); on the device the resident
+    tables and both caches. Per machine, every rank's share together."""
+    row = 4 * (a.dim + 1)
+    tables = a.tables * a.rows * row
+    caches = 2 * a.tables * math.ceil(a.rows * a.cache) * row
+    resident = a.tables * a.resident_rows * row
+    if a.device == "cuda":
+        host = tables * (1 if a.no_torchrec else 2)
+        if host > 0.8 * a.host_memory:
+            p.error(f"{a.tables} tables x {a.rows:,} rows x {a.dim} take {tables / 2**30:.1f} GiB of host "
+                    f"memory per contender, {host / 2**30:.1f} GiB in all, over 80% of this machine's "
+                    f"{a.host_memory / 2**30:.1f} GiB: pass fewer --rows or --no-torchrec")  # fmt: skip
+        gpus = max(1, min(a.world_size, torch.cuda.device_count()))
+        device = (resident + caches) / gpus
+        if device > 0.85 * a.device_memory:
+            p.error(f"the resident tables ({resident / 2**30:.1f} GiB) and both caches "
+                    f"({caches / 2**30:.1f} GiB) take {device / 2**30:.1f} GiB per GPU, over 85% of "
+                    f"its {a.device_memory / 2**30:.1f} GiB: pass fewer --resident-rows (0: none)")  # fmt: skip
+    elif resident + tables > 0.5 * a.host_memory:  # TorchRec's stand-in and the resident tables
+        p.error(f"--device cpu holds {(resident + tables) / 2**30:.1f} GiB of tables in memory, over half "
+                f"of this machine's {a.host_memory / 2**30:.1f} GiB: pass fewer --rows")  # fmt: skip
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -73,6 +73,7 @@ def test_device_cuda_without_a_gpu_says_so_and_exits_2(capsys) -> None:
         (["--rows", "100", "--resident-rows", "200"], "--resident-rows 200 is more than --rows 100"),
         (["--dim", "30"], "--dim 30: fbgemm's fused kernels take widths that are multiples of 4"),
         (["--block", "0"], "--block must be at least 1, got 0"),
+        (["--rows", str(1 << 31), "--dim", "128"], "pass fewer --rows"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_rank_starts(argv, message, capsys) -> None:
@@ -105,3 +106,24 @@ def test_the_harness_on_cpu_trains_tiered_and_resident_alike(tmp_path, capsys) -
     assert (tmp_path / "out.json").exists() and os.listdir(tmp_path) == ["out.json"]  # tiers removed
     text = capsys.readouterr().out
     assert "| modular tiered (cache 0.25, LRU, prefetch) |" in text and "tiered / resident" in text
+
+
+def _cuda_args(**changes):
+    import argparse
+
+    fields = dict(device="cuda", tables=8, rows=1 << 23, dim=128, cache=0.05, resident_rows=1 << 23,
+                  world_size=1, no_torchrec=False, host_memory=128 * GiB, device_memory=80 * GiB)  # fmt: skip
+    return argparse.ArgumentParser(prog="tiered_cuda.py"), argparse.Namespace(**{**fields, **changes})
+
+
+def test_the_default_size_fits_the_lent_machine_and_a_smaller_one_is_refused(capsys) -> None:
+    tiered_cuda._check_memory(*_cuda_args())  # 2 x 32.2 GiB on the host, 35.5 GiB on an H100
+    for changes, message in (
+        ({"host_memory": 64 * GiB}, "64.5 GiB in all, over 80% of this machine's 64.0 GiB"),
+        ({"device_memory": 40 * GiB}, "take 35.5 GiB per GPU, over 85% of its 40.0 GiB"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            tiered_cuda._check_memory(*_cuda_args(**changes))
+        assert message in capsys.readouterr().err
+    tiered_cuda._check_memory(*_cuda_args(host_memory=64 * GiB, no_torchrec=True))
+    tiered_cuda._check_memory(*_cuda_args(device_memory=40 * GiB, resident_rows=0))

@@ -121,16 +121,17 @@ def torchrec_uvm_plan(
     topology = Topology(world_size=world_size, compute_device=compute_device, hbm_cap=device_memory,
                         ddr_cap=host_memory, local_world_size=world_size)  # fmt: skip
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, batch_size=batch)
-    return planner.plan(dlrm(tables, torch.device("meta")), [_sharder(cache is not None)])
+    return planner.plan(dlrm(tables, torch.device("meta")), [_sharder()])
 
 
-def _sharder(stats: bool):
+def _sharder():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": EPS}
-    if stats:  # fbgemm's UVM cache counts its unique ids and misses per call
-        fused["gather_uvm_cache_stats"] = True
+    # fbgemm's UVM cache counts its unique ids and misses per call (a kernel without a cache,
+    # the CPU stand-in's, takes the flag and counts nothing)
+    fused["gather_uvm_cache_stats"] = True
     return EmbeddingBagCollectionSharder(fused_params=fused)
 
 
@@ -235,15 +236,23 @@ def _build_uvm(args, device: torch.device, data: list):
     model = DistributedModelParallel(
         dlrm(table_configs(args.tables, args.rows, args.dim), device),
         env=ShardingEnv.from_process_group(dist.group.WORLD), device=device, plan=plan,
-        sharders=[_sharder(cache is not None)],
+        sharders=[_sharder()],
     )  # fmt: skip
     dense = list(dict(in_backward_optimizer_filter(model.named_parameters())).values())
     return Contender("uvm", model, [torch.optim.SGD(dense, lr=LR)], data, prefetch=False)
 
 
 def uvm_tbes(model) -> list:
-    """fbgemm's TBEs of a DMP that gather UVM cache statistics."""
-    return [m for m in model.modules() if getattr(m, "gather_uvm_cache_stats", False)]
+    """fbgemm's TBEs of a DMP that gather UVM cache statistics. TorchRec keeps them out of
+    `modules()`: a sharded EBC's `_lookups`, each lookup's `_emb_modules`, each one's
+    `_emb_module`."""
+    out = []
+    for m in model.modules():
+        for lookup in getattr(m, "_lookups", ()):
+            for emb in getattr(lookup, "_emb_modules", ()):
+                if getattr(emb._emb_module, "gather_uvm_cache_stats", False):
+                    out.append(emb._emb_module)
+    return out
 
 
 def _memory(device: torch.device) -> tuple[int, int, int]:
@@ -301,10 +310,14 @@ def _hit_rate(c: Contender) -> Optional[dict]:
         return {"looked_up": looked, "fetched": fetched, "step_misses": sum(s["misses"] for s in stats),
                 "hit_rate": 1 - fetched / max(1, looked)}  # fmt: skip
     if c.name == "uvm" and uvm_tbes(c.model):
-        # fbgemm's UVMCacheStatsIndex: 2 num_unique_indices, 3 num_unique_misses (per call)
-        counts = sum(tbe.get_uvm_cache_stats().cpu() for tbe in uvm_tbes(c.model))
+        # fbgemm's UVMCacheStatsIndex: 2 num_unique_indices, 3 num_unique_misses, 4
+        # num_conflict_unique_misses (rows its 32-way sets could not take, read from UVM in
+        # place), per call; none counted where the kernel has no cache (the CPU stand-in)
+        tbes = uvm_tbes(c.model)
+        counts = sum(tbe.get_uvm_cache_stats().cpu() for tbe in tbes)
         looked, missed = int(counts[2]), int(counts[3])
-        return {"looked_up": looked, "fetched": missed, "hit_rate": 1 - missed / max(1, looked)}
+        return {"tbes": len(tbes), "looked_up": looked, "fetched": missed, "conflict_misses": int(counts[4]),
+                "hit_rate": 1 - missed / looked if looked else None}  # fmt: skip
     return None
 
 
@@ -411,7 +424,8 @@ def report(args, results: list[dict]) -> tuple[str, dict]:
              "| GPU step peak over held GiB | host RSS GiB (rank 0's growth at build) |",
              "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
     for name, c in r0.items():
-        hit = "not reported" if c["hit"] is None else f"{c['hit']['hit_rate']:.3f}"
+        rate = None if c["hit"] is None else c["hit"]["hit_rate"]
+        hit = "not reported" if rate is None else f"{rate:.3f}"
         if c["hit"] is not None and c["hit"].get("step_misses"):
             hit += f" ({c['hit']['step_misses']:,} misses at steps)"
         lines.append(

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -78,8 +79,23 @@ SHARDINGS = ("table_wise", "row_wise")
 def table_configs(tables: int, rows: int, dim: int) -> list:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+    init = functools.partial(init_rows, bound=rows**-0.5)  # torchrec's default bounds
     return [EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=dim,
-                               feature_names=[f"f{i}"]) for i in range(tables)]  # fmt: skip
+                               feature_names=[f"f{i}"], init_fn=init) for i in range(tables)]  # fmt: skip
+
+
+@torch.no_grad()  # TorchRec calls it on its shards' parameters too
+def init_rows(weight: torch.Tensor, *, bound: float) -> None:
+    """A meta table's init_fn, which `modular.shard` runs on each shard under a seeded CPU
+    generator (Note [shard init]): uniform in [-bound, bound], drawn on the GPU where there is
+    one, from a seed taken from that generator, whatever the shard's own device. A tiered
+    shard on a GPU rank lives in host memory and a resident one on the GPU, and a draw on each
+    one's own device would give them different values (the CPU's generator and the GPU's
+    differ), so the losses could not be compared; drawing 32 GiB on the CPU also takes ~40 s."""
+    seed = int(torch.randint(0, 2**62, (1,)))
+    on = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    drawn = torch.empty(weight.shape, device=on).uniform_(-bound, bound, generator=torch.Generator(on).manual_seed(seed))
+    weight.copy_(drawn)
 
 
 def dlrm(tables: list, dense_device: torch.device):
@@ -267,6 +283,8 @@ def _memory(device: torch.device) -> tuple[int, int, int]:
 def _built(build: Callable[[], Contender], device: torch.device) -> Contender:
     before = _memory(device)
     contender = build()
+    if device.type == "cuda":  # what init drew (`init_rows`) goes back to the driver
+        torch.cuda.empty_cache()
     after = _memory(device)
     contender.held, contender.driver_used, contender.host = (a - b for a, b in zip(after, before))
     return contender

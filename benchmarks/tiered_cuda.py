@@ -8,8 +8,9 @@ TorchRec's FUSED_UVM_CACHING (fbgemm's GPU cache over UVM), side by side in one 
 A DLRM (torchrec's: 13 dense features, dense arch 64-D, over arch 64-1) whose `--tables` tables
 of `--rows` x `--dim` FP32 are trained with fused exact row-wise Adagrad on Zipf ids (alpha
 `--alpha`, scattered over the rows by a multiplicative hash), `--batch` samples of `--pooling`
-ids per table and rank; the dense part takes torch's SGD. `--world-size 1` is one GPU; 2 puts
-two ranks on it over gloo (`--cuda-backend gloo`, as benchmarks/step_time.py does). Contenders,
+ids per table and rank; the dense part takes torch's SGD. `--world-size 1` is one GPU (NCCL);
+2 on a machine of one GPU puts two ranks on it over gloo (as benchmarks/step_time.py's
+`--cuda-backend gloo` does). Contenders,
 each built from a meta EBC, all alive at once, timed in alternating blocks of `--block` steps
 after `--warmup` steps each, every step between two `torch.cuda.synchronize()`:
 
@@ -33,7 +34,9 @@ peak of its steps over what it holds (`torch.cuda.max_memory_allocated` per bloc
 host memory (VmRSS before and after it is built); and tiered / uvm. With the resident tables
 of the same rows, the losses of tiered and resident are compared step by step (tiered tables
 train like resident ones: Note [tiered tables] in modular/tiered/__init__.py). A markdown table
-goes to stdout and, with `--json` (default $OUT/tiered_cuda.json where OUT is set), a JSON.
+goes to stdout and, with `--json` (default $OUT/tiered_cuda.json where OUT is set), a JSON. A
+contender that fails to build or to warm up is reported as not run, with its error, on every
+rank, and the others still run.
 
 `--device cpu` runs the same harness on CPU gloo ranks (the tier in files under a temporary
 directory), with TorchRec's plain "fused" kernel in place of fused_uvm_caching, which CPU does
@@ -72,7 +75,6 @@ from benchmarks._common import (  # noqa: E402
 )  # fmt: skip
 
 LR, EPS, DENSE = 0.05, 1e-8, 13
-CONTENDERS = ("tiered", "uvm", "resident")
 SHARDINGS = ("table_wise", "row_wise")
 
 
@@ -206,7 +208,6 @@ class Contender:
         self.blocks: list[float] = []
         self.peaks: list[int] = []  # per block: max_memory_allocated over allocated at its start
         self.held = self.driver_used = self.host = 0  # bytes, from its build
-        self.hit: Optional[dict] = None
 
     def step(self, i: int) -> None:
         import modular
@@ -233,7 +234,8 @@ def _build_modular(args, name: str, device: torch.device, rows: int, cache: Opti
     opt = modular.fuse_optimizer(model, "exact_rowwise_adagrad", lr=LR, eps=EPS)
     tier_dir = os.path.join(args.dir, "tiers") if cache is not None and device.type == "cpu" else None
     modular.shard(model, plan, device=device, tier_dir=tier_dir)
-    modular.apply_ddp(model)
+    if args.world_size > 1:  # a world of one has nothing to all-reduce (TorchRec's DDP of one rank
+        modular.apply_ddp(model)  # all-reduces nothing either)
     dense = torch.optim.SGD(modular.local_parameters(model), lr=LR)
     return Contender(name, model, [opt, dense], data, prefetch=not args.no_prefetch)
 
@@ -468,7 +470,7 @@ def report(args, results: list[dict]) -> tuple[str, dict]:
     for name, why in results[0]["not_run"].items():
         lines.append(f"{names[name]}: not run, {why}")
     for r in results:
-        secs = ", ".join(f"{k} {v:.0f} s" for k, v in r["seconds"].items())
+        secs = ", ".join(f"{k} {v:.1f} s" for k, v in r["seconds"].items())
         lines.append(f"rank {r['rank']}: {secs}; peak RSS (VmHWM) {_gib(r['hwm'])} GiB")
     return "\n".join(lines), {"args": vars(args), "summary": summary, "ranks": results}
 

@@ -5,7 +5,7 @@ TorchRec's FUSED_UVM_CACHING (fbgemm's GPU cache over UVM), side by side in one 
     python benchmarks/tiered_cuda.py --quick             # 8 x 1,048,576 rows, 3 blocks of 10: a check
     python benchmarks/tiered_cuda.py --device cpu --quick --world-size 1   # the harness on CPU
 
-A DLRM (torchrec's: 13 dense features, dense arch 64-D, over arch 64-1) whose `--tables` tables
+A DLRM (examples/dlrm's: 13 dense features, dense arch 64-D, over arch 64-1) whose `--tables` tables
 of `--rows` x `--dim` FP32 are trained with fused exact row-wise Adagrad on Zipf ids (alpha
 `--alpha`, scattered over the rows by a multiplicative hash), `--batch` samples of `--pooling`
 ids per table and rank; the dense part takes torch's SGD. `--world-size 1` is one GPU (NCCL);
@@ -101,17 +101,17 @@ def init_rows(weight: torch.Tensor, *, bound: float) -> None:
 
 
 def dlrm(tables: list, dense_device: torch.device):
-    """torchrec's DLRM of `tables` with its EBC on meta (each contender fills its own shards)
-    and its dense part, the same on every call, on `dense_device`."""
-    from torchrec.models.dlrm import DLRM
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    """The example's DLRM (examples/dlrm/model.py: dense arch 64-D, dot interaction, over arch
+    64-1) of `tables`, with its EBC on meta (each contender fills its own shards) and its dense
+    part, the same on every call, on `dense_device`. Not torchrec.models.dlrm: the GPU
+    machine's torchrec 1.6.1 imports torchrec.datasets there, which needs iopath, not packed."""
+    from examples.dlrm import DLRM
 
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE,
-                 dense_arch_layer_sizes=[64, tables[0].embedding_dim], over_arch_layer_sizes=[64, 1])  # fmt: skip
-    for part in (model.dense_arch, model.inter_arch, model.over_arch):
-        part.to(dense_device)
+    model = DLRM(tables, bottom_mlp=[64, tables[0].embedding_dim], top_mlp=[64], dense_in_features=DENSE,
+                 device="meta")  # fmt: skip
+    model.dense.to(dense_device)
+    model.over.to(dense_device)
     return model
 
 
@@ -119,7 +119,7 @@ def torchrec_uvm_plan(
     tables: list, *, world_size: int, cache: Optional[float], sharding: str, batch: int,
     device_memory: int, host_memory: int, compute_device: str = "cuda",
 ):  # fmt: skip
-    """TorchRec's own plan for a DLRM of `tables` (its EBC at "sparse_arch.embedding_bag_collection"), from its
+    """TorchRec's own plan for a DLRM of `tables` (its EBC at "sparse.ebc"), from its
     EmbeddingShardingPlanner: every table `sharding`, under fused_uvm_caching with a cache of
     `cache` of its rows (LRU), or under the plain "fused" kernel where `cache` is None (the CPU
     stand-in). Planning needs no GPU; the plan names `compute_device`'s devices."""
@@ -162,7 +162,7 @@ def modular_plan(model, *, world_size: int, cache: Optional[float], sharding: st
     extra = {} if cache is None else {"cache_load_factor": cache, "cache_policy": "lru"}
     kind = planners.ShardingType.parse(sharding)
     constraints = {t.name: planners.TableConstraint(sharding_types=(kind,), **extra)
-                   for t in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()}  # fmt: skip
+                   for t in model.sparse.ebc.embedding_bag_configs()}  # fmt: skip
     topology = planners.Topology(
         world_size=world_size, ranks_per_host=world_size, device_memory=device_memory,
         host_memory=host_memory, tier_memory=host_memory, tier_bandwidth=25e9 if on_gpu else 2e9,
@@ -173,8 +173,9 @@ def modular_plan(model, *, world_size: int, cache: Optional[float], sharding: st
 def batches(args, rank: int, n: int, rows: int, device: torch.device) -> list:
     """`n` batches on `device`: Zipf ids scattered over `rows` by a multiplicative hash (so that
     hot rows are spread over shards), the same on every call with the same rank."""
-    from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from examples.dlrm import Batch
 
     rng = np.random.default_rng([11, rank])
     out = []
@@ -186,17 +187,18 @@ def batches(args, rank: int, n: int, rows: int, device: torch.device) -> list:
             lengths=torch.full((args.batch * args.tables,), args.pooling, dtype=torch.int64))  # fmt: skip
         dense = torch.from_numpy(rng.standard_normal((args.batch, DENSE), dtype=np.float32))
         labels = torch.from_numpy((rng.random(args.batch) < 0.3).astype(np.float32))
-        out.append(Batch(dense_features=dense, sparse_features=sparse, labels=labels).to(device))
+        out.append(Batch(dense=dense.to(device), sparse=sparse.to(device), labels=labels.to(device)))
     return out
 
 
 def _modulo(batch, rows: int):
-    from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    s = batch.sparse_features
+    from examples.dlrm import Batch
+
+    s = batch.sparse
     kjt = KeyedJaggedTensor(keys=s.keys(), values=s.values() % rows, lengths=s.lengths())
-    return Batch(dense_features=batch.dense_features, sparse_features=kjt, labels=batch.labels)
+    return Batch(dense=batch.dense, sparse=kjt, labels=batch.labels)
 
 
 class Contender:
@@ -214,8 +216,8 @@ class Contender:
 
         batch = self.data[i]
         if self.prefetch:
-            modular.prefetch(self.model, self.data[i + 1].sparse_features)
-        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+            modular.prefetch(self.model, self.data[i + 1].sparse)
+        logits = self.model(batch.dense, batch.sparse)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         loss.backward()
         for o in self.opts:

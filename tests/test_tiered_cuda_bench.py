@@ -34,7 +34,7 @@ def test_torchrec_plans_uvm_caching_without_a_gpu_as_to_torchrec_converts_ours(s
     ours = tiered_cuda.modular_plan(model, world_size=world, cache=cache, sharding=sharding, batch=4096,
                                     device_memory=80 * GiB, host_memory=512 * GiB, on_gpu=True)  # fmt: skip
     converted = to_torchrec(ours, model, device_type="cuda")
-    fqn = "sparse_arch.embedding_bag_collection"
+    fqn = "sparse.ebc"
     assert set(theirs.plan) == set(converted.plan) == {fqn}
     for t in tables:
         a, b = theirs.plan[fqn][t.name], converted.plan[fqn][t.name]
@@ -54,7 +54,7 @@ def test_the_cpu_stand_in_plans_the_plain_fused_kernel() -> None:
         tables, world_size=1, cache=None, sharding="table_wise", batch=64,
         device_memory=GiB, host_memory=GiB, compute_device="cpu",
     )  # fmt: skip
-    kinds = {(p.compute_kernel, p.cache_params) for p in plan.plan["sparse_arch.embedding_bag_collection"].values()}
+    kinds = {(p.compute_kernel, p.cache_params) for p in plan.plan["sparse.ebc"].values()}
     assert kinds == {("fused", None)}
 
 

@@ -131,3 +131,16 @@ def test_the_default_size_fits_the_lent_machine_and_a_smaller_one_is_refused(cap
         assert message in capsys.readouterr().err
     tiered_cuda._check_memory(*_cuda_args(host_memory=64 * GiB, no_torchrec=True))
     tiered_cuda._check_memory(*_cuda_args(device_memory=40 * GiB, resident_rows=0))
+
+
+def test_the_report_of_a_run_whose_tiered_contender_failed_names_it_and_leaves_out_its_ratios() -> None:
+    args = tiered_cuda.parse(["--device", "cpu", "--rows", "1024", "--dim", "8", "--block", "2"])
+    uvm = {"step_s": 0.004, "blocks_s": [0.004] * 6, "hit": None, "held": 0, "driver_used": 0, "host": 0,
+           "step_peak": None, "peak": None, "losses": [0.7] * 6}  # fmt: skip
+    rank = {"rank": 0, "seconds": {"tiered": 0.5, "uvm": 1.0}, "hwm": GiB, "contenders": {"uvm": uvm},
+            "not_run": {"tiered": "failed in warm-up: rank 0: RuntimeError: boom"}}  # fmt: skip
+    text, out = tiered_cuda.report(args, [rank])
+    assert out["summary"] == {}
+    assert "| TorchRec DMP, fused (CPU stand-in, no UVM on CPU) | 4.0 |" in text
+    assert "modular tiered (cache 0.05, LRU, prefetch): not run, failed in warm-up: rank 0: RuntimeError: boom" in text
+    assert "tiered /" not in text and "| modular tiered" not in text  # what run.sh's rerun looks for

@@ -117,12 +117,13 @@ def dlrm(tables: list, dense_device: torch.device):
 
 def torchrec_uvm_plan(
     tables: list, *, world_size: int, cache: Optional[float], sharding: str, batch: int,
-    device_memory: int, host_memory: int, compute_device: str = "cuda",
+    device_memory: int, host_memory: int, compute_device: str = "cuda", devices: Optional[int] = None,
 ):  # fmt: skip
     """TorchRec's own plan for a DLRM of `tables` (its EBC at "sparse.ebc"), from its
     EmbeddingShardingPlanner: every table `sharding`, under fused_uvm_caching with a cache of
     `cache` of its rows (LRU), or under the plain "fused" kernel where `cache` is None (the CPU
-    stand-in). Planning needs no GPU; the plan names `compute_device`'s devices."""
+    stand-in). Planning needs no GPU; the plan names `compute_device`'s devices, `devices` of
+    them per host (default one per rank)."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.types import CacheAlgorithm, CacheParams
@@ -137,7 +138,7 @@ def torchrec_uvm_plan(
         for t in tables
     }  # fmt: skip
     topology = Topology(world_size=world_size, compute_device=compute_device, hbm_cap=device_memory,
-                        ddr_cap=host_memory, local_world_size=world_size)  # fmt: skip
+                        ddr_cap=host_memory, local_world_size=devices or world_size)  # fmt: skip
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, batch_size=batch)
     return planner.plan(dlrm(tables, torch.device("meta")), [_sharder()])
 
@@ -252,6 +253,9 @@ def _build_uvm(args, device: torch.device, data: list):
         table_configs(args.tables, args.rows, args.dim), world_size=args.world_size, cache=cache,
         sharding=args.sharding, batch=args.batch, device_memory=args.device_memory,
         host_memory=args.host_memory, compute_device=device.type,
+        # ranks sharing a GPU: as many "hosts" of it, so that rank r's shards name cuda:0, which
+        # it has, not cuda:r
+        devices=max(1, min(args.world_size, torch.cuda.device_count())) if device.type == "cuda" else None,
     )  # fmt: skip
     model = DistributedModelParallel(
         dlrm(table_configs(args.tables, args.rows, args.dim), device),

@@ -144,3 +144,13 @@ def test_the_report_of_a_run_whose_tiered_contender_failed_names_it_and_leaves_o
     assert "| TorchRec DMP, fused (CPU stand-in, no UVM on CPU) | 4.0 |" in text
     assert "modular tiered (cache 0.05, LRU, prefetch): not run, failed in warm-up: rank 0: RuntimeError: boom" in text
     assert "tiered /" not in text and "| modular tiered" not in text  # what run.sh's rerun looks for
+
+
+def test_two_ranks_sharing_one_gpu_have_their_uvm_shards_on_cuda_0() -> None:
+    tables = tiered_cuda.table_configs(2, 1 << 16, 16)
+    plan = tiered_cuda.torchrec_uvm_plan(
+        tables, world_size=2, cache=0.1, sharding="row_wise", batch=64, device_memory=80 * GiB,
+        host_memory=512 * GiB, devices=1,
+    )  # fmt: skip
+    places = {str(s.placement) for p in plan.plan["sparse.ebc"].values() for s in p.sharding_spec.shards}
+    assert places == {"rank:0/cuda:0", "rank:1/cuda:0"}

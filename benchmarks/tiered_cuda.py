@@ -96,7 +96,8 @@ def init_rows(weight: torch.Tensor, *, bound: float) -> None:
     differ), so the losses could not be compared; drawing 32 GiB on the CPU also takes ~40 s."""
     seed = int(torch.randint(0, 2**62, (1,)))
     on = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    drawn = torch.empty(weight.shape, device=on).uniform_(-bound, bound, generator=torch.Generator(on).manual_seed(seed))
+    generator = torch.Generator(on).manual_seed(seed)
+    drawn = torch.empty(weight.shape, device=on).uniform_(-bound, bound, generator=generator)
     weight.copy_(drawn)
 
 
@@ -134,7 +135,9 @@ def torchrec_uvm_plan(
         kernel = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
         params = CacheParams(load_factor=cache, algorithm=CacheAlgorithm.LRU)
     constraints = {
-        t.name: ParameterConstraints(sharding_types=[sharding], compute_kernels=[kernel], cache_params=params)
+        t.name: ParameterConstraints(
+            sharding_types=[sharding], compute_kernels=[kernel], cache_params=params
+        )
         for t in tables
     }  # fmt: skip
     topology = Topology(world_size=world_size, compute_device=compute_device, hbm_cap=device_memory,
@@ -255,7 +258,7 @@ def _build_uvm(args, device: torch.device, data: list):
         host_memory=args.host_memory, compute_device=device.type,
         # ranks sharing a GPU: as many "hosts" of it, so that rank r's shards name cuda:0, which
         # it has, not cuda:r
-        devices=max(1, min(args.world_size, torch.cuda.device_count())) if device.type == "cuda" else None,
+        devices=min(args.world_size, torch.cuda.device_count()) if device.type == "cuda" else None,
     )  # fmt: skip
     model = DistributedModelParallel(
         dlrm(table_configs(args.tables, args.rows, args.dim), device),
@@ -342,8 +345,8 @@ def _hit_rate(c: Contender) -> Optional[dict]:
         tbes = uvm_tbes(c.model)
         counts = sum(tbe.get_uvm_cache_stats().cpu() for tbe in tbes)
         looked, missed = int(counts[2]), int(counts[3])
-        return {"tbes": len(tbes), "looked_up": looked, "fetched": missed, "conflict_misses": int(counts[4]),
-                "hit_rate": 1 - missed / looked if looked else None}  # fmt: skip
+        return {"tbes": len(tbes), "looked_up": looked, "fetched": missed,
+                "conflict_misses": int(counts[4]), "hit_rate": 1 - missed / looked if looked else None}  # fmt: skip
     return None
 
 
@@ -357,7 +360,8 @@ def _agreed(what, rank: int) -> tuple[object, Optional[str]]:
     try:
         value, why = what(), None
     except Exception as e:  # reported, on every rank: the point of a first run on a device
-        value, why = None, f"rank {rank}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        value, why = None, f"rank {rank}: {type(e).__name__}: {first}"
     failed = torch.tensor([why is not None], dtype=torch.int32, device=collective_device(None))
     dist.all_reduce(failed)
     if failed.item() and why is None:
@@ -383,7 +387,9 @@ def _worker(rank: int, args, rendezvous, queue) -> None:
         builders["uvm"] = lambda: _build_uvm(args, device, data)
     if args.resident_rows:  # its own batches (the same ids, modulo its rows): its own prefetches
         small = [_modulo(b, args.resident_rows) for b in data]
-        builders["resident"] = lambda: _build_modular(args, "resident", device, args.resident_rows, None, small)
+        builders["resident"] = lambda: _build_modular(
+            args, "resident", device, args.resident_rows, None, small
+        )
     contenders, seconds, failed = {}, {}, {}
     for name, build in builders.items():
         t0 = time.perf_counter()
@@ -410,7 +416,8 @@ def _worker(rank: int, args, rendezvous, queue) -> None:
         result["contenders"][c.name] = {
             "step_s": statistics.median(c.blocks), "blocks_s": c.blocks, "hit": _hit_rate(c),
             "held": c.held, "driver_used": c.driver_used, "host": c.host,
-            "step_peak": max(c.peaks) if c.peaks else None, "peak": c.held + max(c.peaks) if c.peaks else None,
+            "step_peak": max(c.peaks) if c.peaks else None,
+            "peak": c.held + max(c.peaks) if c.peaks else None,
             "losses": torch.stack(c.losses).float().cpu().tolist(),
         }  # fmt: skip
     queue.put((rank, result))
@@ -444,10 +451,12 @@ def report(args, results: list[dict]) -> tuple[str, dict]:
     kernel = "fused_uvm_caching" if args.device == "cuda" else "fused (CPU stand-in, no UVM on CPU)"
     fetch = "no prefetch" if args.no_prefetch else "prefetch"
     names = {"tiered": f"modular tiered (cache {args.cache}, LRU, {fetch})",
-             "uvm": f"TorchRec DMP, {kernel}" + (f" (cache {args.cache}, LRU)" if args.device == "cuda" else ""),
+             "uvm": f"TorchRec DMP, {kernel}" + (f" (cache {args.cache}, LRU)" if args.device == "cuda"
+                                                 else ""),
              "resident": f"modular resident ({args.resident_rows:,} rows in {args.device} memory)"}  # fmt: skip
     lines = ["| contender | step (ms) | block medians (ms) | hit rate | GPU held GiB (torch, driver) "
-             "| GPU peak GiB (held + its steps' max_memory_allocated over it) | host RSS GiB (growth at build) |",
+             "| GPU peak GiB (held + its steps' max_memory_allocated over it) "
+             "| host RSS GiB (growth at build) |",
              "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
     for name, c in r0.items():
         rate = None if c["hit"] is None else c["hit"]["hit_rate"]
@@ -455,9 +464,10 @@ def report(args, results: list[dict]) -> tuple[str, dict]:
         if c["hit"] is not None and c["hit"].get("step_misses"):
             hit += f" ({c['hit']['step_misses']:,} misses at steps)"
         lines.append(
-            f"| {names[name]} | {1e3 * c['step_s']:.1f} | {', '.join(f'{1e3 * x:.0f}' for x in c['blocks_s'])} "
-            f"| {hit} | {_gpu_gib(args, c['held'])}, {_gpu_gib(args, c['driver_used'])} | {_gpu_gib(args, c['peak'])} "
-            f"| {_gib(c['host'])} |"
+            f"| {names[name]} | {1e3 * c['step_s']:.1f} "
+            f"| {', '.join(f'{1e3 * x:.0f}' for x in c['blocks_s'])} | {hit} "
+            f"| {_gpu_gib(args, c['held'])}, {_gpu_gib(args, c['driver_used'])} "
+            f"| {_gpu_gib(args, c['peak'])} | {_gib(c['host'])} |"
         )  # fmt: skip
     summary = {}
     if "uvm" in r0 and "tiered" in r0:
@@ -488,7 +498,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--cache", type=float, default=0.05, help="cache_load_factor, both contenders")
     p.add_argument("--resident-rows", type=int, default=None,
-                   help="the resident contender's rows per table (default --rows; 0: no resident contender)")
+                   help="the resident contender's rows per table (default --rows; 0: none)")
     p.add_argument("--sharding", choices=SHARDINGS, default="table_wise")
     p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
     p.add_argument("--batch", type=int, default=16384, help="samples per rank")
@@ -500,7 +510,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-torchrec", action="store_true", help="no TorchRec contender")
     p.add_argument("--no-prefetch", action="store_true", help="modular's contenders without modular.prefetch")
     p.add_argument("--dir", default=None, help="--device cpu: where the tier files go (default a temp dir)")
-    p.add_argument("--json", default=None, help="where the JSON goes (default $OUT/tiered_cuda.json if OUT is set)")
+    p.add_argument("--json", default=None,
+                   help="where the JSON goes (default $OUT/tiered_cuda.json if OUT is set)")
     p.add_argument("--quick", action="store_true", help="1,048,576 rows per table, 3 blocks of 10 after 5")
     add_device_args(p)
     p.set_defaults(device="cuda", cuda_backend=None)
@@ -529,7 +540,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     check_device_args(p, a)
     with open("/proc/meminfo") as f:
         a.host_memory = int(f.readline().split()[1]) * 1024
-    a.device_memory = torch.cuda.get_device_properties(0).total_memory if a.device == "cuda" else 80 * 2**30
+    on_gpu = a.device == "cuda"
+    a.device_memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else 80 * 2**30
     _check_memory(p, a)
     return a
 
@@ -564,8 +576,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parse(argv)
     args.dir = tempfile.mkdtemp(prefix="tiered_cuda.", dir=args.dir)  # removed at the end
     table_bytes = args.tables * args.rows * args.dim * 4
-    where = (f"{torch.cuda.get_device_name()}, {args.world_size} rank(s)" + (" over gloo" if args.world_size > 1 else "")
-             if args.device == "cuda" else f"CPU, {args.world_size} gloo rank(s)")  # fmt: skip
+    if args.device == "cuda":
+        where = f"{torch.cuda.get_device_name()}, {args.world_size} rank(s) over {args.cuda_backend}"
+    else:
+        where = f"CPU, {args.world_size} gloo rank(s)"
     print(f"## Tiered DLRM on {where}: {args.tables} tables x {args.rows:,} rows x {args.dim} FP32 "
           f"({table_bytes / 2**30:.1f} GiB of tables; host RAM {args.host_memory / 2**30:.0f} GiB), "
           f"{args.sharding}, cache_load_factor {args.cache} (LRU), fused row-wise Adagrad, Zipf "

@@ -395,12 +395,15 @@ def _worker(rank: int, args, rendezvous, queue) -> None:
         t0 = time.perf_counter()
         c, why = _agreed(lambda: _built(build, device), rank)
         seconds[name] = time.perf_counter() - t0
+        _progress(rank, f"{name} built in {seconds[name]:.1f} s" if c else f"{name} not built: {why}")
         if c is None:
             failed[name] = f"not built: {why}"
             continue
         t0 = time.perf_counter()
         _, why = _agreed(lambda: _warm_up(c, args.warmup, device), rank)
         seconds[name + " warm-up"] = time.perf_counter() - t0
+        _progress(rank, f"{name} warmed up in {seconds[name + ' warm-up']:.1f} s" if not why
+                  else f"{name} failed in warm-up: {why}")  # fmt: skip
         if why:
             failed[name] = f"failed in warm-up: {why}"
             continue
@@ -410,6 +413,8 @@ def _worker(rank: int, args, rendezvous, queue) -> None:
     for b in range(args.blocks):
         for c in order if b % 2 == 0 else order[::-1]:
             _block(c, device, args.warmup + b * args.block, args.block)
+        _progress(rank, f"block {b + 1} of {args.blocks}: " + ", ".join(
+            f"{c.name} {1e3 * c.blocks[-1]:.1f} ms" for c in order))  # fmt: skip
     result = {"rank": rank, "seconds": seconds, "hwm": status_kib("VmHWM") * 1024, "contenders": {},
               "not_run": failed}  # fmt: skip
     for c in contenders.values():
@@ -424,6 +429,12 @@ def _worker(rank: int, args, rendezvous, queue) -> None:
     del contenders, order
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _progress(rank: int, line: str) -> None:
+    """A line as it happens (rank 0's), so that a run cut short still says how far it got."""
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
 def _sync(device: torch.device) -> None:

@@ -75,11 +75,11 @@ tiered() {
 
 tiered_bench() {
     local bench="python3 benchmarks/tiered_cuda.py --device cuda --world-size 1"
-    timeout 420 $bench --json "$OUT/tiered_cuda.json" 2>&1 | tee "$OUT/tiered_cuda.txt"
+    timeout 400 $bench --json "$OUT/tiered_cuda.json" 2>&1 | tee "$OUT/tiered_cuda.txt"
     # No row for the tiered contender (it failed, or the run did): once more without prefetch
     # (its side-stream path has never run on a GPU either) and without TorchRec.
     if ! grep -q "^| modular tiered" "$OUT/tiered_cuda.txt"; then
-        timeout 150 $bench --no-prefetch --no-torchrec --json "$OUT/tiered_cuda_no_prefetch.json" 2>&1 \
+        timeout 140 $bench --no-prefetch --no-torchrec --json "$OUT/tiered_cuda_no_prefetch.json" 2>&1 \
             | tee "$OUT/tiered_cuda_no_prefetch.txt"
     fi
 }

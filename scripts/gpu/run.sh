@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root, after scripts/gpu/pack.sh here (carry .gpu/):
 #
-#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~25 min)
-#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard | tiered (several: a list)
+#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~29 min)
+#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard | tiered | tiered_bench (several: a list)
 #
 # A lent device gives a session ~15 minutes in all and 10 per command, so run the part an issue
 # needs, one command per part. Figures go to $OUT (default /tmp/gpu-out), which the device tool
@@ -25,6 +25,10 @@
 #            turns the path on): tests/gpu/test_cuda_tiered.py (parity with the same tables
 #            resident on the GPU, worlds 1 and 2, prefetched steps missing nothing), ~2 min (an
 #            estimate: never run); then docs/tiered_tables.md says whether to turn it on
+#   tiered_bench  issue 47: benchmarks/tiered_cuda.py, world 1: a DLRM of 8 x 8,388,608 x 128 FP32
+#            tables (32 GiB in host memory) with caches of 5% in HBM, modular tiered (prefetch)
+#            against TorchRec's FUSED_UVM_CACHING and the same tables resident in HBM; again
+#            without prefetch if the tiered contender did not run; ~4 min (an estimate: never run)
 source scripts/gpu/setup.sh || exit 1
 export PYTHONWARNINGS=ignore
 OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
@@ -69,11 +73,22 @@ tiered() {
         --timeout=300 | tee "$OUT/tests_gpu_tiered.txt"
 }
 
+tiered_bench() {
+    local bench="python3 benchmarks/tiered_cuda.py --device cuda --world-size 1"
+    timeout 400 $bench --json "$OUT/tiered_cuda.json" 2>&1 | tee "$OUT/tiered_cuda.txt"
+    # No row for the tiered contender (it failed, or the run did): once more without prefetch
+    # (its side-stream path has never run on a GPU either) and without TorchRec.
+    if ! grep -q "^| modular tiered" "$OUT/tiered_cuda.txt"; then
+        timeout 140 $bench --no-prefetch --no-torchrec --json "$OUT/tiered_cuda_no_prefetch.json" 2>&1 \
+            | tee "$OUT/tiered_cuda_no_prefetch.txt"
+    fi
+}
+
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard tiered)
+[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard tiered tiered_bench)
 for part in "${parts[@]}"; do
     case "$part" in
-        tests|example|speed|fp16|reshard|tiered) echo "== $part" && "$part" ;;
-        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard, tiered)" >&2; exit 2 ;;
+        tests|example|speed|fp16|reshard|tiered|tiered_bench) echo "== $part" && "$part" ;;
+        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard, tiered, tiered_bench)" >&2; exit 2 ;;
     esac
 done

@@ -5,8 +5,12 @@ measures its own kernels).
 
     python -m modular.measure --out this_machine.json --world-size 2 --threads-per-rank 1
 
-One process per rank over the backend a job would use (gloo; NCCL is not measured yet), each
-with the job's threads, all measuring at once as a job's ranks share the machine.
+One process per rank over the backend a job would use, each with the job's threads, all
+measuring at once as a job's ranks share the machine: gloo on CPU; with --device cuda each rank
+on GPU `rank % GPUs`, over NCCL where there is a GPU per rank, else gloo (--backend chooses;
+Note [calibrating a GPU machine] in modular/measure_device.py).
+
+    python -m modular.measure --out gpu.json --world-size 1 --device cuda --backend nccl
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import os
 import platform
 import socket
-import statistics
 import time
 from typing import Callable
 
+from modular import measure_device as where
+from modular.measure_device import interleaved as _interleaved
+from modular.measure_device import median_seconds as _median_seconds
+from modular.measure_device import slowest as _slowest
 from modular.measure_kernels import fit_kernel_rate, kernel_shapes, robust_lstsq
 from modular.measure_probes import PLANNER_OPTIMIZER, RATE_KEYS, probe_plan, probes
 from planners.calibration import DATA_PARALLEL, FAMILIES, Calibration, KernelRate
@@ -37,27 +44,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median_seconds(step: Callable[[int], None], n: int, warmup: int = 3) -> float:
-    for i in range(warmup):
-        step(i)
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _slowest(seconds: float) -> float:
-    """The slowest rank's figure (a step waits for it)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _model(tables: list[tuple[str, int, int]], family: str, placements: dict, world: int, group):
     """An EBC of `tables` (name, rows, dim) sharded by `placements` on `group`, and its step."""
     import torch
@@ -72,11 +58,14 @@ def _model(tables: list[tuple[str, int, int]], family: str, placements: dict, wo
         EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[n])
         for n, r, d in tables
     ])  # fmt: skip
+    if where.device() is not None:
+        ebc = ebc.to(where.device())
     model = torch.nn.ModuleDict({"ebc": ebc})
     opt = None
     if family in OPTIMIZER:
         opt = modular.fuse_optimizer(model, OPTIMIZER[family], lr=0.01)
-    modular.shard(model, ShardingPlan(world_size=world, modules={"ebc": placements}), process_group=group)
+    modular.shard(model, ShardingPlan(world_size=world, modules={"ebc": placements}), process_group=group,
+                  device=where.device())
     if opt is None:
         opt = torch.optim.SGD(modular.local_parameters(model), lr=0.01)
 
@@ -94,27 +83,12 @@ def _batches(names: list[str], rows: int, bags: int, pooling: int, seed: int, n:
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.full((len(names) * bags,), pooling, dtype=torch.int64)
-    return [
+    out = [
         KeyedJaggedTensor(keys=names, values=torch.randint(0, rows, (int(lengths.sum()),), generator=g),
                           lengths=lengths, stride=bags)
         for _ in range(n)
     ]  # fmt: skip
-
-
-def _interleaved(steps: dict, n: int, rounds: int = 3, warmup: int = 3) -> dict:
-    """Each step's median seconds over `rounds` blocks of `n` calls, the blocks taken in turn
-    (A B C A B C ...): a slow minute of the machine falls on every step alike, not on one."""
-    times: dict = {k: [] for k in steps}
-    for k, step in steps.items():
-        for i in range(warmup):
-            step(i)
-    for _ in range(rounds):
-        for k, step in steps.items():
-            for i in range(n):
-                t0 = time.perf_counter()
-                step(i)
-                times[k].append(time.perf_counter() - t0)
-    return {k: _slowest(statistics.median(v)) for k, v in times.items()}
+    return out if where.device() is None else [kjt.to(where.device()) for kjt in out]
 
 
 def _collectives(world: int, quick: bool, say: Callable[[str], None]) -> tuple[float, ...]:
@@ -136,17 +110,19 @@ def _collectives(world: int, quick: bool, say: Callable[[str], None]) -> tuple[f
         slope = float(np.dot(x, extra) / np.dot(x, x))
         return lat, 1.0 / max(slope, 1e-15)
 
+    on = where.collective_device()  # the CPU under gloo, as modular's own collectives run
+
     def a2a(b):
-        x, y = torch.zeros(world * b // 4), torch.empty(world * b // 4)
+        x, y = torch.zeros(world * b // 4, device=on), torch.empty(world * b // 4, device=on)
         return lambda i: dist.all_to_all_single(y, x)
 
     def reduce(b):
-        x = torch.zeros(b // 4)
+        x = torch.zeros(b // 4, device=on)
         return lambda i: dist.all_reduce(x)
 
     a2a_lat, a2a_bw = fit(A2A_BYTES, a2a)
     ar_lat, ar_bw = fit(ALL_REDUCE_BYTES, reduce)
-    big = torch.ones(16 << 20)  # 64 MiB
+    big = torch.ones(16 << 20, device=where.device())  # 64 MiB, where the tables are
     out = torch.empty_like(big)
     stream = 2 * big.numel() * 4 / _slowest(_median_seconds(lambda i: out.copy_(big), n))
     say(f"  all_to_all_single: {a2a_lat * 1e6:.0f} us + bytes per peer / {a2a_bw / 1e9:.2f} GB/s")
@@ -261,7 +237,8 @@ def _step_rates(rank: int, world: int, quick: bool, comm: Calibration, rates: di
                                kernel_fixed=c["kernel_fixed"])  # fmt: skip
 
 
-def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queue) -> None:
+def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queue,
+               device: str = "cpu", backend: str = "gloo") -> None:  # fmt: skip
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     import torch.distributed as dist
@@ -270,7 +247,7 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
 
     warnings.filterwarnings("ignore")  # ShardedTensor's FutureWarnings: the progress lines matter
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    where.init_rank(rank, world, port, device, backend)  # gloo on CPU
     messages: list[str] = []
 
     def say(line: str) -> None:
@@ -278,14 +255,15 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
             queue.put(("say", line))
 
     try:
-        say(f"calibrate: world {world}, {threads} thread(s) per rank, gloo; collectives")
+        on = "gloo" if device == "cpu" else f"{device}, {backend}"
+        say(f"calibrate: world {world}, {threads} thread(s) per rank, {on}; collectives")
         a2a_lat, a2a_bw, ar_lat, ar_bw, stream = _collectives(world, quick, say)
         zero = KernelRate(0.0, 0.0, 0.0)
         comm = Calibration(kernels={f: zero for f in RATE_KEYS}, all_to_all_latency=a2a_lat,
                            all_to_all_bandwidth=a2a_bw, all_reduce_latency=ar_lat,
                            all_reduce_bandwidth=ar_bw, stream_bandwidth=stream, step_fixed=0.0,
                            kernel_fixed=0.0, world_size=world, threads_per_rank=threads,
-                           backend="gloo", device="cpu")  # fmt: skip
+                           backend=backend, device=device)  # fmt: skip
         say(f"calibrate: each kernel family on {len(kernel_shapes(quick))} shapes, apart from the wire")
         rates = _kernel_rates(rank, world, quick, say)
         say(f"calibrate: {len(probes(quick))} probe steps (~{'20' if quick else '90'} s)")
@@ -301,11 +279,13 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
                 all_reduce_latency=ar_lat, all_reduce_bandwidth=ar_bw, stream_bandwidth=stream,
                 step_fixed=fitted.step_fixed, kernel_fixed=fitted.kernel_fixed, sent_id=fitted.sent_id,
                 world_size=world,
-                threads_per_rank=threads, backend="gloo", device="cpu",
+                threads_per_rank=threads, backend=backend, device=device,
                 host=platform.node(), measured_at=time.time(),
                 versions={"torch": torch.__version__, "torchrec": getattr(torchrec, "__version__", "?"),
                           "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
-                          "cpus": str(os.cpu_count())},
+                          "cpus": str(os.cpu_count()),
+                          **({"cuda": str(torch.version.cuda)} if device == "cuda" else {})},
+                **({"notes": where.notes(device, backend, world)} if device != "cpu" else {}),
             )))  # fmt: skip
         dist.barrier()
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises it)
@@ -317,16 +297,22 @@ def _rank_main(rank: int, world: int, threads: int, port: int, quick: bool, queu
 
 
 def calibrate(world_size: int = 2, threads_per_rank: int = 1, *, quick: bool = False,
-              say: Callable[[str], None] = print, timeout: float = 900.0) -> Calibration:  # fmt: skip
-    """Measures this machine with `world_size` rank processes of `threads_per_rank` threads."""
+              say: Callable[[str], None] = print, timeout: float = 900.0, device: str = "cpu",
+              backend: str | None = None) -> Calibration:  # fmt: skip
+    """Measures this machine with `world_size` rank processes of `threads_per_rank` threads, on
+    `device` ("cpu", or "cuda": Note [calibrating a GPU machine]) over `backend` (None: gloo on
+    CPU; on CUDA NCCL with a GPU per rank, else gloo). A ValueError before any rank starts if
+    the machine cannot run that."""
     import multiprocessing as mp
 
-    if world_size < 2:
+    if world_size < (1 if device == "cuda" else 2):
         raise ValueError(f"calibrate needs a world size of at least 2 (its collectives), got {world_size}")
+    backend = where.check(device, backend, world_size)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, threads_per_rank, port, quick, queue))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, threads_per_rank, port, quick, queue,
+                                                         device, backend))
              for r in range(world_size)]  # fmt: skip
     for p in procs:
         p.start()
@@ -361,10 +347,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="default: gloo on CPU; on CUDA nccl with a GPU per rank, else gloo")
     args = p.parse_args(argv)
+    try:
+        where.check(args.device, args.backend, args.world_size)  # before any rank starts
+    except ValueError as e:
+        p.error(str(e))
     calibration = calibrate(args.world_size, args.threads_per_rank, quick=args.quick,
-                            say=lambda line: print(line, flush=True))  # fmt: skip
+                            say=lambda line: print(line, flush=True), device=args.device,
+                            backend=args.backend)  # fmt: skip
     calibration.save(args.out)
+    for note in calibration.notes:
+        print(f"note: {note}")
     return 0
 
 

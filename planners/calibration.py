@@ -40,8 +40,12 @@ the cost model then prices each part of a step with what was measured:
   (`RankStats.fixed`): the search places tables with the per-table parts, and the step's
   prediction adds them.
 - the collectives' latency is the median of a small message alone, their bandwidth the slope
-  above it through larger ones timed in turn (`_interleaved` in modular/measure.py), so that a
-  slow minute of the machine does not fall on one size.
+  above it through larger ones timed in turn (`interleaved` in modular/measure_device.py), so
+  that a slow minute of the machine does not fall on one size.
+On CUDA (`calibrate --device cuda`) every timed step ends with the GPU's work and the
+collectives run over NCCL or gloo as the job's would (Note [calibrating a GPU machine] in
+modular/measure_device.py); the file records the device, the backend and `notes` on what such a
+run cannot measure as a job would (gloo for NCCL, world 1's collectives without a peer).
 The file records the machine and the date; the CLI prints both with every priced plan, and
 old files are not refused (a warning past `STALE_DAYS`).
 """
@@ -146,6 +150,9 @@ class Calibration:
     # [pricing tiered tables] in planners/tier_cost.py). None: Topology's defaults.
     tier_memory: int | str | None = None
     tier_bandwidth: float | None = None
+    # What the run could not measure as the job runs it (e.g. gloo standing in for NCCL); written
+    # by `calibrate --device cuda` (Note [calibrating a GPU machine] in modular/measure_device.py)
+    notes: tuple[str, ...] = ()
     path: str = ""  # where it was read from ("" if not from a file)
 
     def __post_init__(self) -> None:
@@ -213,6 +220,10 @@ class Calibration:
     def _where(self) -> str:
         return f"topology file {self.path}: " if self.path else ""
 
+    @property
+    def _on(self) -> str:
+        return self.backend if self.device == "cpu" else f"{self.device} over {self.backend}"
+
     def age_days(self, now: float | None = None) -> float:
         return ((time.time() if now is None else now) - self.measured_at) / 86400
 
@@ -221,8 +232,10 @@ class Calibration:
         age = self.age_days(now)
         when = f"{age * 24:.1f} hours" if age < 2 else f"{age:.0f} days"
         line = (f"priced with calibrated constants from {self.path or 'a calibration'} "
-                f"(measured on {self.host or 'an unnamed host'}, {self.backend}, world "
+                f"(measured on {self.host or 'an unnamed host'}, {self._on}, world "
                 f"{self.world_size}, {self.threads_per_rank} thread(s) per rank, {when} ago)")  # fmt: skip
+        if self.notes:
+            line += "; its notes: " + "; ".join(self.notes)
         if age > STALE_DAYS:
             line += f"; it is over {STALE_DAYS} days old: run `python -m planners calibrate` again"
         return line
@@ -230,6 +243,8 @@ class Calibration:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("path")
+        if not d["notes"]:
+            d.pop("notes")  # a CPU file's fields, as before notes
         return {"schema": SCHEMA, **d}
 
     def save(self, path: str | Path) -> None:
@@ -249,6 +264,8 @@ class Calibration:
         fields = {k: v for k, v in data.items() if k != "schema"}
         try:
             kernels = {name: KernelRate(**rate) for name, rate in fields.pop("kernels").items()}
+            if "notes" in fields:
+                fields["notes"] = tuple(str(n) for n in fields["notes"])
             return cls(kernels=kernels, path=path, **fields)
         except CalibrationError:
             raise

@@ -224,11 +224,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     """Runs modular's measurement in its own process (the planner never imports modular)."""
     import subprocess
 
-    if args.world_size < 2 or args.threads_per_rank < 1:
-        raise PlanError(f"calibrate needs --world-size >= 2 and --threads-per-rank >= 1, got "
+    least = 1 if args.device == "cuda" else 2  # one GPU over NCCL: its kernels (no peer)
+    if args.world_size < least or args.threads_per_rank < 1:
+        raise PlanError(f"calibrate needs --world-size >= {least} and --threads-per-rank >= 1, got "
                         f"{args.world_size} and {args.threads_per_rank}")  # fmt: skip
+    if args.device == "cpu" and args.backend == "nccl":
+        raise PlanError("calibrate --backend nccl needs --device cuda (CPU ranks run gloo)")
     command = [sys.executable, "-m", "modular.measure", "--out", args.out,
                "--world-size", str(args.world_size), "--threads-per-rank", str(args.threads_per_rank)]  # fmt: skip
+    if args.device != "cpu":  # the CPU command as it was
+        command += ["--device", args.device] + (["--backend", args.backend] if args.backend else [])
     # modular beside this planners package (a checkout), or installed with it
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -237,8 +242,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     lines = [line for line in run.stdout.splitlines() if "is_fx_tracing" not in line]
     print("\n".join(lines))
     if run.returncode:
-        raise PlanError(f"calibrate failed (exit {run.returncode}); its output is above")
-    Calibration.load(args.out)  # what it wrote reads back
+        last = next((line for line in reversed(lines) if line.strip()), "")
+        raise PlanError(f"calibrate failed (exit {run.returncode}): {last.strip()} (its output is above)")
+    print(Calibration.load(args.out).describe())  # what it wrote reads back
     print(f"wrote {args.out}: use it with --topology {args.out}, or "
           f"planners.Topology.from_file({args.out!r})")  # fmt: skip
     return 0

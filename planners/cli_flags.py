@@ -216,5 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads of each rank (default 1, as torchrun sets OMP_NUM_THREADS)")
     k.add_argument("--quick", action="store_true",
                    help="fewer sizes and steps (~10 s instead of ~40 s): rougher constants")
+    k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: each rank on GPU rank %% GPUs, steps timed to the GPU's end "
+                        "(docs/planner.md, 'Calibrating a GPU machine')")
+    k.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="the collectives' backend (default: gloo on CPU; on cuda nccl with a GPU "
+                        "per rank, else gloo, the ranks sharing the GPUs)")  # fmt: skip
     return parser
 

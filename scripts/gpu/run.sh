@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root, after scripts/gpu/pack.sh here (carry .gpu/):
 #
-#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~29 min)
-#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard | tiered | tiered_bench (several: a list)
+#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~33 min)
+#   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard | tiered | tiered_bench
+#                                      # | calibrate (several: a list)
 #
 # A lent device gives a session ~15 minutes in all and 10 per command, so run the part an issue
 # needs, one command per part. Figures go to $OUT (default /tmp/gpu-out), which the device tool
@@ -29,6 +30,11 @@
 #            tables (32 GiB in host memory) with caches of 5% in HBM, modular tiered (prefetch)
 #            against TorchRec's FUSED_UVM_CACHING and the same tables resident in HBM; again
 #            without prefetch if the tiered contender did not run; ~4 min (an estimate: never run)
+#   calibrate issue 51: `python -m planners calibrate --device cuda --quick` at world 1 over NCCL
+#            and at world 2 over gloo, the two ranks sharing the GPU (NCCL refuses two ranks on
+#            one GPU), each writing $OUT/calibrate_*.json; then tables_ranking.yaml planned at
+#            world 2 with the H100 defaults and with the measured file, shown and compared under
+#            both, ~3-4 min (an estimate: never run; docs/gpu.md, "Calibrating on CUDA")
 source scripts/gpu/setup.sh || exit 1
 export PYTHONWARNINGS=ignore
 OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
@@ -84,11 +90,30 @@ tiered_bench() {
     fi
 }
 
+calibrate() {
+    local p="python3 -m planners" t=examples/tables_ranking.yaml
+    local size=(--world-size 2 --batch-size 1024 --device-memory 120GiB)
+    # each under a timeout, so that a hang still leaves the next its share of a 10-minute command
+    timeout 240 $p calibrate --out "$OUT/calibrate_nccl1.json" --device cuda --backend nccl --world-size 1 \
+        --quick 2>&1 | tee "$OUT/calibrate_nccl1.txt"
+    timeout 240 $p calibrate --out "$OUT/calibrate_gloo2.json" --device cuda --backend gloo --world-size 2 \
+        --quick 2>&1 | tee "$OUT/calibrate_gloo2.txt"
+    [ -s "$OUT/calibrate_gloo2.json" ] || return 1
+    {
+        $p plan $t "${size[@]}" -o "$OUT/plan_h100.json"
+        $p plan $t "${size[@]}" --topology "$OUT/calibrate_gloo2.json" -o "$OUT/plan_calibrated.json"
+        $p show "$OUT/plan_h100.json" --topology "$OUT/calibrate_gloo2.json"
+        $p compare "$OUT/plan_h100.json" "$OUT/plan_calibrated.json" --topology "$OUT/calibrate_gloo2.json"
+    } 2>&1 | tee "$OUT/calibrate_plans.txt"
+}
+
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard tiered tiered_bench)
+[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard tiered tiered_bench calibrate)
 for part in "${parts[@]}"; do
     case "$part" in
-        tests|example|speed|fp16|reshard|tiered|tiered_bench) echo "== $part" && "$part" ;;
-        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard, tiered, tiered_bench)" >&2; exit 2 ;;
+        tests|example|speed|fp16|reshard|tiered|tiered_bench|calibrate) echo "== $part" && "$part" ;;
+        *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard, tiered, tiered_bench," \
+                "calibrate)" >&2
+           exit 2 ;;
     esac
 done

@@ -223,6 +223,7 @@ def test_calibrate_measures_this_machine_and_writes_a_file_plan_reads(tmp_path: 
     printed = capsys.readouterr().out
     assert "probe steps" in printed and "shapes, apart from the wire" in printed and f"wrote {out}" in printed
     cal = planners.Topology.from_file(str(out)).calibration
-    assert cal is not None and cal.world_size == 2 and cal.backend == "gloo"
+    assert cal is not None and cal.world_size == 2 and (cal.backend, cal.device, cal.notes) == ("gloo", "cpu", ())
+    assert "notes" not in json.loads(out.read_text()) and "gloo, world 2" in printed
     assert cal.step_fixed > 0 and all(math.isfinite(cal.kernels[f].per_id_byte) for f in cal.kernels)
     assert cal.all_to_all_bandwidth > 1e6 and cal.stream_bandwidth > cal.all_to_all_bandwidth

@@ -90,13 +90,15 @@ tiered_bench() {
     fi
 }
 
+# timeout sends SIGINT: the CLI's subprocess.run then kills the measuring process it started
+# (SIGTERM would leave it running until calibrate's own limit); -k: SIGKILL 30 s later.
 calibrate() {
     local p="python3 -m planners" t=examples/tables_ranking.yaml
     local size=(--world-size 2 --batch-size 1024 --device-memory 120GiB)
     # each under a timeout, so that a hang still leaves the next its share of a 10-minute command
-    timeout 240 $p calibrate --out "$OUT/calibrate_nccl1.json" --device cuda --backend nccl --world-size 1 \
+    timeout -s INT -k 30 240 $p calibrate --out "$OUT/calibrate_nccl1.json" --device cuda --backend nccl --world-size 1 \
         --quick 2>&1 | tee "$OUT/calibrate_nccl1.txt"
-    timeout 240 $p calibrate --out "$OUT/calibrate_gloo2.json" --device cuda --backend gloo --world-size 2 \
+    timeout -s INT -k 30 240 $p calibrate --out "$OUT/calibrate_gloo2.json" --device cuda --backend gloo --world-size 2 \
         --quick 2>&1 | tee "$OUT/calibrate_gloo2.txt"
     [ -s "$OUT/calibrate_gloo2.json" ] || return 1
     {

@@ -22,6 +22,7 @@ from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingColle
 from torchrec.modules.mc_modules import (
     DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule,
 )  # fmt: skip
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
@@ -34,7 +35,8 @@ from tests.modular.mc.test_split_state import FEATURES, HASH, _batch
 # table -> (policy, eviction_interval, zch_size)
 SPECS = {"t_a": (LFU_EvictionPolicy, 2, 12), "t_b": (DistanceLFU_EvictionPolicy, 1, 8)}
 DIM = 8
-PHASES = [(2, "row_wise", range(0, 6)), (3, "mixed", range(6, 12)), (1, "row_wise", range(12, 18))]
+PLAIN = 10  # rows of the plain EC table beside
+PHASES = [(2, "row_wise", range(0, 5)), (3, "mixed", range(5, 12)), (1, "row_wise", range(12, 17))]
 FUSED = "exact_rowwise_adagrad"
 
 
@@ -49,7 +51,17 @@ def _model() -> nn.Module:
     model = nn.Module()
     model.mc = ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables=tables), mcc,
                                                    return_remapped_features=True)  # fmt: skip
+    model.ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t_plain", num_embeddings=PLAIN, embedding_dim=DIM,
+                                                           feature_names=["fp"])])  # fmt: skip
     return model
+
+
+def _plain_batch(step: int, rank: int) -> KeyedJaggedTensor:
+    """Ids of the plain EC table beside: 2-4 samples, 0-3 ids each."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    lengths = torch.randint(0, 4, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g)
+    return KeyedJaggedTensor(keys=["fp"], values=torch.randint(0, PLAIN, (int(lengths.sum()),), generator=g),
+                             lengths=lengths)  # fmt: skip
 
 
 def _placements(kind: str, world: int) -> dict[str, TablePlacement]:
@@ -65,7 +77,9 @@ def _sharded(kind: str, fused: bool) -> tuple[nn.Module, object]:
     world = dist.get_world_size()
     model = _model()
     opt = modular.fuse_optimizer(model, FUSED, lr=FUSED_LR, eps=FUSED_EPS) if fused else None
-    modular.shard(model, ShardingPlan(world_size=world, modules={"mc._embedding_module": _placements(kind, world)}))
+    modular.shard(model, ShardingPlan(world_size=world, modules={
+        "mc._embedding_module": _placements(kind, world),
+        "ec": {"t_plain": TablePlacement(ShardingType.TABLE_WISE, ranks=(world - 1,))}}))  # fmt: skip
     if fused:
         assert not modular.local_parameters(model), "fused tables handed to a torch optimizer"
         return model, opt
@@ -75,7 +89,7 @@ def _sharded(kind: str, fused: bool) -> tuple[nn.Module, object]:
 
 def _reference_optimizer(ref: nn.Module, fused: bool, row_sums: Optional[dict] = None) -> FusedReference:
     """The torch equivalent of the model's optimizer; `row_sums`: row-wise Adagrad's state to resume."""
-    out = FusedReference(ref.mc._embedding_module, FUSED if fused else "exact_sgd")
+    out = FusedReference(ref, FUSED if fused else "exact_sgd")  # the MC tables and the plain one
     if row_sums is not None:
         out.row_sums = {n: s.clone() for n, s in row_sums.items()}
     return out
@@ -114,10 +128,20 @@ def _train(model, opt, ref: nn.Module, ref_opt: FusedReference, world: int, rank
         strides = [b.stride() for b in batches]
         before = sum(strides[:rank])
         whole = global_batch(batches)
+        plain = [_plain_batch(step, r) for r in range(world)]
         ref_out, ref_remapped = ref.mc(whole)
+        ref_plain = ref.ec(global_batch(plain))["fp"]
         if model is not None:
             out, remapped = model.mc(batches[rank])
-        loss, ref_loss = 0.0, 0.0
+            mine = model.ec(plain[rank])["fp"]
+        plain_start = sum(int(b.lengths().sum()) for b in plain[:rank])
+        plain_rows = ref_plain.values()[plain_start: plain_start + int(plain[rank].lengths().sum())]
+        probe = torch.randn(ref_plain.values().shape, generator=torch.Generator().manual_seed(-step - 1))
+        ref_loss = (ref_plain.values() * probe).sum() / world
+        if model is not None:
+            torch.testing.assert_close(mine.values(), plain_rows, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{label} step {step}: the plain EC's outputs: {m}")  # fmt: skip
+            loss = (mine.values() * probe[plain_start: plain_start + mine.values().shape[0]]).sum()
         for key in whole.keys():
             lengths = ref_remapped[key].lengths()
             start, count = int(lengths[:before].sum()), int(lengths[before: before + strides[rank]].sum())
@@ -151,9 +175,9 @@ def _same(model: nn.Module, ref: nn.Module, label: str) -> None:
     assert mine.keys() == theirs.keys(), label
     differ = [k for k in theirs if not torch.equal(mine[k], theirs[k])]
     assert not differ, f"{label}: collision state differs in {differ}"
-    for table in SPECS:
-        got = full_value(model.mc._embedding_module.embeddings[table].weight)
-        torch.testing.assert_close(got, ref.mc._embedding_module.embeddings[table].weight.detach(),
+    for table, collection in [(t, "mc._embedding_module") for t in SPECS] + [("t_plain", "ec")]:
+        got = full_value(model.get_submodule(collection).embeddings[table].weight)
+        torch.testing.assert_close(got, ref.get_submodule(collection).embeddings[table].weight.detach(),
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"{label}: table {table}: {m}")  # fmt: skip
 
 

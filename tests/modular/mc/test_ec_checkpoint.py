@@ -201,7 +201,7 @@ def _phase(index: int, load_from: dict[bool, str], save_to: dict[bool, str]) -> 
             unsharded.load_state_dict(exported, strict=True)
             assert exported.keys() == ref.state_dict().keys(), f"{label}: exported keys"
             _same(unsharded, ref, f"{label}: exported")
-        other, _ = _sharded("data_parallel" if kind != "data_parallel" else "row_wise", False)
+        other, _ = _sharded("data_parallel", fused)  # another plan, fused alike
         modular.checkpoint.load_unsharded(other, ref.state_dict())
         _same(other, ref, f"{label}: load_unsharded")
     return evicted

@@ -181,6 +181,14 @@ def _same(model: nn.Module, ref: nn.Module, label: str) -> None:
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"{label}: table {table}: {m}")  # fmt: skip
 
 
+def _split(model: nn.Module, label: str) -> None:
+    """Each rank holds only its slots of each table (Note [sharded managed collisions])."""
+    world = dist.get_world_size()
+    for t, (_, _, zch) in SPECS.items():
+        held = model.mc._managed_collision_collection._managed_collision_modules[t]._shard.raw.numel()
+        assert held <= -(-(zch - 1) // world), f"{label}: table {t}: {held} slots held of {zch} at world {world}"
+
+
 def _phase(index: int, load_from: dict[bool, str], save_to: dict[bool, str]) -> dict[bool, dict[str, int]]:
     world, rank = dist.get_world_size(), dist.get_rank()
     _, kind, steps = PHASES[index]
@@ -192,8 +200,10 @@ def _phase(index: int, load_from: dict[bool, str], save_to: dict[bool, str]) -> 
         if load_from:
             modular.checkpoint.load(load_from[fused], model, opt if fused else None)
             _same(model, ref, f"{label}: loaded")
+            _split(model, f"{label}: loaded")
         evicted[fused] = _train(model, opt, ref, ref_opt, world, rank, steps, label)
         _same(model, ref, f"{label}: trained")
+        _split(model, f"{label}: trained")
         modular.checkpoint.save(save_to[fused], model, opt if fused else None)
         exported = modular.checkpoint.export(model)
         if exported is not None:  # torchrec's unsharded MC-EC loads it, strict, and holds ref's state

@@ -3,7 +3,8 @@ embeddings) through DCP checkpoints from world 2 (row-wise) to 3 (a mixed plan: 
 table-wise) to 1, fused (exact row-wise Adagrad, its optimizer state in the checkpoint) and
 unfused (SGD), and `export` / `load_unsharded` with torchrec's unsharded module's state_dict
 (Note [sharded managed collisions] in modular/mc/sharded_mch.py). Two MC tables, LFU at interval
-2 and DistanceLFU at interval 1, small enough that most intervals evict. The reference is
+2 (checkpointed mid-interval) and DistanceLFU at interval 1, small enough that most intervals
+evict, beside a plain EC table in the same checkpoint. The reference is
 torchrec's unsharded MC-EC fed the global batch, resumed from its own state_dict at each
 checkpoint (torchrec keeps its eviction history in non-persistent buffers); step by step the
 remapped ids and the sequence outputs, after each load and each phase the collision state

@@ -35,3 +35,11 @@ def train_beside_reference(
         ((ref_pooled.values() * probe).sum() / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
+
+
+def assert_same_collision_state(model: nn.Module, ref: nn.Module, label: str) -> None:
+    """`model.mc`'s collision state_dict holds `ref.mc`'s keys and values exactly."""
+    mine, theirs = model.mc._managed_collision_collection.state_dict(), ref.mc._managed_collision_collection.state_dict()
+    assert mine.keys() == theirs.keys(), label
+    differ = [k for k in theirs if not torch.equal(mine[k], theirs[k])]
+    assert not differ, f"{label}: collision state differs in {differ}"

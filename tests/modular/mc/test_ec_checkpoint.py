@@ -31,6 +31,7 @@ from tests.dist import run_on_ranks
 from tests.modular.compare import full_value
 from tests.modular.ebc_cases import global_batch
 from tests.modular.fused_reference import FUSED_EPS, FUSED_LR, FusedReference
+from tests.modular.mc.beside_reference import assert_same_collision_state
 from tests.modular.mc.test_split_state import FEATURES, HASH, _batch
 
 # table -> (policy, eviction_interval, zch_size)
@@ -172,10 +173,7 @@ def _train(model, opt, ref: nn.Module, ref_opt: FusedReference, world: int, rank
 
 
 def _same(model: nn.Module, ref: nn.Module, label: str) -> None:
-    mine, theirs = model.mc._managed_collision_collection.state_dict(), ref.mc._managed_collision_collection.state_dict()
-    assert mine.keys() == theirs.keys(), label
-    differ = [k for k in theirs if not torch.equal(mine[k], theirs[k])]
-    assert not differ, f"{label}: collision state differs in {differ}"
+    assert_same_collision_state(model, ref, label)
     for table, collection in [(t, "mc._embedding_module") for t in SPECS] + [("t_plain", "ec")]:
         got = full_value(model.get_submodule(collection).embeddings[table].weight)
         torch.testing.assert_close(got, ref.get_submodule(collection).embeddings[table].weight.detach(),

@@ -15,7 +15,7 @@ from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.compare import full_value
 from tests.modular.ebc_cases import placements_for
-from tests.modular.mc.beside_reference import train_beside_reference
+from tests.modular.mc.beside_reference import assert_same_collision_state, train_beside_reference
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 3, 30), "t_b": ("lru", 1, 20)}
@@ -51,10 +51,7 @@ def _sharded(kind: str) -> nn.Module:
 
 
 def _same(model: nn.Module, ref: nn.Module, label: str) -> None:
-    mine, theirs = model.mc._managed_collision_collection.state_dict(), ref.mc._managed_collision_collection.state_dict()
-    assert mine.keys() == theirs.keys(), label
-    differ = [k for k in theirs if not torch.equal(mine[k], theirs[k])]
-    assert not differ, f"{label}: collision state differs in {differ}"
+    assert_same_collision_state(model, ref, label)
     for table in SPECS:
         got = full_value(model.mc._embedding_module.embedding_bags[table].weight)
         torch.testing.assert_close(got, ref.mc._embedding_module.embedding_bags[table].weight.detach(),

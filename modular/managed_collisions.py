@@ -43,7 +43,7 @@ from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.errors import InputError, ShardingError
-from modular.comm import all_gather
+from modular.mc.devices import all_gather
 from modular.mc.split import check_ids, split_collisions, why_not_split, with_forward
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,8 @@ def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTenso
         weights=torch.cat([v for vs in per_key_weights for v in vs]) if weights is not None else None,
         **shape,
     )  # fmt: skip
-    return whole, bags
+    # built on the host from the gathers; torchrec's remap takes it on the input's device
+    return (whole if whole.device() == kjt.device() else whole.to(kjt.device())), bags
 
 
 def _strides(kjt: KeyedJaggedTensor) -> list[int]:

@@ -297,7 +297,7 @@ class ShardedMCHModule(nn.Module):
         self._interval_slots = (ids[by_id], slots[by_id])
         evicted = evicted + self._output_global_offset
         if self._evicted:
-            self._evicted_emb_indices = torch.unique(torch.cat([self._evicted_emb_indices, evicted]))
+            self._evicted_emb_indices = torch.unique(torch.cat([self._evicted_emb_indices.to(evicted.device), evicted]))
         else:
             self._evicted_emb_indices = evicted
         self._evicted = True

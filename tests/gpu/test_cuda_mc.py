@@ -28,7 +28,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection,
 )  # fmt: skip
-from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+from torchrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule,
+    dynamic_threshold_filter,
+)  # fmt: skip
 
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
@@ -41,16 +44,20 @@ pytestmark = pytest.mark.skipif(
     DEVICE_KIND == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
 )
 ATOL, STEPS = 1e-5, 8
-CASES = [("ebc", "row_wise", True), ("ebc", "table_wise", False), ("ec", "row_wise", False)]  # (kind, plan, fused)
+# (kind, plan, fused, replicated: a threshold filter, which modular does not split, so torchrec's
+# module on the device remaps the gathered global batch: Note [managed collisions over the global batch])
+CASES = [("ebc", "row_wise", True, False), ("ebc", "table_wise", False, False), ("ec", "row_wise", False, False),
+         ("ebc", "row_wise", False, True)]  # fmt: skip
 
 
-def _model(kind: str, device: torch.device) -> nn.Module:
+def _model(kind: str, device: torch.device, replicated: bool = False) -> nn.Module:
     torch.manual_seed(0)
     config = EmbeddingBagConfig if kind == "ebc" else EmbeddingConfig
     tables = [config(name="t_raw", num_embeddings=ZCH, embedding_dim=8, feature_names=["f_raw", "f_raw2"])]
     mcc = ManagedCollisionCollection(
         managed_collision_modules={"t_raw": MCHManagedCollisionModule(
-            zch_size=ZCH, device=device, eviction_policy=DistanceLFU_EvictionPolicy(),
+            zch_size=ZCH, device=device, eviction_policy=LFU_EvictionPolicy(threshold_filtering_func=lambda counts: (
+                dynamic_threshold_filter(counts, threshold_skew_multiplier=0.5))) if replicated else DistanceLFU_EvictionPolicy(),
             eviction_interval=1, input_hash_size=HASH)},
         embedding_configs=tables,
     )  # fmt: skip
@@ -70,9 +77,9 @@ def _outputs(out, kind: str) -> dict[str, torch.Tensor]:
     return {key: out[key].values() for key in ("f_raw", "f_raw2")}
 
 
-def _case(device: torch.device, kind: str, plan_kind: str, fused: bool) -> int:
+def _case(device: torch.device, kind: str, plan_kind: str, fused: bool, replicated: bool) -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
-    ref = _model(kind, device)
+    ref = _model(kind, device, replicated)
     model = copy.deepcopy(ref)
     placement = {"row_wise": TablePlacement(ShardingType.ROW_WISE, ranks=tuple(range(world))),
                  "table_wise": TablePlacement(ShardingType.TABLE_WISE, ranks=(world - 1,))}[plan_kind]  # fmt: skip
@@ -85,7 +92,8 @@ def _case(device: torch.device, kind: str, plan_kind: str, fused: bool) -> int:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     mine_mch = model.mc._managed_collision_collection._managed_collision_modules["t_raw"]
     ref_mch = ref.mc._managed_collision_collection._managed_collision_modules["t_raw"]
-    label, evicting = f"{kind} {plan_kind} fused={fused}, rank {rank}/{world} on {device}", 0
+    assert (type(mine_mch).__name__ == "ShardedMCHModule") != replicated, f"{kind}: {type(mine_mch).__name__}"
+    label, evicting = f"{kind} {plan_kind} fused={fused} replicated={replicated}, rank {rank}/{world} on {device}", 0
     for step in range(STEPS):
         batches = [_raw_batch(step, r) for r in range(world)]
         strides = [b.stride() for b in batches]

@@ -43,7 +43,7 @@ from torch.distributed import ProcessGroup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.errors import InputError, ShardingError
-from modular.comm import all_gather
+from modular.mc.devices import all_gather
 from modular.mc.split import check_ids, split_collisions, why_not_split, with_forward
 
 logger = logging.getLogger(__name__)
@@ -107,14 +107,19 @@ def _global_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool
     group = self._modular_group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     check_ids(self, features, group)  # the split path's check: the same error on every rank
-    whole, bags = _gather(features, group, world)
+    # torchrec's remap runs where its state lives (Note [collision state on a GPU rank]); the
+    # remapped ids go back on the input's device
+    state = next(self.buffers(), features.values()).device
+    state = features.device() if state.type == "meta" else state
+    whole, bags = _gather(features, group, world, state)
     remapped = super(type(self), self).forward(whole, mutate_miss_lengths=mutate_miss_lengths)
-    return _slice(remapped, bags, rank, features)
+    out = _slice(remapped, bags, rank, features)
+    return out if out.device() == features.device() else out.to(features.device())
 
 
-def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTensor, list[torch.Tensor]]:
+def _gather(kjt: KeyedJaggedTensor, group, world: int, device: torch.device) -> tuple[KeyedJaggedTensor, list[torch.Tensor]]:
     """Every rank's batch, concatenated feature by feature in rank order, as torchrec's unsharded
-    module takes the global batch; and each rank's bags per feature. Where any rank's batch has a
+    module takes the global batch, on `device`; and each rank's bags per feature. Where any rank's batch has a
     batch size per feature (VBE) the global batch is a VBE one: each feature's strides one per
     rank, the inverse indices shifted past the earlier ranks' bags (Note [managed collisions of
     a variable batch] in modular/mc/split.py)."""
@@ -177,7 +182,7 @@ def _gather(kjt: KeyedJaggedTensor, group, world: int) -> tuple[KeyedJaggedTenso
         weights=torch.cat([v for vs in per_key_weights for v in vs]) if weights is not None else None,
         **shape,
     )  # fmt: skip
-    return whole, bags
+    return (whole if whole.device() == device else whole.to(device)), bags  # built on the host
 
 
 def _strides(kjt: KeyedJaggedTensor) -> list[int]:

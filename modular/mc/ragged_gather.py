@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch.distributed import ProcessGroup
 
-from modular.comm import all_gather
+from modular.mc.devices import all_gather
 
 __all__ = ["gather_rows"]
 

@@ -69,7 +69,7 @@ from torch.distributed import ProcessGroup
 from torchrec.modules.mc_modules import MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from modular.comm import all_gather, all_reduce
+from modular.mc.devices import all_gather, all_reduce, to_state
 from modular.errors import CheckpointError
 from modular.mc.eviction import MAX, Scoring, as_bits, decide, from_bits
 from modular.mc.ragged_gather import gather_rows
@@ -189,7 +189,7 @@ class ShardedMCHModule(nn.Module):
         totals = table.sum(0)
         starts = totals.cumsum(0) - totals + table.cumsum(0) - table  # each rank's first global place
         keep = (free - starts).clamp(min=0).minimum(table)  # (world, features)
-        values = feature.values().to(torch.int64)
+        values = to_state(feature.values(), torch.int64)
         pieces = [chunk[:k] for chunk, k in zip(torch.split(values, table[self._rank].tolist()), keep[self._rank].tolist())]
         kept = torch.cat(pieces) if pieces else values[:0]
         self._history.append((kept, torch.full_like(kept, self._current_iter)))
@@ -212,7 +212,7 @@ class ShardedMCHModule(nn.Module):
             return None
         if self._input_hash_func is not None:
             values = self._input_hash_func(values, self._input_hash_size)
-        now = values.to(torch.int64)
+        now = to_state(values, torch.int64)  # Note [collision state on a GPU rank]
         rows = self._unique_rows(torch.cat([v for v, _ in self._history] + [now]),
                                  torch.cat([i for _, i in self._history] + [torch.full_like(now, it + 1)]))  # fmt: skip
         return self._piece(rows, self._fold_bound)
@@ -297,13 +297,13 @@ class ShardedMCHModule(nn.Module):
         self._interval_slots = (ids[by_id], slots[by_id])
         evicted = evicted + self._output_global_offset
         if self._evicted:
-            self._evicted_emb_indices = torch.unique(torch.cat([self._evicted_emb_indices, evicted]))
+            self._evicted_emb_indices = torch.unique(torch.cat([self._evicted_emb_indices.to(evicted.device), evicted]))
         else:
             self._evicted_emb_indices = evicted
         self._evicted = True
 
     def _slots_of(self, feature: JaggedTensor) -> torch.Tensor:
-        values = feature.values()
+        values, device = to_state(feature.values()), feature.values().device
         known, self._interval_slots = self._interval_slots, None
         lengths, self._lengths = self._lengths, None
         if known is not None and self._whole_batch_kept:  # every id of the batch is in `known`
@@ -319,7 +319,7 @@ class ShardedMCHModule(nn.Module):
             all_reduce(slots, group=self._group, what="a managed-collision remap", op=dist.ReduceOp.MAX)
             mine = slots[torch.searchsorted(ids, values)] if values.numel() else values.clone()
         out = torch.where(mine >= 0, mine, self._zch_size - 1) + self._output_global_offset
-        return out.to(values.dtype)
+        return out.to(device, values.dtype)
 
     # torchrec's names for the state, for code that reaches it by attribute (DCP's FQN walk):
     # this rank's share of it, in sorted order; the state_dict holds the whole table.
@@ -331,6 +331,7 @@ class ShardedMCHModule(nn.Module):
     # -- the whole table, in torchrec's layout --------------------------------------------------
 
     def _load_whole(self, raw: torch.Tensor, mapping: torch.Tensor, metadata: dict[str, torch.Tensor], *, where: str) -> None:
+        raw, mapping, metadata = to_state(raw), to_state(mapping), {k: to_state(v) for k, v in metadata.items()}
         slots = mapping.to(torch.int64) - self._output_global_offset
         last = self._zch_size - 1
         sentinel = (slots == last).nonzero().view(-1)
@@ -355,9 +356,9 @@ class ShardedMCHModule(nn.Module):
         self._history_offset = source._current_history_buffer_offset
         self._history_counts[0] = self._history_offset  # rank 0 holds it
         if self._history_offset and self._rank == 0:
-            ids = source._history_accumulator[: self._history_offset].clone()
+            ids = source._history_accumulator[: self._history_offset].to("cpu", copy=True)
             iters = source._history_metadata.get("last_access_iter")
-            iters = iters[: self._history_offset].clone() if iters is not None else torch.full_like(ids, self._current_iter)
+            iters = iters[: self._history_offset].to("cpu", copy=True) if iters is not None else torch.full_like(ids, self._current_iter)
             self._history.append((ids, iters))
 
     def _metadata_names(self) -> list[str]:

@@ -30,7 +30,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from modular.comm import all_gather
+from modular.mc.devices import all_gather
 from modular.errors import InputError
 from modular.mc.eviction import scoring_for
 from modular.mc.sharded_mch import ShardedMCHModule

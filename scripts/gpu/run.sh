@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root, after scripts/gpu/pack.sh here (carry .gpu/):
 #
-#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~33 min)
+#   bash scripts/gpu/run.sh            # everything below, in this order (estimated ~35 min)
 #   bash scripts/gpu/run.sh fp16       # one part: tests | example | speed | fp16 | reshard | tiered | tiered_bench
-#                                      # | calibrate (several: a list)
+#                                      # | calibrate | mc (several: a list)
 #
 # A lent device gives a session ~15 minutes in all and 10 per command, so run the part an issue
 # needs, one command per part. Figures go to $OUT (default /tmp/gpu-out), which the device tool
@@ -35,6 +35,10 @@
 #            one GPU), each writing $OUT/calibrate_*.json; then tables_ranking.yaml planned at
 #            world 2 with the H100 defaults and with the measured file, shown and compared under
 #            both, ~3-4 min (an estimate: never run; docs/gpu.md, "Calibrating on CUDA")
+#   mc       issue 46: managed-collision tables on CUDA ranks (split collision state on the host,
+#            its collectives on NCCL at world 1 and through gloo with two ranks sharing the GPU):
+#            tests/gpu/test_cuda_mc.py, MC-EBC/MC-EC against torchrec's unsharded module on the
+#            GPU, ~1-2 min (an estimate: never run)
 source scripts/gpu/setup.sh || exit 1
 export PYTHONWARNINGS=ignore
 OUT="${OUT:-/tmp/gpu-out}"; mkdir -p "$OUT"
@@ -109,13 +113,18 @@ calibrate() {
     } 2>&1 | tee "$OUT/calibrate_plans.txt"
 }
 
+mc() {
+    [ -n "${RAN_TESTS:-}" ] || python3 -m pytest tests/gpu/test_cuda_mc.py -q -rfE -p no:cacheprovider \
+        --timeout=300 | tee "$OUT/tests_gpu_mc.txt"
+}
+
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard tiered tiered_bench calibrate)
+[ ${#parts[@]} -eq 0 ] && parts=(tests example speed fp16 reshard tiered tiered_bench calibrate mc)
 for part in "${parts[@]}"; do
     case "$part" in
-        tests|example|speed|fp16|reshard|tiered|tiered_bench|calibrate) echo "== $part" && "$part" ;;
+        tests|example|speed|fp16|reshard|tiered|tiered_bench|calibrate|mc) echo "== $part" && "$part" ;;
         *) echo "run.sh: unknown part '$part' (tests, example, speed, fp16, reshard, tiered, tiered_bench," \
-                "calibrate)" >&2
+                "calibrate, mc)" >&2
            exit 2 ;;
     esac
 done

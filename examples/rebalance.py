@@ -29,7 +29,7 @@ from torch import nn
 
 import modular
 import planners
-from planners.stats import format_seconds
+from planners.units import format_seconds
 
 __all__ = ["PoolingMeter", "Rebalance", "RebalanceSettings", "planned_pooling", "rebalance"]
 

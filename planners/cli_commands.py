@@ -27,8 +27,9 @@ from planners.report import (
     describe_counts, format_tables, moved_tables, pick_tables, setting_differences, table_moves,
     tables_csv, why_lines,
 )  # fmt: skip
-from planners.stats import PlanStats, TableStats, format_seconds, plural, time_unit
+from planners.stats import PlanStats, TableStats
 from planners.types import PlanError
+from planners.units import format_seconds, plural, time_unit
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

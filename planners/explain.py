@@ -12,9 +12,9 @@ from planners.inputs import DataType, Optimizer, TableConstraint, format_bytes
 from planners.mc_cost import collision_price
 from planners.model_tables import TableSet, display_name
 from planners.options import Candidates
-from planners.stats import plural
 from planners.tier_cost import ROW_MAP_BYTES, SLOT_BYTES, cache_rows
 from planners.types import PlanError, ShardingType
+from planners.units import plural
 
 __all__ = ["NoPlanError", "before_candidates", "before_search", "explain_no_plan", "table_footprint"]
 

@@ -22,8 +22,8 @@ from planners.cost import CostModel, TableArrays
 from planners.inputs import ColumnWiseStatistic, Optimizer, Table, TableConstraint
 from planners.moves import per_piece_statistic, shards_of
 from planners.options import column_unit
-from planners.stats import format_seconds
 from planners.types import ShardingType, TablePlacement, even_split
+from planners.units import format_seconds
 
 __all__ = ["greedy", "recuts", "refused", "relocations", "table_load"]
 

@@ -7,8 +7,9 @@ import textwrap
 from typing import Any, Sequence
 
 from planners.cost import COMPONENTS
-from planners.stats import PlanStats, plural, time_unit
+from planners.stats import PlanStats
 from planners.types import ShardingType
+from planners.units import plural, time_unit
 
 __all__ = ["compare_figure", "plot_compare", "plot_stats", "stats_figure"]
 

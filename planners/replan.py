@@ -55,10 +55,11 @@ from planners.model_tables import TablesLike, as_table_set, display_name, match_
 from planners.moves import adapt_placement, move_bytes, shards_of
 from planners.nearby import greedy, refused, table_load
 from planners.evaluate import plan_stats
-from planners.stats import PlanStats, format_seconds, plural
+from planners.stats import PlanStats
 from planners.types import (
     PlanError, ShardingPlan, ShardingType, TablePlacement, even_split,
 )  # fmt: skip
+from planners.units import format_seconds, plural
 
 __all__ = ["ReplanResult", "TableMove", "adapt_placement", "move_bytes", "replan"]
 

@@ -18,9 +18,10 @@ from planners.mc_cost import collision_price
 from planners.inputs import Table, TableConstraint, format_bytes
 from planners.model_tables import match_constraints
 from planners.options import Candidates, enumerate_candidates
-from planners.stats import PlanStats, TableStats, format_seconds, time_unit
+from planners.stats import PlanStats, TableStats
 from planners.suggest import did_you_mean
 from planners.types import PlanError, ShardingType, rank_ranges
+from planners.units import format_seconds, time_unit
 
 __all__ = [
     "SORT_KEYS", "Move", "describe_counts", "format_tables", "moved_tables", "pick_tables",

@@ -14,6 +14,7 @@ from planners.inputs import (
 from planners.options import lower_bound
 from planners.replicas import Replicas
 from planners.types import PlanError, ShardingType
+from planners.units import format_seconds, plural, time_unit
 
 __all__ = ["PlanStats", "RankStats", "ShardStats", "TableStats", "format_seconds", "plural"]
 
@@ -23,25 +24,6 @@ _COMPONENTS = tuple(attr for attr, _, _ in COMPONENTS)
 MEMORY_PARTS = (("weights", "weights", "weights"), ("optimizer_state", "state", "state"),
                 ("gradients", "gradients", "grads"), ("buffers", "buffers", "buffers"),
                 ("cache", "cache", "cache"))  # fmt: skip
-
-
-def plural(count: int, word: str, many: str | None = None) -> str:
-    """'1 table', '2 tables' (`many` for irregular plurals)."""
-    return f"{count} {word if count == 1 else (many or word + 's')}"
-
-
-def time_unit(seconds: float) -> tuple[str, float]:
-    """The unit to show `seconds` and smaller values in: ms, or us below 1 ms, or ns below
-    1 us, so that a small plan does not read 0.000 ms everywhere."""
-    if seconds >= 1e-3:
-        return ("ms", 1e3)
-    return ("us", 1e6) if seconds >= 1e-6 else ("ns", 1e9)
-
-
-def format_seconds(seconds: float) -> str:
-    """0.00123 -> '1.230 ms'; 3.1e-6 -> '3.10 us'."""
-    unit, scale = time_unit(seconds)
-    return f"{scale * seconds:.3f} {unit}" if unit == "ms" else f"{scale * seconds:.2f} {unit}"
 
 
 @dataclass(frozen=True)

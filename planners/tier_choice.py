@@ -29,9 +29,10 @@ from planners.cost import CostModel
 from planners.explain import NoPlanError, table_footprint
 from planners.inputs import DataType, Optimizer, Table, TableConstraint, format_bytes
 from planners.model_tables import TableSet, display_name
-from planners.stats import PlanStats, plural
+from planners.stats import PlanStats
 from planners.tier_cost import CACHE_LADDER, TierSpec
 from planners.types import PlanError, ShardingType
+from planners.units import plural
 
 __all__ = ["AutoTiers", "choose_tiers", "refusal", "tier_overflow", "tiered_constraint", "with_given_tiers"]
 

@@ -36,7 +36,7 @@ from torchrec.modules.mc_modules import (
 import modular
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.gpu.test_cuda import DEVICE_KIND, run_spawned
-from tests.modular.compare import local_blocks
+from tests.modular.compare import backward_and_step, local_blocks
 from tests.modular.ebc_cases import global_batch
 from tests.modular.test_managed_collisions import HASH, LR, ZCH, _raw_batch
 
@@ -127,12 +127,7 @@ def _case(device: torch.device, kind: str, plan_kind: str, fused: bool, replicat
             torch.testing.assert_close(got, want, rtol=0, atol=ATOL, msg=lambda m: f"{label} step {step}: {name}: {m}")
             loss = loss + (got * mine_w).sum()
             ref_loss = ref_loss + (_outputs(ref_out, kind)[name] * weight).sum() / world
-        loss.backward()
-        ref_loss.backward()
-        for o in (opt, ref_opt):
-            if o is not None:
-                o.step()
-                o.zero_grad()
+        backward_and_step((loss, ref_loss), (opt, ref_opt))
     inner, ref_inner = model.mc._embedding_module, ref.mc._embedding_module
     tables, ref_tables = (inner.embedding_bags, ref_inner.embedding_bags) if kind == "ebc" else (inner.embeddings, ref_inner.embeddings)
     want = ref_tables["t_raw"].weight.detach()

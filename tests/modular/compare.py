@@ -99,3 +99,14 @@ def assert_grads_match(model: nn.Module, ref: nn.Module, what: str) -> None:
             got = p.grad.full_tensor() if isinstance(p, DTensor) else p.grad
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{what}: grad of {name}: {m}")
 
+
+
+def backward_and_step(losses: tuple[torch.Tensor, ...], optimizers: tuple) -> None:
+    """Backward of each loss, then each optimizer's step and zero_grad (None: a rank holding no
+    table, or fused tables that step in backward)."""
+    for loss in losses:
+        loss.backward()
+    for o in optimizers:
+        if o is not None:
+            o.step()
+            o.zero_grad()

@@ -30,7 +30,7 @@ import planners
 from modular.errors import InputError, ShardingError
 from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
-from tests.modular.compare import full_value
+from tests.modular.compare import backward_and_step, full_value
 from tests.modular.ebc_cases import global_batch, placements_for
 from tests.modular.mc.beside_reference import train_beside_reference
 
@@ -107,12 +107,8 @@ def _train(world_kind: str, policy: str, interval: int, fused: bool) -> int:
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"{label} step {step}: outputs: {m}")  # fmt: skip
         g = torch.Generator().manual_seed(step)
         probe = torch.randn(sum(strides), 16, generator=g)
-        (pooled.values() * probe[before: before + strides[rank]]).sum().backward()
-        ((ref_pooled.values() * probe).sum() / world).backward()
-        for o in (opt, ref_opt):
-            if o is not None:
-                o.step()
-                o.zero_grad()
+        backward_and_step(((pooled.values() * probe[before: before + strides[rank]]).sum(),
+                           (ref_pooled.values() * probe).sum() / world), (opt, ref_opt))
         held = set(_raw_ids(ref))
         evictions += bool(seen - held)  # a raw id the table held is gone: evicted this step
         seen = held
@@ -303,12 +299,7 @@ def _train_ec(kind: str) -> None:
             w = torch.randn(ref_out[key].values().shape, generator=torch.Generator().manual_seed(step))
             loss = loss + (out[key].values() * w[start: start + count]).sum()
             ref_loss = ref_loss + (ref_out[key].values() * w).sum() / world
-        loss.backward()
-        ref_loss.backward()
-        for o in (opt, ref_opt):
-            if o is not None:
-                o.step()
-                o.zero_grad()
+        backward_and_step((loss, ref_loss), (opt, ref_opt))
     got = full_value(model.mc._embedding_module.embeddings["t_raw"].weight)
     torch.testing.assert_close(got, ref.mc._embedding_module.embeddings["t_raw"].weight.detach(), rtol=1e-4, atol=1e-5)
 

@@ -45,6 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from modular.errors import InputError, ShardingError
 from modular.mc.devices import all_gather
 from modular.mc.split import check_ids, split_collisions, why_not_split, with_forward
+from modular.routing.variable_batch import strides_of
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def _gather(kjt: KeyedJaggedTensor, group, world: int, device: torch.device) -> 
     n_keys = len(keys)
     variable = kjt.variable_stride_per_key()
     weights = kjt.weights_or_none()
-    strides = _strides(kjt)
+    strides = strides_of(kjt)
     inverse = kjt.inverse_indices()[1].long() if variable else None
     batch = inverse.shape[1] if variable else kjt.stride()
     lengths = kjt.lengths().long()
@@ -183,13 +184,6 @@ def _gather(kjt: KeyedJaggedTensor, group, world: int, device: torch.device) -> 
         **shape,
     )  # fmt: skip
     return (whole if whole.device() == device else whole.to(device)), bags  # built on the host
-
-
-def _strides(kjt: KeyedJaggedTensor) -> list[int]:
-    """Bags per feature of this rank's batch."""
-    if kjt.variable_stride_per_key():
-        return [sum(s) for s in kjt.stride_per_key_per_rank()]
-    return [kjt.stride()] * len(kjt.keys())
 
 
 def _slice(kjt: KeyedJaggedTensor, bags: list[torch.Tensor], rank: int, like: KeyedJaggedTensor) -> KeyedJaggedTensor:

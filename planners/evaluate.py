@@ -232,8 +232,12 @@ def stats_for(
     meta_init = meta_init_bytes(plan, table_set, topology.world_size)
     step_transient = step_transient_bytes(plan, table_set, topology.world_size, model.optimizer)
     mem = mem + collision.state + collision.batch
-    # what `shard` of a meta model holds at its end (Note [pricing a step's runtime])
-    fused_state = model.optimizer.fused_name is not None
+    # what `shard` of a meta model holds at its end (Note [pricing a step's runtime]): weights,
+    # fused state (a torch optimizer makes its own later) and caches
+    part = {a: p for p, (a, _, _) in enumerate(MEMORY_PARTS)}
+    at_shard = parts_mem[:, part["weights"]] + parts_mem[:, part["cache"]]
+    if model.optimizer.fused_name is not None:
+        at_shard = at_shard + parts_mem[:, part["optimizer_state"]]
     ranks = tuple(
         RankStats(
             rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
@@ -246,8 +250,7 @@ def stats_for(
             tier=float(comp[r, 6]), tier_bytes=float(tier[r, 0]), tier_io=float(tier[r, 1]),
             tier_capacity=float(topology.tier_memory), meta_init=meta_init[r],
             step_transient=step_transient[r], runtime=float(STEP_RUNTIME_BYTES),
-            shard_peak=float(parts_mem[r, 0] + (parts_mem[r, 1] if fused_state else 0.0) + collision.state[r]
-                             + parts_mem[r, 4] + meta_init[r] + SHARD_RUNTIME_BYTES),
+            shard_peak=float(at_shard[r] + collision.state[r] + meta_init[r] + SHARD_RUNTIME_BYTES),
         )
         for r in range(topology.world_size)
     )  # fmt: skip

@@ -13,8 +13,8 @@ since torchrec hands out the highest empty slots first, and the other ranks wait
 So an evicted entry of the sorted main part only leaves it in place (its slot set to -1, it
 scores above every entry), and the new ids join a small sorted part of recent entries; once the
 evicted entries are more than 1/RECENT_SHARE of the main part, one merge (at the end of the
-eviction) puts the recent entries in their places, as before. A position below the main part's length is the
-main part's, above it a recent entry's. Lookups search both parts. torchrec breaks ties of
+eviction) puts the recent entries in their places, as before. A position below the main
+part's length is the main part's, above it a recent entry's. Lookups search both parts. torchrec breaks ties of
 score by sorted position: the main part's positions are in sorted order, and recent entries
 hold ids, never empty slots, so among tied entries an order by raw id (stable in position)
 is torchrec's. Between evictions the recent entries are at most 1/RECENT_SHARE of the main
@@ -35,9 +35,9 @@ from modular.mc.eviction import MAX, Scoring
 __all__ = ["SlotShard"]
 
 RUN = 32_768  # merged positions under one shift that a merge copies as a slice, not a gather
-# Recent entries are merged into the main part once they are more than this share of it (and
-# more than RECENT_MIN): Note [a shard's recent entries].
-RECENT_SHARE, RECENT_MIN = 16, 0
+# Recent entries are merged into the main part once they are more than this share of it: Note
+# [a shard's recent entries].
+RECENT_SHARE = 16
 
 
 class SlotShard:
@@ -189,7 +189,7 @@ class SlotShard:
             out[at_old], out[at_new] = column, new[name].to(column.dtype)
             merged[name] = out
         self._recent = merged
-        if self._dead > max(RECENT_MIN, n // RECENT_SHARE):
+        if self._dead > n // RECENT_SHARE:
             self._merged()
 
     def held(self) -> int:

@@ -78,10 +78,9 @@ def _sorted(raw: torch.Tensor, slots: torch.Tensor, *cols: torch.Tensor) -> list
 @pytest.mark.parametrize("policy", ["distance_lfu", "lfu", "lru"])
 def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: str, monkeypatch) -> None:
     """Many intervals on one shard, its recent entries merged only now and then (a small
-    RECENT_MIN and RECENT_SHARE): each interval's lookups, its n lowest (torchrec's order) and,
+    RECENT_SHARE): each interval's lookups, its n lowest (torchrec's order) and,
     after each eviction, the whole state equal those of a table re-sorted at every interval;
     evicted ids come back, and recent entries are evicted again."""
-    monkeypatch.setattr(slot_shard, "RECENT_MIN", 40)
     monkeypatch.setattr(slot_shard, "RECENT_SHARE", 4)
     g = torch.Generator().manual_seed(2)
     lo, n = 7, 600
@@ -114,7 +113,7 @@ def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: 
         shard.assign(torch.cat([evicted, torch.tensor([lo + n])]), torch.cat([ids[~held], torch.tensor([5])]),
                      torch.cat([counts[~held], torch.tensor([1])]), torch.cat([access[~held], torch.tensor([it])]), low)  # fmt: skip
         merges += k > 0 and shard._dead == 0  # else the assign left recent entries
-        assert shard._dead == shard._recent["raw"].numel() <= max(40, n // 4), f"interval {it}: recent entries"
+        assert shard._dead == shard._recent["raw"].numel() <= n // 4, f"interval {it}: recent entries"
         at = torch.searchsorted(torch.sort(ref["slots"]).values, evicted)
         by_slot = torch.argsort(ref["slots"])
         for name, value in (("raw", ids[~held]), ("counts", counts[~held]), ("access", access[~held])):

@@ -34,6 +34,7 @@ from modular.mc.devices import all_gather
 from modular.errors import InputError
 from modular.mc.eviction import scoring_for
 from modular.mc.sharded_mch import ShardedMCHModule
+from modular.routing.variable_batch import strides_of
 
 __all__ = ["check_ids", "split_collisions", "why_not_split", "with_forward"]
 
@@ -119,7 +120,7 @@ def _first_bad(mcc: nn.Module, features: KeyedJaggedTensor) -> torch.Tensor:
     keys = features.keys()
     tables = mcc._feature_to_table
     if features.variable_stride_per_key() and all(isinstance(c, EmbeddingConfig) for c in mcc._embedding_configs):
-        strides = [s[0] if len(s) == 1 else sum(s) for s in features.stride_per_key_per_rank()]
+        strides = strides_of(features)
         inverse = features.inverse_indices_or_none()
         batch = inverse[1].shape[1] if inverse is not None else max(strides)
         k = next((k for k, s in enumerate(strides) if s != batch), 0)

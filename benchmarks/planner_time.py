@@ -1,14 +1,16 @@
 """Predicted against measured step time, after `python -m planners calibrate` (issue 51).
 
     python -m planners calibrate --out /tmp/h.json
-    python benchmarks/planner_time.py --topology /tmp/h.json [--markdown]
+    python benchmarks/planner_time.py --topology /tmp/h.json [--markdown] [--repeat 3]
 
 At world 2 on this machine, for each configuration (tables, sharding kind, optimizer, batch):
 the slowest rank's median step under modular (both ranks timing together, gloo, one thread per
 rank), and the planner's prediction for the same plan (`plan_stats(...).max_cost` with the
 calibrated topology). Then every pair of configurations of the same tables and optimizer whose
 predictions differ by >= 10% must be ranked as measured. Targets: |predicted / measured - 1|
-<= 20% for >= 90% of the configurations, and every such pair ranked right.
+<= 20% for >= 90% of the configurations, and every such pair ranked right. `--repeat R`
+measures every configuration in R rounds, judges their median, and reports how far single
+rounds stray from it (the machine's own noise, docs/planner.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import itertools
 import multiprocessing as mp
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +99,7 @@ def predicted(case: Case, topology) -> float:
     return stats.max_cost
 
 
-def _rank(rank: int, world: int, port: int, steps: int, queue, cases: list) -> None:
+def _rank(rank: int, world: int, port: int, steps: int, queue, cases: list, repeat: int = 1) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
 
@@ -108,31 +111,36 @@ def _rank(rank: int, world: int, port: int, steps: int, queue, cases: list) -> N
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    for case in cases:
-        torch.manual_seed(0)
-        names = [f"t{i}" for i in range(case.tables)]
-        step = _model([(n, case.rows, case.dim) for n in names], case.family, placements(case, world), world, None)
-        kjts = _batches(names, case.rows, case.batch, case.pooling, seed=rank)
-        dist.barrier()
-        s = _slowest(_median_seconds(lambda i: step(kjts[i % len(kjts)]), steps))
-        if rank == 0:
-            queue.put((case.name, s))
-            print(f"  measured {case.name}: {s * 1e3:.1f} ms", flush=True)
-        del step
+    for round_ in range(repeat):  # every configuration once a round: a slow minute falls on one
+        for case in cases:
+            torch.manual_seed(0)
+            names = [f"t{i}" for i in range(case.tables)]
+            step = _model([(n, case.rows, case.dim) for n in names], case.family, placements(case, world), world, None)
+            kjts = _batches(names, case.rows, case.batch, case.pooling, seed=rank)
+            dist.barrier()
+            s = _slowest(_median_seconds(lambda i: step(kjts[i % len(kjts)]), steps))
+            if rank == 0:
+                queue.put((case.name, s))
+                print(f"  measured {case.name}{f' (round {round_ + 1})' if repeat > 1 else ''}: {s * 1e3:.1f} ms", flush=True)
+            del step
     dist.destroy_process_group()
 
 
-def measure(world: int, steps: int, cases: list | None = None) -> dict[str, float]:
+def measure(world: int, steps: int, cases: list | None = None, repeat: int = 1) -> dict[str, list[float]]:
+    """Each configuration's slowest-rank median step, `repeat` times (rounds over all of them)."""
     from modular.measure import _free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     cases = CASES if cases is None else cases
-    procs = [ctx.Process(target=_rank, args=(r, world, port, steps, queue, cases)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, steps, queue, cases, repeat)) for r in range(world)]
     for p in procs:
         p.start()
-    out = dict(queue.get(timeout=900) for _ in cases)
+    out: dict[str, list[float]] = {c.name: [] for c in cases}
+    for _ in range(repeat * len(cases)):
+        name, seconds = queue.get(timeout=900)
+        out[name].append(seconds)
     for p in procs:
         p.join()
     return out
@@ -149,17 +157,37 @@ def main(argv: list[str] | None = None) -> int:
                    help="N seeded random configurations instead of the 16 fixed ones")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    p.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="measure every configuration R times, in R rounds; each is judged on the median of "
+                        "its rounds, and the report says how far single rounds stray from it")
     args = p.parse_args(argv)
     topologies = [planners.Topology.from_file(t) for t in args.topology]
     for t in topologies:
         print(t.constants)
     cases = random_cases(args.random, args.seed) if args.random else CASES
-    measured = measure(topologies[0].world_size, args.steps, cases)
+    rounds = measure(topologies[0].world_size, args.steps, cases, args.repeat)
+    measured = {name: statistics.median(seconds) for name, seconds in rounds.items()}
     for path, topology in zip(args.topology, topologies):
         if len(topologies) > 1:
             print(f"\n## {path}")
         report(cases, measured, topology, args.markdown)
+    if args.repeat > 1:
+        repeatable(cases, rounds, topologies[0])
     return 0
+
+
+def repeatable(cases: list[Case], rounds: dict[str, list[float]], topology) -> None:
+    """How far one round's measurement strays from the configuration's median: the noise a
+    single measurement carries, which no prediction can beat."""
+    close = sum(abs(s / statistics.median(v) - 1) <= 0.20 for v in rounds.values() for s in v)
+    total = sum(len(v) for v in rounds.values())
+    print(f"\nrounds within +-20% of their configuration's median: {close} of {total}")
+    for r in range(min(len(v) for v in rounds.values())):
+        within = sum(abs(predicted(c, topology) / rounds[c.name][r] - 1) <= 0.20 for c in cases)
+        print(f"  round {r + 1} alone, against the first file's predictions: {within} of {len(cases)} within +-20%")
+    spread = sorted(((max(v) / min(v), name) for name, v in rounds.items()), reverse=True)[:5]
+    print("  widest: " + ", ".join(f"{name} x{ratio:.2f} ({', '.join(f'{s * 1e3:.1f}' for s in rounds[name])} ms)"
+                                    for ratio, name in spread))
 
 
 def report(cases: list[Case], measured: dict, topology, markdown: bool) -> None:

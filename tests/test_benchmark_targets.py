@@ -177,3 +177,26 @@ def test_on_a_gpu_a_contender_that_fails_on_one_rank_is_skipped_on_all_and_the_r
     assert notes1 == {"b": "MemoryError: no room for b", "c": "failed on another rank"}
     assert peak0 == {"a": 7, "b": 7, "c": 7, "d": 7}  # failed ones too: how far they got
     assert freed0 == ["empty_cache", "reset"] * 4 + ["empty_cache"]  # before each, and after all
+
+
+def test_planner_time_repeat_reports_how_far_single_rounds_stray(capsys) -> None:
+    """benchmarks/planner_time.py --repeat: a configuration measured in rounds is judged on its
+    median, and the report counts the rounds that stray beyond 20% of it, round by round
+    against the predictions, and names the widest."""
+    from benchmarks import planner_time
+
+    cases = planner_time.random_cases(2, seed=3)
+    steady, noisy = cases[0].name, cases[1].name
+    rounds = {steady: [0.010, 0.010, 0.011], noisy: [0.004, 0.009, 0.004]}
+    predictions = {steady: 0.010, noisy: 0.004}
+    original = planner_time.predicted
+    planner_time.predicted = lambda case, topology: predictions[case.name]
+    try:
+        planner_time.repeatable(cases, rounds, topology=None)
+    finally:
+        planner_time.predicted = original
+    out = capsys.readouterr().out
+    assert "rounds within +-20% of their configuration's median: 5 of 6" in out
+    assert "round 1 alone, against the first file's predictions: 2 of 2 within +-20%" in out
+    assert "round 2 alone, against the first file's predictions: 1 of 2 within +-20%" in out
+    assert f"widest: {noisy} x2.25 (4.0, 9.0, 4.0 ms)" in out

@@ -47,10 +47,10 @@ feature with it (one all_gather for the whole collection, which also sizes every
 so each is one collective) and, for each table that evicts in the call, the interval's unique
 ids; a call that evicts adds one collective (the match with the lowest entries; two when the
 fold fell back) and needs no remap lookup; any other call, two.
-Per interval each rank does O(its slots) work, a few passes: the scores, a selection of its
-lowest entries below a threshold from a sample (`SlotShard.lowest`) and, on a rank whose slots
-were evicted, a merge for the new ids (`SlotShard.assign`: gathers, and slice copies for long
-runs of one shift), not a sort.
+Per interval each rank does O(its slots) work, a few passes: the scores and a selection of its
+lowest entries below a threshold from a sample (`SlotShard.lowest`; neither while its last empty
+slots are its lowest: Note [empty slots first]) and, on a rank whose slots were evicted, a merge
+for the new ids (`SlotShard.assign`: gathers, slice copies for long runs of one shift), no sort.
 Collective bytes scale with the global batch, not the table; state per rank is its share of
 torchrec's, plus the interval's history of its own ids. Like torchrec's unsharded module, an
 evicted slot's embedding row and optimizer state stay as they were (`evict()` still reports
@@ -262,6 +262,7 @@ class ShardedMCHModule(nn.Module):
         self._update_and_evict(unique, counts, access)
 
     def _update_and_evict(self, unique: torch.Tensor, counts: torch.Tensor, access: torch.Tensor) -> None:
+        """`unique`: the interval's ids, sorted; `counts` and `access` theirs."""
         by_count = torch.argsort(counts, descending=True, stable=True)
         ids, counts, access = unique[by_count], counts[by_count], access[by_count]
         pos = self._shard.find(ids)
@@ -273,12 +274,11 @@ class ShardedMCHModule(nn.Module):
         # lowest entries (u: the interval's ids, at least the new ones): a superset of the
         # candidates `decide` needs (Note [sharded managed collisions]).
         u, bound = ids.numel(), min(ids.numel(), self._most_slots)
-        scores = self._shard.scores(self._current_iter)
-        lowest = self._shard.lowest(u, scores)
+        lowest, scores = self._shard.lowest_scored(u, self._current_iter)
         sent = torch.full((max(u + 3 * bound, 1),), -1, dtype=torch.int64)  # gloo: a non-empty piece
         sent[:u] = torch.where(mine, self._shard.slot_at(pos.clamp(min=0)), -1) if u else pos
         sent[u : u + 3 * lowest.numel()] = torch.stack(
-            [self._shard.slot_at(lowest), self._shard.raw_at(lowest), as_bits(scores[lowest])], 1).view(-1)  # fmt: skip
+            [self._shard.slot_at(lowest), self._shard.raw_at(lowest), as_bits(scores)], 1).view(-1)  # fmt: skip
         got = all_gather(sent, group=self._group, world=self._world,
                          what="a managed-collision match and lowest entries").view(self._world, -1)  # fmt: skip
         slots = got[:, :u].amax(0)
@@ -293,8 +293,9 @@ class ShardedMCHModule(nn.Module):
         # of this call reads it when the history kept the whole batch
         slots[torch.isin(slots, evicted)] = -1
         slots[new.nonzero().view(-1)[selected]] = evicted
-        by_id = torch.argsort(ids)
-        self._interval_slots = (ids[by_id], slots[by_id])
+        in_order = torch.empty_like(slots)  # `unique` is sorted (torch.unique): by_count's inverse
+        in_order[by_count] = slots
+        self._interval_slots = (unique, in_order)
         evicted = evicted + self._output_global_offset
         if self._evicted:
             self._evicted_emb_indices = torch.unique(torch.cat([self._evicted_emb_indices.to(evicted.device), evicted]))

@@ -78,7 +78,8 @@ def _sorted(raw: torch.Tensor, slots: torch.Tensor, *cols: torch.Tensor) -> list
 @pytest.mark.parametrize("policy", ["distance_lfu", "lfu", "lru"])
 def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: str, monkeypatch) -> None:
     """Many intervals on one shard, its recent entries merged only now and then (a small
-    RECENT_SHARE): each interval's lookups, its n lowest (torchrec's order) and,
+    RECENT_SHARE): each interval's lookups, its n lowest (torchrec's order; `lowest_scored`'s
+    too, the last empty slots while the table fills: Note [empty slots first]) and,
     after each eviction, the whole state equal those of a table re-sorted at every interval;
     evicted ids come back, and recent entries are evicted again."""
     monkeypatch.setattr(slot_shard, "RECENT_SHARE", 4)
@@ -88,7 +89,7 @@ def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: 
     shard = SlotShard(lo, lo + n, scoring)
     ref = {"raw": torch.full((n,), MAX), "slots": torch.arange(lo, lo + n), "counts": torch.zeros(n, dtype=torch.int64),
            "access": torch.zeros(n, dtype=torch.int64)}  # fmt: skip
-    merges = recent_evicted = 0
+    merges = recent_evicted = unscored = 0
     for it in range(1, 80):
         ids = torch.unique(torch.randint(0, 900, (int(torch.randint(1, 120, (1,), generator=g)),), generator=g))
         pos, want_pos = shard.find(ids), torch.searchsorted(ref["raw"], ids).clamp(max=n - 1)
@@ -107,6 +108,10 @@ def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: 
         want = (n - 1 - order)[:k]
         assert torch.equal(torch.sort(shard.slot_at(low)).values, torch.sort(ref["slots"][want]).values), f"interval {it}: lowest"
         assert torch.equal(as_bits(scores[low]).sort().values, as_bits(ref_scores[want]).sort().values), f"interval {it}"
+        unscored += shard._last_empties(k) is not None
+        fast, fast_scores = shard.lowest_scored(k, it)
+        assert torch.equal(torch.sort(fast).values, torch.sort(low).values), f"interval {it}: lowest_scored"
+        assert torch.equal(as_bits(fast_scores).sort().values, as_bits(scores[low]).sort().values), f"interval {it}"
         # the new ids take the lowest slots (in no particular pairing)
         evicted = shard.slot_at(low)
         recent_evicted += int((low >= shard._raw.numel()).sum())
@@ -125,3 +130,40 @@ def test_recent_entries_find_score_select_and_merge_as_one_sorted_table(policy: 
                 assert torch.equal(getattr(shard, name), ref[name]), f"interval {it}: {name}"
     # LRU never evicts an entry newer than the last merge: every older one ranks lower
     assert merges >= 3 and (recent_evicted >= 10 or policy == "lru"), (merges, recent_evicted)
+    assert 5 <= unscored < 79, unscored  # the empty slots answered while the table filled, then scans
+
+
+@pytest.mark.parametrize("policy", ["distance_lfu", "lfu", "lru"])
+def test_empty_slots_are_taken_unscored_only_while_they_are_the_lowest(policy: str) -> None:
+    """Note [empty slots first]: a loaded state whose empty slots carry a count (or, under LRU,
+    an access newer than a held entry's) is scanned, and so is one where a held entry took
+    metadata below the empty slots'; either way `lowest_scored` is `lowest`."""
+    g = torch.Generator().manual_seed(4)
+    scoring, n = Scoring(policy), 500
+    raw = torch.full((n,), MAX)
+    raw[:300] = torch.randperm(10_000, generator=g)[:300]
+    metadata = {"counts": torch.randint(1, 9, (n,), generator=g), "last_access_iter": torch.randint(1, 9, (n,), generator=g)}
+    metadata["counts"][300:], metadata["last_access_iter"][300:] = 0, 0
+    for case in ("as torchrec starts them", "an empty slot with a count", "an empty slot accessed late", "a negative count"):
+        shard = SlotShard(0, n, scoring)
+        m = {k: v.clone() for k, v in metadata.items()}
+        if case == "an empty slot with a count":
+            m["counts"][400] = 3
+        elif case == "an empty slot accessed late":
+            m["last_access_iter"][400] = 20
+        elif case == "a negative count":
+            m["counts"][5] = -1
+        shard.load(raw, torch.randperm(n, generator=g), m)
+        premise = case == "as torchrec starts them" or (case == "an empty slot with a count" and policy == "lru") or \
+            (case == "an empty slot accessed late" and policy == "lfu") or (case == "a negative count" and policy == "lru")
+        assert (shard._last_empties(50) is not None) == premise, case
+        for k in (1, 50, 199, 200, 201, 499):
+            scores = shard.scores(30)
+            got, got_scores = shard.lowest_scored(k, 30)
+            assert torch.equal(torch.sort(got).values, torch.sort(shard.lowest(k, scores)).values), (case, k)
+            assert torch.equal(as_bits(got_scores).sort().values, as_bits(scores[shard.lowest(k, scores)]).sort().values)
+    shard = SlotShard(0, n, scoring)
+    shard.load(raw, torch.arange(n), metadata)
+    pos = shard.find(raw[:3])
+    shard.update_matched(pos, torch.ones(3, dtype=torch.int64), torch.full((3,), -1))  # an access before theirs
+    assert (shard._last_empties(50) is not None) == (not scoring.access)

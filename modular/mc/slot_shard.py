@@ -240,14 +240,15 @@ class SlotShard:
             recent = {name: column[keep] for name, column in recent.items()}
         order = torch.argsort(ids[mine])  # distinct ids, none empty: by raw id is by (raw, slot)
         new = {"raw": ids[mine][order], "slots": slots[order], "counts": counts[mine][order], "access": access[mine][order]}
-        # a merge of two sorted runs: each entry's place is its own index plus the other run's
-        # entries below it
+        # a merge of two sorted runs: a new entry's place is its own index plus the recent
+        # entries below it; the recent entries keep the other places, in order
         at_new = torch.searchsorted(recent["raw"], new["raw"]) + torch.arange(order.numel())
-        at_old = torch.searchsorted(new["raw"], recent["raw"]) + torch.arange(recent["raw"].numel())
+        old = torch.ones(recent["raw"].numel() + order.numel(), dtype=torch.bool)
+        old[at_new] = False
         merged = {}
         for name, column in recent.items():
-            out = torch.empty(column.numel() + order.numel(), dtype=column.dtype)
-            out[at_old], out[at_new] = column, new[name].to(column.dtype)
+            out = torch.empty(old.numel(), dtype=column.dtype)
+            out[old], out[at_new] = column, new[name].to(column.dtype)
             merged[name] = out
         self._recent = merged
         if self._dead > n // RECENT_SHARE:

@@ -42,10 +42,10 @@ from typing import Optional
 import torch
 
 from modular.mc.eviction import MAX, Scoring
+from modular.mc.slot_merge import RUN, merge_order, merged_column
 
-__all__ = ["SlotShard"]
+__all__ = ["RUN", "SlotShard"]
 
-RUN = 32_768  # merged positions under one shift that a merge copies as a slice, not a gather
 # Recent entries are merged into the main part once they are more than this share of it: Note
 # [a shard's recent entries].
 RECENT_SHARE = 16
@@ -266,22 +266,11 @@ class SlotShard:
             return self
         gone = (self._slots < 0).nonzero().view(-1)
         recent = self._recent
-        pieces, at_new = self._merge_order(gone, recent["raw"])
+        pieces, at_new = merge_order(self._raw, gone, recent["raw"])
         for name in ("raw", "slots", "counts", "access"):
             old = getattr(self, "_" + name)
-            if old is None:
-                continue
-            if len(pieces) == 1 and isinstance(pieces[0][2], torch.Tensor):
-                merged = torch.gather(old, 0, pieces[0][2])
-            else:
-                merged = torch.empty_like(old)
-                for a, b, src in pieces:
-                    if isinstance(src, int):  # one shift: a copy
-                        merged[a:b] = old[a + src : b + src]
-                    else:
-                        torch.gather(old, 0, src, out=merged[a:b])
-            merged[at_new] = recent[name].to(old.dtype)
-            setattr(self, "_" + name, merged)
+            if old is not None:
+                setattr(self, "_" + name, merged_column(old, pieces, at_new, recent[name]))
         self._recent, self._dead = self._no_recent(), 0
         return self
 
@@ -322,50 +311,6 @@ class SlotShard:
             main = (scores[:n] == value).nonzero().view(-1)
         tied = torch.cat([main, recent])
         return None if tied.numel() < need else self._last_in_order(tied, need, scores.numel())
-
-    def _merge_order(self, gone: torch.Tensor, new_raw: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """For the entries with the sorted positions `gone` replaced by as many sorted new raw ids
-        (held by no entry): where each merged position's entry was, as pieces (start, stop, src)
-        in order, src the old positions of [start, stop) (any where a new id goes) or, for a run
-        of at least RUN positions under one shift (e.g. the empty slots past the new ids while
-        the table fills), that shift; and the new ids' merged positions. O(new ids log), and
-        O(merged positions) outside the runs."""
-        n, m = self._raw.numel(), gone.numel()
-        before = torch.searchsorted(self._raw, new_raw)  # entries below each new id
-        at_new = before - torch.searchsorted(gone, before) + torch.arange(m)
-        # A kept entry's old position is its merged position, plus the evicted entries before
-        # it, less the new ids before it: a step function, +1 at the first kept entry past each
-        # evicted one, -1 past each new id.
-        kept_after = gone - torch.arange(m)  # the kept index of the first kept entry past each
-        at_kept = kept_after + torch.searchsorted(at_new - torch.arange(m), kept_after, right=True)
-        runs = []
-        ends = torch.cat([torch.tensor([0]), at_new, torch.tensor([n])])
-        if int((ends[1:] - ends[:-1]).max()) > RUN:  # a run needs a gap between new ids at least
-            events = torch.sort(torch.cat([torch.tensor([0, n]), at_new, at_new + 1, at_kept]).clamp(max=n)).values
-            long = ((events[1:] - events[:-1]) >= RUN).nonzero().view(-1).tolist()
-            runs = [(int(events[i]), int(events[i + 1])) for i in long]
-        pieces, start = [], 0
-        for a, b in runs + [(n, n)]:
-            if start < a:
-                pieces.append((start, a, self._sources(start, a, at_new, at_kept)))
-            if a < b:  # no event inside: the shift is the step function's value at a
-                shift = int(torch.searchsorted(at_kept, a, right=True)) - int(torch.searchsorted(at_new, a, right=True))
-                pieces.append((a, b, shift))
-            start = b
-        return pieces, at_new
-
-    @staticmethod
-    def _sources(a: int, b: int, at_new: torch.Tensor, at_kept: torch.Tensor) -> torch.Tensor:
-        """The old positions of merged positions [a, b) (0 where a new id goes)."""
-        kept = at_kept[(at_kept > a) & (at_kept < b)] - a
-        fresh = at_new[(at_new >= a) & (at_new < b)] - a
-        steps = torch.zeros(b - a, dtype=torch.int64)
-        steps.index_add_(0, kept, torch.ones_like(kept))
-        steps.index_add_(0, fresh, torch.full_like(fresh, -1))
-        steps[0] += int((at_kept <= a).sum()) - int((at_new < a).sum())
-        src = torch.arange(a, b) + steps.cumsum(0)
-        src[fresh] = 0
-        return src
 
     def _permute(self, order: torch.Tensor) -> None:
         self._raw, self._slots = self._raw[order], self._slots[order]

@@ -182,8 +182,9 @@ def repeatable(cases: list[Case], rounds: dict[str, list[float]], topology) -> N
     close = sum(abs(s / statistics.median(v) - 1) <= 0.20 for v in rounds.values() for s in v)
     total = sum(len(v) for v in rounds.values())
     print(f"\nrounds within +-20% of their configuration's median: {close} of {total}")
+    predictions = {c.name: predicted(c, topology) for c in cases}
     for r in range(min(len(v) for v in rounds.values())):
-        within = sum(abs(predicted(c, topology) / rounds[c.name][r] - 1) <= 0.20 for c in cases)
+        within = sum(abs(predictions[c.name] / rounds[c.name][r] - 1) <= 0.20 for c in cases)
         print(f"  round {r + 1} alone, against the first file's predictions: {within} of {len(cases)} within +-20%")
     spread = sorted(((max(v) / min(v), name) for name, v in rounds.items()), reverse=True)[:5]
     print("  widest: " + ", ".join(f"{name} x{ratio:.2f} ({', '.join(f'{s * 1e3:.1f}' for s in rounds[name])} ms)"

@@ -42,9 +42,9 @@ from typing import Optional
 import torch
 
 from modular.mc.eviction import MAX, Scoring
-from modular.mc.slot_merge import RUN, merge_order, merged_column
+from modular.mc.slot_merge import merge_order, merged_column
 
-__all__ = ["RUN", "SlotShard"]
+__all__ = ["SlotShard"]
 
 # Recent entries are merged into the main part once they are more than this share of it: Note
 # [a shard's recent entries].

@@ -9,7 +9,8 @@ import torch
 
 from modular.mc import slot_shard
 from modular.mc.eviction import MAX, Scoring, as_bits
-from modular.mc.slot_shard import RUN, SlotShard
+from modular.mc.slot_merge import RUN
+from modular.mc.slot_shard import SlotShard
 
 
 def _scores(kind: int, n: int, g: torch.Generator) -> torch.Tensor:

@@ -41,11 +41,13 @@ from modular.checkpoint._directory import (
     tmp_dir,
     verify_file,
 )
+from modular.checkpoint._collisions import read_collisions
 from modular.checkpoint._one_writer import drop_replica_copies
 from modular.checkpoint._together import agree_on_load, failed, save_collective
 from modular.checkpoint._staging import check_loaded, stage
 from modular.checkpoint._entries import MODEL, model_state, optimizer_parts, optimizer_state
 from modular.errors import CheckpointError
+from modular.mc.table_state import SAVE
 from modular.optim import fuse_marked
 from modular.profiling import CHECKPOINT_LOAD, CHECKPOINT_SAVE, labelled
 from modular.tables.deprecation import quietly
@@ -81,7 +83,7 @@ def save(path: PathLike, model: nn.Module, optimizer: Optional[Any] = None) -> N
     rank, world = dist.get_rank(), dist.get_world_size()
     state, error = None, None
     try:  # a rank that cannot describe its state must not leave the others in a collective
-        state = model_state(model)
+        state = model_state(model, SAVE)  # Note [a collision table in a checkpoint]
         if optimizer is not None:
             state.update(optimizer_state(model, optimizer))
         prefixes = [p for p, _ in optimizer_parts(optimizer)] if optimizer is not None else []
@@ -186,6 +188,7 @@ def load(
         ) from e
     agree(check_loaded(staged))
     model_values = {k[len(MODEL):]: local_tensors(staged.buffers[k]) for k in staged.model_keys}
-    load_all_or_nothing(
-        model, model_values, part_loads(staged), source=f"checkpoint {str(found)!r}"
-    )
+    source = f"checkpoint {str(found)!r}"
+    collisions, error = read_collisions(staged.collisions, model_values, source=source)
+    agree(error)
+    load_all_or_nothing(model, model_values, part_loads(staged), source=source, collisions=collisions)

@@ -38,7 +38,7 @@ buffers read from the source.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,10 +47,12 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from modular.checkpoint._collisions import collision_entries
 from modular.checkpoint._directory import any_rank_error
 from modular.checkpoint._staging import PartPlan, Staged, part_name
 from modular.checkpoint._entries import PARAM_GROUPS, like_sharded, state_key
 from modular.errors import CheckpointError
+from modular.mc.table_state import LAYOUT, split_state
 from modular.tables.forms import is_sharded, local_pieces
 
 
@@ -68,15 +70,22 @@ class PartLoad(NamedTuple):
 
 @torch.no_grad()
 def load_all_or_nothing(
-    model: nn.Module, values: dict[str, Any], parts: list[PartLoad], *, source: str
+    model: nn.Module, values: dict[str, Any], parts: list[PartLoad], *, source: str,
+    collisions: Sequence[tuple[Any, tuple]] = (),
 ) -> None:
     """Puts checked `values` (a sharded table's value: its local shards' tensors) and each part's
     state into `model` and the optimizer, on every rank or on none (Note [all or nothing]).
-    Collective: one all-gather per step. `source` names what is loaded in errors."""
-    live = get_model_state_dict(model)
-    tables = {fqn: v for fqn, v in values.items() if is_sharded(live[fqn])}
+    Collective: one all-gather per step. `source` names what is loaded in errors. `collisions`:
+    split managed-collision tables read apart (`read_collisions`), put in last; whole ones in
+    `values` load with the dense entries (Note [a collision table in a checkpoint])."""
+    with split_state(LAYOUT):  # no collision table gathered
+        live = get_model_state_dict(model)
+    held = collision_entries(live)
+    tables = {fqn: v for fqn, v in values.items() if is_sharded(live[fqn]) and fqn not in held}
     dense = {fqn: v for fqn, v in values.items() if fqn not in tables}
-    kept_dense = {fqn: _clone(live[fqn]) for fqn in dense}
+    kept_dense = {fqn: _clone(live[fqn]) for fqn in dense if fqn not in held}
+    # a collision table's load puts in new objects: the old ones are its snapshot
+    kept_collisions = [(m, m.snapshot()) for m in {id(m): m for m, _ in held.values()}.values()]
     kept_parts = [(part.optimizer, _clone(part.optimizer.state_dict())) for part in parts]
 
     # Named by the class that defines it: the user's override, not FSDP2's `FSDP<cls>` subclass.
@@ -108,12 +117,16 @@ def load_all_or_nothing(
         error = any_rank_error(error)
         if error is not None:
             _put_back(model, kept_dense)
+            for module, kept in kept_collisions:
+                module.restore(kept)
             for optimizer, state in kept_parts:  # every part, in order, on every rank
                 optimizer.load_state_dict(state)
             raise CheckpointError(error)
     for fqn, shards in tables.items():
         for mine, loaded in zip(local_pieces(live[fqn]), shards, strict=True):
             mine.tensor.copy_(loaded)
+    for module, prepared in collisions:
+        module.take_split(prepared)
 
 
 def _load_dense(model: nn.Module, dense: dict[str, Any]) -> Optional[str]:
@@ -144,7 +157,9 @@ def _state_dict_keys(model: nn.Module) -> dict[str, str]:
     the child that a wrapper adds (torch.compile's `_orig_mod`, DDP's `module`): a model passed
     as `torch.compile(model)` loads too."""
     keys = {}
-    for key in model.state_dict():
+    with split_state(LAYOUT):  # keys only: no collision table gathered
+        names = list(model.state_dict())
+    for key in names:
         module: Optional[nn.Module] = model
         kept: list[str] = []
         *path, leaf = key.split(".")
@@ -171,7 +186,8 @@ def _clone(value: Any) -> Any:
 
 def _put_back(model: nn.Module, kept: dict[str, Any]) -> None:
     """Copies the snapshot into the model's entries in place, without calling its code."""
-    live = get_model_state_dict(model)
+    with split_state(LAYOUT):
+        live = get_model_state_dict(model)
     for fqn, value in kept.items():
         if isinstance(value, torch.Tensor):
             live[fqn].copy_(value)

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from modular.kinds import KINDS
+from modular.mc.table_state import split_state
 from modular.tables.forms import global_size, is_sharded, laid_out_like, local_pieces
 from modular.tiered.store import file_backed_like
 
@@ -61,9 +62,15 @@ def state_key(prefix: str, fqn: str, name: str) -> str:
 # -- building the state to save ------------------------------------------------------------------
 
 
-def model_state(model: nn.Module) -> dict[str, Any]:
-    """`model.<fqn>` -> the live tensors (ShardedTensor / DTensor / Tensor), nothing copied."""
-    return {MODEL + k: v for k, v in get_model_state_dict(model).items()}
+def model_state(model: nn.Module, collisions: Optional[str] = None) -> dict[str, Any]:
+    """`model.<fqn>` -> the live tensors (ShardedTensor / DTensor / Tensor), nothing copied.
+    `collisions`: how split managed-collision tables appear, SAVE (this rank's range, sorted
+    across ranks: collective) or LAYOUT (empty, for a load), else whole (Note [a collision table
+    in a checkpoint] in modular/mc/table_state.py)."""
+    if collisions is None:
+        return {MODEL + k: v for k, v in get_model_state_dict(model).items()}
+    with split_state(collisions):
+        return {MODEL + k: v for k, v in get_model_state_dict(model).items()}
 
 
 class Slot(NamedTuple):

@@ -29,7 +29,9 @@ from modular.checkpoint._entries import (
     optimizer_parts,
     state_key,
 )
+from modular.checkpoint._collisions import collision_entries
 from modular.fused.config import FusedOptimizerKind
+from modular.mc.table_state import LAYOUT
 from modular.optim import FusedOptimizer
 from modular.fused.state import column_statistic_mismatch
 
@@ -50,6 +52,9 @@ class Staged(NamedTuple):
     buffers: dict[str, Any]
     model_keys: list[str]
     optimizer_parts: list[PartPlan]
+    # (module, key) of each split managed-collision column, by FQN (Note [a collision table in a
+    # checkpoint] in modular/mc/table_state.py)
+    collisions: dict[str, tuple[Any, str]]
 
 
 def stage(
@@ -59,7 +64,7 @@ def stage(
     """Checks names, global shapes and (unless `convert_dtypes`) the model's dtypes against
     `metadata`; returns buffers to load or the error."""
     saved = metadata.state_dict_metadata
-    live = model_state(model)
+    live = model_state(model, LAYOUT)  # no collision table gathered: Note [a collision table in a checkpoint]
     buffers: dict[str, Any] = {}
     problems: list[str] = []
 
@@ -111,7 +116,8 @@ def stage(
             + "\n  ".join(problems)
             + f"\nthe checkpoint's model entries are: {', '.join(tables)}"
         )
-    return Staged(buffers, [k for k in live if k in buffers], plans), None
+    collisions = {k[len(MODEL):]: c for k, c in collision_entries(live).items() if k in buffers}
+    return Staged(buffers, [k for k in live if k in buffers], plans, collisions), None
 
 
 def part_name(prefix: str, optimizer: Any) -> str:

@@ -70,17 +70,14 @@ from torchrec.modules.mc_modules import MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from modular.mc.devices import all_gather, all_reduce, to_state
-from modular.errors import CheckpointError
 from modular.mc.eviction import MAX, Scoring, as_bits, decide, from_bits
 from modular.mc.ragged_gather import gather_rows
 from modular.mc.slot_shard import SlotShard
+from modular.mc.table_state import METADATA, TableState
 
 __all__ = ["ShardedMCHModule"]
 
-_METADATA = {"counts": "_mch_counts", "last_access_iter": "_mch_last_access_iter"}
-
-
-class ShardedMCHModule(nn.Module):
+class ShardedMCHModule(TableState, nn.Module):
     """A wrapper in place of one torchrec `MCHManagedCollisionModule`: this rank's share of its
     collision state, remapping and evicting as torchrec's module on the global batch."""
 
@@ -92,13 +89,14 @@ class ShardedMCHModule(nn.Module):
                      "_last_eviction_iter", "_evicted", "_evicted_emb_indices"):  # fmt: skip
             setattr(self, name, getattr(source, name))
         self._scoring = scoring
+        self._table = source._name  # split_collisions names it by its table
         meta = source._mch_sorted_raw_ids.is_meta
         segments = torch.tensor([self._output_global_offset, self._output_global_offset + self._zch_size] + [-1] * 1023)
         self.register_buffer("_output_segments_tensor", segments if meta else source._output_segments_tensor.clone())
         self.register_buffer("_current_iter_tensor", torch.zeros(1, dtype=torch.int64) if meta else source._current_iter_tensor.clone())
         usable = self._zch_size - 1
         self._shard = SlotShard(usable * self._rank // self._world, usable * (self._rank + 1) // self._world, scoring)
-        self._sentinel = {name: torch.zeros((), dtype=torch.int64) for name in _METADATA}
+        self._sentinel = {name: torch.zeros((), dtype=torch.int64) for name in METADATA}
         self._history_size, self._history_offset = -1, 0
         self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, their iterations)
         self._history_counts = torch.zeros(self._world, dtype=torch.int64)  # ids each rank kept
@@ -328,71 +326,3 @@ class ShardedMCHModule(nn.Module):
     _mch_remapped_ids_mapping = property(lambda self: self._shard.slots + self._output_global_offset)
     _mch_counts = property(lambda self: self._shard.counts)
     _mch_last_access_iter = property(lambda self: self._shard.access)
-
-    # -- the whole table, in torchrec's layout --------------------------------------------------
-
-    def _load_whole(self, raw: torch.Tensor, mapping: torch.Tensor, metadata: dict[str, torch.Tensor], *, where: str) -> None:
-        raw, mapping, metadata = to_state(raw), to_state(mapping), {k: to_state(v) for k, v in metadata.items()}
-        slots = mapping.to(torch.int64) - self._output_global_offset
-        last = self._zch_size - 1
-        sentinel = (slots == last).nonzero().view(-1)
-        if sentinel.numel() != 1 or int(raw[sentinel[0]]) != MAX or raw.numel() != self._zch_size:
-            raise CheckpointError(
-                f"managed-collision table {self._name!r} in {where}: slot {last} (the miss slot) "
-                f"must hold no raw id once, as torchrec's MCH module keeps it; the state holds "
-                f"{raw.numel()} entries for zch_size {self._zch_size}. Load a state that torchrec's "
-                "unsharded MCHManagedCollisionModule wrote"
-            )
-        s = int(sentinel[0])
-        for name in self._sentinel:
-            if name in metadata:
-                self._sentinel[name] = metadata[name][s].clone()
-        rest = torch.ones_like(slots, dtype=torch.bool)
-        rest[s] = False
-        self._shard.load(raw[rest], slots[rest], {k: v[rest] for k, v in metadata.items()})
-
-    def _take_history(self, source: MCHManagedCollisionModule) -> None:
-        """A module sharded mid-interval keeps what it recorded (on rank 0, counted once)."""
-        self._history_size = source._input_history_buffer_size
-        self._history_offset = source._current_history_buffer_offset
-        self._history_counts[0] = self._history_offset  # rank 0 holds it
-        if self._history_offset and self._rank == 0:
-            ids = source._history_accumulator[: self._history_offset].to("cpu", copy=True)
-            iters = source._history_metadata.get("last_access_iter")
-            iters = iters[: self._history_offset].to("cpu", copy=True) if iters is not None else torch.full_like(ids, self._current_iter)
-            self._history.append((ids, iters))
-
-    def _metadata_names(self) -> list[str]:
-        return [m.metadata_name for m in self._eviction_policy.metadata_info if m.is_mch_metadata]
-
-    def _whole(self) -> dict[str, torch.Tensor]:
-        shard, names = self._shard, self._metadata_names()
-        columns = [shard.raw, shard.slots] + [getattr(shard, "counts" if n == "counts" else "access") for n in names]
-        rows = gather_rows(torch.stack(columns, 1), bound=self._most_slots, group=self._group, world=self._world,
-                           what="a managed-collision table's state")  # fmt: skip
-        by_slot = torch.argsort(rows[:, 1], stable=True)
-        rows = rows[by_slot[torch.argsort(rows[by_slot, 0], stable=True)]]
-        sentinel = torch.tensor([[MAX, self._zch_size - 1] + [int(self._sentinel[n]) for n in names]])
-        rows = torch.cat([rows, sentinel])
-        out = {"_mch_sorted_raw_ids": rows[:, 0].contiguous(),
-               "_mch_remapped_ids_mapping": rows[:, 1] + self._output_global_offset}  # fmt: skip
-        for i, name in enumerate(names):
-            out[_METADATA[name]] = rows[:, 2 + i].contiguous()
-        return out
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # collective
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for key, value in self._whole().items():
-            destination[prefix + key] = value
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs) -> None:  # fmt: skip
-        keys = ["_mch_sorted_raw_ids", "_mch_remapped_ids_mapping"] + [_METADATA[n] for n in self._metadata_names()]
-        absent = [prefix + k for k in keys if prefix + k not in state_dict]
-        missing_keys.extend(absent)
-        if not absent:
-            names = self._metadata_names()
-            self._load_whole(state_dict[prefix + keys[0]], state_dict[prefix + keys[1]],
-                             {n: state_dict[prefix + _METADATA[n]] for n in names}, where=f"the state_dict under {prefix!r}")  # fmt: skip
-        rest = {k: v for k, v in state_dict.items() if k[len(prefix):] not in keys or not k.startswith(prefix)}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)

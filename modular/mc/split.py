@@ -63,6 +63,7 @@ def split_collisions(mcc: nn.Module, group: Optional[ProcessGroup]) -> None:
         module = mcc._managed_collision_modules[table]
         scoring, _ = scoring_for(module._eviction_policy)
         sharded = ShardedMCHModule(module, scoring, group)
+        sharded._table = table  # how errors name it (torchrec's `_name` may be None)
         sharded.train(module.training)
         mcc._managed_collision_modules[table] = sharded
     with_forward(mcc, _checked_forward, "_modular_split")

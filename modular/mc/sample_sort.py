@@ -81,9 +81,9 @@ def sort_across(rows: torch.Tensor, *, group: Optional[ProcessGroup], world: int
 
 
 def to_owners(rows: torch.Tensor, owners: torch.Tensor, *, group: Optional[ProcessGroup], world: int, what: str) -> torch.Tensor:
-    """The rows each rank sent this one: row i goes to rank `owners[i]`."""
-    order = torch.argsort(owners, stable=True)
-    sends = torch.bincount(owners, minlength=world).tolist()
+    """The rows each rank sent this one: row i goes to rank `owners[i]` (none where it is `world`)."""
+    sends = torch.bincount(owners, minlength=world + 1)[:world].tolist()
+    order = torch.argsort(owners, stable=True)[: sum(sends)]
     return _exchange(rows[order], sends, group=group, world=world, what=what)
 
 

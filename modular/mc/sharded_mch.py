@@ -55,7 +55,8 @@ Collective bytes scale with the global batch, not the table; state per rank is i
 torchrec's, plus the interval's history of its own ids. Like torchrec's unsharded module, an
 evicted slot's embedding row and optimizer state stay as they were (`evict()` still reports
 the slots). The state_dict gathers the whole table in torchrec's layout and a load keeps this
-rank's share, so checkpoints hold torchrec's keys and values at any world size.
+rank's share; `modular.checkpoint` saves and loads it split, under the same keys and values
+(Note [a collision table in a checkpoint] in modular/mc/table_state.py), at any world size.
 """
 
 from __future__ import annotations

@@ -56,11 +56,12 @@ class SlotShard:
     and a small sorted part of entries added since it was last merged (Note [a shard's recent
     entries])."""
 
-    def __init__(self, lo: int, hi: int, scoring: Scoring) -> None:
+    def __init__(self, lo: int, hi: int, scoring: Scoring, *, empty: bool = True) -> None:
+        """`empty`: every slot empty, as torchrec starts a table; False: no entries until `load`."""
         self.lo, self.hi, self.scoring = lo, hi, scoring
-        n = hi - lo
+        n = hi - lo if empty else 0
         self._raw = torch.full((n,), MAX, dtype=torch.int64)
-        self._slots = torch.arange(lo, hi, dtype=torch.int64)  # -1: an entry evicted since the merge
+        self._slots = torch.arange(lo, lo + n, dtype=torch.int64)  # -1: an entry evicted since the merge
         self._counts: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.counts else None
         self._access: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.access else None
         self._recent = self._no_recent()

@@ -143,7 +143,7 @@ class TableState:
         )
 
     def _new_shard(self, rows: torch.Tensor) -> SlotShard:
-        shard = SlotShard(self._shard.lo, self._shard.hi, self._scoring)
+        shard = SlotShard(self._shard.lo, self._shard.hi, self._scoring, empty=False)
         names = self._metadata_names()
         shard.load(rows[:, 0], rows[:, 1], {n: rows[:, 2 + i] for i, n in enumerate(names)})
         return shard
@@ -170,17 +170,21 @@ class TableState:
         on every rank). Nothing of the module changes."""
         columns = [torch.cat(pieces[key]) if pieces[key] else torch.empty(0, dtype=torch.int64) for key in self.state_keys()]
         rows = torch.stack([to_state(c, torch.int64) for c in columns], 1)
+        del columns
         rows[:, 1] -= self._output_global_offset
         last = self._zch_size - 1
-        bad = (rows[:, 1] < 0) | (rows[:, 1] > last)
-        at = (rows[:, 1] == last).nonzero().view(-1)
-        kept = rows[~bad & (rows[:, 1] != last)]
+        slots = rows[:, 1]
+        bad = (slots < 0) | (slots > last)
+        at = (slots == last).nonzero().view(-1)
+        miss = rows[at[0]].clone() if at.numel() else torch.full((rows.shape[1],), -1)
+        owners = self._owners(slots.clamp(0, last - 1))
+        owners[bad | (slots == last)] = self._world  # sent nowhere
         what = f"a managed-collision table's state, read from {where}"
-        got = to_owners(kept, self._owners(kept[:, 1]), group=self._group, world=self._world, what=what)
+        got = to_owners(rows, owners, group=self._group, world=self._world, what=what)
+        del rows, slots, owners
         # per rank: its entries out of range, its miss-slot entries, the entries it now holds and
         # its miss-slot entry (if any)
-        facts = torch.cat([torch.tensor([int(bad.sum()), at.numel(), got.shape[0]]),
-                           rows[at[0]] if at.numel() else torch.full((rows.shape[1],), -1)])  # fmt: skip
+        facts = torch.cat([torch.tensor([int(bad.sum()), at.numel(), got.shape[0]]), miss])
         facts = all_gather(facts, group=self._group, world=self._world, what=what)
         sizes = [((last * (r + 1)) // self._world) - ((last * r) // self._world) for r in range(self._world)]
         one = facts[:, 1] == 1

@@ -5,7 +5,9 @@ A checkpoint is one flat DCP state dict whose keys never mention a sharding type
 
     model.<fqn>                 every entry of `get_model_state_dict(model)`: sharded tables as
                                 ShardedTensors, data-parallel tables and replicated dense params as
-                                plain tensors (saved once), FSDP2 params as DTensors
+                                plain tensors (saved once), FSDP2 params as DTensors, a split
+                                managed-collision table's columns as 1-D ShardedTensors (Note [a
+                                collision table in a checkpoint] in modular/mc/table_state.py)
     optim.state.<fqn>.<name>    one optimizer state of the parameter `<fqn>`; laid out like the
                                 weight when it has the weight's shape (Adagrad's `sum`, Adam's
                                 `exp_avg`), a plain tensor otherwise (`step`)

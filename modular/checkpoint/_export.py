@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from modular.comm import collective_device
 from modular.checkpoint._directory import MANIFEST, agree
 from modular.errors import CheckpointError
+from modular.mc.table_state import LAYOUT, SAVE, collision_of, split_state
 from modular.checkpoint._apply import load_all_or_nothing
 from modular.checkpoint._one_writer import state_prefix
 from modular.checkpoint._entries import describe, dtype_problem, global_shape
@@ -48,7 +49,9 @@ def export(model: nn.Module, *, rank: int = 0) -> Optional[dict[str, Any]]:
     me = dist.get_rank()
     out: Optional[dict[str, Any]] = {} if me == rank else None
     elsewhere = _other_replica_groups(model, rank)
-    for fqn, value in get_model_state_dict(model).items():
+    with split_state(SAVE):  # a collision table gathered on `rank` only (Note [a collision table in a checkpoint])
+        state = get_model_state_dict(model)
+    for fqn, value in state.items():
         if is_sharded(value) and fqn.startswith(elsewhere):
             continue  # the destination's replica group sends this table (Note [export in 2D])
         full = gather(value, rank)
@@ -118,18 +121,20 @@ def _gather_sharded(st: torch.Tensor, dst: int) -> Optional[torch.Tensor]:
     local = {p.offsets: p.tensor for p in local_pieces(st)}
     full = torch.empty(global_size(st), dtype=dtype_of(st)) if me == dst else None
     # The global shard list, the same on every rank; owners are global ranks, also over a
-    # subgroup (Note [table tensor types]: a DTensor's list is gathered, a collective).
-    for owner, (r0, c0), (rows, cols) in global_pieces(st):
+    # subgroup (Note [table tensor types]: a DTensor's list is gathered, a collective). Tables
+    # are 2-D, a split collision table's columns 1-D.
+    for owner, offsets, sizes in global_pieces(st):
+        where = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
         if me == owner == dst:
-            full[r0 : r0 + rows, c0 : c0 + cols].copy_(local[(r0, c0)])
+            full[where].copy_(local[offsets])
         elif me == owner:
-            dist.send(local[(r0, c0)].detach().contiguous().to(device), dst)
+            dist.send(local[offsets].detach().contiguous().to(device), dst)
         elif me == dst:
-            region = full[r0 : r0 + rows, c0 : c0 + cols]
+            region = full[where]
             if device.type == "cpu" and region.is_contiguous():
                 dist.recv(region, owner)
             else:
-                buf = torch.empty((rows, cols), dtype=full.dtype, device=device)
+                buf = torch.empty(sizes, dtype=full.dtype, device=device)
                 dist.recv(buf, owner)
                 region.copy_(buf)
     return full
@@ -153,14 +158,15 @@ def load_unsharded(
     raises `CheckpointError` (Note [all or nothing]).
     """
     fuse_marked(model)  # a one-process model's fused tables (Note [fusing at shard])
-    live = get_model_state_dict(model)
+    with split_state(LAYOUT):  # a collision table's shape only, not gathered
+        live = get_model_state_dict(model)
     source, error = _read_unsharded(state_dict_or_path, live, convert_dtypes)
     agree(error)
     what = _described(state_dict_or_path)
     values = {}
     for fqn, target in live.items():
         full = source[fqn]
-        if is_sharded(target):
+        if is_sharded(target) and collision_of(target) is None:  # a collision table loads whole
             slices = []
             for (r0, c0), (rows, cols), _ in local_pieces(target):
                 slices.append(full[r0 : r0 + rows, c0 : c0 + cols])

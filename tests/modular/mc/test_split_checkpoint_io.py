@@ -1,5 +1,5 @@
 """A split collision table goes through `modular.checkpoint` split: each rank writes and reads its
-range, no rank gathers the whole table (Note [a collision table in a checkpoint] in
+range, no rank gathers the whole table (`export` gathers it on its destination only) (Note [a collision table in a checkpoint] in
 modular/mc/table_state.py). What is written is torchrec's layout (plain DCP reads it into
 torchrec's unsharded module), a checkpoint of the whole table (as saved before the split) still
 loads, and a table that breaks torchrec's invariants is refused on every rank with nothing
@@ -73,6 +73,16 @@ def _save(paths: dict[str, str]) -> None:
         mp.setattr(TableState, "_split", lambda self, mode: self._whole() if mode == SAVE else None)
         modular.checkpoint.save(paths["whole"], model)
     assert_same_collision_state(model, ref, f"rank {dist.get_rank()}: after saving")
+    with pytest.MonkeyPatch.context() as mp:  # export gathers on its destination only
+        _no_gather(mp)
+        exported = modular.checkpoint.export(model)
+        other = _sharded("column_wise")
+        modular.checkpoint.load_unsharded(other, ref.state_dict())
+    assert_same_collision_state(other, ref, f"rank {dist.get_rank()}: load_unsharded")
+    if exported is not None:  # torchrec's unsharded module loads it, strict
+        unsharded = _model(SPECS)
+        unsharded.load_state_dict(exported, strict=True)
+        assert_same_collision_state(unsharded, ref, "exported")
     if dist.get_rank() == 0:
         torch.save(ref.mc._managed_collision_collection.state_dict(), paths["reference"])
 

@@ -68,12 +68,12 @@ def _fill(module, args) -> None:
     """Every usable slot of this rank's range holds a raw id (the same table on every rank)."""
     from modular.mc.slot_shard import SlotShard
 
-    lo, hi = module._shard.lo, module._shard.hi
+    old = module._shard
     generator = torch.Generator().manual_seed(1)
-    raw = torch.randint(0, 2**62, (args.zch_size - 1,), generator=generator)[lo:hi]
-    slots = torch.arange(lo, hi)
-    counts = torch.randint(1, 100, (hi - lo,), generator=generator)
-    shard = SlotShard(lo, hi, module._scoring)
+    slots = torch.arange(old.lo, old.hi, old.step)
+    raw = torch.randint(0, 2**62, (args.zch_size - 1,), generator=generator)[slots]
+    counts = torch.randint(1, 100, (slots.numel(),), generator=generator)
+    shard = SlotShard(old.lo, old.hi, module._scoring, step=old.step)
     shard.load(raw, slots, {"counts": counts, "last_access_iter": torch.full_like(counts, 5)})
     module._shard = shard
 
@@ -127,7 +127,7 @@ def _worker(rank: int, args, rendezvous: Rendezvous, queue) -> None:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
-    queue.put((rank, results, (module._shard.hi - module._shard.lo) * 32))
+    queue.put((rank, results, module._shard.size * 32))
     dist.destroy_process_group()
 
 

@@ -12,7 +12,8 @@ The contenders, every rank holding all of them and timing them in `--blocks` alt
     mc        the MC-EBC under modular: the split collision state (Note [sharded managed
               collisions]) remaps the ids, then the sharded EBC; it sees every raw batch once,
               in order, so that each step brings new ids and evicts (`--cycle`: it cycles
-              through batches it has seen, and evicts nothing)
+              through batches it has seen, and evicts nothing); by default into the empty slots
+              of a filling table (`--full`: a full table, each new id evicting a held one)
     plain     the same table as a plain sharded EBC, fed the ids the MC run remapped them to
     torchrec  TorchRec's DistributedModelParallel of the MC-EBC, if its CPU path runs (otherwise
               the line says why)
@@ -64,7 +65,24 @@ def _model(args):
     model = torch.nn.Module()
     model.mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables), mcc,
                                                       return_remapped_features=True)  # fmt: skip
+    if args.full:
+        _fill(mcc._managed_collision_modules["t_raw"], args.zch_size)
     return model
+
+
+def _fill(module, zch: int) -> None:
+    """Every usable slot holds a random 62-bit raw id (which the stream all but never sends) with a
+    count of 1-4, last seen at iteration 0: a table long past filling, where every new id evicts
+    a held one."""
+    generator = torch.Generator().manual_seed(3)
+    raw = torch.unique(torch.randint(0, 2**62, (zch + zch // 8,), generator=generator))
+    raw = raw[torch.randperm(raw.numel(), generator=generator)[: zch - 1]].sort().values
+    with torch.no_grad():
+        module._mch_sorted_raw_ids.copy_(torch.cat([raw, torch.tensor([torch.iinfo(torch.int64).max])]))
+        module._mch_remapped_ids_mapping.copy_(torch.cat([torch.randperm(zch - 1, generator=generator), torch.tensor([zch - 1])]))
+        for name, value in module._mch_metadata.items():
+            if name == "counts":
+                value[:-1].copy_(torch.randint(1, 5, (zch - 1,), generator=generator))
 
 
 def _batches(args, rank: int, n: int):
@@ -183,13 +201,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per block")
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--full", action="store_true",
+                   help="start from a full table (every slot holding an id the stream never sends), so "
+                        "that every new id evicts a held one: the steady state after the table filled")
     p.add_argument("--torchrec", action="store_true",
                    help="also time TorchRec's DMP of the MC-EBC (its CPU path may fail or hang)")
     args = p.parse_args()
     print(f"## MC-EBC of zch_size {args.zch_size:,} x {args.dim}, {args.features} features x "
           f"{args.pooling} ids, row-wise, fused row-wise Adagrad, {args.world_size} gloo ranks on CPU "
           f"({os.cpu_count()} cores), batch {args.batch_size} per rank, Zipf ids with churn "
-          f"{args.churn}/step ({f'cycling {args.batches} seen batches' if args.cycle else 'new ids every step'}), "
+          f"{args.churn}/step ({f'cycling {args.batches} seen batches' if args.cycle else 'new ids every step'}"
+          f"{', a full table' if args.full else ''}), "
           f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n")  # fmt: skip
     results = run_ranks(_worker, (args,), args.world_size)
     _, blocks, skipped = results[0]

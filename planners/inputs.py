@@ -112,7 +112,7 @@ class ManagedCollision:
 
         Table("t_user", 1_000_000, 64, managed_collision=ManagedCollision(1_000_000))
 
-    The planner prices its collision state (split by slot range over every rank) and the remap
+    The planner prices its collision state (split by slot over every rank) and the remap
     (planners/mc_cost.py); `tables_from_model` reads all three from the model.
     """
 

@@ -4,16 +4,16 @@ collectives and work per step (docs/planner.md, "Managed-collision tables").
 Note [pricing managed collisions]
 A table behind torchrec's MCH module (`Table.managed_collision`) is planned and placed like any
 table of `zch_size` rows; its raw ids are remapped to slots before the input dist, by a
-collision state that modular splits by slot range over every rank of the world, whatever the
+collision state that modular splits by slot over every rank of the world, whatever the
 table's placement (Note [sharded managed collisions] in modular/mc/sharded_mch.py). So what it
 adds is the same on every rank and does not depend on the plan: the search reserves the memory
 as it reserves the batch's, and `plan_stats` adds both parts to every rank (and the time to the
 lower bound). With S = zch_size - 1 usable slots, W ranks, n = B * P ids per rank per step of
 the table's features (P as in the cost model), I = eviction_interval and m = 1 (LRU, LFU) or 2
 (DistanceLFU) metadata columns:
-- collision state, kept: rank r's slots (S(r+1)//W - Sr//W of them) x (16 + 8m) bytes (raw id,
-  slot and metadata, int64 each), plus the interval's history of its own ids, I * n * 16 bytes
-  (id and iteration);
+- collision state, kept: rank r's slots (r, r + W, ...: ceil((S - r) / W) of them) x (16 + 8m)
+  bytes (raw id, slot and metadata, int64 each), plus the interval's history of its own ids,
+  I * n * 16 bytes (id and iteration);
 - remap buffers, per step: the global batch's unique ids, gathered with counts and last access
   at an interval (24 bytes) and their slots (8), W * n * 32 bytes (ids taken as unique: skewed
   ids need less);
@@ -89,15 +89,15 @@ def collision_price(tables: Sequence[Table], model: CostModel) -> CollisionPrice
     slots, history, batch, seconds, received, work = np.zeros(world), 0.0, 0.0, 0.0, 0.0, 0.0
     if not mc:
         return CollisionPrice(slots, 0.0, 0.0, 0.0, 0.0)
-    ranks = np.arange(world + 1)
+    ranks = np.arange(world)
     cal = topo.calibration
     for t, ids in zip(mc, TableArrays.of(mc).ids.tolist()):
         spec = t.managed_collision
         assert spec is not None
         usable, interval = spec.zch_size - 1, spec.eviction_interval
         n = model.batch_size * ids
-        bounds = usable * ranks // world
-        slots += np.diff(bounds) * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns)
+        dealt = (usable - ranks + world - 1) // world  # rank r: slots r, r + W, ...
+        slots += dealt * (SLOT_BYTES + ID_BYTES * spec.eviction_policy.metadata_columns)
         history += interval * n * HISTORY_BYTES
         batch += world * n * GATHERED_BYTES
         lowest = min(world * n, math.ceil(usable / world))

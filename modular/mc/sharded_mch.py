@@ -13,9 +13,9 @@ empty entry of slot `zch_size - 1`: the table holds `zch_size - 1` ids, and that
 miss slot.
 
 `ShardedMCHModule` replaces the torchrec module in its `ManagedCollisionCollection` (same
-FQN and state_dict keys) and keeps the `zch_size - 1` usable slots split by slot range: rank r
-holds slots [(zch-1)r/W, (zch-1)(r+1)/W) in a `SlotShard` (modular/mc/slot_shard.py), sorted as
-torchrec sorts its table. Nothing moves between ranks: a new id takes the evicted slot's place
+FQN and state_dict keys) and keeps the `zch_size - 1` usable slots split by slot: rank r holds
+slots r, r + W, r + 2W, ... (Note [slots dealt round]) in a `SlotShard` (modular/mc/slot_shard.py),
+sorted as torchrec sorts its table. Nothing moves between ranks: a new id takes the evicted slot's place
 on the rank that holds that slot. It equals torchrec's module fed the global batch (every
 rank's batch in rank order) because every step of torchrec's algorithm is rebuilt from data
 that is either this rank's or small and gathered:
@@ -57,6 +57,19 @@ evicted slot's embedding row and optimizer state stay as they were (`evict()` st
 the slots). The state_dict gathers the whole table in torchrec's layout and a load keeps this
 rank's share; `modular.checkpoint` saves and loads it split, under the same keys and values
 (Note [a collision table in a checkpoint] in modular/mc/table_state.py), at any world size.
+
+Note [slots dealt round]
+Rank r holds slots r, r + W, r + 2W, ... (of `zch_size - 1`; the miss slot is no rank's). While a
+table fills, torchrec hands the interval's new ids the highest empty slots (empty entries tie,
+and of tied entries it evicts the last in sorted order: the highest slots). Split by contiguous
+ranges, every eviction then landed on the last rank, which alone merged the new entries in
+(`SlotShard.assign`, a merge of its recent entries every few steps) while the other ranks waited
+for it at the next collective; dealt round, the highest n empty slots are n/W on each rank, and
+so is that work. A full table's evictions fall wherever the lowest scores are, either way.
+Nothing else depends on which slots a rank holds: `decide` orders the gathered candidates by
+(raw id, slot) itself, and the state_dict and checkpoints hold the whole table in torchrec's
+layout (Note [a collision table in a checkpoint]), so a checkpoint saved under contiguous ranges
+loads as any other.
 """
 
 from __future__ import annotations
@@ -96,7 +109,7 @@ class ShardedMCHModule(TableState, nn.Module):
         self.register_buffer("_output_segments_tensor", segments if meta else source._output_segments_tensor.clone())
         self.register_buffer("_current_iter_tensor", torch.zeros(1, dtype=torch.int64) if meta else source._current_iter_tensor.clone())
         usable = self._zch_size - 1
-        self._shard = SlotShard(usable * self._rank // self._world, usable * (self._rank + 1) // self._world, scoring)
+        self._shard = SlotShard(self._rank, usable, scoring, step=self._world)  # Note [slots dealt round]
         self._sentinel = {name: torch.zeros((), dtype=torch.int64) for name in METADATA}
         self._history_size, self._history_offset = -1, 0
         self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, their iterations)

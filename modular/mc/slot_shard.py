@@ -1,4 +1,5 @@
-"""One rank's share of one managed-collision table's collision state: the slots [lo, hi).
+"""One rank's share of one managed-collision table's collision state: the slots lo, lo + step, ...
+below hi (every world-th slot from the rank's own).
 
 Kept as torchrec's `MCHManagedCollisionModule` keeps the whole table, in sorted raw-id order
 (an empty slot holds raw id int64-max; empty slots follow in slot order), with the slot of each
@@ -52,16 +53,18 @@ RECENT_SHARE = 16
 
 
 class SlotShard:
-    """The entries of slots [lo, hi) of one table, sorted by (raw id, slot): a sorted main part
-    and a small sorted part of entries added since it was last merged (Note [a shard's recent
-    entries])."""
+    """The entries of slots lo, lo + step, ... below hi of one table, sorted by (raw id, slot): a
+    sorted main part and a small sorted part of entries added since it was last merged (Note [a
+    shard's recent entries])."""
 
-    def __init__(self, lo: int, hi: int, scoring: Scoring, *, empty: bool = True) -> None:
-        """`empty`: every slot empty, as torchrec starts a table; False: no entries until `load`."""
-        self.lo, self.hi, self.scoring = lo, hi, scoring
-        n = hi - lo if empty else 0
+    def __init__(self, lo: int, hi: int, scoring: Scoring, *, step: int = 1, empty: bool = True) -> None:
+        """The slots lo, lo + step, ... below hi. `empty`: every slot empty, as torchrec starts a
+        table; False: no entries until `load`."""
+        self.lo, self.hi, self.step, self.scoring = lo, hi, step, scoring
+        self.size = len(range(lo, hi, step))
+        n = self.size if empty else 0
         self._raw = torch.full((n,), MAX, dtype=torch.int64)
-        self._slots = torch.arange(lo, lo + n, dtype=torch.int64)  # -1: an entry evicted since the merge
+        self._slots = torch.arange(lo, lo + n * step, step, dtype=torch.int64)  # -1: an entry evicted since the merge
         self._counts: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.counts else None
         self._access: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.int64) if scoring.access else None
         self._recent = self._no_recent()
@@ -75,10 +78,10 @@ class SlotShard:
     access = property(lambda self: self._merged()._access)
 
     def load(self, raw: torch.Tensor, slots: torch.Tensor, metadata: dict[str, torch.Tensor]) -> None:
-        """Keeps the entries of [lo, hi) from the whole table's (any order)."""
-        mine = (slots >= self.lo) & (slots < self.hi)
-        if int(mine.sum()) != self.hi - self.lo:
-            raise ValueError(f"slots [{self.lo}, {self.hi}) hold {int(mine.sum())} entries, not {self.hi - self.lo}")
+        """Keeps the entries of this shard's slots from the whole table's (any order)."""
+        mine = self.holds(slots)
+        if int(mine.sum()) != self.size:
+            raise ValueError(f"slots {range(self.lo, self.hi, self.step)} hold {int(mine.sum())} entries, not {self.size}")
         self._raw, self._slots = raw[mine].clone(), slots[mine].clone()
         if self._counts is not None:
             self._counts = metadata["counts"][mine].clone()
@@ -96,6 +99,11 @@ class SlotShard:
             self._empty_access = int(self._access[empty].min())
             self._empties_first &= bool((self._access[empty] == self._empty_access).all()) and \
                 int(self._access.min()) >= self._empty_access
+
+    def holds(self, slots: torch.Tensor) -> torch.Tensor:
+        """Which of `slots` are this shard's."""
+        mine = (slots >= self.lo) & (slots < self.hi)
+        return mine if self.step == 1 else mine & ((slots - self.lo) % self.step == 0)
 
     # -- positions: [0, main) the main part's, [main, main + recent) the recent entries' -----------
 
@@ -219,10 +227,10 @@ class SlotShard:
 
     def assign(self, slots: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, access: torch.Tensor,
                candidates: torch.Tensor) -> None:  # fmt: skip
-        """New ids take the evicted `slots` (those of [lo, hi), among this rank's `candidates`
+        """New ids take the evicted `slots` (those of this shard, among its `candidates`
         positions) with their interval metadata: the entries they replace leave, the new ones
         join the recent entries, merged into the main part once they are many."""
-        mine = (slots >= self.lo) & (slots < self.hi)
+        mine = self.holds(slots)
         if not bool(mine.any()):
             return
         slots, n = slots[mine], self._raw.numel()

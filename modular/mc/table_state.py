@@ -129,10 +129,8 @@ class TableState:
     # -- loading ---------------------------------------------------------------------------------
 
     def _owners(self, slots: torch.Tensor) -> torch.Tensor:
-        """The rank whose slot range holds each slot (`0 <= slot < zch_size - 1`)."""
-        usable = self._zch_size - 1
-        starts = torch.tensor([usable * r // self._world for r in range(1, self._world)], dtype=torch.int64)
-        return torch.searchsorted(starts, slots.contiguous(), right=True)
+        """The rank that holds each slot (`0 <= slot < zch_size - 1`): Note [slots dealt round]."""
+        return slots % self._world
 
     def _problem(self, where: str, found: str) -> str:
         last = self._zch_size - 1
@@ -143,7 +141,7 @@ class TableState:
         )
 
     def _new_shard(self, rows: torch.Tensor) -> SlotShard:
-        shard = SlotShard(self._shard.lo, self._shard.hi, self._scoring, empty=False)
+        shard = SlotShard(self._shard.lo, self._shard.hi, self._scoring, step=self._shard.step, empty=False)
         names = self._metadata_names()
         shard.load(rows[:, 0], rows[:, 1], {n: rows[:, 2 + i] for i, n in enumerate(names)})
         return shard
@@ -186,14 +184,14 @@ class TableState:
         # its miss-slot entry (if any)
         facts = torch.cat([torch.tensor([int(bad.sum()), at.numel(), got.shape[0]]), miss])
         facts = all_gather(facts, group=self._group, world=self._world, what=what)
-        sizes = [((last * (r + 1)) // self._world) - ((last * r) // self._world) for r in range(self._world)]
+        sizes = [len(range(r, last, self._world)) for r in range(self._world)]
         one = facts[:, 1] == 1
         outside, misses = int(facts[:, 0].sum()), int(facts[:, 1].sum())
         if outside or misses != 1 or int(facts[one, 3][0]) != MAX or facts[:, 2].tolist() != sizes:
             found = (f"{outside} entries name a slot outside [0, {last}], {misses} the miss slot"
                      + ("" if misses != 1 else " (with raw id " + str(int(facts[one, 3][0])) + ")")
-                     + f", and the ranks' slot ranges hold {facts[:, 2].tolist()} entries where they "
-                     f"have {sizes} slots")  # fmt: skip
+                     + f", and the ranks' slots have {facts[:, 2].tolist()} entries where they "
+                     f"hold {sizes} slots")  # fmt: skip
             return None, self._problem(where, found)
         sentinel = self._sentinel_of(facts[one, 3:][0])
         return (self._new_shard(got), sentinel), None

@@ -70,8 +70,8 @@ def test_tables_from_model_reads_each_collision_module(model):
     assert tables["ebc"][0].managed_collision is None
 
 
-def test_collision_state_on_every_rank_as_split_by_slot_range(model):
-    """Each rank holds its slot range's entries (16 B + 8 B per metadata column) and its own
+def test_collision_state_on_every_rank_as_split_by_slot(model):
+    """Each rank holds its slots' entries (every world-th slot: Note [slots dealt round]) (16 B + 8 B per metadata column) and its own
     ids' history over the interval (16 B per id); plain tables hold none."""
     world = 3
     tables = planners.tables_from_model(model, pooling_factors={"user": 2.0})
@@ -79,8 +79,8 @@ def test_collision_state_on_every_rank_as_split_by_slot_range(model):
     stats = planners.plan_stats(plan, tables, Topology(world), batch_size=BATCH)
     plain = planners.plan_stats(plan, _plain(tables), Topology(world), batch_size=BATCH)
     for r in range(world):
-        user_slots = 1_000 * (r + 1) // world - 1_000 * r // world  # 333, 333, 334
-        item_slots = 300 * (r + 1) // world - 300 * r // world  # 100 each
+        user_slots = len(range(r, 1_000, world))  # 334, 333, 333
+        item_slots = len(range(r, 300, world))  # 100 each
         want = (user_slots * (16 + 8) + 3 * BATCH * 2.0 * 16  # LRU: last access; interval 3
                 + item_slots * (16 + 16) + 1 * BATCH * 2 * 16)  # DistanceLFU: both; 2 features
         assert stats.ranks[r].collision_state == pytest.approx(want)
@@ -93,7 +93,7 @@ def test_collision_state_on_every_rank_as_split_by_slot_range(model):
         assert stats.ranks[r].remap > 0
         assert stats.ranks[r].cost == pytest.approx(plain.ranks[r].cost + stats.ranks[r].remap)
     assert stats.lower_bound == pytest.approx(plain.lower_bound + stats.ranks[0].remap)
-    assert stats.ranks[0].collision_state != stats.ranks[2].collision_state  # 333 vs 334 slots
+    assert stats.ranks[0].collision_state != stats.ranks[2].collision_state  # 334 vs 333 slots
     text = stats.format()
     assert "mc-remap" in text and "mc-state" in text
     assert "managed collisions: 2 tables (zch_size 1_001, 301)" in text

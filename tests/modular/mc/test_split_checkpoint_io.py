@@ -139,9 +139,9 @@ def _refused(path: str) -> None:
     modular.shard(other, ShardingPlan(world_size=dist.get_world_size(), modules={
         "mc._embedding_module": placements_for("row_wise", other.mc._embedding_module, 2)}))  # fmt: skip
     modular.checkpoint.load(path + "-good", other)
-    if rank == 0:  # an entry of rank 0's moved into rank 1's slot range: two ranks now mismatch
+    if rank == 0:  # an entry of rank 0's moved into one of rank 1's slots: two ranks now mismatch
         slots = shard.slots
-        slots[0] = shard.hi
+        slots[0] += 1
     modular.checkpoint.save(path + "-bad", model)
     before = {k: v.clone() for k, v in other.mc._managed_collision_collection.state_dict().items()}
     weights = [full_value(other.mc._embedding_module.embedding_bags[t].weight).clone() for t in SPECS]

@@ -57,10 +57,10 @@ def _held() -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[
 def test_the_priced_collision_state_is_what_each_rank_allocates() -> None:
     got = run_on_ranks(2, _held, timeout=120)
     for rank, (priced_slots, slots, priced_history, history) in enumerate(got):
-        # slot entries: (101 usable slots split 50 / 51) x (raw id, slot, metadata columns)
+        # slot entries: (101 usable slots dealt 51 / 50) x (raw id, slot, metadata columns)
         assert slots == priced_slots, f"rank {rank}: allocated {slots}, priced {priced_slots}"
-        share = 101 * (rank + 1) // 2 - 101 * rank // 2
-        assert slots["t_a"] == share * 8 * 4 and slots["t_b"] == (40 * (rank + 1) // 2 - 40 * rank // 2) * 8 * 3
+        share = len(range(rank, 101, 2))  # Note [slots dealt round]
+        assert slots["t_a"] == share * 8 * 4 and slots["t_b"] == len(range(rank, 40, 2)) * 8 * 3
         # history: t_a keeps its calls until the third (its interval), priced at the full
         # interval, 3 calls of 2 features x BATCH ids; t_b evicts every call and keeps none
         assert priced_history["t_a"] == 3 * 2 * BATCH * HISTORY_BYTES

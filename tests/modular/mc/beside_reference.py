@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests.modular.ebc_cases import global_batch
+import modular
+from planners.types import ShardingPlan
+from tests.modular.ebc_cases import global_batch, placements_for
 
 
 def train_beside_reference(
@@ -43,3 +46,12 @@ def assert_same_collision_state(model: nn.Module, ref: nn.Module, label: str) ->
     assert mine.keys() == theirs.keys(), label
     differ = [k for k in theirs if not torch.equal(mine[k], theirs[k])]
     assert not differ, f"{label}: collision state differs in {differ}"
+
+
+def shard_mc(model: nn.Module, kind: str) -> nn.Module:
+    """`model` with its MC-EBC's inner collection sharded `kind` (ebc_cases' placements) over
+    the world."""
+    world = dist.get_world_size()
+    modular.shard(model, ShardingPlan(world_size=world, modules={
+        "mc._embedding_module": placements_for(kind, model.mc._embedding_module, world)}))  # fmt: skip
+    return model

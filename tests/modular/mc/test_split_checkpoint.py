@@ -11,11 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 import modular
-from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.compare import full_value
-from tests.modular.ebc_cases import placements_for
-from tests.modular.mc.beside_reference import assert_same_collision_state, train_beside_reference
+from tests.modular.mc.beside_reference import assert_same_collision_state, shard_mc, train_beside_reference
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 3, 30), "t_b": ("lru", 1, 20)}
@@ -43,11 +41,7 @@ def _train(model, ref: nn.Module, world: int, rank: int, steps: range) -> None:
 
 
 def _sharded(kind: str) -> nn.Module:
-    world = dist.get_world_size()
-    model = _model(SPECS)
-    modular.shard(model, ShardingPlan(world_size=world, modules={
-        "mc._embedding_module": placements_for(kind, model.mc._embedding_module, world)}))  # fmt: skip
-    return model
+    return shard_mc(_model(SPECS), kind)
 
 
 def _same(model: nn.Module, ref: nn.Module, label: str) -> None:

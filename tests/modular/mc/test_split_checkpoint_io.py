@@ -18,11 +18,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import modular
 from modular.mc.table_state import SAVE, TableState
-from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.compare import full_value
-from tests.modular.ebc_cases import placements_for
-from tests.modular.mc.beside_reference import assert_same_collision_state, train_beside_reference
+from tests.modular.mc.beside_reference import assert_same_collision_state, shard_mc, train_beside_reference
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 2, 300), "t_b": ("lfu", 1, 120)}
@@ -31,11 +29,7 @@ MODULES = "mc._managed_collision_collection._managed_collision_modules"
 
 
 def _sharded(kind: str) -> nn.Module:
-    world = dist.get_world_size()
-    model = _model(SPECS)
-    modular.shard(model, ShardingPlan(world_size=world, modules={
-        "mc._embedding_module": placements_for(kind, model.mc._embedding_module, world)}))  # fmt: skip
-    return model
+    return shard_mc(_model(SPECS), kind)
 
 
 def _train(model, ref: nn.Module, steps: range) -> None:
@@ -135,9 +129,7 @@ def _refused(path: str) -> None:
     modular.checkpoint.save(path + "-good", model)
     module = model.get_submodule(f"{MODULES}.t_a")
     shard = module._shard
-    other = _model(SPECS)  # a load that fails leaves the model as it was
-    modular.shard(other, ShardingPlan(world_size=dist.get_world_size(), modules={
-        "mc._embedding_module": placements_for("row_wise", other.mc._embedding_module, 2)}))  # fmt: skip
+    other = _sharded("row_wise")  # a load that fails leaves the model as it was
     modular.checkpoint.load(path + "-good", other)
     if rank == 0:  # an entry of rank 0's moved into one of rank 1's slots: two ranks now mismatch
         slots = shard.slots

@@ -16,7 +16,8 @@ The contenders, every rank holding all of them and timing them in `--blocks` alt
               of a filling table (`--full`: a full table, each new id evicting a held one)
     plain     the same table as a plain sharded EBC, fed the ids the MC run remapped them to
     torchrec  TorchRec's DistributedModelParallel of the MC-EBC, if its CPU path runs (otherwise
-              the line says why)
+              the line says why: torchrec 1.8 refuses a table of one bucket over 2 ranks, and
+              has no CPU kernel for one of more)
 Reported: each contender's median step (max over ranks, median of block medians) and mc / plain
 per block. Target: <= 1.3.
 """
@@ -129,7 +130,10 @@ def _torchrec(args, model):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
-    m = DistributedModelParallel(copy.deepcopy(model), env=ShardingEnv.from_process_group(dist.group.WORLD),
+    # its own group, whose collectives time out: a rank that raises while planning leaves the
+    # others in one of DMP's collectives, which must end (with an error) for the ranks to agree
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.torchrec_timeout))
+    m = DistributedModelParallel(copy.deepcopy(model), env=ShardingEnv.from_process_group(group),
                                  device=torch.device("cpu"))  # fmt: skip
     return lambda kjt: m.mc(kjt)[0].values().square().mean().backward()
 
@@ -205,7 +209,10 @@ def main() -> None:
                    help="start from a full table (every slot holding an id the stream never sends), so "
                         "that every new id evicts a held one: the steady state after the table filled")
     p.add_argument("--torchrec", action="store_true",
-                   help="also time TorchRec's DMP of the MC-EBC (its CPU path may fail or hang)")
+                   help="also time TorchRec's DMP of the MC-EBC (its CPU path may fail: the line says why)")
+    p.add_argument("--torchrec-timeout", type=float, default=60.0,
+                   help="seconds a TorchRec collective may wait before it fails (a rank that fails to "
+                        "build TorchRec's model leaves the others waiting in one)")
     args = p.parse_args()
     print(f"## MC-EBC of zch_size {args.zch_size:,} x {args.dim}, {args.features} features x "
           f"{args.pooling} ids, row-wise, fused row-wise Adagrad, {args.world_size} gloo ranks on CPU "

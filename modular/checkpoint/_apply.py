@@ -9,7 +9,8 @@ last:
 
 1. This rank clones what the fallible steps may change: the model's entries other than the
    sharded tables (replicated params, buffers, data-parallel tables, its chunk of each FSDP2
-   param; "dense" below) and the state of each optimizer part the call loads.
+   param; "dense" below) and the state of each optimizer part the call loads. A split
+   managed-collision table needs no copy: a load gives it a new shard, so it keeps the old one.
 2. The fallible steps: the dense entries go through the model's own `load_state_dict`, which may
    be a user's override (it may raise, or leave keys unloaded); then each optimizer part's
    `load_state_dict` (the fused one refuses state that does not fit its tables).
@@ -20,7 +21,8 @@ last:
    `CheckpointError`, naming the rank, the step and its error.
 4. Only then are the sharded tables' local shards copied in place: copies of checked shapes into
    tensors of checked dtypes, which cannot fail, so the tables (by far the largest state) need no
-   snapshot.
+   snapshot; and split managed-collision tables that a checkpoint load read and checked apart
+   take their new shards (Note [a collision table in a checkpoint] in modular/mc/table_state.py).
 
 The dense entries are loaded with `model.load_state_dict(dense, strict=False)`, the call that every
 override keeps from `nn.Module`, so module hooks (FSDP2's, `set_extra_state`) and a model's own

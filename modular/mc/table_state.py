@@ -157,10 +157,10 @@ class TableState:
         if sentinel.numel() != 1 or int(rows[sentinel[0], 0]) != MAX or rows.shape[0] != self._zch_size:
             raise CheckpointError(self._problem(where, f"the state holds {rows.shape[0]} entries, "
                                                        f"{sentinel.numel()} of them in the miss slot"))
-        self._sentinel.update(self._sentinel_of(rows[int(sentinel[0])]))
         rest = torch.ones(rows.shape[0], dtype=torch.bool)
         rest[sentinel] = False
         self._shard = self._new_shard(rows[rest])  # a new shard: Note [all or nothing] keeps the old
+        self._sentinel.update(self._sentinel_of(rows[int(sentinel[0])]))  # once nothing can fail
 
     def read_split(self, pieces: dict[str, list[torch.Tensor]], *, where: str) -> tuple[Optional[tuple], Optional[str]]:
         """Collective: this rank's shard of the table whose columns' local pieces (an even range

@@ -1,7 +1,7 @@
-"""Issue 46: managed-collision tables in a model as a user writes it: two torchrec MC-EBCs (three
-raw-id tables, three policies, intervals 1-3) under a dense tower, planned by `planners.plan`,
-the tower under DDP (`modular.apply_ddp`) or FSDP2 (`modular.apply_fully_shard`), then the
-tables moved by `modular.reshard` mid-run. Against torchrec's unsharded model fed the global
+"""Issue 46: managed-collision tables in a model as a user writes it (on `meta` or materialised):
+two torchrec MC-EBCs (three raw-id tables, three policies, intervals 1-3) under a dense tower,
+planned by `planners.plan`, the tower under DDP (`modular.apply_ddp`) or FSDP2
+(`modular.apply_fully_shard`), then the tables moved by `modular.reshard` mid-run. Against torchrec's unsharded model fed the global
 batch: the remapped ids, the collision state, the loss, the gradients and every trained weight,
 step by step (Note [sharded managed collisions] in modular/mc/sharded_mch.py)."""
 
@@ -41,14 +41,15 @@ class Dense(nn.Module):
         return self.net(x)
 
 
-def _mc(specs: dict) -> ManagedCollisionEmbeddingBagCollection:
+def _mc(specs: dict, device: str = "cpu") -> ManagedCollisionEmbeddingBagCollection:
     tables = [EmbeddingBagConfig(name=t, num_embeddings=z, embedding_dim=DIM, feature_names=f)
               for t, (f, _, _, z) in specs.items()]  # fmt: skip
     mcc = ManagedCollisionCollection(managed_collision_modules={
-        t: MCHManagedCollisionModule(zch_size=z, device=torch.device("cpu"), eviction_policy=POLICIES[p](),
+        t: MCHManagedCollisionModule(zch_size=z, device=torch.device(device), eviction_policy=POLICIES[p](),
                                      eviction_interval=i, input_hash_size=HASH)
         for t, (_, p, i, z) in specs.items()}, embedding_configs=tables)  # fmt: skip
-    return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables), mcc, return_remapped_features=True)
+    return ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=tables, device=torch.device(device)), mcc,
+                                                  return_remapped_features=True)  # fmt: skip
 
 
 class Model(nn.Module):
@@ -156,3 +157,44 @@ def test_two_mc_ebcs_under_a_ddp_or_fsdp_tower_plan_train_and_reshard_as_the_uns
     assert other[0] == losses
     assert losses[-1] != losses[0], "the reference did not train"
     assert evicting >= STEPS // 2, f"only {evicting} of {STEPS} steps evicted"
+
+
+def _on_meta() -> None:
+    """An MC-EBC built on `meta` (tables and collision modules): planned, sharded, then trained
+    beside torchrec's materialised module given the shards' initial weights."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with torch.device("meta"):
+        model = nn.Module()
+        model.mc = _mc(SPECS["mc"], device="meta")
+    modular.shard(model, planners.plan(model, planners.Topology(world, device_memory="1GiB"), batch_size=4))
+    ref = nn.Module()
+    ref.mc = _mc(SPECS["mc"])
+    exported = [modular.checkpoint.export(model, rank=0)]
+    dist.broadcast_object_list(exported, src=0)
+    ref.load_state_dict(exported[0], strict=True)  # the collision state too: torchrec's empty one
+    params = list(modular.local_parameters(model))
+    opt = torch.optim.SGD(params, lr=LR) if params else None  # a rank may hold no table
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(STEPS // 2):
+        batches = [_batches(step, r)[0] for r in range(world)]
+        size = [b.stride() for b in batches]
+        before = sum(size[:rank])
+        pooled, remapped = model.mc(batches[rank])
+        ref_pooled, ref_remapped = ref.mc(global_batch(batches))
+        label = f"meta rank {rank} step {step}"
+        torch.testing.assert_close(pooled.values(), ref_pooled.values()[before : before + size[rank]],
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"{label}: outputs: {m}")  # fmt: skip
+        probe = torch.randn(sum(size), pooled.values().shape[1], generator=torch.Generator().manual_seed(step))
+        (pooled.values() * probe[before : before + size[rank]]).sum().backward()
+        ((ref_pooled.values() * probe).sum() / world).backward()
+        for o in (opt, ref_opt) if opt is not None else (ref_opt,):
+            o.step()
+            o.zero_grad()
+        differ = [k for k, v in ref.mc._managed_collision_collection.state_dict().items()
+                  if not torch.equal(model.mc._managed_collision_collection.state_dict()[k], v)]  # fmt: skip
+        assert not differ, f"{label}: collision state differs in {differ}"
+    assert_weights_match(model, ref, f"meta rank {rank}: trained")
+
+
+def test_an_mc_model_built_on_meta_plans_shards_and_trains_as_torchrecs_module() -> None:
+    run_on_ranks(2, _on_meta, timeout=180)

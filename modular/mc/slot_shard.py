@@ -290,7 +290,8 @@ class SlotShard:
     def _column(self, name: str, pos: torch.Tensor) -> torch.Tensor:
         main, n = getattr(self, "_" + name), self._raw.numel()
         if not self._recent["raw"].numel():
-            return main[pos]
+            # a shard of no slots (a table of fewer slots than ranks) has no position to read
+            return main[pos] if n else torch.full_like(pos, -1)
         return torch.where(pos < n, main[pos.clamp(max=n - 1)], self._recent[name][(pos - n).clamp(min=0)])
 
     def _live(self) -> torch.Tensor:

@@ -176,3 +176,30 @@ def _put_back(path: str) -> None:
 
 def test_a_load_that_fails_later_puts_the_collision_table_back(tmp_path) -> None:
     run_on_ranks(2, _put_back, str(Path(tmp_path) / "ckpt"), timeout=180)
+
+
+TINY = {"t_a": ("distance_lfu", 1, 3), "t_b": ("lru", 2, 2)}  # 2 and 1 usable slots: some ranks hold none
+
+
+def _tiny(path: str) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, ref = shard_mc(_model(TINY), "table_wise"), _model(TINY)
+    if world == 3:  # train, beside torchrec, with ranks that hold no slot, and save
+        params = list(modular.local_parameters(model))
+        opt = torch.optim.SGD(params, lr=LR) if params else None
+        train_beside_reference(model, ref, opt, torch.optim.SGD(ref.parameters(), lr=LR), batch_of=_batch,
+                               width=12, world=world, rank=rank, steps=range(6))  # fmt: skip
+        assert_same_collision_state(model, ref, f"rank {rank}: trained at world 3")
+        modular.checkpoint.save(path, model)
+        if rank == 0:
+            torch.save(ref.state_dict(), path + ".reference")
+        return
+    modular.checkpoint.load(path, model)
+    ref.load_state_dict(torch.load(path + ".reference"))
+    assert_same_collision_state(model, ref, f"rank {rank}: loaded at world {world}")
+
+
+def test_tables_of_fewer_slots_than_ranks_train_and_move_through_a_checkpoint(tmp_path) -> None:
+    path = str(Path(tmp_path) / "ckpt")
+    run_on_ranks(3, _tiny, path, timeout=180)
+    run_on_ranks(2, _tiny, path, timeout=180)

@@ -238,6 +238,7 @@ def stats_for(
     at_shard = parts_mem[:, part["weights"]] + parts_mem[:, part["cache"]]
     if model.optimizer.fused_name is not None:
         at_shard = at_shard + parts_mem[:, part["optimizer_state"]]
+    state = collision.state  # a property that adds per-rank arrays: once, not once a rank
     ranks = tuple(
         RankStats(
             rank=r, memory=float(mem[r]), capacity=float(topology.capacity),
@@ -246,11 +247,11 @@ def stats_for(
             tables=tuple(sorted(held[r], key=lambda x: (-x[1], x[0]))),
             stat_exchange=float(comp[r, 4]), replica_sync=float(comp[r, 5]),
             **{a: float(parts_mem[r, p]) for p, (a, _, _) in enumerate(MEMORY_PARTS)},
-            fixed=fixed[r], collision_state=float(collision.state[r]), remap=collision.remap,
+            fixed=fixed[r], collision_state=float(state[r]), remap=collision.remap,
             tier=float(comp[r, 6]), tier_bytes=float(tier[r, 0]), tier_io=float(tier[r, 1]),
             tier_capacity=float(topology.tier_memory), meta_init=meta_init[r],
             step_transient=step_transient[r], runtime=float(STEP_RUNTIME_BYTES),
-            shard_peak=float(at_shard[r] + collision.state[r] + meta_init[r] + SHARD_RUNTIME_BYTES),
+            shard_peak=float(at_shard[r] + state[r] + meta_init[r] + SHARD_RUNTIME_BYTES),
         )
         for r in range(topology.world_size)
     )  # fmt: skip

@@ -49,7 +49,8 @@ def _cut(rows: torch.Tensor, raw: int, slot: int) -> int:
     return lo + int(torch.searchsorted(rows[lo:hi, 1].contiguous(), torch.tensor([slot], dtype=torch.int64)))
 
 
-def _exchange(rows: torch.Tensor, sends: list[int], *, group: Optional[ProcessGroup], world: int, what: str) -> torch.Tensor:
+def _exchange(rows: torch.Tensor, sends: list[int], *, group: Optional[ProcessGroup], world: int,
+              what: str) -> torch.Tensor:  # fmt: skip
     """Each rank's rows sent to the ranks by `sends` (rows per destination, in rank order); the
     rows received, in source rank order."""
     width = rows.shape[1]
@@ -82,7 +83,8 @@ def sort_across(rows: torch.Tensor, *, group: Optional[ProcessGroup], world: int
     return by_key(_exchange(rows, sends, group=group, world=world, what=what))
 
 
-def to_owners(rows: torch.Tensor, owners: torch.Tensor, *, group: Optional[ProcessGroup], world: int, what: str) -> torch.Tensor:
+def to_owners(rows: torch.Tensor, owners: torch.Tensor, *, group: Optional[ProcessGroup], world: int,
+              what: str) -> torch.Tensor:  # fmt: skip
     """The rows each rank sent this one: row i goes to rank `owners[i]` (none where it is `world`)."""
     sends = torch.bincount(owners, minlength=world + 1)[:world].tolist()
     order = torch.argsort(owners, stable=True)[: sum(sends)]

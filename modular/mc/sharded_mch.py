@@ -14,9 +14,9 @@ miss slot.
 
 `ShardedMCHModule` replaces the torchrec module in its `ManagedCollisionCollection` (same
 FQN and state_dict keys) and keeps the `zch_size - 1` usable slots split by slot: rank r holds
-slots r, r + W, r + 2W, ... (Note [slots dealt round]) in a `SlotShard` (modular/mc/slot_shard.py),
-sorted as torchrec sorts its table. Nothing moves between ranks: a new id takes the evicted slot's place
-on the rank that holds that slot. It equals torchrec's module fed the global batch (every
+slots r, r + W, r + 2W, ... (Note [slots dealt round]) in a `SlotShard`
+(modular/mc/slot_shard.py), sorted as torchrec sorts its table. Nothing moves between ranks: a new
+id takes the evicted slot's place on the rank that holds that slot. It equals torchrec's module fed the global batch (every
 rank's batch in rank order) because every step of torchrec's algorithm is rebuilt from data
 that is either this rank's or small and gathered:
 - history: each rank keeps its own ids, cut where torchrec's history buffer (sized from the
@@ -90,6 +90,7 @@ from modular.mc.slot_shard import SlotShard
 from modular.mc.table_state import METADATA, TableState
 
 __all__ = ["ShardedMCHModule"]
+
 
 class ShardedMCHModule(TableState, nn.Module):
     """A wrapper in place of one torchrec `MCHManagedCollisionModule`: this rank's share of its

@@ -71,8 +71,9 @@ def test_tables_from_model_reads_each_collision_module(model):
 
 
 def test_collision_state_on_every_rank_as_split_by_slot(model):
-    """Each rank holds its slots' entries (every world-th slot: Note [slots dealt round]) (16 B + 8 B per metadata column) and its own
-    ids' history over the interval (16 B per id); plain tables hold none."""
+    """Each rank holds its slots' entries (every world-th slot: Note [slots dealt round]; 16 B +
+    8 B per metadata column) and its own ids' history over the interval (16 B per id); plain
+    tables hold none."""
     world = 3
     tables = planners.tables_from_model(model, pooling_factors={"user": 2.0})
     plan = planners.plan(tables, Topology(world), batch_size=BATCH)

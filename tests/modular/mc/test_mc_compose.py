@@ -1,9 +1,10 @@
 """Issue 46: managed-collision tables in a model as a user writes it (on `meta` or materialised):
 two torchrec MC-EBCs (three raw-id tables, three policies, intervals 1-3) under a dense tower,
 planned by `planners.plan`, the tower under DDP (`modular.apply_ddp`) or FSDP2
-(`modular.apply_fully_shard`), then the tables moved by `modular.reshard` mid-run. Against torchrec's unsharded model fed the global
-batch: the remapped ids, the collision state, the loss, the gradients and every trained weight,
-step by step (Note [sharded managed collisions] in modular/mc/sharded_mch.py)."""
+(`modular.apply_fully_shard`), then the tables moved by `modular.reshard` mid-run. Against
+torchrec's unsharded model fed the global batch: the remapped ids, the collision state, the
+loss, the gradients and every trained weight, step by step (Note [sharded managed collisions]
+in modular/mc/sharded_mch.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A split collision table goes through `modular.checkpoint` split: each rank writes and reads its
-range, no rank gathers the whole table (`export` gathers it on its destination only) (Note [a collision table in a checkpoint] in
-modular/mc/table_state.py). What is written is torchrec's layout (plain DCP reads it into
+range, no rank gathers the whole table (`export` gathers it on its destination only; Note [a
+collision table in a checkpoint] in modular/mc/table_state.py). What is written is torchrec's layout (plain DCP reads it into
 torchrec's unsharded module), a checkpoint of the whole table (as saved before the split) still
 loads, and a table that breaks torchrec's invariants is refused on every rank with nothing
 changed."""

@@ -29,6 +29,17 @@ world size). So this is the fallback, for collision modules that modular cannot 
 split path's `check_ids` (one small gather first), so a bad id (negative, or past the table's
 `input_hash_size`) raises the same `InputError` everywhere before any state changes. A plan naming the collision collection
 itself is refused: it holds no table.
+
+Note [managed collisions in 2D]
+Under `shard(..., mesh=mesh)` the inner collection's tables live in each replica group (the
+mesh's "shard" dim), but the collision collection remaps over every rank of the mesh (the whole
+job): the global batch is every rank's, and a raw id must map to the same slot in every replica
+group, or the replicas' rows of one slot would be trained by different ids. Remapping over a
+replica group alone kept one collision state per group, each fed its own group's batches: it
+trained silently wrong (under replica_sync="exact" too). So the split state is dealt over all W
+ranks (Note [slots dealt round]), and each rank's remapped ids go to its own replica group's
+tables. Under replica_sync="periodic" the tables differ between syncs, as they do without
+collisions; the remap does not.
 """
 
 from __future__ import annotations

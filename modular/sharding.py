@@ -175,7 +175,9 @@ def shard(
         retire_tables(ebc, fqn)
         lifecycle.replace_module(model, fqn, sharded)
         if owner is not None:  # Note [managed collisions over the global batch]
-            remap_globally(owner[1], process_group, owner[0])
+            # over every rank: in 2D the tables' group is one replica group, whose batches are
+            # not the global batch (Note [managed collisions in 2D] in modular/managed_collisions.py)
+            remap_globally(owner[1], process_group if groups.replicas is None else None, owner[0])
         log_built(fqn, sharded)  # at INFO on logger "modular" (modular/describe.py)
     return model
 

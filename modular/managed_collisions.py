@@ -55,7 +55,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.errors import InputError, ShardingError
 from modular.mc.devices import all_gather
-from modular.mc.split import check_ids, split_collisions, why_not_split, with_forward
+from modular.mc.split import EAGER_REASON, check_ids, split_collisions, why_not_split, with_forward
 from modular.routing.variable_batch import strides_of
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ def remap_globally(owner: nn.Module, group: Optional[ProcessGroup], path: str = 
     mcc._modular_group = group
 
 
+@torch.compiler.disable(reason=EAGER_REASON)
 def _global_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
     group = self._modular_group
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -85,6 +85,16 @@ def with_forward(module: nn.Module, forward, marker: str) -> None:
     module.__class__ = _SUBCLASSES[cls, marker]
 
 
+# Why a compiled model runs a managed-collision collection eagerly (Note [compiling a sharded model]
+# in modular/compose/compile.py: the same deliberate graph break as a sharded collection's).
+EAGER_REASON = (
+    "a managed-collision collection under modular remaps eagerly (host reads of the batch, "
+    "collectives, its collision state's sorts and searches), one deliberate graph break per call; "
+    "under fullgraph=True compile the dense modules instead (modular.apply_compile)"
+)
+
+
+@torch.compiler.disable(reason=EAGER_REASON)
 def _checked_forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
     keys = features.keys()
     first = _first_bad(self, features)

@@ -16,6 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modular.agreed_options import disagreement, settings_that_differ
 from modular.errors import InputError, ShardingError
+from modular.managed_collisions import managed_owner
 from modular.optim import fuse_marked
 from modular.sharding import sharded_modules
 
@@ -66,6 +67,16 @@ def prefetch(
             raise ShardingError(
                 f"prefetch: modules {unknown} are not sharded collections of the model; its "
                 f"sharded collections are {sorted(found)}"
+            )
+        remapped = [(n, owner[0]) for n in names if (owner := managed_owner(model, n)) is not None]
+        if remapped:
+            name, owner = remapped[0]
+            others = sorted(n for n in found if managed_owner(model, n) is None)
+            raise ShardingError(
+                f"prefetch: {name!r} is the inner collection of the managed-collision module "
+                f"{owner!r}: it looks up the ids that module's collision collection remaps in the "
+                "model's forward, so its input dist cannot run ahead on the raw batch; leave it "
+                f"out (`modules=`; the model's other sharded collections: {others})"
             )
     except (InputError, ShardingError) as e:
         problem = e

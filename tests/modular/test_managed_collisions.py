@@ -196,6 +196,28 @@ def test_bad_plans_and_bad_ids_are_refused_on_every_rank() -> None:
     assert "'f_raw2'" in id_error and "rank 1" in id_error and "input_hash_size" in id_error
 
 
+def _prefetches() -> str:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = Model()
+    modular.shard(model, ShardingPlan(world_size=world, modules={
+        "mc._embedding_module": placements_for("row_wise", model.mc._embedding_module, world),
+        "ebc": {"t_item": TablePlacement(ShardingType.TABLE_WISE, ranks=(0,))}}))  # fmt: skip
+    raw = _raw_batch(0, rank)
+    with pytest.raises(ShardingError) as e:  # its input is the remapped ids, known in forward only
+        modular.prefetch(model, raw, modules=["mc._embedding_module"])
+    items = KeyedJaggedTensor(keys=["f_item"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]))
+    modular.prefetch(model, items, modules=["ebc"])  # the plain collection beside it still prefetches
+    torch.testing.assert_close(model.ebc(items).values().shape, (2, 8))
+    return str(e.value)
+
+
+def test_prefetching_an_mc_tables_collection_is_refused_on_every_rank() -> None:
+    messages = run_on_ranks(2, _prefetches, timeout=60)
+    assert messages[0] == messages[1]
+    assert "'mc._embedding_module'" in messages[0] and "managed-collision module 'mc'" in messages[0]
+    assert "['ebc']" in messages[0]
+
+
 # -- a checkpoint across world sizes and plans -------------------------------------------------------
 
 

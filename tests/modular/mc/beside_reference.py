@@ -55,3 +55,12 @@ def shard_mc(model: nn.Module, kind: str) -> nn.Module:
     modular.shard(model, ShardingPlan(world_size=world, modules={
         "mc._embedding_module": placements_for(kind, model.mc._embedding_module, world)}))  # fmt: skip
     return model
+
+
+def assert_remapped_slice(remapped, ref_remapped, before: int, label: str) -> None:
+    """This rank's remapped ids (a KJT) are its slice of the global batch's (`ref_remapped`),
+    whose first `before` samples are the earlier ranks'."""
+    for key in remapped.keys():
+        start = int(ref_remapped[key].lengths()[:before].sum())
+        n = int(remapped[key].lengths().sum())
+        assert torch.equal(remapped[key].values(), ref_remapped[key].values()[start : start + n]), f"{label}: {key}"

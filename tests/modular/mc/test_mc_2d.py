@@ -14,7 +14,7 @@ import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.ebc_cases import global_batch, placements_for
-from tests.modular.mc.beside_reference import assert_same_collision_state
+from tests.modular.mc.beside_reference import assert_remapped_slice, assert_same_collision_state
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 1, 40), "t_b": ("lru", 2, 24)}
@@ -37,10 +37,7 @@ def _train(sync: str) -> None:
         pooled, remapped = model.mc(batches[rank])
         ref_pooled, ref_remapped = ref.mc(global_batch(batches))
         label = f"{sync} rank {rank} step {step}"
-        for key in remapped.keys():  # this rank's ids, remapped as the global batch's
-            start = int(ref_remapped[key].lengths()[:before].sum())
-            n = int(remapped[key].lengths().sum())
-            assert torch.equal(remapped[key].values(), ref_remapped[key].values()[start : start + n]), f"{label}: {key}"
+        assert_remapped_slice(remapped, ref_remapped, before, label)  # remapped as the global batch's
         if sync == "exact":
             torch.testing.assert_close(pooled.values(), ref_pooled.values()[before : before + size[rank]],
                                        rtol=1e-4, atol=1e-5, msg=lambda m: f"{label}: outputs: {m}")  # fmt: skip

@@ -13,7 +13,7 @@ import modular
 from tests.dist import run_on_ranks
 from tests.modular.compare import assert_weights_match
 from tests.modular.ebc_cases import global_batch
-from tests.modular.mc.beside_reference import assert_same_collision_state, shard_mc
+from tests.modular.mc.beside_reference import assert_remapped_slice, assert_same_collision_state, shard_mc
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 1, 40), "t_b": ("lru", 2, 24)}
@@ -57,10 +57,7 @@ def _train() -> None:
         label = f"rank {rank} step {step}"
         torch.testing.assert_close(out, ref_out[before : before + size[rank]], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{label}: outputs: {m}")  # fmt: skip
-        for key in remapped.keys():
-            start = int(ref_remapped[key].lengths()[:before].sum())
-            n = int(remapped[key].lengths().sum())
-            assert torch.equal(remapped[key].values(), ref_remapped[key].values()[start : start + n]), f"{label}: {key}"
+        assert_remapped_slice(remapped, ref_remapped, before, label)
         target = torch.randn(sum(size), generator=torch.Generator().manual_seed(step))
         (((out - target[before : before + size[rank]]) ** 2).sum() / sum(size) * world).backward()
         (((ref_out - target) ** 2).sum() / sum(size)).backward()

@@ -25,6 +25,7 @@ from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.compare import assert_grads_match, assert_weights_match
 from tests.modular.ebc_cases import global_batch, placements_for
+from tests.modular.mc.beside_reference import assert_remapped_slice
 from tests.modular.mc.test_split_state import HASH, POLICIES
 
 # table -> (features, policy, eviction interval, zch_size), per MC-EBC
@@ -130,10 +131,7 @@ def _train(dense: str) -> tuple[list[float], int]:
         torch.testing.assert_close(out, ref_out[before : before + size[rank]], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{label}: outputs: {m}")  # fmt: skip
         for got, want in ((remapped, ref_remapped), (remapped2, ref_remapped2)):
-            for key in got.keys():
-                start = int(want[key].lengths()[:before].sum())
-                n = int(got[key].lengths().sum())
-                assert torch.equal(got[key].values(), want[key].values()[start : start + n]), f"{label}: {key}"
+            assert_remapped_slice(got, want, before, label)
         # every rank's loss is its samples' share of the global mean
         loss = ((out - target[before : before + size[rank]]) ** 2).sum() / sum(size)
         ref_loss = ((ref_out - target) ** 2).sum() / sum(size)

@@ -69,8 +69,6 @@ def model_state(model: nn.Module, collisions: Optional[str] = None) -> dict[str,
     `collisions`: how split managed-collision tables appear, SAVE (this rank's range, sorted
     across ranks: collective) or LAYOUT (empty, for a load), else whole (Note [a collision table
     in a checkpoint] in modular/mc/table_state.py)."""
-    if collisions is None:
-        return {MODEL + k: v for k, v in get_model_state_dict(model).items()}
     with split_state(collisions):
         return {MODEL + k: v for k, v in get_model_state_dict(model).items()}
 

@@ -20,7 +20,7 @@ from torchrec.modules.mc_modules import (
     DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy, MCHEvictionPolicy,
 )  # fmt: skip
 
-__all__ = ["Scoring", "decide", "scoring_for"]
+__all__ = ["Scoring", "decide", "key_order", "scoring_for"]
 
 MAX = torch.iinfo(torch.int64).max
 
@@ -72,6 +72,13 @@ def from_bits(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return bits if like.dtype == torch.int64 else bits.view(torch.float64).to(like.dtype)
 
 
+def key_order(raw: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The permutation that puts entries in torchrec's sorted order: by raw id, then by slot (the
+    empty slots, raw id int64-max, in slot order)."""
+    by_slot = torch.argsort(slots, stable=True)
+    return by_slot[torch.argsort(raw[by_slot], stable=True)]
+
+
 def decide(
     existing_scores: torch.Tensor, existing_raw: torch.Tensor, existing_slots: torch.Tensor,
     new_scores: torch.Tensor,
@@ -79,8 +86,7 @@ def decide(
     """(slots to evict, indices of the new ids that take them), paired in order, as torchrec's
     `_compute_selected_eviction_and_replacement_indices` pairs them, from the table's candidate
     entries (each rank's lowest, any order) and all of the interval's new ids (frequency order)."""
-    by_slot = torch.argsort(existing_slots, stable=True)
-    order = by_slot[torch.argsort(existing_raw[by_slot], stable=True)]  # torchrec's sorted order
+    order = key_order(existing_raw, existing_slots)
     merged = torch.cat([existing_scores[order], new_scores.to(existing_scores.dtype)])
     ranked = torch.argsort(merged, descending=True, stable=True)
     n_existing, kept = order.numel(), merged.numel() - new_scores.numel()

@@ -20,6 +20,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 
 from modular import comm
 from modular.mc.devices import STATE_DEVICE, all_gather
+from modular.mc.eviction import key_order
 from modular.mc.ragged_gather import gather_rows
 from modular.tables.deprecation import quiet_sharded_tensor
 
@@ -34,8 +35,7 @@ SAMPLES = 1024
 
 def by_key(rows: torch.Tensor) -> torch.Tensor:
     """`rows` sorted by (raw id, slot), as torchrec sorts its table."""
-    by_slot = torch.argsort(rows[:, 1], stable=True)
-    return rows[by_slot[torch.argsort(rows[by_slot, 0], stable=True)]]
+    return rows[key_order(rows[:, 0], rows[:, 1])]
 
 
 def _cut(rows: torch.Tensor, raw: int, slot: int) -> int:

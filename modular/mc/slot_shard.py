@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from modular.mc.eviction import MAX, Scoring
+from modular.mc.eviction import MAX, Scoring, key_order
 from modular.mc.slot_merge import merge_order, merged_column
 
 __all__ = ["SlotShard"]
@@ -88,9 +88,7 @@ class SlotShard:
         if self._access is not None:
             self._access = metadata["last_access_iter"][mine].clone()
         self._recent, self._dead = self._no_recent(), 0
-        by_slot = torch.argsort(self._slots, stable=True)
-        self._permute(by_slot)
-        self._permute(torch.argsort(self._raw, stable=True))  # empty slots stay in slot order
+        self._permute(key_order(self._raw, self._slots))
         empty = self._raw == MAX
         self._empties_first, self._empty_access = True, 0
         if self._counts is not None:

@@ -52,10 +52,11 @@ _mode: Optional[str] = None
 
 
 @contextmanager
-def split_state(mode: str) -> Iterator[None]:
+def split_state(mode: Optional[str]) -> Iterator[None]:
     """Within it, a split MCH module's `state_dict()` holds its table as 1-D ShardedTensors:
     this rank's range of the sorted entries (`SAVE`, collective), or empty buffers of an even
-    range (`LAYOUT`, for a load to read into). Note [a collision table in a checkpoint]."""
+    range (`LAYOUT`, for a load to read into); None: whole, as outside it. Note [a collision
+    table in a checkpoint]."""
     global _mode
     before, _mode = _mode, mode
     try:
@@ -101,7 +102,6 @@ class TableState:
         return dict(zip(self.state_keys(), self._columns(rows)))
 
     def _split(self, mode: str) -> dict[str, torch.Tensor]:
-        width = len(self.state_keys())
         if mode == SAVE:
             rows = self._rows()
             if self._rank == self._world - 1:  # the largest key: the end of the last rank's
@@ -109,12 +109,13 @@ class TableState:
             what = "a managed-collision table's state, sorted across ranks for a checkpoint"
             mine = sort_across(rows, group=self._group, world=self._world, what=what)
             lengths = all_gather(torch.tensor([mine.shape[0]]), group=self._group, world=self._world, what=what)
+            columns = self._columns(mine)
             lengths = lengths.view(-1).tolist()
-        else:
+        else:  # buffers a load reads into: never written here, so their pages are not touched
             lengths = [even_range(self._zch_size, r, self._world)[1] for r in range(self._world)]
-            mine = torch.empty((lengths[self._rank], width), dtype=torch.int64)
+            columns = [torch.empty(lengths[self._rank], dtype=torch.int64) for _ in self.state_keys()]
         out = {}
-        for key, column in zip(self.state_keys(), self._columns(mine)):
+        for key, column in zip(self.state_keys(), columns):
             value = sharded_column(column, lengths, group=self._group)
             value._modular_collision = (self, key)
             out[key] = value

@@ -32,7 +32,7 @@ from planners.types import ShardingPlan, ShardingType, TablePlacement
 from tests.dist import run_on_ranks
 from tests.modular.compare import backward_and_step, full_value
 from tests.modular.ebc_cases import global_batch, placements_for
-from tests.modular.mc.beside_reference import train_beside_reference
+from tests.modular.mc.beside_reference import step_batches, train_beside_reference
 
 ZCH = 40
 HASH = 2**40
@@ -91,9 +91,7 @@ def _train(world_kind: str, policy: str, interval: int, fused: bool) -> int:
     label = f"{world_kind} {policy} interval {interval} fused={fused}, rank {rank}/{world}"
     evictions, seen = 0, set()
     for step in range(STEPS):
-        batches = [_raw_batch(step, r) for r in range(world)]
-        strides = [b.stride() for b in batches]
-        before = sum(strides[:rank])
+        batches, strides, before = step_batches(_raw_batch, step, world, rank)
         pooled, remapped = model.mc(batches[rank])
         ref_pooled, ref_remapped = ref.mc(global_batch(batches))
         # this rank's remapped ids are its slice of the global batch's
@@ -307,9 +305,7 @@ def _train_ec(kind: str) -> None:
     opt = torch.optim.SGD(params, lr=LR) if params else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(10):
-        batches = [_raw_batch(step, r) for r in range(world)]
-        strides = [b.stride() for b in batches]
-        before = sum(strides[:rank])
+        batches, strides, before = step_batches(_raw_batch, step, world, rank)
         out, remapped = model.mc(batches[rank])
         ref_out, ref_remapped = ref.mc(global_batch(batches))
         loss, ref_loss = 0.0, 0.0

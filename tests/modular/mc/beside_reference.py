@@ -15,6 +15,15 @@ from planners.types import ShardingPlan
 from tests.modular.ebc_cases import global_batch, placements_for
 
 
+def step_batches(batch_of: Callable[[int, int], KeyedJaggedTensor], step: int, world: int,
+                 rank: int) -> tuple[list[KeyedJaggedTensor], list[int], int]:  # fmt: skip
+    """Every rank's batch of `step` (`batch_of(step, r)`), their sample counts, and how many
+    samples the ranks before `rank` hold (where its slice of the global batch starts)."""
+    batches = [batch_of(step, r) for r in range(world)]
+    sizes = [b.stride() for b in batches]
+    return batches, sizes, sum(sizes[:rank])
+
+
 def train_beside_reference(
     model: Optional[nn.Module], ref: nn.Module, opt, ref_opt, *, batch_of: Callable[[int, int], KeyedJaggedTensor],
     width: int, world: int, rank: int, steps: range,
@@ -24,9 +33,7 @@ def train_beside_reference(
     times one seeded probe of `width` columns (the reference's mean over ranks), then each
     optimizer's step (`opt` None: the model's tables are fused)."""
     for step in steps:
-        batches = [batch_of(step, r) for r in range(world)]
-        strides = [b.stride() for b in batches]
-        before = sum(strides[:rank])
+        batches, strides, before = step_batches(batch_of, step, world, rank)
         probe = torch.randn(sum(strides), width, generator=torch.Generator().manual_seed(step))
         if model is not None:
             pooled, _ = model.mc(batches[rank])

@@ -14,7 +14,7 @@ import modular
 from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.ebc_cases import global_batch, placements_for
-from tests.modular.mc.beside_reference import assert_remapped_slice, assert_same_collision_state
+from tests.modular.mc.beside_reference import assert_remapped_slice, assert_same_collision_state, step_batches
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 1, 40), "t_b": ("lru", 2, 24)}
@@ -31,9 +31,7 @@ def _train(sync: str) -> None:
     opt = torch.optim.SGD(list(modular.local_parameters(model)), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(STEPS):
-        batches = [_batch(step, r) for r in range(world)]
-        size = [b.stride() for b in batches]
-        before = sum(size[:rank])
+        batches, size, before = step_batches(_batch, step, world, rank)
         pooled, remapped = model.mc(batches[rank])
         ref_pooled, ref_remapped = ref.mc(global_batch(batches))
         label = f"{sync} rank {rank} step {step}"

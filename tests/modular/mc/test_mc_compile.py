@@ -13,7 +13,9 @@ import modular
 from tests.dist import run_on_ranks
 from tests.modular.compare import assert_weights_match
 from tests.modular.ebc_cases import global_batch
-from tests.modular.mc.beside_reference import assert_remapped_slice, assert_same_collision_state, shard_mc
+from tests.modular.mc.beside_reference import (
+    assert_remapped_slice, assert_same_collision_state, shard_mc, step_batches,
+)  # fmt: skip
 from tests.modular.mc.test_split_state import _batch, _model
 
 SPECS = {"t_a": ("distance_lfu", 1, 40), "t_b": ("lru", 2, 24)}
@@ -49,9 +51,7 @@ def _train() -> None:
     opt = torch.optim.SGD(list(modular.local_parameters(model)), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(STEPS):
-        batches = [_batch(step, r) for r in range(world)]
-        size = [b.stride() for b in batches]
-        before = sum(size[:rank])
+        batches, size, before = step_batches(_batch, step, world, rank)
         out, remapped = model(batches[rank])
         ref_out, ref_remapped = ref(global_batch(batches))
         label = f"rank {rank} step {step}"

@@ -25,7 +25,7 @@ from planners.types import ShardingPlan
 from tests.dist import run_on_ranks
 from tests.modular.compare import assert_grads_match, assert_weights_match
 from tests.modular.ebc_cases import global_batch, placements_for
-from tests.modular.mc.beside_reference import assert_remapped_slice
+from tests.modular.mc.beside_reference import assert_remapped_slice, step_batches
 from tests.modular.mc.test_split_state import HASH, POLICIES
 
 # table -> (features, policy, eviction interval, zch_size), per MC-EBC
@@ -175,9 +175,7 @@ def _on_meta() -> None:
     opt = torch.optim.SGD(params, lr=LR) if params else None  # a rank may hold no table
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(STEPS // 2):
-        batches = [_batches(step, r)[0] for r in range(world)]
-        size = [b.stride() for b in batches]
-        before = sum(size[:rank])
+        batches, size, before = step_batches(lambda s, r: _batches(s, r)[0], step, world, rank)
         pooled, remapped = model.mc(batches[rank])
         ref_pooled, ref_remapped = ref.mc(global_batch(batches))
         label = f"meta rank {rank} step {step}"
